@@ -1,0 +1,41 @@
+# One command for each thing a user does. `make test` sets everything up itself.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# Pinned: on these machines pip takes this CPU build from local disk; an unpinned
+# torch would download a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-fast lint format demo bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]" "$(TORCH)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hyper_parallel tests benchmarks examples
+	$(VENV)/bin/ruff format --check hyper_parallel tests benchmarks examples
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix hyper_parallel tests benchmarks examples
+	$(VENV)/bin/ruff format hyper_parallel tests benchmarks examples
+
+test: $(STAMP) lint
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow and not distributed"
+
+demo: $(STAMP)
+	$(VENV)/bin/hyper-parallel demo --mesh dp=2,tp=2
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache outputs

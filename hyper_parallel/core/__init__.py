@@ -1,0 +1,1 @@
+"""Thin re-exports of PyTorch's distributed tensor stack."""

@@ -1,0 +1,45 @@
+"""Declarative modules: sharding specs, the module runtime and plans for any model."""
+
+from hyper_parallel.dmodule._checks import Finding as Finding
+from hyper_parallel.dmodule._checks import ParallelizeError as ParallelizeError
+from hyper_parallel.dmodule.model import BaseModel as BaseModel
+from hyper_parallel.dmodule.model import ModelConfigConverter as ModelConfigConverter
+from hyper_parallel.dmodule.model_spec import ModelSpec as ModelSpec
+from hyper_parallel.dmodule.model_spec import get_spec as get_spec
+from hyper_parallel.dmodule.model_spec import list_specs as list_specs
+from hyper_parallel.dmodule.model_spec import register_spec as register_spec
+from hyper_parallel.dmodule.module import Module as Module
+from hyper_parallel.dmodule.module import ModuleDict as ModuleDict
+from hyper_parallel.dmodule.module import ModuleList as ModuleList
+from hyper_parallel.dmodule.module import Sequential as Sequential
+from hyper_parallel.dmodule.plan import parallelize_module as parallelize_module
+from hyper_parallel.dmodule.plan_file import dump_plan as dump_plan
+from hyper_parallel.dmodule.plan_file import load_plan as load_plan
+from hyper_parallel.dmodule.sharding import LocalMapConfig as LocalMapConfig
+from hyper_parallel.dmodule.sharding import ShardingConfig as ShardingConfig
+from hyper_parallel.dmodule.sharding import resolve_placements as resolve_placements
+from hyper_parallel.dmodule.types import MeshAxisName as MeshAxisName
+from hyper_parallel.dmodule.types import NamedPlacement as NamedPlacement
+
+__all__ = [
+    "BaseModel",
+    "Finding",
+    "LocalMapConfig",
+    "MeshAxisName",
+    "ModelConfigConverter",
+    "ModelSpec",
+    "Module",
+    "ModuleDict",
+    "ModuleList",
+    "NamedPlacement",
+    "ParallelizeError",
+    "Sequential",
+    "ShardingConfig",
+    "dump_plan",
+    "get_spec",
+    "list_specs",
+    "load_plan",
+    "parallelize_module",
+    "register_spec",
+    "resolve_placements",
+]

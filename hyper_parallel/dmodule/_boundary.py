@@ -1,0 +1,387 @@
+"""The module boundary: states distributed once, activations adapted on every call.
+
+:func:`parallelize_entries` is the one implementation behind both
+:meth:`Module.parallelize` and :func:`parallelize_module`: it checks the whole
+plan, resolves every placement once, distributes the states, then installs a
+:class:`Boundary` as each module's ``forward``. The per-call work is a lookup per
+argument, a placement comparison and, where needed, one DTensor call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor, local_map
+from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
+from hyper_parallel.dmodule._checks import (
+    BOUNDARY_ATTR,
+    Finding,
+    ParallelizeError,
+    PlanEntry,
+    check_entries,
+    describe,
+    errors_of,
+    state_owner,
+)
+from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
+from hyper_parallel.dmodule.types import NamedPlacement
+
+__all__ = ["Boundary", "parallelize_entries"]
+
+Placements = tuple[Placement, ...]
+
+
+class _Layout:
+    """Resolved placements with negative shard dims normalized per tensor rank (cached)."""
+
+    __slots__ = ("_by_ndim", "_has_negative", "placements")
+
+    def __init__(self, placements: Sequence[Placement]) -> None:
+        self.placements: Placements = tuple(placements)
+        self._has_negative = any(isinstance(p, Shard) and p.dim < 0 for p in self.placements)
+        self._by_ndim: dict[int, Placements] = {}
+
+    def for_ndim(self, ndim: int) -> Placements:
+        if not self._has_negative:
+            return self.placements
+        cached = self._by_ndim.get(ndim)
+        if cached is None:
+            cached = tuple(
+                Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p
+                for p in self.placements
+            )
+            self._by_ndim[ndim] = cached
+        return cached
+
+    def __repr__(self) -> str:
+        return repr(list(self.placements))
+
+
+def _layout(named: NamedPlacement | None, axes: tuple[str, ...]) -> _Layout | None:
+    return None if named is None else _Layout(resolve_placements(named, axes))
+
+
+class _InputSpec:
+    __slots__ = ("dst", "name", "src")
+
+    def __init__(self, name: str, src: _Layout | None, dst: _Layout | None) -> None:
+        self.name = name
+        self.src = src if src is not None else dst  # a plain tensor is wrapped with src, else dst
+        self.dst = dst
+
+
+class Boundary:
+    """A parallelized module's forward: adapt inputs → run the body → adapt outputs.
+
+    Built at ``parallelize`` time with every placement resolved; installed as the
+    module's ``forward``. ``original_forward`` is the module's own forward.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        config: ShardingConfig,
+        axes: tuple[str, ...],
+    ) -> None:
+        self.path = path
+        self.mesh = mesh
+        self.config = config
+        self.original_forward: Callable[..., Any] = module.forward
+        self.signature = inspect.signature(self.original_forward)
+        self.states: list[tuple[nn.Module, str, bool, _Layout]] = []
+        for key, named in config.state_shardings.items():
+            found = state_owner(module, key)
+            assert found is not None, "state paths are checked before boundaries are built"
+            owner, leaf = found
+            self.states.append((owner, leaf, leaf in owner._parameters, _layout(named, axes)))
+        # The module's own states that the config does not name are replicated, so its
+        # forward never mixes plain tensors with DTensors.
+        named_states = {(id(o), leaf) for o, leaf, _, _ in self.states}
+        replicated = _Layout([Replicate()] * len(axes))
+        self.implicit_states: list[tuple[nn.Module, str, bool, _Layout]] = [
+            (module, name, is_param, replicated)
+            for is_param, store in ((True, module._parameters), (False, module._buffers))
+            for name, t in store.items()
+            if t is not None and (id(module), name) not in named_states
+        ]
+
+        self._inputs = self._resolve_inputs(config, axes)
+        self._positional: list[_InputSpec | None] = []
+        self._var_positional: _InputSpec | None = None
+        self._by_keyword: dict[str, _InputSpec] = {}
+        for p in self.signature.parameters.values():
+            spec = self._inputs.get(p.name)
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                self._positional.append(spec)
+            elif p.kind is p.VAR_POSITIONAL:
+                self._var_positional = spec
+            if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD) and spec:
+                self._by_keyword[p.name] = spec
+        has_var_kw = any(p.kind is p.VAR_KEYWORD for p in self.signature.parameters.values())
+        if has_var_kw:  # names that are not parameters bind into **kwargs
+            for name, spec in self._inputs.items():
+                if name not in self.signature.parameters:
+                    self._by_keyword[name] = spec
+
+        out_src = config.out_src_shardings
+        self._out_src: _Layout | tuple[_Layout, ...] | None
+        if isinstance(out_src, tuple):
+            self._out_src = tuple(_Layout(resolve_placements(n, axes)) for n in out_src)
+        else:
+            self._out_src = _layout(out_src, axes)
+        self._out_dst = _layout(config.out_dst_shardings, axes)
+        self._use_local_output = config.use_local_output
+        self._local_map_grads: tuple[_Layout, ...] | None = None
+        if config.local_map is not None:
+            self._local_map_grads = tuple(
+                _Layout(resolve_placements(n, axes)) for n in config.local_map.in_grad_placements
+            )
+            # local_map region inputs, in forward-argument order.
+            self._local_map_inputs = [n for n in self.signature.parameters if n in self._inputs]
+            self._local_map_inputs += [n for n in self._inputs if n not in self._local_map_inputs]
+        self.wraps_forward = bool(
+            self._inputs
+            or out_src is not None
+            or self._out_dst is not None
+            or self._use_local_output
+            or self._local_map_grads is not None
+        )
+
+    @staticmethod
+    def _resolve_inputs(config: ShardingConfig, axes: tuple[str, ...]) -> dict[str, _InputSpec]:
+        src = config.in_src_shardings or {}
+        dst = config.in_dst_shardings or {}
+        return {
+            name: _InputSpec(name, _layout(src.get(name), axes), _layout(dst.get(name), axes))
+            for name in [*dst, *(k for k in src if k not in dst)]
+        }
+
+    # ------------------------------------------------------------------ per call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._adapt_inputs(args, kwargs)
+        if self._local_map_grads is not None:
+            out = self._run_local_map(args, kwargs)
+        else:
+            out = self.original_forward(*args, **kwargs)
+        return self._adapt_outputs(out)
+
+    def _adapt_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self._inputs:
+            if args:
+                positional = self._positional
+                num_positional = len(positional)
+                new_args = list(args)
+                for i, x in enumerate(args):
+                    spec = positional[i] if i < num_positional else self._var_positional
+                    if spec is not None:
+                        new_args[i] = self._adapt_input(x, spec)
+                args = tuple(new_args)
+            if kwargs:
+                kwargs = {
+                    k: self._adapt_input(v, spec) if (spec := self._by_keyword.get(k)) else v
+                    for k, v in kwargs.items()
+                }
+        return args, kwargs
+
+    def _adapt_input(self, x: Any, spec: _InputSpec) -> Any:
+        if isinstance(x, DTensor):
+            if spec.dst is not None:
+                dst = spec.dst.for_ndim(x.ndim)
+                if x.placements != dst:
+                    x = x.redistribute(x.device_mesh, dst)
+            return x
+        if isinstance(x, torch.Tensor):
+            src = spec.src.for_ndim(x.ndim)  # type: ignore[union-attr]  # src falls back to dst
+            x = DTensor.from_local(x, self.mesh, src, run_check=False)
+            if spec.dst is not None:
+                dst = spec.dst.for_ndim(x.ndim)
+                if dst != src:
+                    x = x.redistribute(self.mesh, dst)
+        return x
+
+    def _adapt_outputs(self, out: Any) -> Any:
+        if isinstance(out, torch.Tensor):
+            src = self._out_src
+            if isinstance(src, tuple):
+                self._raise(
+                    f"out_src_shardings has {len(src)} entries but forward returned one tensor; "
+                    "use a single NamedPlacement for a single output."
+                )
+            return self._adapt_output(out, src)
+        if isinstance(out, (tuple, list)):
+            src = self._out_src
+            if isinstance(src, tuple) and len(src) != len(out):
+                self._raise(
+                    f"out_src_shardings has {len(src)} entries but forward returned "
+                    f"{len(out)} values ({', '.join(describe(v) for v in out)}); give one "
+                    "NamedPlacement per output."
+                )
+            adapted = [
+                self._adapt_output(v, src[i] if isinstance(src, tuple) else src)
+                if isinstance(v, torch.Tensor)
+                else v
+                for i, v in enumerate(out)
+            ]
+            return type(out)(adapted) if type(out) in (tuple, list) else type(out)(*adapted)
+        return out
+
+    def _adapt_output(self, x: torch.Tensor, src: _Layout | None) -> torch.Tensor:
+        if not isinstance(x, DTensor):
+            if src is None:
+                return x
+            x = DTensor.from_local(x, self.mesh, src.for_ndim(x.ndim), run_check=False)
+        if self._out_dst is not None:
+            dst = self._out_dst.for_ndim(x.ndim)
+            if x.placements != dst:
+                x = x.redistribute(x.device_mesh, dst)
+        if self._use_local_output:
+            return x.to_local()
+        return x
+
+    def _run_local_map(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        bound = self.signature.bind(*args, **kwargs)
+        inputs = []
+        for name in self._local_map_inputs:
+            value = bound.arguments.get(name)
+            if not isinstance(value, DTensor):
+                self._raise(
+                    f"local_map input {name!r} is {describe(value)}; every input named in "
+                    "in_dst/in_src_shardings must be a tensor when the region runs."
+                )
+            inputs.append(value)
+        states = [*self.states, *self.implicit_states]
+        slots = [(owner, leaf, is_param) for owner, leaf, is_param, _ in states]
+        values = [
+            owner._parameters[leaf] if is_param else owner._buffers[leaf]
+            for owner, leaf, is_param in slots
+        ]
+        in_layouts = [self._inputs[n].dst or self._inputs[n].src for n in self._local_map_inputs]
+        in_placements = tuple(
+            lay.for_ndim(x.ndim)  # type: ignore[union-attr]
+            for lay, x in zip(in_layouts, inputs)
+        ) + tuple(lay.for_ndim(v.ndim) for (*_, lay), v in zip(states, values))
+        grads = self._local_map_grads or ()
+        in_grads = (
+            tuple(g.for_ndim(x.ndim) for g, x in zip(grads, inputs)) + in_placements[len(inputs) :]
+        )
+        names = self._local_map_inputs
+        src = self._out_src if self._out_src is not None else self._out_dst
+
+        def region(*local: torch.Tensor) -> Any:
+            for name, value in zip(names, local):
+                bound.arguments[name] = value
+            saved = []
+            for (owner, leaf, is_param), value in zip(slots, local[len(names) :]):
+                store = owner._parameters if is_param else owner._buffers
+                saved.append((store, leaf, store[leaf]))
+                store[leaf] = value
+            try:
+                return self.original_forward(*bound.args, **bound.kwargs)
+            finally:
+                for store, leaf, value in saved:
+                    store[leaf] = value
+
+        out_placements: Any
+        if isinstance(src, tuple):
+            out_placements = tuple(s.placements for s in src)
+        else:
+            out_placements = src.placements  # type: ignore[union-attr]
+        fn = local_map(
+            region,
+            out_placements=out_placements,
+            in_placements=in_placements,
+            in_grad_placements=in_grads,
+            device_mesh=self.mesh,
+        )
+        return fn(*inputs, *values)
+
+    def _raise(self, message: str) -> None:
+        raise ValueError(f"{self.path or '<root>'}: {message}")
+
+    # ------------------------------------------------------------------ installation
+
+    def install(self, module: nn.Module) -> None:
+        setattr(module, BOUNDARY_ATTR, self)
+        if self.wraps_forward:
+            module.forward = self  # type: ignore[method-assign]
+
+    def __repr__(self) -> str:
+        return f"Boundary(path={self.path!r}, config={self.config!r})"
+
+
+def _distribute_states(root: nn.Module, boundaries: Sequence[Boundary], mesh: DeviceMesh) -> None:
+    """Replace each configured state by a DTensor; tied states stay tied.
+
+    Named states go first, so a tied state named by one config and implicitly
+    replicated by another keeps the named placement.
+    """
+    converted: dict[int, torch.Tensor] = {}
+    keep_alive: list[torch.Tensor] = []  # old tensors stay alive so their ids stay unique
+    slots = [s for b in boundaries for s in b.states]
+    slots += [s for b in boundaries for s in b.implicit_states]
+    for owner, leaf, is_param, layout in slots:
+        old = owner._parameters[leaf] if is_param else owner._buffers[leaf]
+        assert old is not None
+        new = converted.get(id(old))
+        if new is None:
+            if isinstance(old, DTensor):
+                new = old
+            else:
+                dt = distribute_tensor(old.detach(), mesh, layout.placements)
+                new = nn.Parameter(dt, requires_grad=old.requires_grad) if is_param else dt
+            converted[id(old)] = new
+            keep_alive.append(old)
+        if is_param:
+            owner._parameters[leaf] = new  # type: ignore[assignment]
+        else:
+            owner._buffers[leaf] = new
+    for m in root.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in store.items():
+                if t is not None and id(t) in converted and converted[id(t)] is not t:
+                    store[name] = converted[id(t)]  # type: ignore[assignment]
+
+
+def mesh_axes_of(mesh: DeviceMesh) -> tuple[str, ...] | None:
+    names = mesh.mesh_dim_names
+    return None if names is None else tuple(names)
+
+
+def parallelize_entries(
+    root: nn.Module,
+    mesh: DeviceMesh,
+    entries: Sequence[PlanEntry],
+    extra_findings: Sequence[Finding] = (),
+) -> list[Boundary]:
+    """Check all entries, then distribute states and install boundaries.
+
+    Raises:
+        ParallelizeError: Listing every problem; the model is left unchanged.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"parallelize: expected a DeviceMesh, got {type(mesh).__name__}; create one with "
+            "init_device_mesh('cpu', (2,), mesh_dim_names=('tp',))."
+        )
+    axes = mesh_axes_of(mesh)
+    sizes = dict(zip(axes, mesh.shape)) if axes is not None else None
+    errors = errors_of([*extra_findings, *check_entries(entries, axes, sizes)])
+    if errors:
+        raise ParallelizeError(errors)
+    assert axes is not None
+    boundaries = [Boundary(e.path, e.module, mesh, e.config, axes) for e in entries]
+    _distribute_states(root, boundaries, mesh)
+    for e, b in zip(entries, boundaries):
+        b.install(e.module)
+    return boundaries

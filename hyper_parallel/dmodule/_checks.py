@@ -1,0 +1,373 @@
+"""Whole-plan checks: everything that can be known about a plan before it is applied.
+
+One pass over every (module path, module, config) entry collects :class:`Finding`s;
+:func:`~hyper_parallel.dmodule._boundary.parallelize_entries` refuses to change
+anything while an error remains, and the validator reports the same findings.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Shard
+from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
+from hyper_parallel.dmodule.types import NamedPlacement
+
+__all__ = ["Finding", "ParallelizeError", "PlanEntry", "check_entries"]
+
+# Attribute set on a module once its boundary is installed.
+BOUNDARY_ATTR = "_hp_boundary"
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One module of a plan: where it is, what it is, and its config."""
+
+    path: str
+    module: nn.Module
+    config: ShardingConfig
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem (or warning) found in a plan.
+
+    Attributes:
+        severity: ``"error"`` (``parallelize`` refuses the plan) or ``"warning"``.
+        path: Module path in the model (``layers.3.attention.wq``); ``""`` for the root.
+        field: The config field (and key) concerned, e.g. ``state_shardings['weight']``.
+        message: What is wrong, with what was received.
+        fix: How to fix it.
+    """
+
+    severity: str
+    path: str
+    field: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        where = self.path or "<root>"
+        field = f" {self.field}:" if self.field else ""
+        return f"{where}:{field} {self.message} Fix: {self.fix}"
+
+    def to_dict(self) -> dict[str, str]:
+        """JSON-friendly form."""
+        return {
+            "severity": self.severity,
+            "path": self.path,
+            "field": self.field,
+            "message": self.message,
+            "fix": self.fix,
+        }
+
+
+class ParallelizeError(ValueError):
+    """A plan was refused; nothing was changed. ``findings`` lists every error."""
+
+    def __init__(self, findings: Sequence[Finding]) -> None:
+        self.findings = list(findings)
+        lines = "\n".join(f"  {f}" for f in self.findings)
+        super().__init__(
+            f"{len(self.findings)} problem(s) in the sharding plan; the model was not changed:\n"
+            f"{lines}"
+        )
+
+
+def state_owner(module: nn.Module, state_path: str) -> tuple[nn.Module, str] | None:
+    """The submodule that holds ``state_path`` and the state's own name, or ``None``."""
+    prefix, _, leaf = state_path.rpartition(".")
+    try:
+        owner = module.get_submodule(prefix) if prefix else module
+    except AttributeError:
+        return None
+    if leaf in owner._parameters or leaf in owner._buffers:
+        return owner, leaf
+    return None
+
+
+def get_state(module: nn.Module, state_path: str) -> torch.Tensor | None:
+    found = state_owner(module, state_path)
+    if found is None:
+        return None
+    owner, leaf = found
+    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+
+
+def _state_names(module: nn.Module) -> list[str]:
+    return [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+
+
+def forward_signature(module: nn.Module) -> inspect.Signature:
+    """Signature of the module's ``forward`` (the original one if a boundary is installed)."""
+    boundary = getattr(module, BOUNDARY_ATTR, None)
+    forward = boundary.original_forward if boundary is not None else module.forward
+    return inspect.signature(forward)
+
+
+class _Collector:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.findings: list[Finding] = []
+
+    def error(self, field: str, message: str, fix: str) -> None:
+        self.findings.append(Finding("error", self.path, field, message, fix))
+
+    def warning(self, field: str, message: str, fix: str) -> None:
+        self.findings.append(Finding("warning", self.path, field, message, fix))
+
+
+def _named_fields(config: ShardingConfig) -> Iterable[tuple[str, NamedPlacement]]:
+    """Every NamedPlacement in a config, with the field text that names it."""
+    for key, named in config.state_shardings.items():
+        yield f"state_shardings[{key!r}]", named
+    for name in ("in_src_shardings", "in_dst_shardings"):
+        for key, named in (getattr(config, name) or {}).items():
+            yield f"{name}[{key!r}]", named
+    out_src = config.out_src_shardings
+    if isinstance(out_src, tuple):
+        for i, named in enumerate(out_src):
+            yield f"out_src_shardings[{i}]", named
+    elif out_src is not None:
+        yield "out_src_shardings", out_src
+    if config.out_dst_shardings is not None:
+        yield "out_dst_shardings", config.out_dst_shardings
+    if config.local_map is not None:
+        for i, named in enumerate(config.local_map.in_grad_placements):
+            yield f"local_map.in_grad_placements[{i}]", named
+
+
+def _check_axes(c: _Collector, config: ShardingConfig, axes: tuple[str, ...]) -> None:
+    for field, named in _named_fields(config):
+        try:
+            resolve_placements(named, axes)
+        except ValueError as e:
+            c.error(field, str(e), f"name only the mesh's axes {list(axes)} (case-sensitive).")
+
+
+def _shard_divisor(named: NamedPlacement, dim: int, ndim: int, sizes: Mapping[str, int]) -> int:
+    divisor = 1
+    for axis, p in named.items():
+        if isinstance(p, Shard) and p.dim % ndim == dim % ndim:
+            divisor *= sizes.get(str(axis), 1)
+    return divisor
+
+
+def _check_states(
+    c: _Collector,
+    module: nn.Module,
+    config: ShardingConfig,
+    axis_sizes: Mapping[str, int] | None,
+) -> None:
+    for key, named in config.state_shardings.items():
+        field = f"state_shardings[{key!r}]"
+        tensor = get_state(module, key)
+        if tensor is None:
+            has = ", ".join(_state_names(module)) or "none"
+            missing_none = state_owner(module, key) is not None
+            what = "is None" if missing_none else "is not a parameter or buffer"
+            c.error(
+                field,
+                f"names {key!r}, which {what} of {type(module).__name__} (has: {has}).",
+                "use one of the listed names (dotted paths reach into submodules).",
+            )
+            continue
+        ndim = tensor.dim()
+        for axis, p in named.items():
+            if isinstance(p, Partial):
+                c.error(
+                    field,
+                    f"axis {str(axis)!r} is {p}, but a parameter or buffer cannot be Partial.",
+                    "use Shard(dim) or Replicate() for states.",
+                )
+            elif isinstance(p, Shard) and not -ndim <= p.dim < ndim:
+                c.error(
+                    field,
+                    f"axis {str(axis)!r} is {p}, out of range for {key!r} with {ndim} dim(s) "
+                    f"(shape {tuple(tensor.shape)}).",
+                    f"use a dim in [{-ndim}, {ndim - 1}].",
+                )
+            elif isinstance(p, Shard) and axis_sizes is not None:
+                divisor = _shard_divisor(named, p.dim, ndim, axis_sizes)
+                size = tensor.shape[p.dim]
+                if divisor > 1 and size % divisor:
+                    c.warning(
+                        field,
+                        f"dim {p.dim} of {key!r} has size {size}, not divisible by {divisor} "
+                        f"(axis {str(axis)!r}); shards will be uneven.",
+                        "choose sizes divisible by the axis size, or accept uneven shards.",
+                    )
+
+
+def _check_inputs(c: _Collector, module: nn.Module, config: ShardingConfig) -> None:
+    try:
+        sig = forward_signature(module)
+    except (TypeError, ValueError):
+        sig = None
+    names = list(sig.parameters) if sig is not None else []
+    has_var_kw = sig is not None and any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()
+    )
+    for field_name in ("in_src_shardings", "in_dst_shardings"):
+        for key in getattr(config, field_name) or {}:
+            if sig is not None and key not in names and not has_var_kw:
+                c.error(
+                    f"{field_name}[{key!r}]",
+                    f"names {key!r}, which is not an argument of "
+                    f"{type(module).__name__}.forward{sig}.",
+                    f"key inputs by forward argument name: one of {names}.",
+                )
+
+
+def _check_local_map(c: _Collector, module: nn.Module, config: ShardingConfig) -> None:
+    lm = config.local_map
+    if lm is None:
+        return
+    inputs = set(config.in_dst_shardings or {}) | set(config.in_src_shardings or {})
+    if len(lm.in_grad_placements) != len(inputs):
+        c.error(
+            "local_map.in_grad_placements",
+            f"has {len(lm.in_grad_placements)} entr(ies) but the config declares "
+            f"{len(inputs)} input(s) {sorted(inputs)}.",
+            "give one in_grad_placements entry per input named in in_dst/in_src_shardings, "
+            "in forward-argument order.",
+        )
+    if config.out_src_shardings is None and config.out_dst_shardings is None:
+        c.error(
+            "local_map",
+            "a local_map region needs the placement of its output(s).",
+            "set out_src_shardings (or out_dst_shardings).",
+        )
+
+
+def _check_nesting(entries: Sequence[PlanEntry], out: list[Finding]) -> None:
+    """Inside a local_map region everything runs on local tensors: no nested configs."""
+    for outer in entries:
+        if outer.config.local_map is None:
+            continue
+        prefix = f"{outer.path}." if outer.path else ""
+        for inner in entries:
+            if inner is not outer and inner.path.startswith(prefix):
+                out.append(
+                    Finding(
+                        "error",
+                        inner.path,
+                        "",
+                        f"has its own sharding config inside the local_map region of "
+                        f"{outer.path or '<root>'}, where everything runs on local tensors.",
+                        "remove the inner config, or drop local_map from the outer module.",
+                    )
+                )
+
+
+def _check_ties(entries: Sequence[PlanEntry], axes: tuple[str, ...], out: list[Finding]) -> None:
+    """A tensor reached from two configs (tied weights) must be placed the same way."""
+    seen: dict[int, tuple[str, list[Placement]]] = {}
+    for e in entries:
+        for key, named in e.config.state_shardings.items():
+            tensor = get_state(e.module, key)
+            if tensor is None:
+                continue
+            try:
+                placements = resolve_placements(named, axes)
+            except ValueError:
+                continue
+            where = f"{e.path}.{key}" if e.path else key
+            if isinstance(tensor, DTensor) and list(tensor.placements) != [
+                _normalize(p, tensor.dim()) for p in placements
+            ]:
+                out.append(
+                    Finding(
+                        "error",
+                        e.path,
+                        f"state_shardings[{key!r}]",
+                        f"{key!r} is already a DTensor placed {list(tensor.placements)}, "
+                        f"which disagrees with the config's {placements}.",
+                        "make the config agree with the existing placement (tied weights must "
+                        "be placed the same way everywhere).",
+                    )
+                )
+            prev = seen.setdefault(id(tensor), (where, placements))
+            if prev[0] != where and [_normalize(p, tensor.dim()) for p in prev[1]] != [
+                _normalize(p, tensor.dim()) for p in placements
+            ]:
+                out.append(
+                    Finding(
+                        "error",
+                        e.path,
+                        f"state_shardings[{key!r}]",
+                        f"{where} is the same tensor as {prev[0]} (tied), but is placed "
+                        f"{placements} here and {prev[1]} there.",
+                        "place tied states identically in both configs.",
+                    )
+                )
+
+
+def _normalize(p: Placement, ndim: int) -> Placement:
+    return Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p
+
+
+def check_entries(
+    entries: Sequence[PlanEntry],
+    mesh_axes: Sequence[str] | None,
+    axis_sizes: Mapping[str, int] | None = None,
+) -> list[Finding]:
+    """Check every entry of a plan; returns all findings (errors and warnings).
+
+    Args:
+        entries: The modules to parallelize with their configs.
+        mesh_axes: The mesh's axis names in order; ``None`` for a mesh without names.
+        axis_sizes: Axis sizes, when known, for divisibility warnings.
+    """
+    findings: list[Finding] = []
+    if mesh_axes is None:
+        findings.append(
+            Finding(
+                "error",
+                "",
+                "mesh",
+                "the DeviceMesh has no mesh_dim_names, so named placements cannot be resolved.",
+                "create it with init_device_mesh(..., mesh_dim_names=('dp', 'tp')).",
+            )
+        )
+        return findings
+    axes = tuple(mesh_axes)
+    for e in entries:
+        c = _Collector(e.path)
+        if getattr(e.module, BOUNDARY_ATTR, None) is not None:
+            c.error(
+                "",
+                f"{type(e.module).__name__} is already parallelized.",
+                "parallelize a model once; build a fresh model to apply another plan.",
+            )
+        _check_axes(c, e.config, axes)
+        _check_states(c, e.module, e.config, axis_sizes)
+        _check_inputs(c, e.module, e.config)
+        _check_local_map(c, e.module, e.config)
+        findings.extend(c.findings)
+    _check_nesting(entries, findings)
+    _check_ties(entries, axes, findings)
+    return findings
+
+
+def errors_of(findings: Iterable[Finding]) -> list[Finding]:
+    return [f for f in findings if f.severity == "error"]
+
+
+def as_placement_list(named: NamedPlacement, axes: tuple[str, ...]) -> tuple[Placement, ...]:
+    return tuple(resolve_placements(named, axes))
+
+
+def describe(value: Any) -> str:
+    """Short description of a runtime value for error messages."""
+    if isinstance(value, torch.Tensor):
+        kind = "DTensor" if isinstance(value, DTensor) else "Tensor"
+        return f"{kind}{tuple(value.shape)}"
+    return type(value).__name__

@@ -1,0 +1,130 @@
+"""Plans for any model: ``parallelize_module(model, mesh, plan)``.
+
+A plan maps module paths to :class:`ShardingConfig`s; ``*`` in a path matches one
+path segment. It applies to any ``nn.Module`` tree (a Hugging Face model, a
+torchvision model) through the same machinery as :meth:`Module.parallelize`.
+
+Example::
+
+    from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+    from hyper_parallel.dmodule import ShardingConfig, parallelize_module
+
+    plan = {
+        "layers.*.up": ShardingConfig(
+            state_shardings={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}},
+            in_dst_shardings={"input": {"tp": Replicate()}},
+        ),
+        "layers.*.down": ShardingConfig(
+            state_shardings={"weight": {"tp": Shard(1)}},
+            in_dst_shardings={"input": {"tp": Shard(-1)}},
+            out_dst_shardings={"tp": Replicate()},
+        ),
+    }
+    # parallelize_module(model, mesh, plan)  # or a plan file: "plan.yaml"
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+
+from torch import nn
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dmodule._boundary import parallelize_entries
+from hyper_parallel.dmodule._checks import Finding, PlanEntry
+from hyper_parallel.dmodule.plan_file import load_plan
+from hyper_parallel.dmodule.sharding import ShardingConfig
+
+__all__ = ["match_plan", "parallelize_module"]
+
+Plan = Mapping[str, ShardingConfig]
+
+
+def _matches(pattern: list[str], path: list[str]) -> bool:
+    return len(pattern) == len(path) and all(p in ("*", s) for p, s in zip(pattern, path))
+
+
+def match_plan(model: nn.Module, plan: Plan) -> tuple[list[PlanEntry], list[Finding]]:
+    """Expand a plan's patterns against a model's module paths.
+
+    Returns:
+        The entries (one per matched module, in model order) and the problems: a
+        pattern that matches nothing (with the nearest real paths), two patterns
+        claiming one module, a value that is not a ShardingConfig.
+    """
+    modules = dict(model.named_modules())
+    findings: list[Finding] = []
+    claimed: dict[str, str] = {}
+    configs: dict[str, ShardingConfig] = {}
+    for pattern, config in plan.items():
+        if not isinstance(config, ShardingConfig):
+            findings.append(
+                Finding(
+                    "error",
+                    pattern,
+                    "plan",
+                    f"the plan maps {pattern!r} to a {type(config).__name__}, not a "
+                    "ShardingConfig.",
+                    "map each module path to a ShardingConfig (or a preset such as colwise()).",
+                )
+            )
+            continue
+        parts = pattern.split(".") if pattern else []
+        hits = [p for p in modules if _matches(parts, p.split(".") if p else [])]
+        if not hits:
+            near = difflib.get_close_matches(pattern, list(modules), n=3, cutoff=0.5)
+            hint = f"nearest module paths: {near}" if near else "no similar module paths"
+            findings.append(
+                Finding(
+                    "error",
+                    pattern,
+                    "plan",
+                    f"pattern {pattern!r} matches no module of {type(model).__name__} ({hint}).",
+                    "use a real module path; '*' matches exactly one path segment.",
+                )
+            )
+        for path in hits:
+            if path in claimed:
+                findings.append(
+                    Finding(
+                        "error",
+                        path,
+                        "plan",
+                        f"claimed by two plan patterns: {claimed[path]!r} and {pattern!r}.",
+                        "make the patterns disjoint so each module has one config.",
+                    )
+                )
+                continue
+            claimed[path] = pattern
+            configs[path] = config
+    entries = [PlanEntry(p, m, configs[p]) for p, m in modules.items() if p in configs]
+    return entries, findings
+
+
+def parallelize_module(model: nn.Module, mesh: DeviceMesh, plan: Plan | str | Path) -> nn.Module:
+    """Apply a plan to any ``nn.Module`` tree, in place.
+
+    Args:
+        model: The model (it need not be built from hyper_parallel Modules).
+        mesh: A DeviceMesh with ``mesh_dim_names``.
+        plan: Module path pattern → ShardingConfig, or a ``.yaml``/``.json`` plan file.
+
+    Returns:
+        ``model``, parallelized in place.
+
+    Raises:
+        ValueError: Listing every problem (patterns, paths, placements, arguments),
+            each with its module path; the model is left unchanged.
+    """
+    if isinstance(plan, (str, Path)):
+        plan = load_plan(plan)
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            f"parallelize_module: plan must be a dict of module path -> ShardingConfig or a "
+            f"plan file path, got {type(plan).__name__}."
+        )
+    entries, findings = match_plan(model, plan)
+    parallelize_entries(model, mesh, entries, findings)
+    return model

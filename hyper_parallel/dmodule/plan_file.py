@@ -1,0 +1,118 @@
+"""Plan files: a mapping *module path → ShardingConfig* stored as YAML or JSON.
+
+A plan file is data only. YAML is read with ``yaml.safe_load`` (no Python tags, no
+object construction), JSON with :mod:`json`; nothing in a plan file can run code::
+
+    # plan.yaml
+    layers.*.attention.wq:
+      state_shardings: {weight: {tp: Shard(0)}}
+      out_dst_shardings: {tp: Shard(-1)}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from hyper_parallel.dmodule.sharding import ShardingConfig
+
+__all__ = ["dump_plan", "load_plan", "plan_from_dict", "plan_to_dict"]
+
+_YAML_SUFFIXES = (".yaml", ".yml")
+_JSON_SUFFIXES = (".json",)
+
+
+def _format_of(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in _YAML_SUFFIXES:
+        return "yaml"
+    if suffix in _JSON_SUFFIXES:
+        return "json"
+    raise ValueError(
+        f"plan file {str(path)!r}: unknown suffix {suffix!r}; use .yaml, .yml or .json."
+    )
+
+
+def plan_to_dict(plan: Mapping[str, ShardingConfig]) -> dict[str, dict]:
+    """Plan → plain dict (module path → config dict without the ``repr`` key)."""
+    out: dict[str, dict] = {}
+    for path, config in plan.items():
+        if not isinstance(config, ShardingConfig):
+            raise TypeError(
+                f"plan[{path!r}]: expected a ShardingConfig, got {type(config).__name__}."
+            )
+        data = config.to_dict()
+        data.pop("repr")
+        if data.get("local_map") is not None:
+            data["local_map"].pop("repr")
+        # Defaults are left out so a file says only what the plan sets.
+        defaults = ShardingConfig().to_dict()
+        out[path] = {k: v for k, v in data.items() if v != defaults[k]}
+    return out
+
+
+def plan_from_dict(data: object, source: str = "plan") -> dict[str, ShardingConfig]:
+    """Plain dict (module path → config dict) → plan; errors name the entry."""
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ValueError(
+            f"{source}: expected a mapping of module path -> sharding config, "
+            f"got {type(data).__name__}."
+        )
+    plan: dict[str, ShardingConfig] = {}
+    for path, entry in data.items():
+        if not isinstance(path, str):
+            raise ValueError(f"{source}: module path {path!r} must be a string.")
+        try:
+            plan[path] = ShardingConfig.from_dict(entry if entry is not None else {})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{source}: entry {path!r}: {e}") from None
+    return plan
+
+
+def load_plan(path: str | Path) -> dict[str, ShardingConfig]:
+    """Read a plan file (``.yaml``/``.yml`` or ``.json``).
+
+    Args:
+        path: The file.
+
+    Returns:
+        Module path (``*`` matches one path segment) → :class:`ShardingConfig`.
+
+    Raises:
+        ValueError: For an unknown suffix, unsafe YAML (``!!python/...`` tags), a
+            syntax error, or an invalid entry; the message names file and entry.
+
+    Example::
+
+        plan = load_plan("examples/plans/hf_llama_tp.yaml")
+    """
+    path = Path(path)
+    fmt = _format_of(path)
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text) if fmt == "yaml" else json.loads(text)
+    except yaml.constructor.ConstructorError as e:
+        raise ValueError(
+            f"plan file {str(path)!r}: tag not allowed ({e.problem}); plan files hold plain "
+            "data only — write placements as text such as 'Shard(0)'."
+        ) from None
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ValueError(f"plan file {str(path)!r}: cannot parse: {e}") from None
+    return plan_from_dict(data, source=f"plan file {str(path)!r}")
+
+
+def dump_plan(plan: Mapping[str, ShardingConfig], path: str | Path) -> None:
+    """Write a plan to ``.yaml``/``.yml`` or ``.json`` (format chosen by suffix)."""
+    path = Path(path)
+    fmt = _format_of(path)
+    data = plan_to_dict(plan)
+    if fmt == "yaml":
+        text = yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
+    else:
+        text = json.dumps(data, indent=2) + "\n"
+    path.write_text(text)
