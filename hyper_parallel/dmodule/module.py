@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -183,20 +184,19 @@ class Module(nn.Module, Configurable):
             return
         inits = self.param_init or {}
         missing = [n for n in params if n not in inits]
-        if missing:
-            reset = getattr(self, "reset_parameters", None)
-            if reset is None:
-                raise ValueError(
-                    f"{path or '<root>'}: {type(self).__name__} has no initializer for "
-                    f"parameter(s) {missing} and no reset_parameters(); add them to "
-                    "Config.param_init (e.g. {'weight': nn.init.zeros_})."
-                )
-            with torch.no_grad():
+        reset = getattr(self, "reset_parameters", None)
+        if missing and reset is None:
+            raise ValueError(
+                f"{path or '<root>'}: {type(self).__name__} has no initializer for "
+                f"parameter(s) {missing} and no reset_parameters(); add them to "
+                "Config.param_init (e.g. {'weight': nn.init.zeros_})."
+            )
+        with torch.no_grad(), _full_parameters(self):
+            if missing:
                 reset()
-        with torch.no_grad():
             for name, init in inits.items():
                 if name in params:
-                    init(params[name])
+                    init(self._parameters[name])
 
     def compute_buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Full (unsharded) values of this module's own buffers; override to define them.
@@ -250,8 +250,43 @@ def _module_children(module: nn.Module, path: str) -> Iterator[tuple[str, Module
             yield from _module_children(child, child_path)
             reset = getattr(child, "reset_parameters", None)
             if reset is not None and any(p is not None for p in child._parameters.values()):
-                with torch.no_grad():
+                with torch.no_grad(), _full_parameters(child):
                     reset()
+
+
+@contextlib.contextmanager
+def _full_parameters(module: nn.Module) -> Iterator[None]:
+    """Let initializers see full-size plain parameters; copy each rank's shard back after.
+
+    Every rank draws the same full values in the same order as a single process
+    would, so a model initialized sharded equals the one initialized on one device,
+    at any mesh. (DTensor's own random ops do not guarantee this on every device.)
+    The full tensor exists only while one module is initialized.
+    """
+    sharded = {
+        n: p for n, p in module._parameters.items() if p is not None and isinstance(p, DTensor)
+    }
+    if not sharded:
+        yield
+        return
+    fulls = {}
+    for name, p in sharded.items():
+        local = p.to_local()
+        fulls[name] = nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device=local.device),
+            requires_grad=p.requires_grad,
+        )
+        module._parameters[name] = fulls[name]
+    try:
+        yield
+    finally:
+        for name, p in sharded.items():
+            module._parameters[name] = p
+    for name, p in sharded.items():
+        shard = distribute_tensor(
+            fulls[name].detach(), p.device_mesh, p.placements, src_data_rank=None
+        )
+        p.to_local().copy_(shard.to_local())
 
 
 def _init_owner(cls: type) -> type[nn.Module] | None:

@@ -1,0 +1,28 @@
+"""Shared fixtures: the per-module distributed pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.harness import DistributedPool
+
+
+@pytest.fixture(scope="module")
+def dist(request: pytest.FixtureRequest):
+    """A gloo process group of ``WORLD_SIZE`` ranks (module attribute), one per test module.
+
+    A module whose test failed on a rank gets a fresh pool for its next test.
+    """
+    world_size = getattr(request.module, "WORLD_SIZE", 2)
+    holder = {"pool": DistributedPool(world_size)}
+
+    class _Handle:
+        world_size = holder["pool"].world_size
+
+        def run(self, fn, *args):
+            if not holder["pool"]._procs:
+                holder["pool"] = DistributedPool(world_size)
+            return holder["pool"].run(fn, *args)
+
+    yield _Handle()
+    holder["pool"].close()
