@@ -6,6 +6,7 @@ PY     := $(VENV)/bin/python
 # torch would download a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+LINT   := $(wildcard hyper_parallel tests benchmarks examples)
 
 .PHONY: install test test-fast lint format demo bench clean
 
@@ -18,12 +19,12 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hyper_parallel tests benchmarks examples
-	$(VENV)/bin/ruff format --check hyper_parallel tests benchmarks examples
+	$(VENV)/bin/ruff check $(LINT)
+	$(VENV)/bin/ruff format --check $(LINT)
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix hyper_parallel tests benchmarks examples
-	$(VENV)/bin/ruff format hyper_parallel tests benchmarks examples
+	$(VENV)/bin/ruff check --fix $(LINT)
+	$(VENV)/bin/ruff format $(LINT)
 
 test: $(STAMP) lint
 	$(PY) -m pytest
