@@ -2,6 +2,8 @@
 
 from hyper_parallel.dmodule._checks import Finding as Finding
 from hyper_parallel.dmodule._checks import ParallelizeError as ParallelizeError
+from hyper_parallel.dmodule._fast import fast_path as fast_path
+from hyper_parallel.dmodule._fast import set_fast_path as set_fast_path
 from hyper_parallel.dmodule.model import BaseModel as BaseModel
 from hyper_parallel.dmodule.model import ModelConfigConverter as ModelConfigConverter
 from hyper_parallel.dmodule.model_spec import ModelSpec as ModelSpec
@@ -15,6 +17,12 @@ from hyper_parallel.dmodule.module import Sequential as Sequential
 from hyper_parallel.dmodule.plan import parallelize_module as parallelize_module
 from hyper_parallel.dmodule.plan_file import dump_plan as dump_plan
 from hyper_parallel.dmodule.plan_file import load_plan as load_plan
+from hyper_parallel.dmodule.presets import colwise as colwise
+from hyper_parallel.dmodule.presets import prepare_input as prepare_input
+from hyper_parallel.dmodule.presets import replicate_input as replicate_input
+from hyper_parallel.dmodule.presets import rowwise as rowwise
+from hyper_parallel.dmodule.presets import sequence_parallel_norm as sequence_parallel_norm
+from hyper_parallel.dmodule.presets import vocab_parallel_embedding as vocab_parallel_embedding
 from hyper_parallel.dmodule.sharding import LocalMapConfig as LocalMapConfig
 from hyper_parallel.dmodule.sharding import ShardingConfig as ShardingConfig
 from hyper_parallel.dmodule.sharding import resolve_placements as resolve_placements
@@ -35,11 +43,19 @@ __all__ = [
     "ParallelizeError",
     "Sequential",
     "ShardingConfig",
+    "colwise",
     "dump_plan",
+    "fast_path",
     "get_spec",
     "list_specs",
     "load_plan",
     "parallelize_module",
+    "prepare_input",
     "register_spec",
+    "replicate_input",
     "resolve_placements",
+    "rowwise",
+    "sequence_parallel_norm",
+    "set_fast_path",
+    "vocab_parallel_embedding",
 ]

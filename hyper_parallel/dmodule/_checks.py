@@ -326,6 +326,9 @@ def check_entries(
         mesh_axes: The mesh's axis names in order; ``None`` for a mesh without names.
         axis_sizes: Axis sizes, when known, for divisibility warnings.
     """
+    # Imported here: the layout checks build Findings, defined in this module.
+    from hyper_parallel.dmodule._known_layouts import check_known_layouts
+
     findings: list[Finding] = []
     if mesh_axes is None:
         findings.append(
@@ -352,6 +355,7 @@ def check_entries(
         _check_inputs(c, e.module, e.config)
         _check_local_map(c, e.module, e.config)
         findings.extend(c.findings)
+        findings.extend(check_known_layouts(e.path, e.module, e.config))
     _check_nesting(entries, findings)
     _check_ties(entries, axes, findings)
     return findings
