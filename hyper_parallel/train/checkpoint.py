@@ -1,0 +1,220 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): save, load, find the latest.
+
+A checkpoint is one DCP directory per step (``step_000120/``) holding the model and
+optimizer states (as returned by ``get_state_dict``: DTensor shards under TP/FSDP,
+plain tensors in one process), a small ``train`` record (step, data position) and
+each rank's random number generator states. DCP stores every DTensor with its
+global shape, so a checkpoint saved at one mesh loads at any other (dp=2 x tp=2 →
+tp=4, or into one process with no process group) and the parameters are bitwise the
+same. A step directory counts as complete once DCP has written its ``.metadata``
+file, which happens after every rank has written its shards.
+
+Example::
+
+    from hyper_parallel.train.checkpoint import latest_checkpoint, load_checkpoint
+
+    path = latest_checkpoint("checkpoints/run1")
+    if path is not None:
+        train_state = load_checkpoint(path, model=model, optimizer=optimizer)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+__all__ = ["checkpoint_path", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_METADATA = ".metadata"  # written by DCP's coordinator after all ranks finished
+
+
+def checkpoint_path(checkpoint_dir: str | os.PathLike[str], step: int) -> str:
+    """The directory of the checkpoint of ``step`` under ``checkpoint_dir``."""
+    return os.path.join(os.fspath(checkpoint_dir), f"step_{step:06d}")
+
+
+def latest_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], *, distributed: bool | None = None
+) -> str | None:
+    """The complete checkpoint with the highest step under ``checkpoint_dir``, if any.
+
+    A step directory without DCP's ``.metadata`` (a save interrupted by a crash) is
+    skipped. With a process group, rank 0 looks and tells the others, so every rank
+    resumes from the same step even if they see the file system at different times.
+
+    Args:
+        checkpoint_dir: The directory holding ``step_*`` checkpoints.
+        distributed: Whether all ranks of the default process group call this
+            together; defaults to whether one is initialized. Pass ``False`` for a
+            one-process model inside a larger job.
+    """
+    distributed = _distributed(distributed)
+    found: list[str | None] = [None]
+    if not distributed or dist.get_rank() == 0:
+        found[0] = _latest_on_disk(os.fspath(checkpoint_dir))
+    if distributed and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
+def _latest_on_disk(checkpoint_dir: str) -> str | None:
+    if not os.path.isdir(checkpoint_dir):
+        return None
+    steps = []
+    for name in os.listdir(checkpoint_dir):
+        match = _STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(checkpoint_dir, name, _METADATA)):
+            steps.append((int(match.group(1)), name))
+    return os.path.join(checkpoint_dir, max(steps)[1]) if steps else None
+
+
+def _distributed(distributed: bool | None) -> bool:
+    if distributed is None:
+        return dist.is_available() and dist.is_initialized()
+    if distributed and not dist.is_initialized():
+        raise ValueError("distributed=True needs an initialized default process group.")
+    return distributed
+
+
+@contextlib.contextmanager
+def _single_process_notice_muted(distributed: bool) -> Iterator[None]:
+    """Mute DCP's notice that it assumes one process: here that was asked for explicitly."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        yield
+
+
+def _rank(distributed: bool) -> int:
+    return dist.get_rank() if distributed else 0
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    train_state: dict[str, Any] | None = None,
+    distributed: bool | None = None,
+) -> None:
+    """Save model, optimizer, ``train_state`` and this rank's RNG states to ``path``.
+
+    Call on every rank (it is a collective when a process group exists).
+
+    Args:
+        path: The checkpoint directory (see :func:`checkpoint_path`).
+        model: The model (plain, tensor-parallel and/or ``fully_shard``-ed).
+        optimizer: Its optimizer; omitted, only the model is saved.
+        train_state: A flat dict of small picklable values (step, data position).
+        distributed: Whether every rank of the default process group saves together;
+            defaults to whether one is initialized.
+    """
+    distributed = _distributed(distributed)
+    if optimizer is None:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+    state["train"] = dict(train_state or {})
+    # Keyed by rank: each rank's generator state is its own, not a replicated value.
+    state["rng"] = {f"rank{_rank(distributed)}": _rng_state()}
+    with _single_process_notice_muted(distributed):
+        dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not distributed)
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    distributed: bool | None = None,
+) -> dict[str, Any]:
+    """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
+
+    The model may be placed differently than when it was saved (another mesh, or one
+    process without a process group): DCP reads each rank's part of every tensor.
+    This rank's RNG states are restored when the checkpoint has them (same rank
+    count); otherwise the generators are left as they are.
+
+    Args:
+        path: A checkpoint directory.
+        model: A model with the same parameter names and global shapes.
+        optimizer: Its optimizer, to restore too; omitted, only the model is loaded.
+        distributed: Whether every rank of the default process group loads together;
+            defaults to whether one is initialized.
+
+    Returns:
+        The ``train_state`` that was saved.
+
+    Raises:
+        ValueError: ``path`` is not a complete checkpoint, or it has no optimizer
+            state but one was asked for.
+    """
+    distributed = _distributed(distributed)
+    rank = _rank(distributed)
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, _METADATA)):
+        raise ValueError(
+            f"load_checkpoint: {path!r} is not a complete checkpoint (no {_METADATA}); "
+            "pass a step directory such as latest_checkpoint(checkpoint_dir) returns."
+        )
+    saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    if optimizer is not None and not any(k.startswith("optimizer.") for k in saved_keys):
+        raise ValueError(
+            f"load_checkpoint: {path!r} holds no optimizer state (saved with the model "
+            "only); load it with optimizer=None."
+        )
+    if optimizer is None:
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+    train_keys = sorted(k.split(".", 1)[1] for k in saved_keys if k.startswith("train."))
+    state["train"] = dict.fromkeys(train_keys)
+    rng = {
+        kind: value
+        for kind, value in _rng_state().items()
+        if f"rng.rank{rank}.{kind}" in saved_keys
+    }
+    if rng:
+        state["rng"] = {f"rank{rank}": rng}
+    with _single_process_notice_muted(distributed):
+        dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+    restored = state.get("rng", {}).get(f"rank{rank}", {})
+    if "cpu" in restored:
+        torch.set_rng_state(restored["cpu"])
+    if "cuda" in restored:
+        torch.cuda.set_rng_state(restored["cuda"])
+    return state["train"]

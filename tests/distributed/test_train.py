@@ -1,0 +1,240 @@
+"""The trainer on 4 gloo ranks: parity with one process, resharding, resume, restart.
+
+Each test trains the debug Llama a few steps at dp=2 x tp=2 (TP, TP+SP) and checks:
+losses equal a single-process run with the same seed and data; a checkpoint saved at
+dp=2 x tp=2 loads bitwise at tp=4 and in one process; stopping and resuming, and a
+rank killed under ``torchrun --max-restarts 1``, both end bitwise where an
+uninterrupted run ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist_c10d
+
+from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
+from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor
+from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+from hyper_parallel.train import TrainConfig, Trainer, clip_grad_norm_, latest_checkpoint
+
+pytestmark = pytest.mark.distributed
+WORLD_SIZE = 4
+
+SMALL = {"global_batch_size": 4, "seq_len": 32, "log_every": 0, "progress": False}
+DP2_TP2 = {"dp": 2, "tp": 2}
+# tp=4 needs every head count divisible by 4 (the debug preset has 2 key/value heads).
+FOUR_HEADS = {"num_heads": 4, "num_kv_heads": 4}
+ENTRY = os.path.join(os.path.dirname(__file__), "train_crash_entry.py")
+
+
+# ---------------------------------------------------------------------- rank functions
+
+
+def _full_states(trainer: Trainer) -> dict[str, torch.Tensor] | None:
+    """Every parameter and its AdamW ``exp_avg`` as full tensors, on rank 0 (collective)."""
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        state = trainer.optimizer.state.get(p, {})
+        for key, t in (("param", p), ("exp_avg", state.get("exp_avg"))):
+            if t is not None:
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                out[f"{key}/{name}"] = full.detach().clone()
+    on_rank0 = not dist_c10d.is_initialized() or dist_c10d.get_rank() == 0
+    return out if on_rank0 else None
+
+
+def _train(cfg_dict: dict) -> dict | None:
+    trainer = Trainer(TrainConfig.from_dict(cfg_dict), device="cpu")
+    result = trainer.fit()
+    states = _full_states(trainer)
+    return None if states is None else {"losses": result.losses, "states": states}
+
+
+def _train_one_process_on_rank0(cfg_dict: dict) -> dict | None:
+    if dist_c10d.get_rank() != 0:
+        return None
+    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sequence_parallel=False)
+    return _train(cfg.to_dict())
+
+
+def _train_and_save(cfg_dict: dict, path: str) -> dict | None:
+    trainer = Trainer(TrainConfig.from_dict(cfg_dict), device="cpu")
+    trainer.fit()
+    trainer.save(path)
+    return _full_states(trainer)
+
+
+def _load(cfg_dict: dict, path: str) -> dict | None:
+    trainer = Trainer(TrainConfig.from_dict(cfg_dict), device="cpu")
+    trainer.load(path)
+    return _full_states(trainer)
+
+
+def _stop_then_resume(cfg_dict: dict, stop_at: int) -> dict | None:
+    cfg = TrainConfig.from_dict(cfg_dict)
+    Trainer(cfg, device="cpu").fit(until_step=stop_at)  # saves its last step
+    resumed = Trainer(cfg.replace(resume=True), device="cpu")
+    result = resumed.fit()
+    states = _full_states(resumed)
+    if states is None:
+        return None
+    return {"resumed_from": result.resumed_from, "losses": result.losses, "states": states}
+
+
+def _clip_across_meshes() -> tuple[float, float, float]:
+    """Gradients on (dp, tp), on dp alone, on tp alone and plain: one global norm."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)  # the same full gradients on every rank
+    layouts = [
+        (mesh, [Shard(0), Shard(1)]),
+        (mesh["dp"], [Shard(0)]),
+        (mesh["tp"], [Replicate()]),
+        (None, None),
+    ]
+    params, full_grads = [], []
+    for sub_mesh, placements in layouts:
+        full = torch.randn(4, 6)
+        full_grads.append(full)
+        if sub_mesh is None:
+            param = torch.nn.Parameter(torch.zeros(4, 6))
+            param.grad = full.clone()
+        else:
+            param = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), sub_mesh, placements))
+            param.grad = distribute_tensor(full, sub_mesh, placements)
+        params.append(param)
+    expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in full_grads]))
+    total = clip_grad_norm_(params, max_norm=1.0)
+    clipped = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    after = torch.linalg.vector_norm(torch.stack([g.norm() for g in clipped]))
+    return float(total), float(expected), float(after)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _assert_bitwise_equal(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    different = [k for k in expected if not torch.equal(actual[k], expected[k])]
+    assert not different, f"not bitwise equal: {different}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(dist, tmp_path_factory):
+    """Six steps at dp=2 x tp=2, checkpointing every 2 steps: the reference run."""
+    checkpoint_dir = tmp_path_factory.mktemp("uninterrupted")
+    cfg = TrainConfig(
+        mesh=DP2_TP2,
+        num_steps=6,
+        checkpoint_dir=str(checkpoint_dir),
+        checkpoint_every=2,
+        **SMALL,
+    )
+    return cfg, dist.run(_train, cfg.to_dict())[0]
+
+
+# ---------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+def test_dp_tp_training_matches_one_process(dist, sequence_parallel):
+    cfg = TrainConfig(mesh=DP2_TP2, sequence_parallel=sequence_parallel, num_steps=4, **SMALL)
+    sharded = dist.run(_train, cfg.to_dict())[0]
+    single = dist.run(_train_one_process_on_rank0, cfg.to_dict())[0]
+    diffs = [abs(a - b) for a, b in zip(sharded["losses"], single["losses"], strict=True)]
+    assert max(diffs) < 1e-4, diffs
+    for name, value in single["states"].items():
+        torch.testing.assert_close(sharded["states"][name], value, atol=1e-5, rtol=1e-4)
+
+
+def test_clip_grad_norm_across_meshes(dist):
+    for total, expected, after in dist.run(_clip_across_meshes):
+        assert total == pytest.approx(expected, rel=1e-6)
+        assert after == pytest.approx(1.0, rel=1e-5)
+
+
+def test_checkpoint_reshards_bitwise_to_tp4_and_one_process(dist, tmp_path):
+    path = str(tmp_path / "ckpt")
+    cfg = TrainConfig(mesh=DP2_TP2, num_steps=2, model_overrides=FOUR_HEADS, **SMALL)
+    saved = dist.run(_train_and_save, cfg.to_dict(), path)[0]
+    at_tp4 = dist.run(_load, cfg.replace(mesh={"tp": 4}).to_dict(), path)[0]
+    _assert_bitwise_equal(at_tp4, saved)
+    # This test process has no process group at all.
+    assert not dist_c10d.is_initialized()
+    one = Trainer(cfg.replace(mesh={}), device="cpu")
+    one.load(path)
+    assert one.step == 2
+    _assert_bitwise_equal(_full_states(one), saved)
+
+
+def test_stop_and_resume_equals_uninterrupted_run(dist, tmp_path, uninterrupted):
+    cfg, expected = uninterrupted
+    resumed = dist.run(_stop_then_resume, cfg.replace(checkpoint_dir=str(tmp_path)).to_dict(), 3)[0]
+    assert resumed["resumed_from"] == 3
+    assert resumed["losses"] == expected["losses"][3:]
+    _assert_bitwise_equal(resumed["states"], expected["states"])
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_from_last_checkpoint(uninterrupted, tmp_path):
+    cfg, expected = uninterrupted
+    checkpoint_dir, marker = tmp_path / "ckpt", tmp_path / "crashed"
+    metrics = tmp_path / "metrics.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(WORLD_SIZE),
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        ENTRY,
+        "--mesh",
+        "dp=2,tp=2",
+        "--steps",
+        str(cfg.num_steps),
+        "--batch-size",
+        str(cfg.global_batch_size),
+        "--seq-len",
+        str(cfg.seq_len),
+        "--checkpoint-dir",
+        str(checkpoint_dir),
+        "--checkpoint-every",
+        "2",
+        "--resume",
+        "--log-every",
+        "0",
+        "--no-progress",
+        "--metrics-out",
+        str(metrics),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",  # gloo CPU ranks, like the rest of the suite
+        "HP_CRASH_STEP": "5",  # after the step-4 checkpoint, before step 6
+        "HP_CRASH_RANK": "1",
+        "HP_CRASH_MARKER": str(marker),
+    }
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert marker.exists(), "the planted failure never happened"
+    result = json.loads(metrics.read_text())
+    assert result["resumed_from"] == 4 and result["final_step"] == cfg.num_steps
+    assert result["losses"] == expected["losses"][4:]
+    final = latest_checkpoint(checkpoint_dir)
+    assert final is not None and final.endswith("step_000006")
+    restarted = Trainer(cfg.replace(mesh={}, checkpoint_dir=None), device="cpu")
+    restarted.load(final)
+    reference = Trainer(cfg.replace(mesh={}, checkpoint_dir=None), device="cpu")
+    reference.load(latest_checkpoint(cfg.checkpoint_dir))
+    _assert_bitwise_equal(_full_states(restarted), _full_states(reference))
+    _assert_bitwise_equal(_full_states(restarted), expected["states"])

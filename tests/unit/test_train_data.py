@@ -1,0 +1,243 @@
+"""The trainer's single-process parts: data stream, config, mesh parsing, clipping, checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import pytest
+import torch
+
+from hyper_parallel.train import (
+    DEFAULT_TEXT,
+    VOCAB_SIZE,
+    TextBatches,
+    TrainConfig,
+    Trainer,
+    available_texts,
+    build_mesh,
+    build_parallel_model,
+    checkpoint_path,
+    clip_grad_norm_,
+    demo,
+    latest_checkpoint,
+    load_checkpoint,
+    load_tokens,
+    save_checkpoint,
+)
+from hyper_parallel.train.run import add_train_arguments, config_from_args, main, parse_mesh
+
+TINY = {"global_batch_size": 4, "seq_len": 16, "log_every": 0, "progress": False}
+
+
+# ---------------------------------------------------------------------- data
+
+
+def test_shipped_text_is_small_public_domain_prose():
+    assert DEFAULT_TEXT in available_texts()
+    tokens = load_tokens()
+    assert tokens.dtype == torch.int64 and tokens.ndim == 1
+    assert 20_000 < tokens.numel() < 100_000
+    assert int(tokens.max()) < VOCAB_SIZE
+    text = bytes(tokens.to(torch.uint8).tolist()).decode("ascii")
+    assert text.startswith("First Citizen:\nBefore we proceed any further, hear me speak.")
+
+
+def test_unknown_text_lists_the_shipped_ones():
+    with pytest.raises(ValueError, match=r"no shipped text named 'nope.txt'.*coriolanus"):
+        load_tokens("nope.txt")
+
+
+def test_rows_are_consecutive_and_targets_are_shifted_inputs():
+    tokens = torch.arange(1000)
+    batches = TextBatches(tokens, global_batch_size=4, seq_len=8)
+    inputs, targets = batches.global_batch()
+    assert inputs.shape == targets.shape == (4, 8)
+    assert torch.equal(inputs[1], torch.arange(8, 16))
+    assert torch.equal(targets, inputs + 1)
+    assert batches.state_dict() == {"position": 32, "epoch": 0}
+
+
+def test_dp_ranks_take_disjoint_slices_of_the_same_global_batch():
+    tokens = load_tokens()
+    whole = TextBatches(tokens, global_batch_size=8, seq_len=16)
+    expected_inputs, expected_targets = whole.global_batch()
+    slices = []
+    for rank in range(4):
+        stream = TextBatches(tokens, global_batch_size=8, seq_len=16)
+        slices.append(stream.next_batch(dp_rank=rank, dp_size=4))
+    assert torch.equal(torch.cat([s[0] for s in slices]), expected_inputs)
+    assert torch.equal(torch.cat([s[1] for s in slices]), expected_targets)
+
+
+def test_stream_wraps_and_resumes_from_its_state():
+    tokens = torch.arange(100)
+    stream = TextBatches(tokens, global_batch_size=2, seq_len=20)  # 40 tokens a step
+    seen = [stream.global_batch()[0][0, 0].item() for _ in range(3)]
+    assert seen == [0, 40, 0]  # 80 + 41 > 100: starts over
+    assert stream.state_dict() == {"position": 40, "epoch": 1}
+    resumed = TextBatches(tokens, global_batch_size=2, seq_len=20)
+    resumed.load_state_dict(stream.state_dict())
+    assert torch.equal(resumed.global_batch()[0], stream.global_batch()[0])
+
+
+def test_batch_errors_name_the_fix():
+    with pytest.raises(ValueError, match="lower the batch size"):
+        TextBatches(torch.arange(10), global_batch_size=2, seq_len=8)
+    stream = TextBatches(torch.arange(100), global_batch_size=3, seq_len=4)
+    with pytest.raises(ValueError, match="not divisible by the data-parallel size 2"):
+        stream.next_batch(dp_rank=0, dp_size=2)
+    with pytest.raises(ValueError, match="cannot resume at position 500"):
+        stream.load_state_dict({"position": 500, "epoch": 0})
+
+
+# ---------------------------------------------------------------------- config
+
+
+def test_config_round_trips_through_a_dict():
+    cfg = TrainConfig(mesh={"dp": 2, "tp": 2}, sequence_parallel=True, num_steps=5)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert (cfg.dp, cfg.tp, cfg.world_size) == (2, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"mesh": {"pp": 2}}, r"axes \['pp'\] are not trainer axes"),
+        ({"mesh": {"dp": 0}}, "integers >= 1"),
+        ({"mesh": {"dp": 3}}, "global_batch_size=8 is not divisible by dp=3"),
+        ({"sequence_parallel": True}, "sequence_parallel needs tp > 1"),
+        ({"mesh": {"tp": 3}, "sequence_parallel": True}, "seq_len divisible by tp"),
+        ({"resume": True}, "needs a checkpoint_dir"),
+        ({"num_steps": 0}, "num_steps must be >= 1"),
+    ],
+)
+def test_config_rejects_inconsistent_values(changes, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**changes)
+
+
+def test_config_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['stepz'\]"):
+        TrainConfig.from_dict({"stepz": 3})
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1.0)
+    lrs = [cfg.lr_at(s) for s in range(10)]
+    assert lrs[:3] == [0.5, 1.0, 1.0]
+    assert all(a >= b for a, b in itertools.pairwise(lrs[2:]))
+    assert cfg.lr_at(10) == pytest.approx(0.1)
+
+
+def test_parse_mesh():
+    assert parse_mesh("dp=2,tp=2") == {"dp": 2, "tp": 2}
+    assert parse_mesh(" tp=4 ") == {"tp": 4}
+    assert parse_mesh("") == {}
+    for bad in ("dp", "dp=x", "cp=2", "dp=0", "dp=2,dp=2"):
+        with pytest.raises(ValueError, match="mesh"):
+            parse_mesh(bad)
+
+
+def test_command_line_options_override_the_config_file(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text('{"num_steps": 7, "seed": 3}')
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--config", str(path), "--steps", "9"]), 4)
+    assert (cfg.num_steps, cfg.seed, cfg.mesh) == (9, 3, {"dp": 4})
+
+
+def test_mesh_without_a_process_group_says_how_to_launch():
+    assert build_mesh({}) is None
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 4"):
+        build_mesh({"dp": 2, "tp": 2})
+
+
+def test_demo_checks_the_run_before_starting_ranks(capsys):
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert demo.run(parser.parse_args(["--mesh", "dp=3"])) == 2  # global batch 8
+    assert "not divisible by dp=3" in capsys.readouterr().err
+    assert demo.run(parser.parse_args(["--mesh", "tp=1"])) == 2
+    assert "at least two" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- clipping
+
+
+def test_clip_grad_norm_matches_torch_on_plain_tensors():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, twins):
+        p.grad = torch.randn(p.shape)
+        q.grad = p.grad.clone()
+    ours = clip_grad_norm_(params, 1.0)
+    theirs = torch.nn.utils.clip_grad_norm_(twins, 1.0)
+    assert torch.equal(ours, theirs)
+    for p, q in zip(params, twins):
+        assert torch.equal(p.grad, q.grad)
+    assert math.isclose(
+        float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))),
+        1.0,
+        rel_tol=1e-5,
+    )
+
+
+# ---------------------------------------------------------------------- one process
+
+
+def test_one_process_build_is_seeded():
+    a = build_parallel_model(TrainConfig(seed=1), mesh=None, device="cpu")
+    b = build_parallel_model(TrainConfig(seed=1), mesh=None, device="cpu")
+    c = build_parallel_model(TrainConfig(seed=2), mesh=None, device="cpu")
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q), name
+        assert not torch.equal(p, r) or name.endswith("norm.weight"), name
+
+
+def test_checkpoint_round_trip_in_one_process(tmp_path):
+    cfg = TrainConfig(num_steps=2, **TINY)
+    trainer = Trainer(cfg, device="cpu")
+    trainer.fit()
+    path = checkpoint_path(tmp_path, trainer.step)
+    save_checkpoint(
+        path, model=trainer.model, optimizer=trainer.optimizer, train_state=trainer.train_state()
+    )
+    assert latest_checkpoint(tmp_path) == path
+    fresh = Trainer(cfg, device="cpu")
+    state = load_checkpoint(path, model=fresh.model, optimizer=fresh.optimizer)
+    assert state == {"step": 2, "data_position": 2 * 4 * 16, "data_epoch": 0}
+    for p, q in zip(trainer.model.parameters(), fresh.model.parameters()):
+        assert torch.equal(p, q)
+    saved = trainer.optimizer.state_dict()["state"]
+    loaded = fresh.optimizer.state_dict()["state"]
+    assert all(torch.equal(saved[k]["exp_avg"], loaded[k]["exp_avg"]) for k in saved)
+
+
+def test_incomplete_checkpoint_is_skipped_and_refused(tmp_path):
+    (tmp_path / "step_000009").mkdir()  # a save that died before DCP wrote .metadata
+    assert latest_checkpoint(tmp_path) is None
+    model = build_parallel_model(TrainConfig(), mesh=None, device="cpu")
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_checkpoint(tmp_path / "step_000009", model=model)
+
+
+def test_resume_in_one_process_equals_an_uninterrupted_run(tmp_path):
+    cfg = TrainConfig(num_steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, **TINY)
+    whole = Trainer(cfg.replace(checkpoint_dir=None), device="cpu")
+    whole_result = whole.fit()
+    Trainer(cfg, device="cpu").fit(until_step=2)
+    resumed = Trainer(cfg.replace(resume=True), device="cpu")
+    assert resumed.step == 2
+    result = resumed.fit()
+    assert result.losses == whole_result.losses[2:]
+    for p, q in zip(whole.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_run_entry_explains_a_run_that_cannot_start(capsys):
+    assert main(["--mesh", "dp=2", "--steps", "1"]) == 2
+    assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
