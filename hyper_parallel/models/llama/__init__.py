@@ -1,0 +1,84 @@
+"""A Llama-3-style decoder with declarative tensor- and sequence-parallel layouts.
+
+Importing this package registers one :class:`~hyper_parallel.dmodule.ModelSpec` per
+preset (``llama3-debug``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``). Each spec's
+``config(**overrides)`` returns a ``Transformer.Config``; its ``extras`` hold the
+family, the sharding functions (``"tp"``, ``"tp_sp"``), the loss and ``num_params``.
+
+Example::
+
+    import torch
+    from hyper_parallel.dmodule import get_spec
+    from hyper_parallel.models.llama import apply_tp, cross_entropy_loss
+
+    spec = get_spec("llama3-debug")
+    config = spec.extras["tp"](spec.config())   # or apply_tp(preset_config("llama3-debug"))
+    with torch.device("meta"):
+        model = config.build()
+    # model.parallelize(mesh["tp"]); model.to_empty(device="cpu"); model.init_states()
+    # loss = cross_entropy_loss(model(tokens), targets); loss.backward()
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
+from hyper_parallel.models.llama.config import PRESETS as PRESETS
+from hyper_parallel.models.llama.config import llama3_config as llama3_config
+from hyper_parallel.models.llama.config import num_params as num_params
+from hyper_parallel.models.llama.config import preset_config as preset_config
+from hyper_parallel.models.llama.loss import cross_entropy_loss as cross_entropy_loss
+from hyper_parallel.models.llama.model import Attention as Attention
+from hyper_parallel.models.llama.model import FeedForward as FeedForward
+from hyper_parallel.models.llama.model import RMSNorm as RMSNorm
+from hyper_parallel.models.llama.model import RotaryEmbedding as RotaryEmbedding
+from hyper_parallel.models.llama.model import (
+    ScaledDotProductAttention as ScaledDotProductAttention,
+)
+from hyper_parallel.models.llama.model import Transformer as Transformer
+from hyper_parallel.models.llama.model import TransformerBlock as TransformerBlock
+from hyper_parallel.models.llama.model import apply_rotary_emb as apply_rotary_emb
+from hyper_parallel.models.llama.sharding import apply_tp as apply_tp
+from hyper_parallel.models.llama.sharding import apply_tp_sp as apply_tp_sp
+
+__all__ = [
+    "PRESETS",
+    "Attention",
+    "FeedForward",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "ScaledDotProductAttention",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rotary_emb",
+    "apply_tp",
+    "apply_tp_sp",
+    "cross_entropy_loss",
+    "llama3_config",
+    "num_params",
+    "preset_config",
+]
+
+_DESCRIPTIONS = {
+    "llama3-debug": "Llama-3-style decoder, debug size (trains in seconds on CPU)",
+    "llama3-8b": "Llama 3 8B shapes",
+    "llama3-70b": "Llama 3 70B shapes",
+    "llama3-405b": "Llama 3 405B shapes",
+}
+
+for _name in PRESETS:
+    register_spec(
+        ModelSpec(
+            name=_name,
+            build_model_fn=functools.partial(preset_config, _name),
+            description=_DESCRIPTIONS[_name],
+            extras={
+                "family": "llama3",
+                "tp": apply_tp,
+                "tp_sp": apply_tp_sp,
+                "loss_fn": cross_entropy_loss,
+                "num_params": num_params,
+            },
+        )
+    )

@@ -1,0 +1,216 @@
+"""A Llama-3-style decoder: the maths only.
+
+Every layer is a :class:`~hyper_parallel.dmodule.module.Module` built from its
+``Config``; how the layers are placed on a mesh lives in ``sharding.py``, the
+presets in ``config.py``. The code runs unchanged on plain tensors and on DTensors
+(shapes are global there); the attention core runs on local tensors when
+``sharding.py`` makes it a ``local_map`` region, so it reads head counts from its
+inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyper_parallel.dmodule.model import BaseModel
+from hyper_parallel.dmodule.module import Module, ModuleList
+
+__all__ = [
+    "Attention",
+    "Embedding",
+    "FeedForward",
+    "Linear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "ScaledDotProductAttention",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rotary_emb",
+]
+
+Linear = Module.from_nn_module(nn.Linear)
+Embedding = Module.from_nn_module(nn.Embedding)
+
+
+class RMSNorm(Module):
+    """Root-mean-square norm (Zhang & Sennrich, 2019) with a learned per-feature scale."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        dim: int
+        eps: float = 1e-5
+
+    def __init__(self, config: RMSNorm.Config) -> None:
+        super().__init__()
+        self.eps = config.eps
+        self.weight = nn.Parameter(torch.empty(config.dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class RotaryEmbedding(Module):
+    """Rotary position embedding tables (Su et al., 2021): ``cos`` and ``sin`` per position.
+
+    The tables are non-persistent buffers of shape ``(max_seq_len, head_dim // 2)``,
+    recomputed by ``init_states`` (never stored in a checkpoint).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        head_dim: int
+        max_seq_len: int
+        theta: float = 500000.0
+
+    def __init__(self, config: RotaryEmbedding.Config) -> None:
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = (
+            config.head_dim,
+            config.max_seq_len,
+            config.theta,
+        )
+        shape = (config.max_seq_len, config.head_dim // 2)
+        self.register_buffer("cos", torch.empty(shape), persistent=False)
+        self.register_buffer("sin", torch.empty(shape), persistent=False)
+
+    def compute_buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
+        exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32)
+        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+        positions = torch.arange(self.max_seq_len, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
+        return {"cos": angles.cos(), "sin": angles.sin()}
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.max_seq_len:
+            raise ValueError(
+                f"RotaryEmbedding: sequence of {seq_len} tokens exceeds max_seq_len="
+                f"{self.max_seq_len}; build the model with a larger max_seq_len."
+            )
+        return self.cos[:seq_len], self.sin[:seq_len]
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair ``(x[..., 2i], x[..., 2i+1])`` of ``x`` ``(B, S, H, D)`` by its angle."""
+    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (S, 1, D/2): broadcast over heads
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2)
+
+
+class ScaledDotProductAttention(Module):
+    """Causal attention over ``(B, S, H, D)`` inputs; keys/values may have fewer heads (GQA).
+
+    Head counts come from the inputs, so the same code runs on a rank's local heads.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        pass
+
+    def __init__(self, config: ScaledDotProductAttention.Config) -> None:
+        super().__init__()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).contiguous()
+
+
+class Attention(Module):
+    """Grouped-query self-attention with rotary position embeddings."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        head_dim: int
+        wq: Linear.Config
+        wk: Linear.Config
+        wv: Linear.Config
+        wo: Linear.Config
+        inner_attention: ScaledDotProductAttention.Config
+
+    def __init__(self, config: Attention.Config) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.wq, self.wk, self.wv, self.wo = (
+            c.build() for c in (config.wq, config.wk, config.wv, config.wo)
+        )
+        self.inner_attention = config.inner_attention.build()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, _ = x.shape
+        q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        return self.wo(self.inner_attention(q, k, v).flatten(-2))
+
+
+class FeedForward(Module):
+    """SwiGLU feed-forward (Shazeer, 2020): ``w2(silu(w1 x) * w3 x)``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        w1: Linear.Config
+        w2: Linear.Config
+        w3: Linear.Config
+
+    def __init__(self, config: FeedForward.Config) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = (c.build() for c in (config.w1, config.w2, config.w3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(Module):
+    """Pre-norm residual block: attention, then feed-forward."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        attention_norm: RMSNorm.Config
+        attention: Attention.Config
+        ffn_norm: RMSNorm.Config
+        feed_forward: FeedForward.Config
+
+    def __init__(self, config: TransformerBlock.Config) -> None:
+        super().__init__()
+        self.attention_norm = config.attention_norm.build()
+        self.attention = config.attention.build()
+        self.ffn_norm = config.ffn_norm.build()
+        self.feed_forward = config.feed_forward.build()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(BaseModel):
+    """Decoder-only language model: ``forward(tokens (B, S)) -> logits (B, S, vocab)``.
+
+    Build one from a preset with :func:`~hyper_parallel.models.llama.llama3_config`.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseModel.Config):
+        tok_embeddings: Embedding.Config
+        rope: RotaryEmbedding.Config
+        layers: list[TransformerBlock.Config]
+        norm: RMSNorm.Config
+        output: Linear.Config
+
+    def __init__(self, config: Transformer.Config) -> None:
+        super().__init__()
+        self.tok_embeddings = config.tok_embeddings.build()
+        self.rope = config.rope.build()
+        self.layers = ModuleList([c.build() for c in config.layers])
+        self.norm = config.norm.build()
+        self.output = config.output.build()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        cos, sin = self.rope(tokens.shape[1])
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
