@@ -18,7 +18,8 @@ from torch import nn
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor, local_map
-from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
+from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dmodule import _fast
 from hyper_parallel.dmodule._checks import (
     BOUNDARY_ATTR,
     Finding,
@@ -147,6 +148,7 @@ class Boundary:
             # local_map region inputs, in forward-argument order.
             self._local_map_inputs = [n for n in self.signature.parameters if n in self._inputs]
             self._local_map_inputs += [n for n in self._inputs if n not in self._local_map_inputs]
+            self._local_map_state_grads = self._state_grad_layouts(axes)
         self.wraps_forward = bool(
             self._inputs
             or out_src is not None
@@ -154,6 +156,27 @@ class Boundary:
             or self._use_local_output
             or self._local_map_grads is not None
         )
+
+    def _state_grad_layouts(self, axes: tuple[str, ...]) -> list[_Layout]:
+        """Gradient placements of the states a local_map region reads, in region order.
+
+        On an axis where the region's output is split (not ``Replicate``), each rank's
+        gradient of a replicated state covers only its own part of the output, so the
+        gradient is ``Partial``; declaring it ``Replicate`` would keep one rank's piece.
+        Sharded states keep their placements.
+        """
+        src = self._out_src if self._out_src is not None else self._out_dst
+        outs = src if isinstance(src, tuple) else () if src is None else (src,)
+        split = [any(not o.placements[i].is_replicate() for o in outs) for i in range(len(axes))]
+        return [
+            _Layout(
+                [
+                    Partial() if p.is_replicate() and split[i] else p
+                    for i, p in enumerate(lay.placements)
+                ]
+            )
+            for *_, lay in [*self.states, *self.implicit_states]
+        ]
 
     @staticmethod
     def _resolve_inputs(config: ShardingConfig, axes: tuple[str, ...]) -> dict[str, _InputSpec]:
@@ -199,7 +222,7 @@ class Boundary:
             if spec.dst is not None:
                 dst = spec.dst.for_ndim(x.ndim)
                 if x.placements != dst:
-                    x = x.redistribute(x.device_mesh, dst)
+                    x = _redistribute(x, dst)
             return x
         if isinstance(x, torch.Tensor):
             src = spec.src.for_ndim(x.ndim)  # type: ignore[union-attr]  # src falls back to dst
@@ -245,6 +268,8 @@ class Boundary:
             dst = self._out_dst.for_ndim(x.ndim)
             if x.placements != dst:
                 x = x.redistribute(x.device_mesh, dst)
+            if x.requires_grad and torch.is_grad_enabled():
+                x = _gradient_as_output(x)
         if self._use_local_output:
             return x.to_local()
         return x
@@ -260,6 +285,14 @@ class Boundary:
                     "in_dst/in_src_shardings must be a tensor when the region runs."
                 )
             inputs.append(value)
+        for name, value in bound.arguments.items():
+            if name not in self._inputs and _has_dtensor(value):
+                # The region runs on local tensors; a DTensor would meet them there.
+                self._raise(
+                    f"local_map argument {name!r} is a DTensor but has no in_dst/in_src "
+                    f"entry, so it cannot be made local; add in_dst_shardings[{name!r}] "
+                    "(and its in_grad_placements entry), or pass a plain tensor."
+                )
         states = [*self.states, *self.implicit_states]
         slots = [(owner, leaf, is_param) for owner, leaf, is_param, _ in states]
         values = [
@@ -272,8 +305,8 @@ class Boundary:
             for lay, x in zip(in_layouts, inputs)
         ) + tuple(lay.for_ndim(v.ndim) for (*_, lay), v in zip(states, values))
         grads = self._local_map_grads or ()
-        in_grads = (
-            tuple(g.for_ndim(x.ndim) for g, x in zip(grads, inputs)) + in_placements[len(inputs) :]
+        in_grads = tuple(g.for_ndim(x.ndim) for g, x in zip(grads, inputs)) + tuple(
+            g.for_ndim(v.ndim) for g, v in zip(self._local_map_state_grads, values)
         )
         names = self._local_map_inputs
         src = self._out_src if self._out_src is not None else self._out_dst
@@ -293,10 +326,12 @@ class Boundary:
                     store[leaf] = value
 
         out_placements: Any
+        # local_map reads a tuple as one placement list per output, so a single output's
+        # placements go in as a list.
         if isinstance(src, tuple):
-            out_placements = tuple(s.placements for s in src)
+            out_placements = tuple(list(s.placements) for s in src)
         else:
-            out_placements = src.placements  # type: ignore[union-attr]
+            out_placements = list(src.placements)  # type: ignore[union-attr]
         fn = local_map(
             region,
             out_placements=out_placements,
@@ -314,10 +349,64 @@ class Boundary:
     def install(self, module: nn.Module) -> None:
         setattr(module, BOUNDARY_ATTR, self)
         if self.wraps_forward:
-            module.forward = self  # type: ignore[method-assign]
+            # Where the config fixes the one collective, run on local shards instead
+            # (dmodule/_fast.py); this boundary stays as the fallback for other calls.
+            fast = None
+            if _fast.fast_path_enabled():
+                axes = tuple(self.mesh.mesh_dim_names or ())
+                fast = _fast.select_fast_path(module, self.config, axes, self.mesh)
+            module.forward = self if fast is None else fast.attach(self)  # type: ignore[method-assign]
 
     def __repr__(self) -> str:
         return f"Boundary(path={self.path!r}, config={self.config!r})"
+
+
+def _has_dtensor(value: Any) -> bool:
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(v, DTensor) for v in value)
+    if isinstance(value, dict):
+        return any(isinstance(v, DTensor) for v in value.values())
+    return False
+
+
+def _gradient_as_output(x: DTensor) -> DTensor:
+    """``x`` unchanged, but the gradient reaching it is first brought to ``x``'s placements.
+
+    An output placed by ``out_dst_shardings`` receives, in backward, the sum of its
+    consumers' gradients as DTensor computed them — often ``Partial`` (every
+    column-parallel consumer of a replicated activation gives one). Left alone, that
+    ``Partial`` flows into this module's backward, where DTensor resolves it with extra
+    gathers of activation gradients (or, for a vocab-parallel embedding's masked
+    partial, cannot resolve it at all). ``from_local``'s backward reduces it here, once
+    per output however many consumers read it: Megatron-LM's one all-reduce per block.
+    """
+    if any(p.is_partial() for p in x.placements):
+        return x
+    return DTensor.from_local(
+        x.to_local(),
+        x.device_mesh,
+        x.placements,
+        run_check=False,
+        shape=x.shape,
+        stride=x.stride(),
+    )
+
+
+def _redistribute(x: DTensor, dst: Placements) -> DTensor:
+    """``x.redistribute`` to ``dst``, with a backward that accepts any gradient layout.
+
+    Reducing a masked partial (the output of a vocab-parallel embedding) records a
+    backward that must turn the incoming gradient back into that mask, which torch
+    cannot do from a ``Partial`` gradient (as a column-parallel consumer produces).
+    :func:`_gradient_as_output` makes the backward first bring the gradient to
+    ``dst``, so the masked backward only ever sees a replicated gradient.
+    """
+    out = x.redistribute(x.device_mesh, dst)
+    if any(p.is_partial() and type(p) is not Partial for p in x.placements):
+        out = _gradient_as_output(out)
+    return out
 
 
 def _distribute_states(root: nn.Module, boundaries: Sequence[Boundary], mesh: DeviceMesh) -> None:

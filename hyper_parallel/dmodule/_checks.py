@@ -7,6 +7,7 @@ anything while an error remains, and the validator reports the same findings.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -170,13 +171,22 @@ def _check_states(
         field = f"state_shardings[{key!r}]"
         tensor = get_state(module, key)
         if tensor is None:
-            has = ", ".join(_state_names(module)) or "none"
-            missing_none = state_owner(module, key) is not None
-            what = "is None" if missing_none else "is not a parameter or buffer"
+            names = _state_names(module)
+            has = ", ".join(names) or "none"
+            if state_owner(module, key) is not None:  # registered, but set to None
+                c.error(
+                    field,
+                    f"names {key!r}, which is None in {type(module).__name__} (has: {has}).",
+                    f"drop {key!r} from state_shardings, or build the module with it.",
+                )
+                continue
+            near = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
             c.error(
                 field,
-                f"names {key!r}, which {what} of {type(module).__name__} (has: {has}).",
-                "use one of the listed names (dotted paths reach into submodules).",
+                f"names {key!r}, which is not a parameter or buffer of "
+                f"{type(module).__name__} (has: {has}).",
+                f"{hint}use one of the listed names (dotted paths reach into submodules).",
             )
             continue
         ndim = tensor.dim()
@@ -230,12 +240,18 @@ def _check_local_map(c: _Collector, module: nn.Module, config: ShardingConfig) -
     lm = config.local_map
     if lm is None:
         return
-    inputs = set(config.in_dst_shardings or {}) | set(config.in_src_shardings or {})
+    declared = set(config.in_dst_shardings or {}) | set(config.in_src_shardings or {})
+    try:
+        order = list(forward_signature(module).parameters)
+    except (TypeError, ValueError):
+        order = []
+    # In forward-argument order, the order in_grad_placements follows.
+    inputs = [n for n in order if n in declared] + sorted(declared.difference(order))
     if len(lm.in_grad_placements) != len(inputs):
         c.error(
             "local_map.in_grad_placements",
             f"has {len(lm.in_grad_placements)} entr(ies) but the config declares "
-            f"{len(inputs)} input(s) {sorted(inputs)}.",
+            f"{len(inputs)} input(s) {inputs}.",
             "give one in_grad_placements entry per input named in in_dst/in_src_shardings, "
             "in forward-argument order.",
         )

@@ -57,6 +57,11 @@ class ModelSpec:
         if self.build_model_fn is not None:
             return self.build_model_fn(**overrides)
         if overrides:
+            if isinstance(self.model, nn.Module):
+                raise ValueError(
+                    f"ModelSpec {self.name!r} holds a built model, so fields "
+                    f"{sorted(overrides)} cannot be overridden; register its Config instead."
+                )
             return self.model.replace(**overrides)
         return self.model
 

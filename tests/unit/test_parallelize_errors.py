@@ -1,0 +1,593 @@
+"""A corpus of malformed configs, models, meshes and plans, refused before anything changes.
+
+Each case makes a fresh model, calls ``parallelize`` / ``parallelize_module`` with
+one thing wrong, and checks three things: the error names the module path and the
+fix; every parameter and buffer is exactly as before (same objects, same values,
+same kind, no ``forward`` replaced); and the same model, given a corrected call,
+parallelizes. Meshes live on a fake process group (one process, no communication).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
+from hyper_parallel.dmodule import (
+    LocalMapConfig,
+    Module,
+    ModuleList,
+    ParallelizeError,
+    ShardingConfig,
+    parallelize_module,
+)
+from tests.distributed.models import (
+    AttentionCore,
+    Linear,
+    PlainMLP,
+    ScaledLinear,
+    attention_core_config,
+    colwise,
+    mlp_config,
+    rowwise,
+    sharded_buffer_config,
+    tied_lm_config,
+)
+
+WORLD_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def meshes() -> Iterator[dict[str, DeviceMesh]]:
+    """A 1-D ``tp`` mesh, a 2-D ``dp x tp`` mesh and an unnamed mesh on a fake process group."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
+    try:
+        yield {
+            "tp": init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",)),
+            "dp_tp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+            "unnamed": init_device_mesh("cpu", (WORLD_SIZE,)),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Stack(Module):
+    """``layers.<i>`` blocks in a row, built from configs."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        layers: list[Module.Config] = field(default_factory=list)
+
+    def __init__(self, config: Stack.Config) -> None:
+        super().__init__()
+        self.layers = ModuleList([c.build() for c in config.layers])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def stack(**bad: ShardingConfig | None) -> Stack:
+    """Two col→row MLPs; ``bad`` replaces configs by path, e.g. ``layers_1_up=...``."""
+    config = Stack.Config(layers=[mlp_config(8, 16), mlp_config(8, 16)])
+    for key, sharding in bad.items():
+        _, index, name = key.split("_")
+        block = config.layers[int(index)]
+        setattr(block, name, getattr(block, name).replace(sharding_config=sharding))
+    torch.manual_seed(0)
+    return config.build()
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.wq(x) + self.wk(x) + self.wv(x))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = Attention()
+        self.mlp = PlainMLP(8, 16)
+        self.norm = nn.LayerNorm(8)
+        self.register_buffer("rope", torch.arange(8.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm(self.attention(x))) + self.rope
+
+
+class Toy(nn.Module):
+    """A plain model as found elsewhere: ``layers.<i>.attention.wq`` and so on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+GOOD_PLAN = {"layers.*.mlp.up": colwise(), "layers.*.mlp.down": rowwise()}
+STACK_PLAN = {"layers.*.up": colwise(), "layers.*.down": rowwise()}
+
+
+def _module_fix(model: nn.Module, meshes: dict[str, DeviceMesh]) -> None:
+    """The Module-built stack is corrected by applying a good plan to the same object."""
+    parallelize_module(model, meshes["tp"], STACK_PLAN)
+
+
+def _parallelize(mesh: str = "tp") -> Callable[[nn.Module, dict[str, DeviceMesh]], Any]:
+    return lambda model, meshes: model.parallelize(meshes[mesh])
+
+
+def _plan(plan: Any, mesh: str = "tp") -> Callable[[nn.Module, dict[str, DeviceMesh]], Any]:
+    return lambda model, meshes: parallelize_module(model, meshes[mesh], plan)
+
+
+# --------------------------------------------------------------------------- the corpus
+
+
+@dataclass
+class Case:
+    """One malformed call.
+
+    Attributes:
+        make: A fresh model.
+        call: The call that must be refused.
+        expect: Substrings of the message: the module path, what is wrong, the fix.
+        fix: A corrected call on the same model, which must succeed.
+        error: The exception type.
+        prepare: Run on the fresh model before the snapshot (a first, valid parallelize).
+        num_problems: How many problems the one error lists.
+    """
+
+    make: Callable[[], nn.Module]
+    call: Callable[[nn.Module, dict[str, DeviceMesh]], Any]
+    expect: list[str]
+    fix: Callable[[nn.Module, dict[str, DeviceMesh]], Any] | None = None
+    error: type[Exception] = ParallelizeError
+    prepare: Callable[[nn.Module, dict[str, DeviceMesh]], Any] | None = None
+    num_problems: int = 1
+
+
+def _cfg(**kw: Any) -> ShardingConfig:
+    return ShardingConfig(**kw)
+
+
+TP_R = {"tp": Replicate()}
+
+CASES: dict[str, Case] = {
+    "misspelled_state": Case(
+        lambda: stack(layers_1_up=_cfg(state_shardings={"wieght": {"tp": Shard(0)}})),
+        _parallelize(),
+        [
+            "layers.1.up:",
+            "'wieght'",
+            "(has: weight, bias)",
+            "did you mean 'weight'? use one of the listed",
+        ],
+        _module_fix,
+    ),
+    "dotted_path_to_nothing": Case(
+        lambda: Toy(),
+        _plan({"layers.2.mlp": _cfg(state_shardings={"up.wieght": {"tp": Shard(0)}})}),
+        [
+            "layers.2.mlp:",
+            "'up.wieght'",
+            "did you mean 'up.weight'?",
+            "dotted paths reach into submodules",
+        ],
+        _plan({"layers.2.mlp": _cfg(state_shardings={"up.weight": {"tp": Shard(0)}})}),
+    ),
+    "dotted_path_through_missing_module": Case(
+        lambda: Toy(),
+        _plan({"layers.0": _cfg(state_shardings={"attn.wq.weight": {"tp": Shard(0)}})}),
+        ["layers.0:", "'attn.wq.weight'", "attention.wq.weight", "use one of the listed names"],
+        _plan({"layers.0": _cfg(state_shardings={"attention.wq.weight": {"tp": Shard(0)}})}),
+    ),
+    "none_bias_named": Case(
+        lambda: Stack.Config(
+            layers=[
+                mlp_config(8, 16).replace(
+                    up=Linear.Config(
+                        in_features=8, out_features=16, bias=False, sharding_config=colwise()
+                    )
+                )
+            ]
+        ).build(),
+        _parallelize(),
+        ["layers.0.up:", "'bias', which is None in Linear", "drop 'bias' from state_shardings"],
+        _plan({"layers.0.up": colwise(bias=False), "layers.0.down": rowwise()}),
+    ),
+    "state_names_a_submodule": Case(
+        lambda: Toy(),
+        _plan({"layers.1.mlp": _cfg(state_shardings={"up": {"tp": Shard(0)}})}),
+        ["layers.1.mlp:", "'up', which is not a parameter or buffer", "use one of the listed"],
+        _plan(GOOD_PLAN),
+    ),
+    "in_dst_key_not_forward_arg": Case(
+        lambda: stack(layers_0_up=_cfg(in_dst_shardings={"x": TP_R})),
+        _parallelize(),
+        ["layers.0.up:", "in_dst_shardings['x']", "not an argument", "one of ['input']"],
+        _module_fix,
+    ),
+    "in_src_key_not_forward_arg": Case(
+        lambda: Toy(),
+        _plan({"layers.3.attention.wq": _cfg(in_src_shardings={"hidden": TP_R})}),
+        ["layers.3.attention.wq:", "in_src_shardings['hidden']", "one of ['input']"],
+        _plan({"layers.3.attention.wq": _cfg(in_src_shardings={"input": TP_R})}),
+    ),
+    "shard_dim_out_of_range": Case(
+        lambda: stack(layers_1_down=_cfg(state_shardings={"weight": {"tp": Shard(2)}})),
+        _parallelize(),
+        ["layers.1.down:", "axis 'tp' is", "out of range", "use a dim in [-2, 1]"],
+        _module_fix,
+    ),
+    "negative_shard_dim_out_of_range": Case(
+        lambda: Toy(),
+        _plan({"layers.0.mlp.up": _cfg(state_shardings={"weight": {"tp": Shard(-3)}})}),
+        ["layers.0.mlp.up:", "out of range for 'weight'", "use a dim in [-2, 1]"],
+        _plan({"layers.0.mlp.up": _cfg(state_shardings={"weight": {"tp": Shard(-2)}})}),
+    ),
+    "shard_dim_out_of_range_for_bias": Case(
+        lambda: Toy(),
+        _plan({"layers.0.mlp.up": _cfg(state_shardings={"bias": {"tp": Shard(1)}})}),
+        ["layers.0.mlp.up:", "'bias' with 1 dim(s)", "use a dim in [-1, 0]"],
+        _plan({"layers.0.mlp.up": _cfg(state_shardings={"bias": {"tp": Shard(0)}})}),
+    ),
+    "partial_parameter": Case(
+        lambda: stack(layers_0_down=_cfg(state_shardings={"weight": {"tp": Partial()}})),
+        _parallelize(),
+        ["layers.0.down:", "cannot be Partial", "use Shard(dim) or Replicate() for states"],
+        _module_fix,
+    ),
+    "partial_buffer": Case(
+        lambda: Toy(),
+        _plan({"layers.1": _cfg(state_shardings={"rope": {"tp": Partial()}})}),
+        ["layers.1:", "state_shardings['rope']", "cannot be Partial"],
+        _plan({"layers.1": _cfg(state_shardings={"rope": {"tp": Shard(0)}})}),
+    ),
+    "axis_case_mismatch": Case(
+        lambda: stack(layers_1_up=_cfg(state_shardings={"weight": {"TP": Shard(0)}})),
+        _parallelize(),
+        ["layers.1.up:", "not in mesh", "'TP' -> 'tp'", "name only the mesh's axes ['tp']"],
+        _module_fix,
+    ),
+    "axis_not_on_mesh_in_input": Case(
+        lambda: Toy(),
+        _plan({"layers.2.mlp.up": _cfg(in_dst_shardings={"input": {"dp": Shard(0)}})}),
+        ["layers.2.mlp.up:", "in_dst_shardings['input']", "['dp']", "mesh's axes ['tp']"],
+        _plan({"layers.2.mlp.up": _cfg(in_dst_shardings={"input": {"dp": Shard(0)}})}, "dp_tp"),
+    ),
+    "axis_not_on_mesh_in_output": Case(
+        lambda: Toy(),
+        _plan({"layers.2.mlp.down": _cfg(out_dst_shardings={"cp": Replicate()})}),
+        ["layers.2.mlp.down:", "out_dst_shardings", "['cp']", "mesh's axes ['tp']"],
+        _plan({"layers.2.mlp.down": _cfg(out_dst_shardings=TP_R)}),
+    ),
+    "axis_not_on_mesh_in_tuple_output": Case(
+        lambda: Toy(),
+        _plan({"layers.1.attention": _cfg(out_src_shardings=(TP_R, {"ep": Shard(0)}))}),
+        ["layers.1.attention:", "out_src_shardings[1]", "['ep']", "mesh's axes"],
+        _plan(
+            {
+                "layers.1.attention": _cfg(
+                    state_shardings={"wq.weight": {"tp": Shard(0)}},
+                    out_src_shardings=(TP_R, TP_R),
+                )
+            }
+        ),
+    ),
+    "mesh_without_axis_names": Case(
+        lambda: stack(),
+        _parallelize("unnamed"),
+        ["<root>: mesh:", "no mesh_dim_names", "mesh_dim_names=('dp', 'tp')"],
+        _parallelize("tp"),
+    ),
+    "mesh_not_a_device_mesh": Case(
+        lambda: stack(),
+        lambda model, meshes: model.parallelize(("tp",)),  # type: ignore[arg-type]
+        ["expected a DeviceMesh, got tuple", "init_device_mesh("],
+        _parallelize("tp"),
+        error=TypeError,
+    ),
+    "second_parallelize": Case(
+        lambda: stack(),
+        _parallelize(),
+        ["layers.0.up:", "already parallelized", "parallelize a model once"],
+        None,
+        prepare=_parallelize(),
+        num_problems=4,
+    ),
+    "parallelize_module_after_parallelize": Case(
+        lambda: stack(),
+        _plan({"layers.1.down": rowwise()}),
+        ["layers.1.down:", "already parallelized", "build a fresh model"],
+        None,
+        prepare=_parallelize(),
+    ),
+    "local_map_without_output_placement": Case(
+        lambda: (
+            attention_core_config(4)
+            .replace(
+                sharding_config=_cfg(
+                    in_dst_shardings={n: {"tp": Shard(1)} for n in "qkv"},
+                    local_map=LocalMapConfig(in_grad_placements=({"tp": Shard(1)},) * 3),
+                )
+            )
+            .build()
+        ),
+        _parallelize(),
+        ["<root>: local_map:", "needs the placement of its output", "set out_src_shardings"],
+        _plan({"": attention_core_config(4).sharding_config}),
+    ),
+    "local_map_in_grad_count_mismatch": Case(
+        lambda: (
+            attention_core_config(4)
+            .replace(
+                sharding_config=_cfg(
+                    in_dst_shardings={n: {"tp": Shard(1)} for n in "qkv"},
+                    out_src_shardings={"tp": Shard(1)},
+                    local_map=LocalMapConfig(in_grad_placements=({"tp": Shard(1)},)),
+                )
+            )
+            .build()
+        ),
+        _parallelize(),
+        [
+            "<root>: local_map.in_grad_placements:",
+            "has 1 entr",
+            "3 input(s) ['q', 'k', 'v']",
+            "one in_grad",
+        ],
+        _plan({"": attention_core_config(4).sharding_config}),
+    ),
+    "local_map_in_grad_axis_not_on_mesh": Case(
+        lambda: Toy(),
+        _plan(
+            {
+                "layers.0.mlp": _cfg(
+                    in_dst_shardings={"x": TP_R},
+                    out_src_shardings=TP_R,
+                    local_map=LocalMapConfig(in_grad_placements=({"cp": Replicate()},)),
+                )
+            }
+        ),
+        ["layers.0.mlp:", "local_map.in_grad_placements[0]", "['cp']", "mesh's axes"],
+        _plan(GOOD_PLAN),
+    ),
+    "nested_config_inside_local_map": Case(
+        lambda: Toy(),
+        _plan(
+            {
+                "layers.0.mlp": _cfg(
+                    in_dst_shardings={"x": TP_R},
+                    out_src_shardings=TP_R,
+                    local_map=LocalMapConfig(in_grad_placements=(TP_R,)),
+                ),
+                "layers.0.mlp.up": colwise(),
+            }
+        ),
+        ["layers.0.mlp.up:", "inside the local_map region of layers.0.mlp", "remove the inner"],
+        _plan(GOOD_PLAN),
+    ),
+    "tied_weight_conflicting_placements": Case(
+        lambda: tied_lm_config(12, 8).build(),
+        _plan(
+            {
+                "emb": _cfg(state_shardings={"weight": {"tp": Shard(0)}}),
+                "out": _cfg(state_shardings={"weight": {"tp": Shard(1)}}),
+            }
+        ),
+        ["out:", "out.weight is the same tensor as emb.weight (tied)", "place tied states"],
+        _plan(
+            {
+                "emb": _cfg(state_shardings={"weight": {"tp": Shard(0)}}),
+                "out": _cfg(state_shardings={"weight": {"tp": Shard(0)}}),
+            }
+        ),
+    ),
+    "tied_weight_already_dtensor_disagrees": Case(
+        lambda: tied_lm_config(12, 8).build(),
+        _plan({"out": _cfg(state_shardings={"weight": {"tp": Shard(1)}})}),
+        ["out:", "already a DTensor placed [Shard(dim=0)]", "make the config agree"],
+        _plan({"out": _cfg(state_shardings={"weight": {"tp": Shard(0)}})}),
+        prepare=_plan({"emb": _cfg(state_shardings={"weight": {"tp": Shard(0)}})}),
+    ),
+    "pattern_matches_nothing": Case(
+        lambda: Toy(),
+        _plan({"layers.3.atention.wq": colwise()}),
+        ["layers.3.atention.wq:", "matches no module", "'layers.3.attention.wq'", "real module"],
+        _plan({"layers.3.attention.wq": colwise()}),
+    ),
+    "wildcard_matches_nothing": Case(
+        lambda: Toy(),
+        _plan({"layers.*.feed_forward.up": colwise()}),
+        ["layers.*.feed_forward.up:", "matches no module", "'*' matches exactly one"],
+        _plan({"layers.*.mlp.up": colwise()}),
+    ),
+    "two_patterns_claim_one_module": Case(
+        lambda: Toy(),
+        _plan({"layers.*.mlp.up": colwise(), "layers.2.mlp.up": colwise()}),
+        ["layers.2.mlp.up:", "claimed by two plan patterns", "make the patterns disjoint"],
+        _plan({"layers.*.mlp.up": colwise()}),
+    ),
+    "plan_value_not_a_sharding_config": Case(
+        lambda: Toy(),
+        _plan({"layers.0.mlp.up": {"weight": {"tp": Shard(0)}}}),
+        ["layers.0.mlp.up:", "not a ShardingConfig", "map each module path to a ShardingConfig"],
+        _plan({"layers.0.mlp.up": _cfg(state_shardings={"weight": {"tp": Shard(0)}})}),
+    ),
+    "plan_not_a_mapping": Case(
+        lambda: Toy(),
+        _plan([("layers.0.mlp.up", colwise())]),
+        ["plan must be a dict of module path -> ShardingConfig", "got list"],
+        _plan(dict([("layers.0.mlp.up", colwise())])),
+        error=TypeError,
+    ),
+    "several_problems_in_one_error": Case(
+        lambda: Toy(),
+        _plan(
+            {
+                "layers.0.mlp.up": _cfg(state_shardings={"wieght": {"tp": Shard(0)}}),
+                "layers.1.mlp.down": _cfg(state_shardings={"weight": {"TP": Shard(1)}}),
+                "layers.2.attention.wq": _cfg(in_dst_shardings={"x": TP_R}),
+                "layers.3.attn": colwise(),
+                "layers.3.norm": _cfg(state_shardings={"weight": {"tp": Shard(1)}}),
+            }
+        ),
+        [
+            "5 problem(s)",
+            "layers.0.mlp.up: state_shardings['wieght']",
+            "layers.1.mlp.down: state_shardings['weight']",
+            "layers.2.attention.wq: in_dst_shardings['x']",
+            "layers.3.attn: plan:",
+            "layers.3.norm: state_shardings['weight']",
+        ],
+        _plan(GOOD_PLAN),
+        num_problems=5,
+    ),
+    "buffer_shard_out_of_range": Case(
+        lambda: (
+            sharded_buffer_config(8, 8)
+            .replace(sharding_config=_cfg(state_shardings={"shift": {"tp": Shard(1)}}))
+            .build()
+        ),
+        _parallelize(),
+        ["<root>: state_shardings['shift']", "out of range", "use a dim in [-1, 0]"],
+        _plan({"": _cfg(state_shardings={"shift": {"tp": Shard(0)}})}),
+    ),
+}
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _snapshot(model: nn.Module) -> dict[str, Any]:
+    return {
+        "params": {
+            n: (p, type(p), p.detach().clone(), p.requires_grad)
+            for n, p in model.named_parameters(remove_duplicate=False)
+        },
+        "buffers": {
+            n: (b, type(b), b.detach().clone())
+            for n, b in model.named_buffers(remove_duplicate=False)
+        },
+        "state_dict_keys": sorted(model.state_dict()),
+        "forwards": {n: vars(m).get("forward") for n, m in model.named_modules()},
+    }
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _assert_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
+    after = _snapshot(model)
+    assert after["params"].keys() == before["params"].keys()
+    for name, (p, kind, value, requires_grad) in before["params"].items():
+        now = after["params"][name][0]
+        assert now is p, f"parameter {name} was replaced"
+        assert type(now) is kind, f"parameter {name} changed kind"
+        assert now.requires_grad == requires_grad
+        assert torch.equal(_local(now.detach()), _local(value)), f"parameter {name} changed"
+    assert after["buffers"].keys() == before["buffers"].keys()
+    for name, (b, kind, value) in before["buffers"].items():
+        now = after["buffers"][name][0]
+        assert now is b and type(now) is kind, f"buffer {name} was replaced"
+        assert torch.equal(_local(now), _local(value)), f"buffer {name} changed"
+    assert after["state_dict_keys"] == before["state_dict_keys"]
+    assert after["forwards"] == before["forwards"], "a forward was replaced"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_malformed_call_is_refused_and_changes_nothing(name: str, meshes):
+    case = CASES[name]
+    model = case.make()
+    if case.prepare is not None:
+        case.prepare(model, meshes)
+    else:
+        assert not any(isinstance(t, DTensor) for t in model.state_dict().values())
+    before = _snapshot(model)
+    with pytest.raises(case.error) as info:
+        case.call(model, meshes)
+    message = str(info.value)
+    for text in case.expect:
+        assert text in message, f"{text!r} not in:\n{message}"
+    if isinstance(info.value, ParallelizeError):
+        assert len(info.value.findings) == case.num_problems, message
+        assert all(f.fix for f in info.value.findings)
+        assert message.count("Fix: ") == case.num_problems
+    _assert_unchanged(model, before)
+    if case.fix is not None:
+        case.fix(model, meshes)
+        assert any(isinstance(t, DTensor) for t in model.state_dict().values())
+
+
+def test_corpus_is_large_enough():
+    assert len(CASES) >= 20
+
+
+def test_refused_model_still_runs_single_device(meshes):
+    """A refused model is untouched: its forward equals that of an identical copy."""
+    model = Toy()
+    twin = copy.deepcopy(model)
+    with pytest.raises(ParallelizeError):
+        parallelize_module(
+            model, meshes["tp"], {"layers.0.mlp.up": _cfg(in_dst_shardings={"x": TP_R})}
+        )
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(model(x), twin(x), rtol=0, atol=0)
+
+
+def test_errors_are_listed_in_model_order_with_paths(meshes):
+    """``ParallelizeError.findings`` carries path, field, message and fix for tools."""
+    model = Toy()
+    with pytest.raises(ParallelizeError) as info:
+        parallelize_module(
+            model,
+            meshes["tp"],
+            {
+                "layers.2.mlp.up": _cfg(state_shardings={"bias": {"tp": Shard(3)}}),
+                "layers.0.mlp.up": _cfg(state_shardings={"bias": {"tp": Partial()}}),
+            },
+        )
+    findings = info.value.findings
+    assert [f.path for f in findings] == ["layers.0.mlp.up", "layers.2.mlp.up"]
+    assert findings[0].to_dict()["field"] == "state_shardings['bias']"
+    assert isinstance(info.value, ValueError)
+
+
+def test_uneven_state_is_a_warning_not_an_error(meshes):
+    """A state not divisible by its axis size parallelizes (uneven DTensor shards)."""
+    model = Toy()
+    parallelize_module(
+        model, meshes["tp"], {"layers.0.mlp.up": _cfg(state_shardings={"weight": {"tp": Shard(1)}})}
+    )
+    weight = model.layers[0].mlp.up.weight
+    assert isinstance(weight, DTensor) and weight.placements == (Shard(1),)
+    assert weight.shape == (16, 8)
+
+
+def test_module_types_used_by_the_corpus():
+    assert issubclass(AttentionCore, Module) and issubclass(ScaledLinear, Module)
