@@ -261,9 +261,11 @@ class Boundary:
 
     def _adapt_output(self, x: torch.Tensor, src: _Layout | None) -> torch.Tensor:
         if not isinstance(x, DTensor):
-            if src is None:
+            # Like inputs: a plain tensor is laid out as out_src, else as out_dst.
+            layout = src if src is not None else self._out_dst
+            if layout is None:
                 return x
-            x = DTensor.from_local(x, self.mesh, src.for_ndim(x.ndim), run_check=False)
+            x = DTensor.from_local(x, self.mesh, layout.for_ndim(x.ndim), run_check=False)
         if self._out_dst is not None:
             dst = self._out_dst.for_ndim(x.ndim)
             if x.placements != dst:

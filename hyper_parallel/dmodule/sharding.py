@@ -259,7 +259,9 @@ class ShardingConfig:
         in_dst_shardings: Target layout of each forward input (redistributed if needed).
         out_src_shardings: Optional source layout(s) of the forward output(s): one
             NamedPlacement, or a tuple with one per element of a tuple output.
-        out_dst_shardings: Target layout for a single tensor output.
+        out_dst_shardings: Target layout for a single tensor output (applied to each
+            tensor of a tuple output). A plain-tensor output with no ``out_src_shardings``
+            is taken to be laid out this way already, as inputs are with ``in_dst``.
         local_map: Optional :class:`LocalMapConfig`: run ``forward`` on local tensors.
         use_local_output: Hand plain local tensors back to the caller instead of DTensors.
 

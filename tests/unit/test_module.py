@@ -426,6 +426,28 @@ def test_plain_input_without_src_is_wrapped_with_dst(mesh):
     assert rec.seen["b"] == (Shard(0),)
 
 
+def test_plain_output_without_src_is_wrapped_with_dst(mesh):
+    """Outputs mirror inputs: a plain output with only ``out_dst`` is this rank's piece."""
+
+    class Local(Module):
+        @dataclass(kw_only=True, slots=True)
+        class Config(Module.Config):
+            pass
+
+        def __init__(self, config: Local.Config) -> None:
+            super().__init__()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    m = Local.Config(sharding_config=ShardingConfig(out_dst_shardings={"tp": Shard(0)})).build()
+    m.parallelize(mesh)
+    out = m(torch.ones(3, 5))
+    assert isinstance(out, DTensor)
+    assert out.placements == (Shard(0),)
+    assert tuple(out.shape) == (3 * WORLD_SIZE, 5)
+
+
 def test_parallelize_is_recursive_through_plain_wrappers(mesh):
     inner = Linear.Config(
         in_features=4,
