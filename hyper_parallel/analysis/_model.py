@@ -1,0 +1,275 @@
+"""What the analyses look at: a model config, a built model, or a model plus a plan.
+
+A :class:`Target` builds the model on the meta device (for the static checks) or
+with fake tensors (for traced runs), at full depth or with fewer identical layers,
+and lists the plan's entries the way ``parallelize`` would.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from hyper_parallel.config import Configurable
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.dmodule._boundary import parallelize_entries
+from hyper_parallel.dmodule._checks import Finding, PlanEntry
+from hyper_parallel.dmodule.module import Module
+from hyper_parallel.dmodule.plan import match_plan
+from hyper_parallel.dmodule.plan_file import load_plan
+from hyper_parallel.dmodule.sharding import ShardingConfig
+
+__all__ = ["Target", "default_inputs", "default_loss", "resolve_target"]
+
+Plan = Mapping[str, ShardingConfig]
+# Layers are traced at these two depths and extrapolated linearly (see Target.trace_depths).
+TRACE_DEPTHS = (1, 2)
+
+
+@dataclasses.dataclass
+class Target:
+    """A model to analyse and the plan that shards it.
+
+    Attributes:
+        name: Class name of the model, for reports.
+        config: The model's ``Config`` (built on demand), or ``None``.
+        model: The built model, or ``None``.
+        plan: Module path pattern → config, or ``None`` when the model's own
+            ``sharding_config``s are the plan.
+        layers_field: The config field holding the list of identical layer configs
+            (``"layers"``), when the model can be traced with fewer layers.
+        num_layers: Length of that list.
+    """
+
+    name: str
+    config: Any = None
+    model: nn.Module | None = None
+    plan: Plan | None = None
+    layers_field: str | None = None
+    num_layers: int | None = None
+
+    # ------------------------------------------------------------------ building
+
+    def _config_at(self, num_layers: int | None) -> Any:
+        if num_layers is None or self.layers_field is None:
+            return self.config
+        layers = getattr(self.config, self.layers_field)
+        return self.config.replace(**{self.layers_field: list(layers[:num_layers])})
+
+    def build_meta(self, num_layers: int | None = None) -> nn.Module:
+        """The model on the meta device (a built model is returned as it is)."""
+        if self.model is not None:
+            return self.model
+        with torch.device("meta"):
+            return self._config_at(num_layers).build()
+
+    def build_fake(
+        self, mode: FakeTensorMode, num_layers: int | None = None, dtype: torch.dtype | None = None
+    ) -> nn.Module:
+        """A copy of the model whose parameters and buffers are fake CPU tensors.
+
+        Fake tensors have shapes, dtypes and a device but no storage; FSDP2 accepts
+        them (it refuses meta parameters) and DTensor runs on them unchanged.
+
+        Args:
+            mode: The fake tensor mode the run uses.
+            num_layers: Build only the first ``num_layers`` layers (configs only).
+            dtype: Floating-point parameters and buffers are created in this dtype.
+        """
+        if self.model is None:
+            model = self.build_meta(num_layers)
+            _replace_states(model, _fake_factory(mode, dtype))
+            return model
+        # A copy that shares no storage: the memo hands deepcopy a fake tensor for
+        # every parameter and buffer, so real weights are never copied.
+        fakes = _fake_states(self.model, _fake_factory(mode, dtype))
+        memo: dict[int, Any] = {id(old): new for old, new in fakes}
+        return copy.deepcopy(self.model, memo)
+
+    # ------------------------------------------------------------------ plan
+
+    def entries(self, model: nn.Module) -> tuple[list[PlanEntry], list[Finding]]:
+        """The (path, module, config) entries ``parallelize`` would apply, and plan problems."""
+        if self.plan is not None:
+            return match_plan(model, self.plan)
+        entries = [
+            PlanEntry(path, m, m.sharding_config)
+            for path, m in model.named_modules()
+            if isinstance(m, Module) and m.sharding_config is not None
+        ]
+        return entries, []
+
+    def parallelize(
+        self, model: nn.Module, mesh: DeviceMesh, entries: Sequence[PlanEntry] | None = None
+    ) -> None:
+        """Apply the plan (or the given subset of its entries) to ``model`` on ``mesh``."""
+        if entries is None:
+            entries, findings = self.entries(model)
+        else:
+            findings = []
+        parallelize_entries(model, mesh, entries, findings)
+
+    def depth_note(self, traced: Sequence[int]) -> str:
+        return (
+            f"{self.layers_field}: traced with {' and '.join(map(str, traced))} of "
+            f"{self.num_layers} layers and extrapolated linearly (exact: every layer has the "
+            "same shapes and sharding config; the run at each depth is otherwise identical)."
+        )
+
+
+def resolve_target(model_or_config: Any, plan: Plan | str | Path | None = None) -> Target:
+    """Classify what the caller passed: a ``Config``, a built model, or a model + plan.
+
+    Raises:
+        TypeError: For anything else, or a plan that is neither a mapping nor a path.
+    """
+    if isinstance(plan, (str, Path)):
+        plan = load_plan(plan)
+    if plan is not None and not isinstance(plan, Mapping):
+        raise TypeError(
+            f"plan must be a dict of module path -> ShardingConfig or a plan file path, "
+            f"got {type(plan).__name__}."
+        )
+    if isinstance(model_or_config, nn.Module):
+        return Target(name=type(model_or_config).__name__, model=model_or_config, plan=plan)
+    if isinstance(model_or_config, Configurable.Config) and hasattr(model_or_config, "build"):
+        field, num_layers = _identical_layers(model_or_config)
+        owner = type(model_or_config).__qualname__.removesuffix(".Config")
+        return Target(
+            name=owner,
+            config=model_or_config,
+            plan=plan,
+            layers_field=field,
+            num_layers=num_layers,
+        )
+    raise TypeError(
+        f"expected a model Config (with build()) or an nn.Module, got "
+        f"{type(model_or_config).__name__}; build Hugging Face models with "
+        "hyper_parallel.hf.build_hf_model(family, device='meta') and pass a plan."
+    )
+
+
+def _identical_layers(config: Any) -> tuple[str | None, int | None]:
+    """The one list field of module configs whose entries differ only in initializers."""
+    candidates = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if (
+            isinstance(value, list)
+            and len(value) > max(TRACE_DEPTHS)
+            and all(isinstance(c, Module.Config) for c in value)
+        ):
+            candidates.append((f.name, value))
+    if len(candidates) != 1:
+        return None, None
+    name, layers = candidates[0]
+    first = _structure(layers[0])
+    if any(type(c) is not type(layers[0]) or _structure(c) != first for c in layers[1:]):
+        return None, None
+    return name, len(layers)
+
+
+def _structure(config: Any) -> Any:
+    """A config's fields without initializers (which may differ per layer)."""
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k != "param_init"}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    return strip(config.to_dict())
+
+
+# ---------------------------------------------------------------------- fake states
+
+StateFactory = Callable[[torch.Tensor, bool], torch.Tensor]
+
+
+def _fake_factory(mode: FakeTensorMode, dtype: torch.dtype | None) -> StateFactory:
+    def make(t: torch.Tensor, is_param: bool) -> torch.Tensor:
+        # Floating-point parameters and buffers alike, as ``model.to(dtype)`` casts them.
+        new_dtype = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
+        with mode:
+            fake = torch.empty(t.shape, dtype=new_dtype, device="cpu")
+            if is_param:
+                return nn.Parameter(fake, requires_grad=t.requires_grad)
+        return fake
+
+    return make
+
+
+def _fake_states(model: nn.Module, make: StateFactory) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(old, new) for every distinct parameter and buffer; tied states get one new tensor."""
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for m in model.modules():
+        for store, is_param in ((m._parameters, True), (m._buffers, False)):
+            for t in store.values():
+                if t is not None and id(t) not in seen:
+                    seen[id(t)] = (t, make(t, is_param))
+    return list(seen.values())
+
+
+def _replace_states(model: nn.Module, make: StateFactory) -> None:
+    new = {id(old): fake for old, fake in _fake_states(model, make)}
+    for m in model.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in store.items():
+                if t is not None:
+                    store[name] = new[id(t)]  # type: ignore[assignment]
+
+
+# ---------------------------------------------------------------------- inputs and loss
+
+
+def default_inputs(
+    model: nn.Module, batch_size: int, seq_len: int, mode: FakeTensorMode
+) -> tuple[torch.Tensor, ...]:
+    """Fake inputs for the model's first layer: token ids for an embedding, else features.
+
+    Raises:
+        ValueError: When the first layer with parameters is neither an
+            ``nn.Embedding`` nor an ``nn.Linear``; pass ``inputs=`` instead.
+    """
+    for path, m in model.named_modules():
+        if isinstance(m, nn.Embedding):
+            with mode:
+                return (torch.zeros(batch_size, seq_len, dtype=torch.long),)
+        if isinstance(m, nn.Linear):
+            with mode:
+                shape = (batch_size, seq_len, m.in_features)
+                return (torch.zeros(shape, dtype=m.weight.dtype),)
+        if any(p is not None for p in m._parameters.values()):
+            raise ValueError(
+                f"cannot infer the model's inputs: its first layer with parameters "
+                f"({path or '<root>'}, {type(m).__name__}) is neither an nn.Embedding (token ids) "
+                "nor an nn.Linear (features); pass inputs=(tensor, ...) explicitly."
+            )
+    raise ValueError("cannot infer the model's inputs: it has no parameters; pass inputs=.")
+
+
+def default_loss(output: Any, *inputs: Any) -> torch.Tensor:
+    """Sum of every floating-point output that requires grad (``logits.sum()``)."""
+    leaves = [
+        t
+        for t in pytree.tree_leaves(output)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+    ]
+    if not leaves:
+        raise ValueError(
+            "the model's output has no floating-point tensor that requires grad, so there is "
+            "no backward pass to trace; pass loss_fn=."
+        )
+    total = leaves[0].sum()
+    for t in leaves[1:]:
+        total = total + t.sum()
+    return total

@@ -1,0 +1,130 @@
+"""A whole mesh in one process: PyTorch's fake process group, and mesh-shape helpers.
+
+The fake backend (``torch.testing._internal.distributed.fake_pg``) accepts every
+collective at any world size and moves no data, so a 16,384-rank ``DeviceMesh``
+costs a few milliseconds. Tensors stay fake (no storage), so nothing is computed
+either: only shapes, placements and the collectives issued are real.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator, Mapping
+
+import torch.distributed as dist
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MeshShape", "fake_world", "format_mesh", "mesh_shape", "parse_mesh"]
+
+MeshShape = dict[str, int]
+"""Axis name → size, in mesh order (``{"dp": 128, "tp": 8}``)."""
+
+
+def parse_mesh(text: str) -> MeshShape:
+    """Parse ``"dp=128,tp=8"`` into ``{"dp": 128, "tp": 8}`` (mesh order kept).
+
+    Raises:
+        ValueError: For a malformed entry, a repeated axis or a size below 1.
+
+    Example::
+
+        parse_mesh("dp=2,tp=4")  # {"dp": 2, "tp": 4}
+    """
+    shape: MeshShape = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, size = part.partition("=")
+        name = name.strip()
+        if not sep or not name or not size.strip().lstrip("-").isdigit():
+            raise ValueError(
+                f"mesh {text!r}: entry {part!r} is not 'axis=size'; write e.g. 'dp=128,tp=8'."
+            )
+        if name in shape:
+            raise ValueError(f"mesh {text!r}: axis {name!r} appears twice; name each axis once.")
+        shape[name] = int(size)
+    return mesh_shape(shape)
+
+
+def mesh_shape(mesh: DeviceMesh | Mapping[str, int]) -> MeshShape:
+    """Axis sizes of a ``DeviceMesh`` or of an ``{axis: size}`` mapping, checked.
+
+    Raises:
+        ValueError: For an empty mesh, a mesh without axis names, a non-string
+            axis name or a size that is not an integer >= 1.
+    """
+    if isinstance(mesh, DeviceMesh):
+        if mesh.mesh_dim_names is None:
+            raise ValueError(
+                "the DeviceMesh has no mesh_dim_names, so named placements cannot be "
+                "resolved; create it with init_device_mesh(..., mesh_dim_names=('dp', 'tp'))."
+            )
+        return dict(zip(mesh.mesh_dim_names, mesh.shape))
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise ValueError(
+            f"mesh must be a DeviceMesh or a non-empty {{axis: size}} mapping such as "
+            f"{{'dp': 128, 'tp': 8}}, got {mesh!r}."
+        )
+    shape: MeshShape = {}
+    for axis, size in mesh.items():
+        name = str(axis.value) if hasattr(axis, "value") else axis
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"mesh axis names must be non-empty strings, got {axis!r}.")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes are integers >= 1.")
+        shape[name] = size
+    return shape
+
+
+def format_mesh(shape: Mapping[str, int]) -> str:
+    """``{"dp": 128, "tp": 8}`` → ``"dp=128 x tp=8"``."""
+    return " x ".join(f"{a}={s}" for a, s in shape.items())
+
+
+@contextlib.contextmanager
+def fake_world(shape: Mapping[str, int]) -> Iterator[DeviceMesh]:
+    """A ``DeviceMesh`` of ``shape`` over a fake process group of ``prod(shape)`` ranks.
+
+    This process is rank 0. A default process group is created when none exists and
+    destroyed on exit; an existing *fake* group of the same world size is reused.
+
+    Raises:
+        RuntimeError: When a real process group already exists (a fake world
+            cannot be created next to it); run the analysis before
+            ``init_process_group``, or in a separate process.
+    """
+    # Imported here: torch's testing package is only needed when a fake world is made.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world_size = math.prod(shape.values())
+    created = False
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        if backend != "fake" or dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"a {backend!r} process group of {dist.get_world_size()} ranks already exists; "
+                f"the analysis needs its own fake group of {world_size} ranks. Run it before "
+                "init_process_group (or in a separate process)."
+            )
+    else:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        created = True
+    try:
+        with warnings.catch_warnings():
+            _quiet_known_warnings()
+            yield init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _quiet_known_warnings() -> None:
+    """Silence torch's notes that every traced step repeats; they are not about the plan."""
+    # DTensor calls the in-place c10d collectives that torch itself marks deprecated.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    # FSDP2's notes on the model's own outputs (shown by real training runs as well).
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    warnings.filterwarnings("ignore", message=r"Full backward hook is firing")
+    # CommDebugMode's module tracker hooks modules whose outputs are not tensors (HF outputs).
+    warnings.filterwarnings("ignore", message=r"For backward hooks to be called")

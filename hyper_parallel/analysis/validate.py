@@ -1,0 +1,775 @@
+"""Validate a model, its sharding plan and a mesh shape, before any process group exists.
+
+:func:`validate` reports every problem in one call, each with its module path:
+
+- everything ``parallelize`` would reject (the same checks, reused), and plan
+  patterns that match nothing;
+- sharded dimensions that do not divide by their axis size (states, and the
+  activations that reach a sharded input);
+- parameters no config covers (left plain, replicated in full on every rank) and
+  parameters a configured module replicates implicitly;
+- every redistribution at a module boundary — where the tensor a module receives
+  is placed differently from what it declared — with the collective it costs;
+  undeclared ones (the arriving layout is not the module's ``in_src``) are
+  warnings, as is a *local* tensor read back under a different layout;
+- a forward pass that fails once the plan is applied.
+
+The boundary analysis runs the model once, forward only, on fake tensors over a fake
+process group of the mesh's size (nothing is allocated or computed), following each
+tensor from the module that produced it to the module that reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Placement, Shard
+from hyper_parallel.dmodule._checks import (
+    BOUNDARY_ATTR,
+    Finding,
+    ParallelizeError,
+    PlanEntry,
+    check_entries,
+    forward_signature,
+    get_state,
+)
+from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
+from hyper_parallel.dmodule.types import NamedPlacement
+
+from ._format import human_bytes, layer_pattern, placement_text, table
+from ._model import Target, default_inputs, resolve_target
+from ._world import MeshShape, fake_world, format_mesh, mesh_shape
+from .collectives import ALL_GATHER, redistribution_collectives
+
+__all__ = ["Redistribution", "ValidationReport", "validate"]
+
+# Axes over which a batch is split by the data loader, not by a plan.
+_DATA_AXES = frozenset({"dp", "dp_replicate", "dp_shard", "fsdp"})
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """A tensor that reaches a module placed differently from what the module needs.
+
+    Attributes:
+        path: The module that receives it.
+        field: ``in_dst_shardings['x']``.
+        source: The module whose output it is (through any ops in between), if any.
+        arrives: Placement per mesh axis as it arrives.
+        needs: Placement per mesh axis the module declared (``in_dst``).
+        collectives: ``[{"kind", "axis", "bytes"}]`` DTensor issues to move it.
+        declared: The module's ``in_src`` names the arriving layout (an intended
+            redistribution); otherwise it is reported as a warning.
+    """
+
+    path: str
+    field: str
+    source: str | None
+    arrives: dict[str, str]
+    needs: dict[str, str]
+    collectives: list[dict[str, Any]]
+    declared: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "field": self.field,
+            "source": self.source,
+            "arrives": self.arrives,
+            "needs": self.needs,
+            "collectives": self.collectives,
+            "declared": self.declared,
+        }
+
+
+@dataclass
+class ValidationReport:
+    """Everything :func:`validate` found.
+
+    Attributes:
+        model: The model's class name.
+        mesh: Axis → size.
+        findings: Every problem, errors first, each with severity, path, field,
+            message and fix. Severities: ``error`` (``parallelize`` refuses it or
+            the forward fails), ``warning`` (runs, but probably not as meant),
+            ``info`` (worth knowing).
+        redistributions: Every redistribution at a module boundary seen in the
+            traced forward pass, declared or not.
+        traced: Whether the boundary analysis ran.
+        notes: How the analysis was done.
+    """
+
+    model: str
+    mesh: MeshShape
+    findings: list[Finding] = field(default_factory=list)
+    redistributions: list[Redistribution] = field(default_factory=list)
+    traced: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "warning"]
+
+    @property
+    def infos(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "info"]
+
+    @property
+    def ok(self) -> bool:
+        """No errors (warnings allowed)."""
+        return not self.errors
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return {
+            "model": self.model,
+            "mesh": dict(self.mesh),
+            "world_size": math.prod(self.mesh.values()),
+            "ok": self.ok,
+            "num_errors": len(self.errors),
+            "num_warnings": len(self.warnings),
+            "findings": [f.to_dict() for f in self.findings],
+            "redistributions": [r.to_dict() for r in self.redistributions],
+            "traced": self.traced,
+            "notes": list(self.notes),
+        }
+
+    def to_table(self, *, verbose: bool = False) -> str:
+        """Findings for people; identical findings on every layer are folded into one line.
+
+        Args:
+            verbose: List ``info`` findings and every redistribution too.
+        """
+        out = [f"validate: {self.model} on {format_mesh(self.mesh)}"]
+        shown = [f for f in self.findings if verbose or f.severity != "info"]
+        for (severity, path, fld), group in _fold(shown):
+            first = group[0]
+            count = f" (x{len(group)})" if len(group) > 1 else ""
+            out += ["", f"{severity.upper()} {path or '<root>'}{count} {fld}".rstrip()]
+            message, fix = first.message, first.fix
+            if len(group) > 1:
+                message, fix = layer_pattern(message), layer_pattern(fix)
+            out += [f"    {message}", f"    fix: {fix}"]
+        if self.redistributions:
+            out += [
+                "",
+                "Redistributions at module boundaries"
+                + ("" if verbose else " (numbered layers folded into '*'; --verbose lists each)")
+                + ":",
+                self._redistribution_table(fold=not verbose),
+            ]
+        out += [""] + [f"note: {n}" for n in self.notes]
+        num_declared = sum(r.declared for r in self.redistributions)
+        out.append(
+            f"{'OK' if self.ok else 'FAILED'}: {len(self.errors)} error(s), "
+            f"{len(self.warnings)} warning(s), {len(self.infos)} info; "
+            f"{len(self.redistributions)} boundary redistribution(s) "
+            f"({num_declared} declared)."
+        )
+        return "\n".join(out)
+
+    def _redistribution_table(self, *, fold: bool) -> str:
+        rows: dict[tuple[str, ...], int] = {}
+        for r in self.redistributions:
+            cost = ", ".join(
+                f"{c['kind']} on {c['axis']} ({human_bytes(c['bytes'])})" for c in r.collectives
+            )
+            row = (
+                r.path,
+                r.field,
+                r.source or "-",
+                _axes_text(r.arrives),
+                _axes_text(r.needs),
+                cost or "none (local)",
+                "declared" if r.declared else "implicit",
+            )
+            if fold:
+                row = (layer_pattern(row[0]), row[1], layer_pattern(row[2]), *row[3:])
+            rows[row] = rows.get(row, 0) + 1
+        return table(
+            ["module", "input", "from", "arrives", "needs", "costs", "kind", "count"],
+            [(*row, n) for row, n in rows.items()],
+            right=(7,),
+        )
+
+    def __str__(self) -> str:
+        return self.to_table()
+
+
+def _fold(findings: Sequence[Finding]) -> list[tuple[tuple[str, str, str], list[Finding]]]:
+    groups: dict[tuple[str, str, str, str], list[Finding]] = {}
+    for f in findings:
+        key = (f.severity, layer_pattern(f.path), f.field, layer_pattern(f.message))
+        groups.setdefault(key, []).append(f)
+    folded = []
+    for (severity, pattern, fld, _), group in groups.items():
+        path = group[0].path if len(group) == 1 else pattern
+        folded.append(((severity, path, fld), group))
+    return folded
+
+
+def _axes_text(placements: Mapping[str, str]) -> str:
+    """``{dp: Replicate(), tp: Shard(1)}`` → ``"tp: Shard(1)"`` (replicated axes left out)."""
+    shown = {a: p for a, p in placements.items() if p != "Replicate()"}
+    if not shown:
+        return "Replicate()"
+    return ", ".join(f"{a}: {p}" for a, p in shown.items())
+
+
+# ---------------------------------------------------------------------- validate
+
+
+def validate(
+    model_or_config: Any,
+    mesh: DeviceMesh | Mapping[str, int],
+    plan: Mapping[str, ShardingConfig] | str | Path | None = None,
+    *,
+    inputs: Sequence[torch.Tensor] | None = None,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    trace: bool = True,
+) -> ValidationReport:
+    """Check a model + plan + mesh shape and report every problem at once.
+
+    No process group is needed: the mesh is given by its axis sizes. The static
+    checks run on the model built on the meta device; the boundary analysis runs
+    one forward pass on fake tensors over a fake process group of the mesh's size
+    (skipped, with a note, when a real process group already exists).
+
+    Args:
+        model_or_config: A model ``Config`` (built on the meta device), a model
+            built from ``Module`` configs (its ``sharding_config``s are the plan), or
+            any ``nn.Module`` together with ``plan``.
+        mesh: Axis sizes in mesh order (``{"dp": 128, "tp": 8}``) or a DeviceMesh.
+        plan: Module path pattern → ShardingConfig, or a ``.yaml``/``.json`` plan file.
+        inputs: Example inputs for the traced forward; by default token ids
+            ``(batch_size, seq_len)`` for a model that starts with an embedding, or
+            features for one that starts with a linear layer.
+        batch_size: Batch size of the default inputs.
+        seq_len: Sequence length of the default inputs; default twice the product of
+            the non-data-parallel axis sizes (at least 16), so sequence sharding divides.
+        trace: Run the boundary analysis (a forward pass on fake tensors).
+
+    Returns:
+        A :class:`ValidationReport`; ``report.ok`` is ``False`` when there are errors.
+
+    Raises:
+        ValueError: For a malformed mesh.
+        TypeError: For a model that is neither a Config nor an ``nn.Module``.
+
+    Example::
+
+        from hyper_parallel.analysis import validate
+        from hyper_parallel.dmodule import get_spec
+
+        spec = get_spec("llama3-8b")
+        report = validate(spec.extras["tp"](spec.config()), {"dp": 16, "tp": 8})
+        print(report.to_table())
+    """
+    shape = mesh_shape(mesh)
+    target = resolve_target(model_or_config, plan)
+    report = ValidationReport(model=target.name, mesh=shape)
+    model = target.build_meta()
+    entries, plan_findings = target.entries(model)
+    axes = tuple(shape)
+    findings = [*plan_findings, *check_entries(entries, axes, shape)]
+    findings += _coverage(model, entries, axes)
+    if trace:
+        if seq_len is None:
+            others = math.prod(s for a, s in shape.items() if a not in _DATA_AXES)
+            seq_len = max(16, 2 * others)
+        findings += _trace(target, shape, findings, report, inputs, batch_size, seq_len)
+    order = {"error": 0, "warning": 1, "info": 2}
+    report.findings = sorted(findings, key=lambda f: order.get(f.severity, 3))
+    return report
+
+
+# ---------------------------------------------------------------------- coverage
+
+
+def _coverage(
+    model: nn.Module, entries: Sequence[PlanEntry], axes: tuple[str, ...]
+) -> list[Finding]:
+    """Parameters that no config names: plain (uncovered) or implicitly replicated."""
+    named: set[int] = set()
+    for e in entries:
+        for key in e.config.state_shardings:
+            t = get_state(e.module, key)
+            if t is not None:
+                named.add(id(t))
+    configured = {id(e.module) for e in entries}
+    findings, seen = [], set()
+    replicated = {a: "Replicate()" for a in axes}
+    for path, m in model.named_modules():
+        for name, p in m._parameters.items():
+            if p is None or id(p) in seen or id(p) in named:
+                continue
+            seen.add(id(p))
+            where = f"{path}.{name}" if path else name
+            size = f"{tuple(p.shape)}, {p.numel():,} elements"
+            if id(m) in configured:
+                findings.append(
+                    Finding(
+                        "info",
+                        path,
+                        f"state_shardings[{name!r}]",
+                        f"parameter {name!r} {size} is not named in state_shardings, so it is "
+                        f"replicated implicitly ({replicated}).",
+                        f"name it in state_shardings to shard it (e.g. {{{name!r}: "
+                        f"{{'{axes[-1]}': Shard(0)}}}}), or leave it replicated.",
+                    )
+                )
+            else:
+                findings.append(
+                    Finding(
+                        "warning",
+                        path,
+                        "",
+                        f"parameter {where!r} {size} is covered by no sharding config: it stays "
+                        "a plain tensor, replicated in full on every rank.",
+                        f"add a config for {path or '<root>'!r} (state_shardings={{{name!r}: "
+                        "...}), or keep it replicated knowingly.",
+                    )
+                )
+    return findings
+
+
+# ---------------------------------------------------------------------- boundary trace
+
+
+@dataclass(frozen=True)
+class _Label:
+    """Where a tensor came from: the configured module that produced it, and its layout."""
+
+    path: str
+    seq: int
+    placements: tuple[Placement, ...] | None  # shard dims stored negative (from the end)
+    local: bool  # handed on as a plain local tensor
+
+
+def _from_end(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
+    return tuple(
+        Shard(p.dim - ndim if p.dim >= 0 else p.dim) if isinstance(p, Shard) else p
+        for p in placements
+    )
+
+
+def _normalized(placements: Sequence[Placement], ndim: int) -> tuple[Placement, ...]:
+    return tuple(
+        Shard(p.dim + ndim if p.dim < 0 else p.dim) if isinstance(p, Shard) else p
+        for p in placements
+    )
+
+
+class _Provenance(TorchFunctionMode):
+    """Labels every op's outputs with the most recent producer among its inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.labels: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # The newest DTensor an op produced: what a module turns into its local output.
+        self.last_dtensor: DTensor | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(out, DTensor):
+            self.last_dtensor = out
+        newest: _Label | None = None
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                label = self.labels.get(t)
+                if label is not None and (newest is None or label.seq > newest.seq):
+                    newest = label
+        if newest is not None:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    old = self.labels.get(t)
+                    if old is None or old.seq < newest.seq:
+                        self.labels[t] = newest
+        return out
+
+
+class _BoundaryTracer:
+    """Forward hooks on the configured modules, comparing what arrives with what is declared."""
+
+    def __init__(self, entries: Sequence[PlanEntry], shape: MeshShape) -> None:
+        self.entries = {id(e.module): e for e in entries}
+        self.shape = shape
+        self.axes = tuple(shape)
+        self.provenance = _Provenance()
+        self.counter = itertools.count()
+        self.findings: list[Finding] = []
+        self.redistributions: list[Redistribution] = []
+        self.stack: list[str] = []
+        self.names: dict[int, str] = {}
+
+    @contextlib.contextmanager
+    def active(self, model: nn.Module) -> Iterator[None]:
+        self.names = {id(m): p for p, m in model.named_modules()}
+        handles = [
+            register_module_forward_pre_hook(self._push),
+            register_module_forward_hook(self._pop),
+        ]
+        for e in self.entries.values():
+            handles.append(e.module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            handles.append(e.module.register_forward_hook(self._post_hook))
+        try:
+            with self.provenance:
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def current_path(self) -> str | None:
+        return self.stack[-1] if self.stack else None
+
+    # hooks ----------------------------------------------------------------
+
+    def _push(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(self.names.get(id(module), type(module).__name__))
+
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def _pre_hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._check_inputs(self.entries[id(module)], args, kwargs)
+
+    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        entry = self.entries[id(module)]
+        config = entry.config
+        declared = config.out_dst_shardings or config.out_src_shardings
+        seq = next(self.counter)
+        outputs = pytree.tree_leaves(output)
+        tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+        for i, t in enumerate(tensors):
+            if isinstance(t, DTensor):
+                label = _Label(entry.path, seq, _from_end(t.placements, t.ndim), False)
+            else:
+                placements = self._local_layout(declared, i, t)
+                if placements is None:
+                    continue
+                label = _Label(entry.path, seq, _from_end(placements, t.ndim), True)
+            self.provenance.labels[t] = label
+
+    def _local_layout(
+        self, declared: Any, index: int, local: torch.Tensor
+    ) -> tuple[Placement, ...] | None:
+        """Layout of a local output: as declared, else that of the DTensor it was taken from."""
+        named = declared[index] if isinstance(declared, tuple) else declared
+        if isinstance(named, Mapping):
+            return tuple(resolve_placements(named, self.axes))
+        last = self.provenance.last_dtensor
+        if (
+            last is not None
+            and last.device_mesh.mesh_dim_names == self.axes
+            and last.to_local().shape == local.shape
+        ):
+            return tuple(last.placements)
+        return None
+
+    # checks ---------------------------------------------------------------
+
+    def _check_inputs(self, entry: PlanEntry, args: tuple[Any, ...], kwargs: dict) -> None:
+        config = entry.config
+        src_map = config.in_src_shardings or {}
+        dst_map = config.in_dst_shardings or {}
+        names = [*dst_map, *(k for k in src_map if k not in dst_map)]
+        if not names:
+            return
+        try:
+            sig = forward_signature(entry.module)
+            bound = sig.bind_partial(*args, **kwargs).arguments
+        except (TypeError, ValueError):
+            return
+        var_kw = next((p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+        extra = bound.get(var_kw, {}) if var_kw is not None else {}
+        for name in names:
+            value = bound.get(name, extra.get(name))
+            if not isinstance(value, torch.Tensor):
+                continue
+            dst = self._resolve(dst_map.get(name), value.ndim)
+            src = self._resolve(src_map.get(name), value.ndim)
+            label = self.provenance.labels.get(value)
+            if isinstance(value, DTensor):
+                self._check_dtensor(entry, name, value, src, dst, label)
+            else:
+                self._check_local(entry, name, value, src or dst, label)
+                if src is not None and dst is not None and src != dst:
+                    # Wrapped as src, then redistributed to dst, as the module declares.
+                    local_bytes = value.numel() * value.element_size()
+                    self._record(entry, name, src, dst, local_bytes, True, label)
+            if dst is not None:
+                self._check_divisible(entry, name, value, dst)
+
+    def _resolve(self, named: NamedPlacement | None, ndim: int) -> tuple[Placement, ...] | None:
+        if named is None:
+            return None
+        return _normalized(resolve_placements(named, self.axes), ndim)
+
+    def _texts(self, placements: Sequence[Placement]) -> dict[str, str]:
+        return {a: placement_text(p) for a, p in zip(self.axes, placements)}
+
+    def _check_dtensor(
+        self,
+        entry: PlanEntry,
+        name: str,
+        value: DTensor,
+        src: tuple[Placement, ...] | None,
+        dst: tuple[Placement, ...] | None,
+        label: _Label | None,
+    ) -> None:
+        if dst is None or value.device_mesh.mesh_dim_names != self.axes:
+            return
+        arrives = _normalized(value.placements, value.ndim)
+        if arrives == dst:
+            return
+        declared = src is not None and arrives == src
+        local_bytes = value.to_local().numel() * value.element_size()
+        collectives = self._record(entry, name, arrives, dst, local_bytes, declared, label)
+        source = label.path if label is not None else None
+        field_name = f"in_dst_shardings[{name!r}]"
+        if declared:
+            return
+        cost = ", ".join(
+            f"{c['kind']} on {c['axis']} ({human_bytes(c['bytes'])} per call)" for c in collectives
+        )
+        origin = f"the output of {source}" if source else "the value passed in"
+        self.findings.append(
+            Finding(
+                "warning",
+                entry.path,
+                field_name,
+                f"input {name!r} arrives as {_axes_text(self._texts(arrives))} ({origin}) but the "
+                f"module needs {_axes_text(self._texts(dst))}: an implicit redistribution costing "
+                f"{cost or 'no collective (a local slice)'}.",
+                f"if intended, declare in_src_shardings[{name!r}] = "
+                f"{_axes_text(self._texts(arrives))} to document it; otherwise make "
+                f"{source or 'the producer'}'s out_dst_shardings match.",
+            )
+        )
+
+    def _record(
+        self,
+        entry: PlanEntry,
+        name: str,
+        arrives: tuple[Placement, ...],
+        dst: tuple[Placement, ...],
+        local_bytes: int,
+        declared: bool,
+        label: _Label | None,
+    ) -> list[dict[str, Any]]:
+        collectives = [
+            {
+                "kind": kind,
+                "axis": axis,
+                "bytes": local_bytes * self.shape[axis] if kind == ALL_GATHER else local_bytes,
+            }
+            for kind, axis in redistribution_collectives(arrives, dst, self.axes)
+        ]
+        self.redistributions.append(
+            Redistribution(
+                entry.path,
+                f"in_dst_shardings[{name!r}]",
+                label.path if label is not None else None,
+                self._texts(arrives),
+                self._texts(dst),
+                collectives,
+                declared,
+            )
+        )
+        return collectives
+
+    def _check_local(
+        self,
+        entry: PlanEntry,
+        name: str,
+        value: torch.Tensor,
+        reads_as: tuple[Placement, ...] | None,
+        label: _Label | None,
+    ) -> None:
+        if reads_as is None or label is None or not label.local or label.placements is None:
+            return
+        produced = _normalized(label.placements, value.ndim)
+        if produced == reads_as:
+            return
+        self.findings.append(
+            Finding(
+                "warning",
+                entry.path,
+                f"in_src_shardings[{name!r}]"
+                if entry.config.in_src_shardings
+                else (f"in_dst_shardings[{name!r}]"),
+                f"input {name!r} is the local tensor {label.path} handed on as "
+                f"{_axes_text(self._texts(produced))} (use_local_output), but this module reads "
+                f"it as {_axes_text(self._texts(reads_as))}: no communication happens and the "
+                "values are misread.",
+                f"make {name!r}'s in_src (or in_dst) {_axes_text(self._texts(produced))}, or "
+                f"change {label.path}'s out_dst_shardings.",
+            )
+        )
+
+    def _check_divisible(
+        self, entry: PlanEntry, name: str, value: torch.Tensor, dst: tuple[Placement, ...]
+    ) -> None:
+        divisors: dict[int, int] = {}
+        for axis, p in zip(self.axes, dst):
+            if isinstance(p, Shard) and p.dim < value.ndim:
+                divisors[p.dim] = divisors.get(p.dim, 1) * self.shape[axis]
+        for dim, divisor in divisors.items():
+            size = value.shape[dim]
+            if divisor > 1 and size % divisor:
+                self.findings.append(
+                    Finding(
+                        "warning",
+                        entry.path,
+                        f"in_dst_shardings[{name!r}]",
+                        f"input {name!r} dim {dim} has size {size} in the traced forward, not "
+                        f"divisible by {divisor}; shards will be uneven.",
+                        "choose batch/sequence sizes divisible by the axis size.",
+                    )
+                )
+
+
+def _trace(
+    target: Target,
+    shape: MeshShape,
+    static: Sequence[Finding],
+    report: ValidationReport,
+    inputs: Sequence[torch.Tensor] | None,
+    batch_size: int,
+    seq_len: int,
+) -> list[Finding]:
+    """Run the parallelized model forward once on fake tensors; return the findings."""
+    mode = FakeTensorMode()
+    model = target.build_fake(mode)
+    entries, _ = target.entries(model)
+    if any(getattr(e.module, BOUNDARY_ATTR, None) is not None for e in entries):
+        report.notes.append("boundary analysis skipped: the model is already parallelized.")
+        return []
+    broken = {f.path for f in static if f.severity == "error"}
+    kept = [e for e in entries if e.path not in broken]
+    if len(kept) < len(entries):
+        report.notes.append(
+            f"boundary analysis ran without the {len(entries) - len(kept)} module config(s) "
+            "that have errors."
+        )
+    try:
+        with fake_world(shape) as mesh:
+            return _trace_on(
+                target, model, mesh, kept, shape, report, inputs, batch_size, seq_len, mode
+            )
+    except RuntimeError as e:
+        if "process group" not in str(e):
+            raise
+        report.notes.append(f"boundary analysis skipped: {e}")
+        return []
+
+
+def _trace_on(
+    target: Target,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    entries: Sequence[PlanEntry],
+    shape: MeshShape,
+    report: ValidationReport,
+    inputs: Sequence[torch.Tensor] | None,
+    batch_size: int,
+    seq_len: int,
+    mode: FakeTensorMode,
+) -> list[Finding]:
+    try:
+        args = _fake_inputs(inputs, mode) if inputs is not None else None
+        if args is None:
+            args = default_inputs(model, batch_size, seq_len, mode)
+    except ValueError as e:
+        report.notes.append(f"boundary analysis skipped: {e}")
+        return []
+    try:
+        target.parallelize(model, mesh, entries)
+    except ParallelizeError as e:
+        report.notes.append(f"boundary analysis skipped: the plan could not be applied: {e}")
+        return []
+    tracer = _BoundaryTracer(entries, shape)
+    try:
+        with tracer.active(model), mode:
+            model(*args)
+    except Exception as e:  # any failure of the forward is a finding
+        path = tracer.current_path()
+        reason = _plain_forward_failure(target, args, mode)
+        if reason is not None:
+            report.notes.append(
+                f"boundary analysis skipped: the example inputs do not fit the model even "
+                f"without the plan ({reason}); pass inputs=."
+            )
+            return []
+        tracer.findings.append(
+            Finding(
+                "error",
+                path or "",
+                "forward",
+                f"the forward pass fails once the plan is applied "
+                f"(traced on fake tensors, inputs {[tuple(a.shape) for a in args]}): "
+                f"{type(e).__name__}: {_first_lines(str(e))}",
+                "fix the placements of this module and its neighbours so the shapes agree.",
+            )
+        )
+    report.traced = True
+    report.redistributions = tracer.redistributions
+    report.notes.append(
+        f"boundary analysis: one forward pass on fake tensors over a fake process group of "
+        f"{math.prod(shape.values())} ranks, inputs {[tuple(a.shape) for a in args]}."
+    )
+    return tracer.findings
+
+
+def _plain_forward_failure(
+    target: Target, args: Sequence[torch.Tensor], mode: FakeTensorMode
+) -> str | None:
+    """Why the model without its plan cannot run on ``args`` (``None`` when it can)."""
+    model = target.build_fake(mode)
+    try:
+        with mode:
+            model(*args)
+    except Exception as e:
+        return f"{type(e).__name__}: {_first_lines(str(e))}"
+    return None
+
+
+def _fake_inputs(inputs: Sequence[torch.Tensor], mode: FakeTensorMode) -> tuple[torch.Tensor, ...]:
+    out = []
+    for t in inputs:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"inputs must be tensors, got {type(t).__name__}.")
+        with mode:
+            out.append(torch.zeros(t.shape, dtype=t.dtype))
+    return tuple(out)
+
+
+def _first_lines(text: str, limit: int = 400) -> str:
+    text = " ".join(text.strip().splitlines()[:3])
+    return text if len(text) <= limit else text[: limit - 1] + "…"

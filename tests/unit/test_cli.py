@@ -1,0 +1,171 @@
+"""The ``hyper-parallel`` command line: subcommands, exit codes, JSON keys, tables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyper_parallel.cli import main
+
+PLANS = Path(__file__).resolve().parents[2] / "examples" / "plans"
+PLAN_KEYS = {
+    "model",
+    "world_size",
+    "mesh",
+    "num_params",
+    "per_rank_bytes",
+    "collectives",
+    "modules",
+}
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_models_lists_the_registry(capsys):
+    code, out, _ = run_cli(capsys, "models")
+    assert code == 0
+    for name in ("llama3-debug", "llama3-8b", "llama3-70b", "llama3-405b"):
+        assert name in out
+    code, out, _ = run_cli(capsys, "models", "--format", "json")
+    assert {
+        "name": "llama3-70b",
+        "description": "Llama 3 70B shapes",
+        "shardings": ["tp", "tp_sp"],
+    } in json.loads(out)
+
+
+def test_plan_json_keys_and_values(capsys):
+    code, out, _ = run_cli(
+        capsys, "plan", "--model", "llama3-debug", "--mesh", "dp=2,tp=2", "--seq", "32",
+        "--format", "json",
+    )  # fmt: skip
+    assert code == 0
+    d = json.loads(out)
+    assert set(d) >= PLAN_KEYS
+    assert d["model"] == "llama3-debug" and d["world_size"] == 4
+    assert d["mesh"] == {"dp": 2, "tp": 2}
+    assert set(d["per_rank_bytes"]) == {"params", "grads", "optimizer", "total"}
+    rb = d["per_rank_bytes"]
+    assert rb["total"] == rb["params"] + rb["grads"] + rb["optimizer"]
+    kinds = {(c["kind"], c["axis"], c["phase"]) for c in d["collectives"]}
+    assert ("all_gather", "dp", "forward") in kinds and ("all_reduce", "tp", "forward") in kinds
+    assert all({"kind", "axis", "phase", "count", "bytes"} <= set(c) for c in d["collectives"])
+    assert d["modules"][0]["path"] == "tok_embeddings"
+    assert d["seq_len"] == 32 and d["fsdp"] is True and d["param_dtype"] == "float32"
+
+
+def test_plan_table_sp_no_fsdp_bf16(capsys):
+    code, out, _ = run_cli(
+        capsys, "plan", "--model", "llama3-debug", "--mesh", "dp=2,tp=2", "--seq", "32",
+        "--sp", "--no-fsdp", "--dtype", "bf16",
+    )  # fmt: skip
+    assert code == 0
+    assert out.splitlines()[-1].startswith("Summary: 131,392 parameters on 4 ranks")
+    assert "no FSDP" in out.splitlines()[0] and "bfloat16" in out.splitlines()[0]
+    rows = [line.split() for line in out.splitlines()]
+    assert ["forward", "reduce_scatter", "tp"] in [r[:3] for r in rows]
+    assert ["backward", "all_reduce", "(computed)", "dp"] in [r[:4] for r in rows]
+
+
+def test_plan_hugging_face_with_plan_file(capsys):
+    pytest.importorskip("transformers")
+    code, out, _ = run_cli(
+        capsys, "plan", "--hf-model", "llama", "--plan", str(PLANS / "hf_llama_tp.yaml"),
+        "--mesh", "dp=2,tp=2", "--format", "json",
+    )  # fmt: skip
+    assert code == 0
+    d = json.loads(out)
+    assert d["model"] == "hf:llama" and d["world_size"] == 4 and d["seq_len"] == 64
+
+
+def test_validate_ok_and_errors_exit_codes(capsys):
+    code, out, _ = run_cli(capsys, "validate", "--model", "llama3-debug", "--mesh", "dp=2,tp=2")
+    assert code == 0
+    assert out.splitlines()[-1].startswith("OK: 0 error(s)")
+    # 4 key/value heads cannot be split over tp=8: the traced forward fails.
+    code, out, _ = run_cli(
+        capsys, "validate", "--model", "llama3-debug", "--mesh", "tp=8", "--format", "json"
+    )
+    assert code == 1
+    d = json.loads(out)
+    assert d["ok"] is False and d["num_errors"] >= 1 and d["mesh"] == {"tp": 8}
+    assert {"severity", "path", "field", "message", "fix"} <= set(d["findings"][0])
+
+
+def test_validate_hugging_face_plan_files(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    good = str(PLANS / "hf_llama_tp.yaml")
+    code, _, _ = run_cli(
+        capsys, "validate", "--hf-model", "llama", "--plan", good, "--mesh", "tp=2"
+    )
+    assert code == 0
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(
+        "model.layers.*.self_attn.q_proj:\n"
+        "  state_shardings: {wieght: {tp: Shard(0)}}\n"
+        "model.layers.*.mlp.gate:\n"
+        "  state_shardings: {weight: {tp: Shard(0)}}\n"
+    )
+    code, out, _ = run_cli(
+        capsys, "validate", "--hf-model", "llama", "--plan", str(broken), "--mesh", "tp=2"
+    )
+    assert code == 1
+    assert "ERROR model.layers.*.self_attn.q_proj (x2) state_shardings['wieght']" in out
+    assert "ERROR model.layers.*.mlp.gate plan" in out
+
+
+def test_plan_refuses_an_invalid_plan_with_exit_1(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("lm_head:\n  state_shardings: {weight: {TP: Shard(0)}}\n")
+    code, _, err = run_cli(
+        capsys, "plan", "--hf-model", "llama", "--plan", str(broken), "--mesh", "tp=2"
+    )
+    assert code == 1
+    assert "hyper-parallel validate" in err and "not in mesh" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--model", "nope", "--mesh", "tp=2"], "no model named 'nope'"),
+        (["plan", "--model", "llama3-debug", "--mesh", "dp=2", "--sp"], "--sp"),
+        (["validate", "--model", "llama3-debug", "--mesh", "tp=2", "--plan", "x.txt"], "suffix"),
+    ],
+)
+def test_usage_errors_exit_2(capsys, argv, message):
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err
+
+
+def test_malformed_mesh_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "llama3-debug", "--mesh", "dp:2"])
+    assert e.value.code == 2
+    assert "not 'axis=size'" in capsys.readouterr().err
+
+
+def test_demo_delegates_to_the_trainer(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    assert e.value.code == 0
+    assert "--steps" in capsys.readouterr().out
+
+
+def test_console_entry_point_exit_code():
+    result = subprocess.run(
+        [sys.executable, "-m", "hyper_parallel.cli", "validate", "--model", "llama3-debug",
+         "--mesh", "tp=8", "--format", "json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert json.loads(result.stdout)["ok"] is False

@@ -1,0 +1,329 @@
+"""dry_run(): sharding, per-rank memory and collectives of one step, against formulas.
+
+Fake tier: fake process group + fake tensors + CommDebugMode, in this process.
+
+Notation (Llama 3 decoder, fp32): V vocab, D dim, L layers, H heads, KV key/value
+heads, hd = D / H, F feed-forward width, B batch, S sequence length.
+
+- parameters: 2 V D (embedding, output) + D (final norm)
+  + L (2 D [norms] + 2 D^2 [wq, wo] + 2 D KV hd [wk, wv] + 3 D F [w1, w2, w3]);
+- tensor parallelism shards everything but the norms over tp ("sharded" S_p, the
+  rest R_p = D (2 L + 1)); FSDP2 shards every tensor over dp on top;
+- Megatron TP per layer (Shoeybi et al., 2019): forward 2 all-reduces of the
+  (B, S, D) activations (after wo and w2), backward 2 (input gradients of the
+  attention and feed-forward blocks);
+- TP + SP per layer (Korthikanti et al., 2022): forward and backward each 2
+  all-gathers and 2 reduce-scatters of (B, S, D), plus in backward 2 all-reduces of
+  the norm weights' gradients (D each);
+- FSDP2, one unit per layer plus the root: forward L + 1 all-gathers, backward L
+  all-gathers (the root stays gathered) and L + 1 reduce-scatters; a layer's
+  all-gather fills its tp-local parameters gathered over dp: 4 (S_layer / tp + 2 D).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hyper_parallel.analysis import DryRunReport, dry_run
+from hyper_parallel.analysis.memory import ddp_num_buckets
+from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+from hyper_parallel.dmodule import ShardingConfig, get_spec
+
+FP32 = 4
+DEBUG = get_spec("llama3-debug")
+V, D, H, KV, F = 256, 64, 8, 4, 192  # llama3-debug
+HD = D // H
+
+
+def layer_numel(d: int, heads: int, kv_heads: int, ffn: int) -> tuple[int, int]:
+    """(tp-sharded, tp-replicated) parameters of one layer."""
+    hd = d // heads
+    sharded = 2 * d * d + 2 * d * kv_heads * hd + 3 * d * ffn
+    return sharded, 2 * d
+
+
+def model_numel(vocab: int, d: int, layers: int, heads: int, kv_heads: int, ffn: int) -> int:
+    sharded, replicated = layer_numel(d, heads, kv_heads, ffn)
+    return 2 * vocab * d + d + layers * (sharded + replicated)
+
+
+PRESETS = {
+    # name: (V, D, L, H, KV, F), published counts (The Llama 3 Herd of Models)
+    "llama3-debug": (256, 64, 2, 8, 4, 192),
+    "llama3-8b": (128256, 4096, 32, 32, 8, 14336),
+    "llama3-70b": (128256, 8192, 80, 64, 8, 28672),
+    "llama3-405b": (128256, 16384, 126, 128, 8, 53248),
+}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_parameter_count(name):
+    spec = get_spec(name)
+    expected = model_numel(*PRESETS[name])
+    assert spec.extras["num_params"](spec.config()) == expected
+    published = {"llama3-8b": 8.03e9, "llama3-70b": 70.55e9, "llama3-405b": 405.85e9}
+    if name in published:
+        assert expected == pytest.approx(published[name], rel=1e-3)
+
+
+def run(
+    num_layers: int = 3, sharding: str = "tp", mesh: dict[str, int] | None = None, **kw
+) -> DryRunReport:
+    config = DEBUG.config(num_layers=num_layers)
+    if sharding:
+        config = DEBUG.extras[sharding](config)
+    kw.setdefault("loss_fn", DEBUG.extras["loss_fn"])
+    return dry_run(config, mesh or {"dp": 2, "tp": 2}, batch_size=2, seq_len=16, **kw)
+
+
+def stats(collectives, phase=None):
+    return {
+        (c.kind, c.axis): (c.count, c.bytes)
+        for c in collectives
+        if phase is None or c.phase == phase
+    }
+
+
+def test_dry_run_preset_parameter_count():
+    report = run(num_layers=3)
+    assert report.num_params == model_numel(V, D, 3, H, KV, F)
+    spec = get_spec("llama3-8b")
+    big = dry_run(spec.extras["tp"](spec.config()), {"dp": 4, "tp": 8}, seq_len=16)
+    assert big.num_params == model_numel(*PRESETS["llama3-8b"])
+    assert big.traced_layers == (1, 2) and big.num_layers == 32
+
+
+@pytest.mark.parametrize(
+    ("mesh", "fsdp"),
+    [
+        ({"dp": 2, "tp": 2}, True),
+        ({"dp": 4, "tp": 2}, True),
+        ({"dp": 2, "tp": 4}, True),
+        ({"dp": 2, "tp": 4}, False),
+        ({"tp": 4}, True),
+        ({"dp": 8}, True),
+    ],
+)
+def test_parameter_bytes_per_rank(mesh, fsdp):
+    num_layers = 3
+    sharded, replicated = layer_numel(D, H, KV, F)
+    sharded = 2 * V * D + num_layers * sharded  # embedding and output are tp-sharded too
+    replicated = D + num_layers * replicated
+    tp = mesh.get("tp", 1)
+    dp = mesh.get("dp", 1) if fsdp else 1
+    report = run(num_layers, "tp" if "tp" in mesh else "", mesh, fsdp=fsdp)
+    expected = FP32 * (sharded // (tp * dp) + replicated // dp)
+    assert report.per_rank.params == expected
+    assert report.per_rank.grads == expected
+    assert report.per_rank.optimizer == 2 * expected  # two fp32 moments per element
+    assert report.per_rank.total == 4 * expected
+    assert report.fsdp is (fsdp and "dp" in mesh)
+
+
+def test_bf16_parameters_keep_fp32_moments():
+    report = run(param_dtype=torch.bfloat16)
+    fp32 = run()
+    assert report.param_dtype == "bfloat16"
+    assert report.per_rank.params * 2 == fp32.per_rank.params
+    assert report.per_rank.optimizer == fp32.per_rank.optimizer
+
+
+def test_module_table_placements_and_local_shapes():
+    report = run(mesh={"dp": 2, "tp": 4})
+    rows = {(m.path, p.name): p for m in report.modules for p in m.params}
+    wq = rows[("layers.1.attention.wq", "weight")]
+    assert wq.global_shape == (D, D)
+    assert wq.placements == {"dp": "Shard(0)", "tp": "Shard(0)"}
+    assert wq.local_shape == (D // 4 // 2, D)
+    wo = rows[("layers.1.attention.wo", "weight")]
+    assert wo.placements == {"dp": "Shard(0)", "tp": "Shard(1)"}
+    assert wo.local_shape == (D // 2, D // 4)
+    norm = rows[("layers.2.ffn_norm", "weight")]
+    assert norm.placements == {"dp": "Shard(0)", "tp": "Replicate()"}
+    assert norm.local_shape == (D // 2,)
+    assert sum(p.bytes for m in report.modules for p in m.params) == report.per_rank.params
+
+
+def test_tp_collectives_per_layer():
+    report = run(num_layers=3, mesh={"dp": 2, "tp": 2})
+    activation = 2 * 16 * D * FP32  # (B, S, D) fp32
+    sharded, replicated = layer_numel(D, H, KV, F)
+    unit = FP32 * (sharded // 2 + replicated)  # tp-local layer gathered over dp
+    assert stats(report.collectives_per_layer, "forward") == {
+        ("all_reduce", "tp"): (2, 2 * activation),
+        ("all_gather", "dp"): (1, unit),
+    }
+    assert stats(report.collectives_per_layer, "backward") == {
+        ("all_reduce", "tp"): (2, 2 * activation),
+        ("all_gather", "dp"): (1, unit),
+        ("reduce_scatter", "dp"): (1, unit),
+    }
+
+
+def test_tp_sp_collectives_per_layer():
+    report = run(num_layers=3, sharding="tp_sp", mesh={"dp": 2, "tp": 2})
+    activation = 2 * 16 * D * FP32
+    per_layer = {k: v for k, v in stats(report.collectives_per_layer).items() if k[1] == "tp"}
+    assert stats([c for c in report.collectives_per_layer if c.axis == "tp"], "forward") == {
+        ("all_gather", "tp"): (2, 2 * activation),
+        ("reduce_scatter", "tp"): (2, 2 * activation),
+    }
+    assert stats([c for c in report.collectives_per_layer if c.axis == "tp"], "backward") == {
+        ("all_gather", "tp"): (2, 2 * activation),
+        ("reduce_scatter", "tp"): (2, 2 * activation),
+        ("all_reduce", "tp"): (2, 2 * D * FP32),  # the two norm weights' gradients
+    }
+    assert per_layer  # the tp collectives are per layer
+
+
+@pytest.mark.parametrize("num_layers", [2, 5])
+def test_fsdp_collectives_per_block(num_layers):
+    report = run(num_layers=num_layers)
+    dp_counts = {k: v[0] for k, v in stats(report.collectives).items() if k[1] == "dp"}
+    forward = {k: v[0] for k, v in stats(report.collectives, "forward").items() if k[1] == "dp"}
+    assert forward == {("all_gather", "dp"): num_layers + 1}
+    assert dp_counts[("reduce_scatter", "dp")] == num_layers + 1
+    backward = stats(report.collectives, "backward")
+    assert backward[("all_gather", "dp")][0] == num_layers
+    # Every step gathers and reduce-scatters the full parameters of a dp group.
+    total = stats(report.collectives, "forward")[("all_gather", "dp")][1]
+    assert total == report.per_rank.params * 2  # gathered over dp = 2
+
+
+def test_no_fsdp_has_no_traced_dp_collectives():
+    report = run(fsdp=False)
+    assert not [c for c in report.collectives if c.axis == "dp" and c.traced]
+    # Data parallelism without FSDP all-reduces every gradient (computed, DDP buckets).
+    (ddp,) = [c for c in report.collectives if not c.traced]
+    assert (ddp.kind, ddp.axis, ddp.phase) == ("all_reduce", "dp", "backward")
+    assert ddp.bytes == report.per_rank.grads
+    assert ddp.count == ddp_num_buckets(report.per_rank.grads) == 1  # under 1 MiB
+    assert ddp_num_buckets(30 * 2**20) == 3  # 1 MiB, 25 MiB, 4 MiB
+    assert any("computed, not traced" in a for a in report.assumptions)
+
+
+def test_extrapolated_depth_equals_full_trace():
+    config = DEBUG.extras["tp_sp"](DEBUG.config(num_layers=4))
+    kw = dict(batch_size=2, seq_len=16, loss_fn=DEBUG.extras["loss_fn"])
+    extrapolated = dry_run(config, {"dp": 2, "tp": 2}, **kw)
+    with torch.device("meta"):
+        built = config.build()  # a built model is traced at its full depth
+    full = dry_run(built, {"dp": 2, "tp": 2}, **kw)
+    assert extrapolated.traced_layers == (1, 2) and full.traced_layers is None
+    assert extrapolated.collectives == full.collectives
+    assert extrapolated.per_rank == full.per_rank
+    assert extrapolated.num_params == full.num_params
+    assert [m.to_dict() for m in extrapolated.modules] == [m.to_dict() for m in full.modules]
+    assert extrapolated.comm_debug_counts == full.comm_debug_counts
+    assert any("extrapolated linearly" in a for a in extrapolated.assumptions)
+
+
+def test_comm_debug_mode_agrees_with_the_recorder():
+    report = run()
+    assert sum(report.comm_debug_counts.values()) == sum(c.count for c in report.collectives)
+    assert not any("disagree" in a for a in report.assumptions)
+
+
+def test_plan_on_dp_conflicts_with_fsdp():
+    plan = {
+        "output": ShardingConfig(
+            state_shardings={"weight": {"dp": Shard(0)}},
+            in_dst_shardings={"input": {"dp": Replicate()}},
+            out_dst_shardings={"dp": Replicate()},
+            use_local_output=True,
+        )
+    }
+    with pytest.raises(ValueError, match="pass fsdp=False"):
+        dry_run(DEBUG.config(), {"dp": 2, "tp": 2}, plan, seq_len=16)
+    report = dry_run(DEBUG.config(), {"dp": 2, "tp": 2}, plan, seq_len=16, fsdp=False)
+    rows = {(m.path, p.name): p for m in report.modules for p in m.params}
+    assert rows[("output", "weight")].placements == {"dp": "Shard(0)", "tp": "Replicate()"}
+
+
+def test_invalid_plan_is_refused_with_every_problem():
+    plan = {
+        "output": ShardingConfig(state_shardings={"wieght": {"tp": Replicate()}}),
+        "nothing.here": ShardingConfig(),
+    }
+    with pytest.raises(ValueError, match=r"2 problem\(s\)"):
+        dry_run(DEBUG.config(), {"tp": 2}, plan, seq_len=16)
+    assert not torch.distributed.is_initialized()
+
+
+def test_report_forms():
+    report = run()
+    d = report.to_dict()
+    assert d["world_size"] == 4 and d["mesh"] == {"dp": 2, "tp": 2}
+    assert set(d["per_rank_bytes"]) == {"params", "grads", "optimizer", "total"}
+    assert {"kind", "axis", "phase", "count", "bytes"} <= set(d["collectives"][0])
+    assert d["modules"][0]["params"][0]["placements"] == {"dp": "Shard(0)", "tp": "Shard(0)"}
+    text = report.to_table()
+    assert text.splitlines()[-1].startswith("Summary:")
+    assert "layers.*.attention.wq (x3)" in text
+
+
+def test_hugging_face_model_with_plan_file():
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from hyper_parallel.hf import build_hf_model
+
+    model = build_hf_model("llama", device="meta")
+    plan = Path(__file__).resolve().parents[2] / "examples" / "plans" / "hf_llama_tp.yaml"
+    report = dry_run(model, {"dp": 2, "tp": 2}, plan, seq_len=16)
+    assert report.num_params == sum(p.numel() for p in model.parameters())
+    num_layers = model.config.num_hidden_layers
+    assert stats(report.collectives, "forward")[("all_gather", "dp")][0] == num_layers + 1
+    assert stats(report.collectives, "forward")[("all_reduce", "tp")][0] >= 2 * num_layers
+
+
+def _padded_local_bytes(vocab, d, layers, heads, kv_heads, ffn, dp, tp):
+    """fp32 bytes of rank 0's FSDP2 + TP shards: dim 0 split over dp after tp (ceil)."""
+    hd = d // heads
+
+    def colwise(rows, cols):  # weight Shard(0) on tp, then dp on dim 0
+        return math.ceil(rows // tp / dp) * cols
+
+    def rowwise(rows, cols):  # weight Shard(1) on tp, dp on dim 0
+        return math.ceil(rows / dp) * (cols // tp)
+
+    layer = (
+        2 * math.ceil(d / dp)
+        + colwise(d, d)
+        + 2 * colwise(kv_heads * hd, d)
+        + rowwise(d, d)
+        + 2 * colwise(ffn, d)
+        + rowwise(d, ffn)
+    )
+    return FP32 * (2 * colwise(vocab, d) + math.ceil(d / dp) + layers * layer)
+
+
+def test_llama3_70b_on_1024_ranks():
+    # Two traced depths at 1,024 ranks: a few seconds (fake tensors, fake process group).
+    spec = get_spec("llama3-70b")
+    mesh = {"dp": 128, "tp": 8}
+    report = dry_run(
+        spec.extras["tp"](spec.config()), mesh, seq_len=2048, loss_fn=spec.extras["loss_fn"]
+    )
+    assert report.world_size == 1024
+    assert report.num_params == model_numel(*PRESETS["llama3-70b"])
+    assert report.per_rank.params == _padded_local_bytes(*PRESETS["llama3-70b"], 128, 8)
+    counts = {k: v[0] for k, v in stats(report.collectives).items()}
+    assert counts[("reduce_scatter", "dp")] == 80 + 1
+    per_layer = stats(report.collectives_per_layer, "forward")
+    assert per_layer[("all_reduce", "tp")] == (2, 2 * 2048 * 8192 * FP32)
+    assert report.elapsed_s < 60
+
+
+def test_partial_gradients_owe_an_all_reduce_at_the_optimizer_step():
+    # Without FSDP nothing reads the sequence-parallel norms' gradients in backward, so
+    # they stay Partial on tp: 2 L + 1 norm weights of D elements each.
+    report = run(num_layers=3, sharding="tp_sp", fsdp=False)
+    owed = [c for c in report.collectives if c.phase == "optimizer"]
+    assert [(c.kind, c.axis, c.count, c.bytes, c.traced) for c in owed] == [
+        ("all_reduce", "tp", 2 * 3 + 1, (2 * 3 + 1) * D * FP32, False)
+    ]
+    assert not [c for c in run(num_layers=3, sharding="tp_sp").collectives if not c.traced]

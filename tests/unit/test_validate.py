@@ -1,0 +1,274 @@
+"""validate(): every problem of a model + plan + mesh shape, in one call, with its path.
+
+Fake tier: the boundary analysis runs one forward pass on fake tensors over a fake
+process group; no real process group is created.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hyper_parallel.analysis import ValidationReport, validate
+from hyper_parallel.analysis._world import parse_mesh
+from hyper_parallel.analysis.collectives import redistribution_collectives
+from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
+from hyper_parallel.dmodule import ShardingConfig, colwise, get_spec, rowwise
+from hyper_parallel.dmodule.presets import vocab_parallel_embedding
+
+MESH = {"dp": 2, "tp": 4}
+VOCAB, DIM, HIDDEN = 64, 32, 64
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN, bias=False)
+        self.act = nn.GELU()
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(self.norm(x))))
+
+
+class Toy(nn.Module):
+    """Embedding, three residual MLP blocks, a head of ``vocab`` outputs."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(DIM, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def good_plan() -> dict[str, ShardingConfig]:
+    """Megatron TP with a plain residual stream (norms stay plain)."""
+    return {
+        "embed": vocab_parallel_embedding(use_local_output=True),
+        "blocks.*.up": colwise(bias=False),
+        "blocks.*.down": rowwise(use_local_output=True),
+        "head": colwise(bias=False, output=Replicate(), use_local_output=True),
+    }
+
+
+def toy() -> nn.Module:
+    with torch.device("meta"):
+        return Toy(vocab=66)
+
+
+def broken_plan() -> dict[str, ShardingConfig]:
+    tp = "tp"
+    return {
+        # 1. a pattern that matches no module
+        "blocks.*.mlp": colwise(bias=False),
+        # 2. a state name that is not a parameter, and 7. 66 rows over tp=4 (uneven)
+        "head": ShardingConfig(
+            state_shardings={"weight": {tp: Shard(0)}, "wieght": {tp: Shard(0)}},
+            in_dst_shardings={"input": {tp: Replicate()}},
+            out_dst_shardings={tp: Replicate()},
+            use_local_output=True,
+        ),
+        # 5. a Partial state
+        "embed": ShardingConfig(state_shardings={"weight": {tp: Partial()}}),
+        # 9. column shards reach a module that needs them replicated: implicit all-gather
+        "blocks.0.up": colwise(bias=False),
+        "blocks.0.down": ShardingConfig(
+            state_shardings={"weight": {tp: Replicate()}},
+            in_dst_shardings={"input": {tp: Replicate()}},
+            use_local_output=True,
+        ),
+        # 4. Shard(2) of a 2-D weight
+        "blocks.1.up": ShardingConfig(state_shardings={"weight": {tp: Shard(2)}}),
+        # 6. an input name that is not an argument of GELU.forward(input)
+        "blocks.1.act": ShardingConfig(in_dst_shardings={"x": {tp: Replicate()}}),
+        # 3. an axis the mesh does not have (names are case-sensitive)
+        "blocks.1.down": ShardingConfig(state_shardings={"weight": {"TP": Shard(1)}}),
+        # 10. local column shards read back as replicated, then 11. a forward that fails
+        "blocks.2.up": colwise(bias=False, use_local_output=True),
+        "blocks.2.act": ShardingConfig(in_src_shardings={"input": {tp: Replicate()}}),
+        "blocks.2.down": rowwise(use_local_output=True),
+        # 8. blocks.*.norm: no config covers their parameters
+    }
+
+
+PLANTED = [
+    # (severity, path, field contains, message contains)
+    ("error", "blocks.*.mlp", "plan", "matches no module"),
+    ("error", "head", "state_shardings['wieght']", "not a parameter or buffer"),
+    ("error", "blocks.1.down", "state_shardings['weight']", "not in mesh"),
+    ("error", "blocks.1.up", "state_shardings['weight']", "out of range"),
+    ("error", "embed", "state_shardings['weight']", "cannot be Partial"),
+    ("error", "blocks.1.act", "in_dst_shardings['x']", "not an argument"),
+    ("warning", "head", "state_shardings['weight']", "not divisible by 4"),
+    ("warning", "blocks.0.norm", "", "covered by no sharding config"),
+    ("warning", "blocks.1.norm", "", "covered by no sharding config"),
+    ("warning", "blocks.2.norm", "", "covered by no sharding config"),
+    ("warning", "blocks.0.down", "in_dst_shardings['input']", "all_gather on tp"),
+    ("warning", "blocks.2.act", "in_src_shardings['input']", "misread"),
+    ("error", "blocks.2.down", "forward", "fails once the plan is applied"),
+]
+
+
+@pytest.fixture(scope="module")
+def broken_report() -> ValidationReport:
+    return validate(toy(), MESH, broken_plan())
+
+
+@pytest.mark.parametrize("planted", PLANTED, ids=[f"{p[1]}:{p[3]}" for p in PLANTED])
+def test_broken_plan_reports_each_planted_fault(broken_report, planted):
+    severity, path, field, text = planted
+    hits = [
+        f
+        for f in broken_report.findings
+        if f.severity == severity and f.path == path and field in f.field and text in f.message
+    ]
+    assert hits, f"missing {planted}; got:\n{broken_report.to_table(verbose=True)}"
+    assert all(f.fix for f in hits)
+
+
+def test_broken_plan_every_problem_in_one_call(broken_report):
+    assert not broken_report.ok
+    assert broken_report.traced
+    expected_errors = {(s, p) for s, p, *_ in PLANTED if s == "error"}
+    assert {(f.severity, f.path) for f in broken_report.errors} == expected_errors
+    # The implicit all-gather is listed with its cost: (batch, seq, hidden) fp32 gathered.
+    (gather,) = [r for r in broken_report.redistributions if r.path == "blocks.0.down"]
+    assert gather.source == "blocks.0.up" and not gather.declared
+    assert gather.arrives == {"dp": "Replicate()", "tp": "Shard(2)"}
+    assert gather.needs == {"dp": "Replicate()", "tp": "Replicate()"}
+    seq_len = 2 * MESH["tp"] * 2  # the default: twice the non-data axes, at least 16
+    assert gather.collectives == [
+        {"kind": "all_gather", "axis": "tp", "bytes": seq_len * 4 * HIDDEN}
+    ]
+
+
+def test_broken_plan_report_forms(broken_report):
+    d = broken_report.to_dict()
+    assert d["ok"] is False and d["mesh"] == MESH and d["world_size"] == 8
+    assert d["num_errors"] == len(broken_report.errors)
+    assert {"severity", "path", "field", "message", "fix"} <= set(d["findings"][0])
+    text = broken_report.to_table()
+    assert text.splitlines()[-1].startswith("FAILED: 7 error(s)")
+    assert "blocks.*.norm (x3)" in text  # identical findings on every layer are folded
+
+
+def test_good_plan_has_no_errors_and_no_implicit_redistribution():
+    report = validate(toy(), MESH, good_plan())
+    assert report.ok, report.to_table()
+    assert report.traced
+    assert not [r for r in report.redistributions if not r.declared]
+    # The norms are the only parameters no config covers (the head's 66 rows are uneven).
+    assert {f.path for f in report.warnings} == {
+        "blocks.0.norm",
+        "blocks.1.norm",
+        "blocks.2.norm",
+        "head",
+    }
+
+
+def test_plan_file_and_device_mesh_free(tmp_path):
+    from hyper_parallel.dmodule import dump_plan
+
+    path = tmp_path / "plan.yaml"
+    dump_plan(good_plan(), path)
+    report = validate(toy(), parse_mesh("dp=2,tp=4"), str(path))
+    assert report.ok
+    assert not torch.distributed.is_initialized()  # the fake world is torn down
+
+
+def test_without_trace_only_static_checks():
+    report = validate(toy(), MESH, broken_plan(), trace=False)
+    assert not report.traced and not report.redistributions
+    assert "forward" not in {f.field for f in report.findings}
+    assert len(report.errors) == 6
+
+
+def test_implicitly_replicated_parameters_are_info():
+    plan = {"blocks.*.norm": ShardingConfig(in_dst_shardings={"input": {"tp": Replicate()}})}
+    report = validate(toy(), MESH, plan, trace=False)
+    infos = [f for f in report.infos if f.path == "blocks.0.norm"]
+    assert {f.field for f in infos} == {"state_shardings['weight']", "state_shardings['bias']"}
+
+
+def test_inputs_that_do_not_fit_skip_the_trace_with_a_note():
+    report = validate(toy(), MESH, good_plan(), inputs=[torch.zeros(2, 3, 5)])
+    assert report.ok and not report.traced
+    assert any("do not fit the model" in n for n in report.notes)
+
+
+def test_bad_mesh_and_model_are_rejected():
+    with pytest.raises(ValueError, match="sizes are integers"):
+        validate(toy(), {"tp": 0}, good_plan())
+    with pytest.raises(ValueError, match="not 'axis=size'"):
+        parse_mesh("dp:2")
+    with pytest.raises(TypeError, match="expected a model Config"):
+        validate(object(), MESH)
+
+
+@pytest.mark.parametrize("sharding", ["tp", "tp_sp"])
+def test_llama_debug_plans_are_valid(sharding):
+    spec = get_spec("llama3-debug")
+    report = validate(spec.extras[sharding](spec.config()), {"dp": 2, "tp": 2})
+    assert report.ok, report.to_table()
+    assert report.traced
+    if sharding == "tp_sp":
+        # The residual stream is sequence-sharded: each block and the output projection
+        # gather it on tp (2 per layer + 1).
+        gathers = [r for r in report.redistributions if r.collectives]
+        assert len(gathers) == 2 * 2 + 1
+        assert {(c["kind"], c["axis"]) for r in gathers for c in r.collectives} == {
+            ("all_gather", "tp")
+        }
+
+
+def test_llama_heads_not_divisible_by_tp_fail_with_the_module_path():
+    spec = get_spec("llama3-debug")  # 4 key/value heads
+    report = validate(spec.extras["tp"](spec.config()), {"tp": 8})
+    assert not report.ok
+    assert any(f.path.startswith("layers.0.attention") for f in report.errors), report.to_table()
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "expected"),
+    [
+        ([Shard(2)], [Replicate()], [("all_gather", "tp")]),
+        ([Partial()], [Replicate()], [("all_reduce", "tp")]),
+        ([Partial()], [Shard(1)], [("reduce_scatter", "tp")]),
+        ([Shard(1)], [Shard(2)], [("all_to_all", "tp")]),
+        ([Replicate()], [Shard(0)], []),
+        ([Shard(0)], [Shard(0)], []),
+    ],
+)
+def test_redistribution_collectives(src, dst, expected):
+    assert redistribution_collectives(src, dst, ["tp"]) == expected
+
+
+def test_redistribution_collectives_per_axis():
+    assert redistribution_collectives(
+        [Shard(0), Partial()], [Replicate(), Replicate()], ["dp", "tp"]
+    ) == [("all_gather", "dp"), ("all_reduce", "tp")]
+
+
+def test_an_existing_process_group_skips_the_trace_with_a_note():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        report = validate(toy(), MESH, good_plan())
+        assert report.ok and not report.traced
+        assert any("already exists" in n for n in report.notes)
+        from hyper_parallel.analysis import dry_run
+
+        with pytest.raises(RuntimeError, match="already exists"):
+            dry_run(toy(), MESH, good_plan())
+    finally:
+        dist.destroy_process_group()
