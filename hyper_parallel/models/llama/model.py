@@ -98,7 +98,7 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (S, 1, D/2): broadcast over heads
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return rotated.flatten(-2)
+    return rotated.flatten(-2).type_as(x)  # the tables are fp32; keep x's dtype
 
 
 class ScaledDotProductAttention(Module):

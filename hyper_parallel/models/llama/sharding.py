@@ -103,7 +103,9 @@ def _tensor_parallel(
     residual: NamedPlacement = {axis: Shard(_SEQ_DIM)} if sequence_parallel else replicated
     # How a normalized activation enters the next column projection(s); see `_norm`.
     hand_off = not sequence_parallel
-    entry: dict[str, NamedPlacement] | None = {"x": residual} if hand_off else None
+    # Blocks declare the layout their input arrives in; under SP that makes the
+    # Shard(seq) -> Replicate all-gather a declared redistribution, not an implicit one.
+    entry: dict[str, NamedPlacement] = {"x": residual}
     new = copy.deepcopy(config)
     new.tok_embeddings.sharding_config = ShardingConfig(
         state_shardings={"weight": {axis: Shard(0)}},
@@ -133,9 +135,7 @@ def _tensor_parallel(
             local_map=LocalMapConfig(in_grad_placements=(heads, heads, heads)),
         )
     new.norm.sharding_config = _norm(residual, replicated, hand_off)
-    new.output.sharding_config = _colwise(
-        new.output, axis, in_src={"input": residual} if hand_off else None
-    )
+    new.output.sharding_config = _colwise(new.output, axis, in_src={"input": residual})
     return new
 
 
