@@ -1,4 +1,4 @@
-"""Analyses that need no accelerator: plan validation and dry runs at any scale.
+"""Analyses: plan validation and dry runs at any scale (no accelerator), equivalence checks.
 
 Example::
 
@@ -14,16 +14,22 @@ from hyper_parallel.analysis.dry_run import DryRunReport as DryRunReport
 from hyper_parallel.analysis.dry_run import ModuleShards as ModuleShards
 from hyper_parallel.analysis.dry_run import ParamShard as ParamShard
 from hyper_parallel.analysis.dry_run import dry_run as dry_run
+from hyper_parallel.analysis.equivalence import EquivalenceReport as EquivalenceReport
+from hyper_parallel.analysis.equivalence import EquivalenceRow as EquivalenceRow
+from hyper_parallel.analysis.equivalence import check_equivalence as check_equivalence
 from hyper_parallel.analysis.validate import Redistribution as Redistribution
 from hyper_parallel.analysis.validate import ValidationReport as ValidationReport
 from hyper_parallel.analysis.validate import validate as validate
 
 __all__ = [
     "DryRunReport",
+    "EquivalenceReport",
+    "EquivalenceRow",
     "ModuleShards",
     "ParamShard",
     "Redistribution",
     "ValidationReport",
+    "check_equivalence",
     "dry_run",
     "validate",
 ]
