@@ -51,6 +51,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+# DTensor's spec types and global-shape helper are private to torch; they are what
+# DTensor.from_local builds per call, and the fast path builds them once per shape.
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_global_tensor_info
 
@@ -668,6 +671,7 @@ class _LocalMapRegion(FastPath):
             else:
                 raise _Reject(f"input {name!r}: gradient layout {grad} needs a redistribution")
             self._inputs.append((name, src, grad, reduce))
+        self._declared = frozenset(names)
         self._states = view.all_states()
         out = config.out_src_shardings or config.out_dst_shardings
         if out is None:
@@ -682,6 +686,14 @@ class _LocalMapRegion(FastPath):
             self._out = view.on_axis(out, "out_src_shardings")
             if view.out_dst is not None and view.out_dst_dim != self._out:
                 raise _Reject("the output is redistributed to out_dst")
+        # As on the DTensor path: where the region's output is split, each rank's
+        # gradient of a replicated state covers only its part, so it is Partial.
+        outs = self._out if isinstance(self._out, tuple) else (self._out,)
+        split = any(d is not None for d in outs)
+        self._state_grads = [
+            self._with_axis(Partial()) if split and placements[self.axis].is_replicate() else None
+            for _, _, _, placements in self._states
+        ]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -689,6 +701,9 @@ class _LocalMapRegion(FastPath):
         except TypeError:
             return self.fallback(*args, **kwargs)
         arguments = bound.arguments
+        for name, value in arguments.items():
+            if name not in self._declared and _has_dtensor(value):
+                return self.fallback(*args, **kwargs)  # which names the undeclared argument
         locals_: list[torch.Tensor] = []
         for name, src, _, _ in self._inputs:
             x = arguments.get(name)
@@ -717,7 +732,7 @@ class _LocalMapRegion(FastPath):
             for i, ((owner, leaf, is_param, _), value) in enumerate(zip(self._states, states)):
                 store = owner._parameters if is_param else owner._buffers
                 saved.append((store, leaf, value))
-                store[leaf] = self._param_view(str(i), value, None)
+                store[leaf] = self._param_view(str(i), value, self._state_grads[i])
             out = self._forward_fn(*bound.args, **bound.kwargs)
         finally:
             for store, leaf, value in saved:
@@ -744,6 +759,16 @@ class _LocalMapRegion(FastPath):
                 "give one NamedPlacement for a single tensor, a tuple for a tuple of outputs."
             )
         return out
+
+
+def _has_dtensor(value: Any) -> bool:
+    if isinstance(value, DTensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(v, DTensor) for v in value)
+    if isinstance(value, dict):
+        return any(isinstance(v, DTensor) for v in value.values())
+    return False
 
 
 def _norm_grad(placements: tuple[Placement, ...], ndim: int) -> tuple[Placement, ...]:

@@ -408,20 +408,7 @@ def test_keyword_tuple_and_local_map(dist):
         assert res["local_map"]["grad_placements"] == {"head_scale": S0}
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        "dtensor",
-        pytest.param(
-            "fast",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the fast local_map path gives a replicated state a Replicate gradient "
-                "although each rank holds only its heads' part (should be Partial)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("path", ["dtensor", "fast"])
 def test_local_map_replicated_state_gradient_is_summed(dist, path):
     """A state the config does not name is replicated; inside a local_map region whose
     output is split across ranks, its gradient is each rank's partial sum (``Partial``).

@@ -489,21 +489,7 @@ def _qk_only_attention() -> Module:
     ).build()
 
 
-@pytest.mark.parametrize(
-    "fast",
-    [
-        False,
-        pytest.param(
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=RuntimeError,
-                reason="the fast local_map path passes an undeclared DTensor argument into "
-                "the region, where torch reports mixed Tensor and DTensor",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("fast", [False, True])
 def test_local_map_region_refuses_undeclared_dtensor_and_missing_input(mesh, fast):
     """A DTensor argument without an entry, or a declared input that is not a tensor,
     is reported with the module path and the fix (never mixed into local code)."""

@@ -1,0 +1,165 @@
+"""Shared by the benchmarks: interleaved timing, statistics, gloo ranks, torch's Llama plan.
+
+Benchmarks run as scripts (``python benchmarks/bench_x.py``), so this module is
+imported from the script's own directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = [
+    "gloo_ranks",
+    "interleaved",
+    "slowest_rank",
+    "summary",
+    "torch_llama_plan",
+]
+
+
+def interleaved(
+    steps: Mapping[str, Callable[[], Any]],
+    *,
+    reps: int,
+    inner: int,
+    warmup: int = 3,
+    barrier: Callable[[], None] = lambda: None,
+    scale: float = 1e6,
+) -> dict[str, list[float]]:
+    """Time each contender ``inner`` calls at a time, round-robin, ``reps`` times.
+
+    The order rotates every repetition so no contender always runs first (after a
+    barrier) or last. Returns per-call times (microseconds by default), one per
+    repetition, per contender.
+    """
+    names = list(steps)
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            step = steps[name]
+            barrier()
+            start = time.perf_counter()
+            for _ in range(inner):
+                step()
+            times[name].append((time.perf_counter() - start) / inner * scale)
+    return times
+
+
+def summary(times: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of one contender's per-repetition times."""
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+def slowest_rank(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per repetition, the slowest rank's time (a collective step is as slow as it)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    return {
+        name: [max(t[name][i] for t in gathered) for i in range(len(values))]
+        for name, values in times.items()
+    }
+
+
+def _rank_main(
+    rank: int, world_size: int, init_file: str, out_file: str, fn: Callable, args: tuple
+) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        result = fn(rank, *args)
+        if rank == 0:
+            with open(out_file, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> Any:
+    """Run ``fn(rank, *args)`` on ``world_size`` spawned gloo ranks; rank 0's JSON result.
+
+    ``fn`` must be a module-level function; the rendezvous is a ``file://`` URL in a
+    temporary directory (no TCP port).
+    """
+    with tempfile.TemporaryDirectory(prefix="hp_bench_") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        out_file = os.path.join(tmp, "result.json")
+        mp.spawn(
+            _rank_main,
+            args=(world_size, init_file, out_file, fn, args),
+            nprocs=world_size,
+            join=True,
+        )
+        with open(out_file) as f:
+            return json.load(f)
+
+
+def torch_llama_plan(sequence_parallel: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """torch's tensor-parallel styles for the reference Llama (torchtitan's plan).
+
+    Returns:
+        ``(root_plan, block_plan)``: the plan for the model's top-level modules, and
+        the plan applied to each transformer block.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    residual = Shard(1) if sequence_parallel else Replicate()
+    root: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "output": ColwiseParallel(
+            input_layouts=residual, output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    block: dict[str, Any] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if sequence_parallel:
+        root["norm"] = SequenceParallel()
+        block["attention_norm"] = SequenceParallel()
+        block["ffn_norm"] = SequenceParallel()
+        block["attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+        )
+        block["feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+    return root, block
+
+
+def apply_torch_llama_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parallel: bool) -> None:
+    """Parallelize a plain (unsharded) Llama with :func:`torch_llama_plan`, in place."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    root, block = torch_llama_plan(sequence_parallel)
+    parallelize_module(model, tp_mesh, root)
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, block)

@@ -1,0 +1,142 @@
+"""One training step of the debug Llama at dp=2 x tp=2: ours vs torch's styles + fully_shard.
+
+Four gloo ranks (spawned, ``file://`` rendezvous). Every contender is the same
+``llama3-debug`` model, built on the meta device, tensor-parallelized over
+``mesh["tp"]``, each block and the root wrapped with FSDP2's ``fully_shard`` over
+``mesh["dp"]``, then materialized and initialized with the same seed (so all start
+from the same weights):
+
+- ``ours (fast)`` / ``ours (DTensor)``: :func:`hyper_parallel.train.build_parallel_model`
+  (the model's ``apply_tp`` / ``apply_tp_sp`` configs) with the fast path on / off;
+- ``torch styles``: torch's ``parallelize_module`` with torchtitan's plan
+  (``benchmarks/_common.py``).
+
+A step is ``zero_grad`` → forward → vocab-parallel cross entropy → backward →
+global-norm clipping → AdamW, each contender on its own copy; contenders are
+interleaved, a repetition is as slow as its slowest rank. The first-step losses are
+printed to show all three compute the same thing.
+
+Run::
+
+    .venv/bin/python benchmarks/bench_train_step.py --reps 8 --json train.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import apply_torch_llama_plan, gloo_ranks, interleaved, slowest_rank, summary
+
+CONTENDERS = ("ours (fast)", "ours (DTensor)", "torch styles")
+MESH = {"dp": 2, "tp": 2}
+
+
+def _build(contender: str, cfg: Any, mesh: Any) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    from hyper_parallel.dmodule import fast_path
+    from hyper_parallel.train.trainer import build_parallel_model, model_config
+
+    if contender != "torch styles":
+        with fast_path(contender == "ours (fast)"):
+            return build_parallel_model(cfg, mesh, "cpu")
+    with torch.device("meta"):
+        model = model_config(cfg, tp=1).build()  # no sharding configs attached
+    apply_torch_llama_plan(model, mesh["tp"], cfg.sequence_parallel)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    torch.manual_seed(cfg.seed)
+    model.init_states()
+    return model
+
+
+def _rank(rank: int, sequence_parallel: bool, reps: int, inner: int, seq: int) -> dict[str, Any]:
+    from hyper_parallel.models.llama import cross_entropy_loss
+    from hyper_parallel.train.trainer import TrainConfig, build_mesh, clip_grad_norm_
+
+    cfg = TrainConfig(mesh=dict(MESH), sequence_parallel=sequence_parallel, seq_len=seq)
+    mesh = build_mesh(cfg.mesh, "cpu")
+    assert mesh is not None
+    dp_rank = mesh["dp"].get_local_rank()
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (cfg.global_batch_size, seq + 1), generator=generator)
+    rows = tokens.chunk(MESH["dp"])[dp_rank]
+    inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    first_losses: dict[str, float] = {}
+    steps = {}
+    for name in CONTENDERS:
+        model = _build(name, cfg, mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+        def step(model: Any = model, optimizer: Any = optimizer) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = cross_entropy_loss(model(inputs), targets)
+            loss.backward()
+            clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            return loss
+
+        loss = step().detach()
+        first_losses[name] = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+        steps[name] = step
+    times = interleaved(steps, reps=reps, inner=inner, warmup=1, barrier=dist.barrier, scale=1e3)
+    return {"times_ms": slowest_rank(times), "first_step_loss": first_losses}
+
+
+def run(sequence_parallel: bool, reps: int, inner: int, seq: int) -> dict[str, Any]:
+    result = gloo_ranks(_rank, MESH["dp"] * MESH["tp"], sequence_parallel, reps, inner, seq)
+    result["layout"] = "TP+SP" if sequence_parallel else "TP"
+    result["mesh"] = dict(MESH)
+    result["seq"] = seq
+    return result
+
+
+def format_result(result: dict[str, Any]) -> str:
+    times = result["times_ms"]
+    ours = summary(times["ours (fast)"])["median"]
+    torch_median = summary(times["torch styles"])["median"]
+    lines = [
+        f"llama3-debug training step, dp=2 x tp=2 ({result['layout']}), gloo, global batch 8 "
+        f"x seq {result['seq']}",
+        f"  {'contender':<16} {'median ms':>10} {'min-max ms':>17} {'vs torch':>9} {'1st loss':>9}",
+    ]
+    for name in CONTENDERS:
+        s = summary(times[name])
+        lines.append(
+            f"  {name:<16} {s['median']:>10.1f} {s['min']:>8.1f}-{s['max']:<8.1f} "
+            f"{s['median'] / torch_median:>9.2f} {result['first_step_loss'][name]:>9.5f}"
+        )
+    lines.append(f"  ratio ours(fast)/torch = {ours / torch_median:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--inner", type=int, default=2, help="steps per timed block")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--layout", choices=("tp", "tp_sp", "both"), default="both")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    layouts = {"tp": (False,), "tp_sp": (True,), "both": (False, True)}[args.layout]
+    results = []
+    for sp in layouts:
+        result = run(sp, args.reps, args.inner, args.seq)
+        results.append(result)
+        print(format_result(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""Run every benchmark; write ``benchmarks/results/latest.md`` and PNG charts next to it.
+
+``make bench`` runs this. Each benchmark runs as its own subprocess (its own process
+group: fake, or spawned gloo ranks) and hands back JSON; this script renders the
+tables and charts. Sections:
+
+a. framework overhead per call, fake process group, tp=8 (``bench_boundary.py``);
+b. the same MLP on real gloo ranks, tp=2 and tp=4, small and medium activations;
+c. a training step of the debug Llama at dp=2 x tp=2 (``bench_train_step.py``);
+d. collectives and bytes per step, TP and TP+SP, vs the minimum (``bench_comms.py``);
+e. peak memory to initialize a model larger than a rank's share (``bench_init_memory.py``).
+
+Each comparison interleaves its contenders in one run and reports medians, min-max
+and ratios. Nothing here is a test: numbers depend on the machine and its load.
+
+Run::
+
+    .venv/bin/python benchmarks/run_all.py            # everything (~6-10 minutes)
+    .venv/bin/python benchmarks/run_all.py --quick    # fewer repetitions
+    .venv/bin/python benchmarks/run_all.py --only a d
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+OURS, OURS_DT, TORCH, HAND = "ours (fast)", "ours (DTensor)", "torch styles", "hand-written"
+_PHASE = {"forward": "fwd", "backward": "bwd"}
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _run(script: str, args: list[str], out: Path, timeout: float) -> Any:
+    """Run ``benchmarks/<script>`` with ``--json out``; its parsed JSON, or raise with stderr."""
+    cmd = [sys.executable, str(HERE / script), *args, "--json", str(out)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    took = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd[1:])} failed ({proc.returncode}) after {took:.0f}s:\n"
+            + proc.stderr[-3000:]
+        )
+    print(f"  {script} {' '.join(args)}: {took:.0f}s", flush=True)
+    return json.loads(out.read_text())
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def _fmt(values: list[float], digits: int = 0) -> str:
+    med, lo, hi = _stats(values)
+    return f"{med:,.{digits}f} ({lo:,.{digits}f}-{hi:,.{digits}f})"
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def section_overhead(rows: list[dict[str, Any]], charts: list[str]) -> str:
+    """(a) fake process group."""
+    lines = [
+        "## a. Framework overhead per call — fake process group, tp=8",
+        "",
+        "Column→row MLP (`Linear(d, 4d)` column-wise, `Linear(4d, d)` row-wise, output "
+        "replicated). Collectives on a fake process group cost nothing, so this is the "
+        "framework's own work per call. µs per call: median (min-max over repetitions).",
+        "",
+    ]
+    lines += _boundary_table(rows)
+    lines += ["", f"![overhead]({_chart_overhead(rows, charts)})", ""]
+    return "\n".join(lines)
+
+
+def _boundary_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "| case | ours (fast) | ours (DTensor) | torch styles | hand-written | "
+        "ours/torch | ours/hand |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        t = r["times_us"]
+        ours, torch_, hand = (statistics.median(t[k]) for k in (OURS, TORCH, HAND))
+        out.append(
+            f"| {r['label']} | {_fmt(t[OURS])} | {_fmt(t[OURS_DT])} | {_fmt(t[TORCH])} | "
+            f"{_fmt(t[HAND])} | **{ours / torch_:.2f}** | {ours / hand:.2f} |"
+        )
+    return out
+
+
+def section_gloo(rows: list[dict[str, Any]], charts: list[str]) -> str:
+    """(b) gloo."""
+    lines = [
+        "## b. The same MLP on real gloo ranks — tp=2 and tp=4, small and medium activations",
+        "",
+        "Spawned gloo processes on this machine's CPUs; a repetition counts as its "
+        "slowest rank. Small: x = (2, 16, 256); medium: x = (4, 64, 512). µs per call.",
+        "",
+    ]
+    lines += _boundary_table(rows)
+    lines += ["", f"![gloo]({_chart_gloo(rows, charts)})", ""]
+    return "\n".join(lines)
+
+
+def section_train(results: list[dict[str, Any]], charts: list[str]) -> str:
+    """(c) training step."""
+    lines = [
+        "## c. Training step of the debug Llama — dp=2 x tp=2 (4 gloo ranks), FSDP2 on dp",
+        "",
+        "`llama3-debug`, global batch 8 x 64 tokens; a step is zero_grad, forward, "
+        "vocab-parallel cross entropy, backward, clipping, AdamW. Ours: the model's own "
+        "TP / TP+SP configs (`build_parallel_model`); torch: torchtitan's plan with "
+        "torch's styles + `fully_shard`. ms per step; the first-step loss shows the "
+        "contenders compute the same step.",
+        "",
+        "| layout | ours (fast) | ours (DTensor) | torch styles | ours/torch | "
+        "first-step loss (ours / torch) |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in results:
+        t = r["times_ms"]
+        ratio = statistics.median(t[OURS]) / statistics.median(t[TORCH])
+        loss = r["first_step_loss"]
+        lines.append(
+            f"| {r['layout']} | {_fmt(t[OURS], 1)} | {_fmt(t[OURS_DT], 1)} | "
+            f"{_fmt(t[TORCH], 1)} | **{ratio:.2f}** | {loss[OURS]:.6f} / {loss[TORCH]:.6f} |"
+        )
+    lines += ["", f"![train step]({_chart_train(results, charts)})", ""]
+    return "\n".join(lines)
+
+
+def section_comms(result: dict[str, Any], charts: list[str]) -> str:
+    """(d) collectives."""
+    lines = [
+        f"## d. Collectives per training step — llama3-debug, tp={result['tp']}",
+        "",
+        f"One forward + backward (loss included), batch {result['batch']} x "
+        f"{result['seq']} tokens, recorded with `CollectiveRecorder` on a fake process "
+        "group. *Minimum*: Megatron's analytical count (see `bench_comms.py`). Bytes are "
+        "per-rank buffers.",
+        "",
+        "| layout | contender | collectives | KiB | bytes / minimum | breakdown |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for layout, by_contender in result["layouts"].items():
+        min_bytes = sum(r["bytes"] for r in by_contender["minimum"])
+        for name, rows in by_contender.items():
+            count = sum(r["count"] for r in rows)
+            num_bytes = sum(r["bytes"] for r in rows)
+            detail = ", ".join(
+                f"{_PHASE[r['phase']]} {r['kind']} x{r['count']}" for r in rows if r["count"]
+            )
+            lines.append(
+                f"| {layout} | {name} | {count} | {num_bytes / 1024:,.1f} | "
+                f"{num_bytes / min_bytes:.2f} | {detail} |"
+            )
+    lines += ["", f"![collectives]({_chart_comms(result, charts)})", ""]
+    return "\n".join(lines)
+
+
+def section_memory(result: dict[str, Any], charts: list[str]) -> str:
+    """(e) init memory."""
+    mib = 1024 * 1024
+    model = result["model"]
+    total = result["rows"][0]["model_param_bytes"]
+    lines = [
+        f"## e. Peak memory to initialize a model larger than one rank's share — tp={result['tp']}",
+        "",
+        f"Llama with dim {model['dim']}, {model['num_layers']} layers, vocabulary "
+        f"{model['vocab_size']}: {total / 4 / 1e6:.0f}M parameters, {total / mib:.0f} MiB "
+        "fp32. Peak resident memory of rank 0 above its level before building, each mode "
+        "in a fresh process. The meta path holds its shards plus, while one module is "
+        "initialized, that module's full parameters (so every mesh starts from the same "
+        "values) and the initializer's temporaries.",
+        "",
+        "| mode | peak MiB | parameters held MiB | peak / whole |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    whole = result["rows"][0]["peak_bytes"]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['mode']} | {row['peak_bytes'] / mib:,.0f} | "
+            f"{row['rank_param_bytes'] / mib:,.0f} | {row['peak_bytes'] / whole:.2f} |"
+        )
+    lines += ["", f"![init memory]({_chart_memory(result, charts)})", ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- charts
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _bars(
+    name: str,
+    groups: list[str],
+    series: dict[str, list[tuple[float, float, float]]],
+    ylabel: str,
+    title: str,
+    charts: list[str],
+    log: bool = False,
+) -> str:
+    """Grouped bars: median height, min-max whiskers; saved as results/<name>.png."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) + 2), 4.0))
+    width = 0.8 / max(1, len(series))
+    for i, (label, values) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        meds = [v[0] for v in values]
+        err = [[v[0] - v[1] for v in values], [v[2] - v[0] for v in values]]
+        ax.bar(xs, meds, width, yerr=err, capsize=3, label=label)
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if log:
+        ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    charts.append(path.name)
+    return path.name
+
+
+def _boundary_series(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, float, float]]]:
+    return {c: [_stats(r["times_us"][c]) for r in rows] for c in (OURS, OURS_DT, TORCH, HAND)}
+
+
+def _short(label: str) -> str:
+    return label.replace(" hidden=", "\nh=").replace(" fwd", "\nfwd").replace("gloo ", "")
+
+
+def _chart_overhead(rows: list[dict[str, Any]], charts: list[str]) -> str:
+    return _bars(
+        "overhead_fake_tp8",
+        [_short(r["label"]) for r in rows],
+        _boundary_series(rows),
+        "µs per call (median, min-max)",
+        "Column→row MLP, fake process group tp=8: framework overhead",
+        charts,
+    )
+
+
+def _chart_gloo(rows: list[dict[str, Any]], charts: list[str]) -> str:
+    return _bars(
+        "mlp_gloo",
+        [_short(r["label"]) for r in rows],
+        _boundary_series(rows),
+        "µs per call (median, min-max)",
+        "Column→row MLP on gloo ranks",
+        charts,
+        log=True,
+    )
+
+
+def _chart_train(results: list[dict[str, Any]], charts: list[str]) -> str:
+    series = {c: [_stats(r["times_ms"][c]) for r in results] for c in (OURS, OURS_DT, TORCH)}
+    return _bars(
+        "train_step_dp2_tp2",
+        [r["layout"] for r in results],
+        series,
+        "ms per step (median, min-max)",
+        "llama3-debug training step, dp=2 x tp=2",
+        charts,
+    )
+
+
+def _chart_comms(result: dict[str, Any], charts: list[str]) -> str:
+    layouts = list(result["layouts"])
+    names = list(next(iter(result["layouts"].values())))
+    series = {}
+    for name in names:
+        values = []
+        for layout in layouts:
+            kib = sum(r["bytes"] for r in result["layouts"][layout][name]) / 1024
+            values.append((kib, kib, kib))
+        series[name] = values
+    return _bars(
+        "collectives_per_step",
+        layouts,
+        series,
+        "KiB per rank per step",
+        f"Collective bytes per step, llama3-debug tp={result['tp']}",
+        charts,
+    )
+
+
+def _chart_memory(result: dict[str, Any], charts: list[str]) -> str:
+    mib = 1024 * 1024
+    series = {
+        "peak": [(r["peak_bytes"] / mib,) * 3 for r in result["rows"]],
+        "parameters held": [(r["rank_param_bytes"] / mib,) * 3 for r in result["rows"]],
+    }
+    return _bars(
+        "init_memory",
+        [r["mode"] for r in result["rows"]],
+        series,
+        "MiB (rank 0)",
+        f"Initializing a {result['rows'][0]['model_param_bytes'] / mib:.0f} MiB model, "
+        f"tp={result['tp']}",
+        charts,
+    )
+
+
+# --------------------------------------------------------------------------- report
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs visible, load average {load} at start; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, {platform.system()} "
+        f"{platform.release()}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument(
+        "--only", nargs="+", choices=list("abcde"), default=list("abcde"), help="sections"
+    )
+    args = parser.parse_args(argv)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    reps = "8" if args.quick else "30"
+    gloo_reps = "5" if args.quick else "15"
+    started = time.perf_counter()
+    header = machine()
+    sections: list[str] = []
+    charts: list[str] = []
+    failures: list[str] = []
+    raw: dict[str, Any] = {}
+    plan: dict[str, tuple[str, list[str], float, Callable[..., str]]] = {
+        "a": (
+            "bench_boundary.py",
+            ["--backend", "fake", "--tp", "8", "--reps", reps],
+            300,
+            section_overhead,
+        ),
+        "b": (
+            "bench_boundary.py",
+            [
+                *("--backend", "gloo", "--tp", "2", "4", "--size", "small", "medium"),
+                *("--reps", gloo_reps, "--inner", "10"),
+            ],
+            420,
+            section_gloo,
+        ),
+        "c": (
+            "bench_train_step.py",
+            ["--reps", "3" if args.quick else "8"],
+            480,
+            section_train,
+        ),
+        "d": ("bench_comms.py", ["--tp", "4"], 240, section_comms),
+        "e": ("bench_init_memory.py", ["--tp", "8"], 300, section_memory),
+    }
+    print(f"benchmarks on {header}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="hp_bench_") as tmp:
+        for key in args.only:
+            script, script_args, timeout, render = plan[key]
+            try:
+                data = _run(script, script_args, Path(tmp) / f"{key}.json", timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                failures.append(f"({key}) {e}")
+                sections.append(f"## {key}. {script} failed\n\n```\n{e}\n```\n")
+                continue
+            raw[key] = data
+            sections.append(render(data, charts))
+    took = time.perf_counter() - started
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    report = "\n".join(
+        [
+            "# Benchmarks",
+            "",
+            f"Generated {now} by `make bench` (`benchmarks/run_all.py"
+            f"{' --quick' if args.quick else ''}`) in {took / 60:.1f} minutes.",
+            "",
+            f"Machine: {header}.",
+            "",
+            "Every comparison runs its contenders interleaved in one process group "
+            "(round-robin, order rotated each repetition) and reports the median and "
+            "min-max over repetitions; ratios are of medians. *ours (fast)* is the "
+            "default path; *ours (DTensor)* is the same plan with "
+            "`hyper_parallel.dmodule.fast_path(False)`. Shared, busy machines make the "
+            "absolute numbers noisy; the ratios are the result.",
+            "",
+            *sections,
+        ]
+    )
+    (RESULTS / "latest.md").write_text(report)
+    (RESULTS / "latest.json").write_text(json.dumps(raw, indent=1))
+    print(f"wrote {RESULTS / 'latest.md'} and {len(charts)} charts in {took / 60:.1f} min")
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
