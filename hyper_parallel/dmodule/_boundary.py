@@ -30,6 +30,7 @@ from hyper_parallel.dmodule._checks import (
     errors_of,
     state_owner,
 )
+from hyper_parallel.dmodule._placements import has_dtensor, normalize_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
@@ -53,10 +54,7 @@ class _Layout:
             return self.placements
         cached = self._by_ndim.get(ndim)
         if cached is None:
-            cached = tuple(
-                Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p
-                for p in self.placements
-            )
+            cached = normalize_placements(self.placements, ndim)
             self._by_ndim[ndim] = cached
         return cached
 
@@ -288,7 +286,7 @@ class Boundary:
                 )
             inputs.append(value)
         for name, value in bound.arguments.items():
-            if name not in self._inputs and _has_dtensor(value):
+            if name not in self._inputs and has_dtensor(value):
                 # The region runs on local tensors; a DTensor would meet them there.
                 self._raise(
                     f"local_map argument {name!r} is a DTensor but has no in_dst/in_src "
@@ -361,16 +359,6 @@ class Boundary:
 
     def __repr__(self) -> str:
         return f"Boundary(path={self.path!r}, config={self.config!r})"
-
-
-def _has_dtensor(value: Any) -> bool:
-    if isinstance(value, DTensor):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(isinstance(v, DTensor) for v in value)
-    if isinstance(value, dict):
-        return any(isinstance(v, DTensor) for v in value.values())
-    return False
 
 
 def _gradient_as_output(x: DTensor) -> DTensor:

@@ -18,6 +18,7 @@ from torch import nn
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Shard
+from hyper_parallel.dmodule._placements import normalize_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
@@ -296,9 +297,10 @@ def _check_ties(entries: Sequence[PlanEntry], axes: tuple[str, ...], out: list[F
             except ValueError:
                 continue
             where = f"{e.path}.{key}" if e.path else key
-            if isinstance(tensor, DTensor) and list(tensor.placements) != [
-                _normalize(p, tensor.dim()) for p in placements
-            ]:
+            ndim = tensor.dim()
+            if isinstance(tensor, DTensor) and tensor.placements != normalize_placements(
+                placements, ndim
+            ):
                 out.append(
                     Finding(
                         "error",
@@ -311,9 +313,9 @@ def _check_ties(entries: Sequence[PlanEntry], axes: tuple[str, ...], out: list[F
                     )
                 )
             prev = seen.setdefault(id(tensor), (where, placements))
-            if prev[0] != where and [_normalize(p, tensor.dim()) for p in prev[1]] != [
-                _normalize(p, tensor.dim()) for p in placements
-            ]:
+            if prev[0] != where and normalize_placements(prev[1], ndim) != normalize_placements(
+                placements, ndim
+            ):
                 out.append(
                     Finding(
                         "error",
@@ -324,10 +326,6 @@ def _check_ties(entries: Sequence[PlanEntry], axes: tuple[str, ...], out: list[F
                         "place tied states identically in both configs.",
                     )
                 )
-
-
-def _normalize(p: Placement, ndim: int) -> Placement:
-    return Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p
 
 
 def check_entries(

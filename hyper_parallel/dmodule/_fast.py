@@ -60,6 +60,7 @@ from torch.distributed.tensor._utils import compute_global_tensor_info
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dmodule._placements import has_dtensor, normalize_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
@@ -482,8 +483,8 @@ def _norm_dim(dim: Shard1D, ndim: int) -> Shard1D:
     return dim + ndim if dim is not None and dim < 0 else dim
 
 
-class _ColwiseLinear(FastPath):
-    kind = "colwise"
+class _LinearPath(FastPath):
+    """An ``nn.Linear`` on local weight shards; subclasses differ in where they reduce."""
 
     def __init__(self, module: nn.Linear, view: _ConfigView) -> None:
         super().__init__(module, view)
@@ -492,6 +493,13 @@ class _ColwiseLinear(FastPath):
         if self._has_bias:
             self._params.append(("bias", view.state("bias"), None))
         self._src = view.in_src["input"]
+
+
+class _ColwiseLinear(_LinearPath):
+    kind = "colwise"
+
+    def __init__(self, module: nn.Linear, view: _ConfigView) -> None:
+        super().__init__(module, view)
         self._out = view.out_dst_dim
         if self._src is not None:
             self.kind = "colwise_sequence_parallel"
@@ -510,16 +518,11 @@ class _ColwiseLinear(FastPath):
         return self._output(F.linear(local, *params), ndim - 1)
 
 
-class _RowwiseLinear(FastPath):
+class _RowwiseLinear(_LinearPath):
     kind = "rowwise"
 
     def __init__(self, module: nn.Linear, view: _ConfigView) -> None:
         super().__init__(module, view)
-        self._params = [("weight", view.state("weight"), None)]
-        self._has_bias = module.bias is not None
-        if self._has_bias:
-            self._params.append(("bias", view.state("bias"), None))
-        self._src = view.in_src["input"]
         self._scatter = view.out_dst_dim
         if self._scatter is not None:
             self.kind = "rowwise_sequence_parallel"
@@ -702,7 +705,7 @@ class _LocalMapRegion(FastPath):
             return self.fallback(*args, **kwargs)
         arguments = bound.arguments
         for name, value in arguments.items():
-            if name not in self._declared and _has_dtensor(value):
+            if name not in self._declared and has_dtensor(value):
                 return self.fallback(*args, **kwargs)  # which names the undeclared argument
         locals_: list[torch.Tensor] = []
         for name, src, _, _ in self._inputs:
@@ -724,7 +727,7 @@ class _LocalMapRegion(FastPath):
             states.append(value)
         for (name, _, grad, reduce), x in zip(self._inputs, locals_):
             if isinstance(x, DTensor):
-                arguments[name] = x.to_local(grad_placements=_norm_grad(grad, x.ndim))
+                arguments[name] = x.to_local(grad_placements=normalize_placements(grad, x.ndim))
             elif reduce and _needs_grad(x):
                 arguments[name] = _CopyToGroup.apply(x, self.group)
         saved = []
@@ -759,22 +762,6 @@ class _LocalMapRegion(FastPath):
                 "give one NamedPlacement for a single tensor, a tuple for a tuple of outputs."
             )
         return out
-
-
-def _has_dtensor(value: Any) -> bool:
-    if isinstance(value, DTensor):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(isinstance(v, DTensor) for v in value)
-    if isinstance(value, dict):
-        return any(isinstance(v, DTensor) for v in value.values())
-    return False
-
-
-def _norm_grad(placements: tuple[Placement, ...], ndim: int) -> tuple[Placement, ...]:
-    return tuple(
-        Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in placements
-    )
 
 
 # --------------------------------------------------------------------------- selection
