@@ -514,6 +514,8 @@ class _ColwiseLinear(_LinearPath):
             return _FALLBACK
         if self._out is not None and _norm_dim(self._out, ndim) != ndim - 1:
             return _FALLBACK
+        if layout is not None and as_dtensor and x.shape[layout] % self.size:
+            return _FALLBACK  # uneven sequence shards: DTensor gathers them correctly
         local = _entry_to_replicate(self, x, layout, as_dtensor)
         return self._output(F.linear(local, *params), ndim - 1)
 
@@ -627,16 +629,18 @@ class _TokenwiseNorm(FastPath):
             for name, p in saved:
                 store[name] = p
         local_in = x._local_tensor if as_dtensor else None
-        if (
-            local_in is not None
-            and not self.use_local_output
-            and y.shape == local_in.shape
-            and y.stride() == local_in.stride()
-        ):
-            # Same layout as the input DTensor: keep its (possibly uneven) global spec.
+        if local_in is not None and not self.use_local_output and y.shape == local_in.shape:
+            # Same layout as the input DTensor: keep its global shape, which may be
+            # uneven across ranks (an even split cannot be assumed from the local size).
+            if y.stride() == local_in.stride() and y.dtype == x.dtype:
+                spec = x._spec
+            else:
+                y = y.contiguous()
+                meta = TensorMeta(x.shape, _contiguous_stride(x.shape), y.dtype)
+                spec = DTensorSpec(self.mesh, x.placements, meta)
             if _needs_grad(y):
-                return _ToDTensor.apply(y, x._spec)
-            return DTensor(y, x._spec, requires_grad=False)
+                return _ToDTensor.apply(y, spec)
+            return DTensor(y, spec, requires_grad=False)
         return self._output(y, layout)
 
 

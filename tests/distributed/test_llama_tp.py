@@ -85,3 +85,17 @@ def test_loss_on_replicated_logits_and_error_for_other_placements(dist):
     for r in dist.run(loss_on_other_placements):
         assert r["sharded_diff"] <= 1e-6 and r["replicated_diff"] <= 1e-6
         assert "placed [Shard(dim=0)]" in r["error"] and "mesh['tp']" in r["error"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_sequence_length_not_divisible_by_tp_matches_one_device(dist, path):
+    """TP+SP with 15 tokens on 2 ranks: uneven sequence shards (8 and 7) stay correct.
+
+    The fast path hands uneven shards to DTensor where it cannot split evenly, and
+    keeps the true global shape where it passes a shard through (the norms).
+    """
+    for r in dist.run(compare_with_one_device, "tp_sp", path == "fast", {}, 15):
+        assert r["logits_diff"] <= TOL
+        assert r["loss_diff"] <= TOL
+        worst = {n: d for n, d in r["grad_diffs"].items() if d > TOL}
+        assert not worst, worst

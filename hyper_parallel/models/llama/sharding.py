@@ -69,7 +69,8 @@ def apply_tp_sp(
 ) -> Transformer.Config:
     """Tensor plus sequence parallelism: as :func:`apply_tp`, residual stream ``Shard(1)``.
 
-    Sequence lengths must be divisible by the axis size.
+    A sequence length the axis size does not divide gives uneven sequence shards,
+    which stay correct (those boundaries run through DTensor rather than the fast path).
 
     Args:
         config: The model config; it is not changed.
