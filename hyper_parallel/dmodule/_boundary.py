@@ -138,7 +138,11 @@ class Boundary:
             self._out_src = _layout(out_src, axes)
         self._out_dst = _layout(config.out_dst_shardings, axes)
         self._use_local_output = config.use_local_output
+        self._adapts_output = bool(
+            out_src is not None or self._out_dst is not None or self._use_local_output
+        )
         self._local_map_grads: tuple[_Layout, ...] | None = None
+        self._all_states = [*self.states, *self.implicit_states]
         if config.local_map is not None:
             self._local_map_grads = tuple(
                 _Layout(resolve_placements(n, axes)) for n in config.local_map.in_grad_placements
@@ -147,6 +151,22 @@ class Boundary:
             self._local_map_inputs = [n for n in self.signature.parameters if n in self._inputs]
             self._local_map_inputs += [n for n in self._inputs if n not in self._local_map_inputs]
             self._local_map_state_grads = self._state_grad_layouts(axes)
+            # Everything about the region that does not depend on the call's tensors.
+            self._local_map_slots = [
+                (owner, leaf, is_param) for owner, leaf, is_param, _ in self._all_states
+            ]
+            self._local_map_in_layouts = [
+                self._inputs[n].dst or self._inputs[n].src for n in self._local_map_inputs
+            ]
+            self._local_map_state_layouts = [lay for *_, lay in self._all_states]
+            src = self._out_src if self._out_src is not None else self._out_dst
+            # local_map reads a tuple as one placement list per output, so a single
+            # output's placements go in as a list.
+            self._local_map_out_placements: Any = (
+                tuple(list(s.placements) for s in src)
+                if isinstance(src, tuple)
+                else list(src.placements)  # type: ignore[union-attr]  # checked: out_* set
+            )
         self.wraps_forward = bool(
             self._inputs
             or out_src is not None
@@ -173,7 +193,7 @@ class Boundary:
                     for i, p in enumerate(lay.placements)
                 ]
             )
-            for *_, lay in [*self.states, *self.implicit_states]
+            for *_, lay in self._all_states
         ]
 
     @staticmethod
@@ -255,6 +275,14 @@ class Boundary:
                 for i, v in enumerate(out)
             ]
             return type(out)(adapted) if type(out) in (tuple, list) else type(out)(*adapted)
+        if self._adapts_output:
+            # An output config that cannot be applied must not be dropped silently.
+            self._raise(
+                f"forward returned {describe(out)}, but out_src_shardings, out_dst_shardings "
+                "and use_local_output apply only to a tensor or a tuple/list of tensors; "
+                "configure the submodule that produces the tensor, or drop the out_* fields "
+                "and use_local_output from this config."
+            )
         return out
 
     def _adapt_output(self, x: torch.Tensor, src: _Layout | None) -> torch.Tensor:
@@ -293,23 +321,21 @@ class Boundary:
                     f"entry, so it cannot be made local; add in_dst_shardings[{name!r}] "
                     "(and its in_grad_placements entry), or pass a plain tensor."
                 )
-        states = [*self.states, *self.implicit_states]
-        slots = [(owner, leaf, is_param) for owner, leaf, is_param, _ in states]
+        slots = self._local_map_slots
+        # States are read on every call: FSDP and checkpoint loading swap them.
         values = [
             owner._parameters[leaf] if is_param else owner._buffers[leaf]
             for owner, leaf, is_param in slots
         ]
-        in_layouts = [self._inputs[n].dst or self._inputs[n].src for n in self._local_map_inputs]
         in_placements = tuple(
             lay.for_ndim(x.ndim)  # type: ignore[union-attr]
-            for lay, x in zip(in_layouts, inputs)
-        ) + tuple(lay.for_ndim(v.ndim) for (*_, lay), v in zip(states, values))
+            for lay, x in zip(self._local_map_in_layouts, inputs)
+        ) + tuple(lay.for_ndim(v.ndim) for lay, v in zip(self._local_map_state_layouts, values))
         grads = self._local_map_grads or ()
         in_grads = tuple(g.for_ndim(x.ndim) for g, x in zip(grads, inputs)) + tuple(
             g.for_ndim(v.ndim) for g, v in zip(self._local_map_state_grads, values)
         )
         names = self._local_map_inputs
-        src = self._out_src if self._out_src is not None else self._out_dst
 
         def region(*local: torch.Tensor) -> Any:
             for name, value in zip(names, local):
@@ -325,16 +351,9 @@ class Boundary:
                 for store, leaf, value in saved:
                     store[leaf] = value
 
-        out_placements: Any
-        # local_map reads a tuple as one placement list per output, so a single output's
-        # placements go in as a list.
-        if isinstance(src, tuple):
-            out_placements = tuple(list(s.placements) for s in src)
-        else:
-            out_placements = list(src.placements)  # type: ignore[union-attr]
         fn = local_map(
             region,
-            out_placements=out_placements,
+            out_placements=self._local_map_out_placements,
             in_placements=in_placements,
             in_grad_placements=in_grads,
             device_mesh=self.mesh,

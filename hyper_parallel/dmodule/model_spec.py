@@ -79,8 +79,23 @@ _BUILTIN_PACKAGES = ("hyper_parallel.models.llama",)
 def register_spec(spec: ModelSpec) -> ModelSpec:
     """Add a spec to the registry.
 
+    Args:
+        spec: The spec; its ``name`` becomes the registry key.
+
+    Returns:
+        ``spec``, so the call can be used as an expression.
+
     Raises:
         ValueError: If a spec of the same name is already registered.
+        TypeError: If ``spec`` is not a ModelSpec.
+
+    Example::
+
+        from torch import nn
+        from hyper_parallel.dmodule.model_spec import ModelSpec, get_spec, register_spec
+
+        register_spec(ModelSpec(name="doc-mlp", model=nn.Linear(4, 4)))
+        assert isinstance(get_spec("doc-mlp").build(), nn.Linear)
     """
     if not isinstance(spec, ModelSpec):
         raise TypeError(f"register_spec: expected a ModelSpec, got {type(spec).__name__}.")
@@ -103,7 +118,17 @@ def _load_builtins() -> None:
 
 
 def list_specs() -> list[str]:
-    """Names of all registered models, sorted."""
+    """Names of all registered models, sorted.
+
+    Returns:
+        Registry keys, built-in models included.
+
+    Example::
+
+        from hyper_parallel.dmodule.model_spec import list_specs
+
+        names = list_specs()  # e.g. ['llama3-8b', ...]
+    """
     _load_builtins()
     return sorted(_REGISTRY)
 
@@ -111,8 +136,20 @@ def list_specs() -> list[str]:
 def get_spec(name: str) -> ModelSpec:
     """The spec registered under ``name``.
 
+    Args:
+        name: Registry key, e.g. ``"llama3-8b"``.
+
+    Returns:
+        The registered :class:`ModelSpec`.
+
     Raises:
         ValueError: For an unknown name; the message lists the known ones.
+
+    Example::
+
+        from hyper_parallel.dmodule.model_spec import get_spec, list_specs
+
+        spec = get_spec(list_specs()[0])
     """
     _load_builtins()
     try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import inspect
 from collections.abc import Callable, Iterator
@@ -54,6 +55,29 @@ class Module(nn.Module, Configurable):
     A subclass declares ``@dataclass(kw_only=True, slots=True) class Config(Module.Config)``
     and ``__init__(self, config)``; ``Config.build()`` constructs it and attaches the
     config's ``param_init`` and ``sharding_config``.
+
+    Example::
+
+        import dataclasses
+        import torch
+        from torch import nn
+        from hyper_parallel.dmodule import Module
+
+        class Scale(Module):
+            @dataclasses.dataclass(kw_only=True, slots=True)
+            class Config(Module.Config):
+                size: int = 4
+
+            def __init__(self, config: "Scale.Config") -> None:
+                super().__init__()
+                self.weight = nn.Parameter(torch.empty(config.size))
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x * self.weight
+
+        scale = Scale.Config(param_init={"weight": nn.init.ones_}).build()
+        scale.init_states()
+        assert torch.equal(scale(torch.ones(4)), torch.ones(4))
     """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
@@ -73,10 +97,15 @@ class Module(nn.Module, Configurable):
     _hp_sharding_config: ClassVar[ShardingConfig | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        # An nn class mixed in without a Config of its own (``class E(nn.Embedding, Module)``)
-        # gets one generated from its constructor's signature.
-        if "Config" not in cls.__dict__ and _init_owner(cls) is not None:
-            cls.Config = _config_from_signature(cls)
+        if "Config" not in cls.__dict__:
+            if _init_owner(cls) is not None:
+                # An nn class mixed in (``class E(nn.Embedding, Module)``): a Config with
+                # one field per constructor argument.
+                cls.Config = _config_from_signature(cls)
+            else:
+                # No fields of its own: an empty subclass of the parent's Config, so that
+                # ``Sub.Config().build()`` builds ``Sub``, not the parent.
+                cls.Config = _empty_config(cls)
         super().__init_subclass__(**kwargs)
 
     @classmethod
@@ -91,6 +120,7 @@ class Module(nn.Module, Configurable):
             module = cls(**kwargs, **runtime_kwargs)
         else:
             module = cls(config, **runtime_kwargs)
+        _check_param_init(module, config.param_init)
         module._hp_param_init = config.param_init
         module._hp_sharding_config = config.sharding_config
         return module
@@ -226,6 +256,28 @@ class Module(nn.Module, Configurable):
             self._buffers[name] = value
 
 
+def _check_param_init(module: nn.Module, param_init: dict[str, ParamInit] | None) -> None:
+    """Refuse initializers for parameters the module does not have.
+
+    ``init_states`` would skip them (``reset_parameters`` covers the real ones), so a
+    misspelled key would leave a parameter with its default init and no error.
+    """
+    if not param_init:
+        return
+    # A parameter registered as None (``bias=False``) is a known name: its initializer
+    # simply has nothing to do.
+    unknown = sorted(name for name in param_init if name not in module._parameters)
+    if unknown:
+        has = ", ".join(module._parameters) or "none"
+        near = [m for n in unknown for m in difflib.get_close_matches(n, module._parameters, n=1)]
+        hint = f"did you mean {near}? " if near else ""
+        raise ValueError(
+            f"{type(module).__name__}.Config.param_init names {unknown}, which are not "
+            f"parameters of {type(module).__name__} (has: {has}); {hint}key param_init by "
+            "the module's own parameter names (a child's parameters go in the child's config)."
+        )
+
+
 def _state_device(module: nn.Module) -> torch.device:
     for t in [*module._buffers.values(), *module.parameters()]:
         if t is None:
@@ -318,6 +370,14 @@ def _config_from_signature(cls: type) -> type:
         kw_only=True,
         slots=True,
     )
+    config.__qualname__ = f"{cls.__qualname__}.Config"
+    config.__module__ = cls.__module__
+    return config
+
+
+def _empty_config(cls: type) -> type:
+    parent = next(b.__dict__["Config"] for b in cls.__mro__[1:] if "Config" in b.__dict__)
+    config = dataclasses.make_dataclass("Config", [], bases=(parent,), kw_only=True, slots=True)
     config.__qualname__ = f"{cls.__qualname__}.Config"
     config.__module__ = cls.__module__
     return config

@@ -49,10 +49,24 @@ def _matches(pattern: list[str], path: list[str]) -> bool:
 def match_plan(model: nn.Module, plan: Plan) -> tuple[list[PlanEntry], list[Finding]]:
     """Expand a plan's patterns against a model's module paths.
 
+    Args:
+        model: The model whose ``named_modules()`` paths the patterns are matched to.
+        plan: Module path pattern (``*`` matches one segment) → ShardingConfig.
+
     Returns:
         The entries (one per matched module, in model order) and the problems: a
         pattern that matches nothing (with the nearest real paths), two patterns
         claiming one module, a value that is not a ShardingConfig.
+
+    Example::
+
+        from torch import nn
+        from hyper_parallel.dmodule.plan import match_plan
+        from hyper_parallel.dmodule.presets import colwise
+
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        entries, problems = match_plan(model, {"*": colwise()})
+        assert [e.path for e in entries] == ["0", "1"] and problems == []
     """
     modules = dict(model.named_modules())
     findings: list[Finding] = []
@@ -117,6 +131,22 @@ def parallelize_module(model: nn.Module, mesh: DeviceMesh, plan: Plan | str | Pa
     Raises:
         ValueError: Listing every problem (patterns, paths, placements, arguments),
             each with its module path; the model is left unchanged.
+        TypeError: If ``plan`` is neither a mapping nor a file path, or ``mesh`` is
+            not a DeviceMesh.
+
+    Example:
+        Run under ``torchrun --nproc-per-node 2``::
+
+            import torch
+            from torch import nn
+            from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
+            from hyper_parallel.dmodule import parallelize_module
+            from hyper_parallel.dmodule.presets import colwise, rowwise
+
+            model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+            parallelize_module(model, mesh, {"0": colwise(), "2": rowwise()})
+            y = model(torch.randn(4, 8))  # a replicated DTensor
     """
     if isinstance(plan, (str, Path)):
         plan = load_plan(plan)

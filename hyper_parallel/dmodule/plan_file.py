@@ -37,7 +37,25 @@ def _format_of(path: Path) -> str:
 
 
 def plan_to_dict(plan: Mapping[str, ShardingConfig]) -> dict[str, dict]:
-    """Plan → plain dict (module path → config dict without the ``repr`` key)."""
+    """Plan → plain dict (module path → config dict without the ``repr`` key).
+
+    Args:
+        plan: Module path pattern → ShardingConfig.
+
+    Returns:
+        Module path → the config's non-default fields, placements as text.
+
+    Raises:
+        TypeError: If a value is not a ShardingConfig.
+
+    Example::
+
+        from hyper_parallel.dmodule.plan_file import plan_to_dict
+        from hyper_parallel.dmodule.presets import rowwise
+
+        data = plan_to_dict({"down": rowwise()})
+        assert data["down"]["out_dst_shardings"] == {"tp": "Replicate()"}
+    """
     out: dict[str, dict] = {}
     for path, config in plan.items():
         if not isinstance(config, ShardingConfig):
@@ -55,7 +73,27 @@ def plan_to_dict(plan: Mapping[str, ShardingConfig]) -> dict[str, dict]:
 
 
 def plan_from_dict(data: object, source: str = "plan") -> dict[str, ShardingConfig]:
-    """Plain dict (module path → config dict) → plan; errors name the entry."""
+    """Plain dict (module path → config dict) → plan; errors name the entry.
+
+    Args:
+        data: What a plan file holds, e.g. ``{"up": {"state_shardings": ...}}``.
+        source: Where ``data`` came from, for error messages.
+
+    Returns:
+        Module path pattern → :class:`ShardingConfig`.
+
+    Raises:
+        ValueError: For a non-mapping ``data``, a non-string path or an invalid entry.
+        TypeError: For an entry field of the wrong shape.
+
+    Example::
+
+        from hyper_parallel.core.dtensor.placement_types import Shard
+        from hyper_parallel.dmodule.plan_file import plan_from_dict
+
+        plan = plan_from_dict({"up": {"state_shardings": {"weight": {"tp": "S(0)"}}}})
+        assert plan["up"].state_shardings == {"weight": {"tp": Shard(0)}}
+    """
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -107,7 +145,27 @@ def load_plan(path: str | Path) -> dict[str, ShardingConfig]:
 
 
 def dump_plan(plan: Mapping[str, ShardingConfig], path: str | Path) -> None:
-    """Write a plan to ``.yaml``/``.yml`` or ``.json`` (format chosen by suffix)."""
+    """Write a plan to ``.yaml``/``.yml`` or ``.json`` (format chosen by suffix).
+
+    Args:
+        plan: Module path pattern → ShardingConfig.
+        path: The file to write; its suffix picks the format.
+
+    Raises:
+        ValueError: For an unknown suffix.
+        TypeError: If a value is not a ShardingConfig.
+
+    Example::
+
+        import os
+        import tempfile
+        from hyper_parallel.dmodule.plan_file import dump_plan, load_plan
+        from hyper_parallel.dmodule.presets import colwise
+
+        path = os.path.join(tempfile.mkdtemp(), "plan.yaml")
+        dump_plan({"layers.*.up": colwise()}, path)
+        assert load_plan(path) == {"layers.*.up": colwise()}
+    """
     path = Path(path)
     fmt = _format_of(path)
     data = plan_to_dict(plan)

@@ -19,7 +19,14 @@ __all__ = ["MeshAxisName", "NamedPlacement"]
 
 
 class MeshAxisName(str, enum.Enum):
-    """Conventional mesh axis names. Each member equals its lowercase string."""
+    """Conventional mesh axis names. Each member equals its lowercase string.
+
+    Example::
+
+        from hyper_parallel.dmodule.types import MeshAxisName
+
+        assert MeshAxisName.TP == "tp" and MeshAxisName("dp_shard") is MeshAxisName.DP_SHARD
+    """
 
     DP = "dp"
     DP_REPLICATE = "dp_replicate"

@@ -504,3 +504,25 @@ def test_local_map_region_refuses_undeclared_dtensor_and_missing_input(mesh, fas
         core(q, None, torch.ones(1, 1, 3, 2))
     out = core(q, q, torch.ones(1, 1, 3, 2))  # a plain v is this rank's local piece
     assert out.placements == (Shard(1),)
+
+
+def test_subclass_without_config_builds_itself():
+    """A subclass that adds no config fields still builds its own class, not its parent."""
+
+    class Base(Module):
+        @dataclass(kw_only=True, slots=True)
+        class Config(Module.Config):
+            width: int = 2
+
+        def __init__(self, config: Base.Config) -> None:
+            super().__init__()
+            self.width = config.width
+
+    class Doubled(Base):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    built = Doubled.Config(width=3).build()
+    assert type(built) is Doubled and built.width == 3
+    assert issubclass(Doubled.Config, Base.Config) and Doubled.Config is not Base.Config
+    assert type(Base.Config().build()) is Base
