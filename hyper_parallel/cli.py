@@ -15,7 +15,9 @@ plan that ``parallelize`` refuses, or the demo fails); 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,17 @@ class _UsageError(Exception):
     """A problem with the command line's arguments (exit status 2)."""
 
 
+class _PlanError(Exception):
+    """A model, plan or mesh that cannot work together (exit status 1).
+
+    ``findings`` (``Finding``s) let ``validate`` report it in its own format.
+    """
+
+    def __init__(self, message: str, findings: Sequence[Any] = ()) -> None:
+        super().__init__(message)
+        self.findings = list(findings)
+
+
 def _mesh(text: str) -> dict[str, int]:
     from hyper_parallel.analysis._world import parse_mesh
 
@@ -40,6 +53,16 @@ def _mesh(text: str) -> dict[str, int]:
         return parse_mesh(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
 
 
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,10 +85,10 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sp", action="store_true", help="tensor + sequence parallel (registered models)"
     )
-    p.add_argument("--batch", type=int, default=1, help="per-rank batch size (default 1)")
+    p.add_argument("--batch", type=_positive_int, default=1, help="per-rank batch size (default 1)")
     p.add_argument(
         "--seq",
-        type=int,
+        type=_positive_int,
         default=None,
         help=f"sequence length (default {_SEQ_LEN}; {_HF_SEQ_LEN} for --hf-model)",
     )
@@ -138,6 +161,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         print(f"hyper-parallel {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except _PlanError as e:
+        print(f"hyper-parallel {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 # ---------------------------------------------------------------------- model + plan
@@ -160,10 +186,28 @@ def _subject(args: argparse.Namespace) -> _Subject:
     shape: dict[str, int] = args.mesh
     plan = None
     if args.plan is not None:
+        suffix = os.path.splitext(args.plan)[1].lower()
+        if os.path.isdir(args.plan) or suffix in (".yaml", ".yml", ".json"):
+            if not os.path.isfile(args.plan):
+                what = "is a directory" if os.path.isdir(args.plan) else "does not exist"
+                raise _UsageError(
+                    f"plan file {args.plan!r} {what}; give the path of a .yaml or .json "
+                    "plan file, e.g. --plan examples/plans/hf_llama_tp.yaml."
+                )
+        else:
+            raise _UsageError(
+                f"plan file {args.plan!r}: unknown suffix {suffix!r}; use .yaml, .yml or .json."
+            )
         try:
             plan = load_plan(args.plan)
-        except (OSError, ValueError, TypeError) as e:
-            raise _UsageError(str(e)) from None
+        except OSError as e:
+            raise _UsageError(f"plan file {args.plan!r}: {e}") from None
+        except (ValueError, TypeError) as e:  # the file's content is not a valid plan
+            raise _PlanError(
+                str(e), [_finding("", "plan", str(e), "correct the plan file and run again.")]
+            ) from None
+    elif args.model is not None or args.hf_model is not None:
+        _check_axes(shape, args)
     if args.hf_model is not None:
         return _hf_subject(args, shape, plan)
     from hyper_parallel.dmodule.model_spec import get_spec
@@ -180,7 +224,16 @@ def _subject(args: argparse.Namespace) -> _Subject:
             raise _UsageError(
                 f"model {args.model!r} has no {key!r} sharding; pass a plan file with --plan."
             )
-        config = sharding(config)
+        try:
+            if "tp_size" in inspect.signature(sharding).parameters:
+                config = sharding(config, tp_size=shape["tp"])
+            else:
+                config = sharding(config)
+        except ValueError as e:  # e.g. heads not divisible by the tp size
+            raise _PlanError(
+                f"{args.model} cannot be sharded over tp={shape['tp']}: {e}",
+                [_finding("", "mesh['tp']", str(e), "use a tp size that divides the head counts.")],
+            ) from None
     elif args.sp:
         raise _UsageError(
             "--sp shards the sequence over the 'tp' axis: give the mesh a tp axis "
@@ -189,17 +242,43 @@ def _subject(args: argparse.Namespace) -> _Subject:
     return _Subject(args.model, config, plan, spec.extras.get("loss_fn"), args.seq or _SEQ_LEN)
 
 
+def _finding(path: str, field: str, message: str, fix: str) -> Any:
+    from hyper_parallel.dmodule._checks import Finding
+
+    return Finding("error", path, field, message, fix)
+
+
+def _check_axes(shape: dict[str, int], args: argparse.Namespace) -> None:
+    """Without --plan only 'tp' (the model's sharding) and the FSDP axis are used."""
+    used = {"tp", getattr(args, "dp_axis", "dp")}
+    unused = [a for a in shape if a not in used]
+    if unused:
+        raise _UsageError(
+            f"mesh axis {unused[0]!r} is used by nothing: without --plan the model's own "
+            f"sharding uses 'tp' (tensor parallel) and FSDP uses {sorted(used - {'tp'})[0]!r} "
+            "(data parallel); rename the axis (e.g. --mesh dp=2,tp=2), or pass a --plan "
+            "that places states on it."
+        )
+
+
 def _hf_subject(args: argparse.Namespace, shape: dict[str, int], plan: Any) -> _Subject:
     if args.sp:
         raise _UsageError("--sp applies to registered models; give an SP plan with --plan.")
     try:
-        from hyper_parallel.hf import build_hf_model, hf_tp_plan
+        from hyper_parallel.hf import build_hf_model, check_hf_heads, hf_tp_plan
 
         model = build_hf_model(args.hf_model, device="meta")
-        if plan is None:
-            plan = hf_tp_plan(args.hf_model) if "tp" in shape else {}
     except (ImportError, ValueError) as e:
         raise _UsageError(str(e)) from None
+    if plan is None:
+        try:
+            plan = hf_tp_plan(args.hf_model) if "tp" in shape else {}
+        except ValueError as e:  # gpt2: its fused c_attn has no default plan
+            raise _PlanError(f"{e} Pass such a plan with --plan FILE.") from None
+    if "tp" in shape and any(p.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj") for p in plan):
+        heads = check_hf_heads(model, shape["tp"])
+        if heads:
+            raise _PlanError(" ".join(f"{f.message} Fix: {f.fix}" for f in heads), heads)
     return _Subject(f"hf:{args.hf_model}", model, plan, None, args.seq or _HF_SEQ_LEN)
 
 
@@ -233,7 +312,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         )
         return 1
     except (ValueError, TypeError, RuntimeError) as e:
-        raise _UsageError(str(e)) from None
+        raise _PlanError(
+            f"the plan fails when traced ({type(e).__name__}: {e}); run 'hyper-parallel "
+            "validate' with the same arguments for the module at fault."
+        ) from None
     report.model = subject.name
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=1))
@@ -245,7 +327,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from hyper_parallel.analysis import validate
 
-    subject = _subject(args)
+    try:
+        subject = _subject(args)
+    except _PlanError as e:
+        if not e.findings:
+            raise
+        return _print_validate_failure(args, e.findings)
     try:
         report = validate(
             subject.model,
@@ -262,6 +349,19 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     else:
         print(report.to_table(verbose=args.verbose))
     return 0 if report.ok else 1
+
+
+def _print_validate_failure(args: argparse.Namespace, findings: list[Any]) -> int:
+    """Report a model/plan/mesh refused before tracing the way ``validate`` reports."""
+    from hyper_parallel.analysis.validate import ValidationReport
+
+    name = args.model if args.model is not None else f"hf:{args.hf_model}"
+    report = ValidationReport(model=name, mesh=dict(args.mesh), findings=findings)
+    if args.format == "json":
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(report.to_table(verbose=args.verbose))
+    return 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

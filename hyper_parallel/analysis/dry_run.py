@@ -379,7 +379,7 @@ def _trace_step(
     types = {path: type(m).__name__ for path, m in model.named_modules()}
     args = _inputs(model, inputs, batch_size, seq_len, mode)
     entries, findings = target.entries(model)
-    if entries:
+    if entries or findings:  # a plan whose patterns all match nothing is refused too
         on_dp = _paths_placing_on(entries, dp_axis)
         if use_fsdp and on_dp:
             raise ValueError(

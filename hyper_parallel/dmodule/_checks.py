@@ -178,7 +178,8 @@ def _check_states(
                 c.error(
                     field,
                     f"names {key!r}, which is None in {type(module).__name__} (has: {has}).",
-                    f"drop {key!r} from state_shardings, or build the module with it.",
+                    f"drop {key!r} from state_shardings (presets: colwise(bias=False)), or "
+                    "build the module with it.",
                 )
                 continue
             near = difflib.get_close_matches(key, names, n=1)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hyper_parallel.train.run import parse_mesh
+from hyper_parallel.train.run import _mesh_argument
 from hyper_parallel.train.trainer import TrainConfig, Trainer, model_config
 
 __all__ = ["add_arguments", "main", "run"]
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``."""
     parser.add_argument(
         "--mesh",
-        type=parse_mesh,
+        type=_mesh_argument,
         default={"dp": 2, "tp": 2},
         help="mesh of local ranks, e.g. dp=2,tp=2 (default) or tp=2",
     )

@@ -60,19 +60,38 @@ def parse_mesh(text: str) -> dict[str, int]:
     return mesh
 
 
+def _mesh_argument(text: str) -> dict[str, int]:
+    try:
+        return parse_mesh(text)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({e.msg}); quote the keys, e.g. '{{\"num_layers\": 4}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"num_layers\": 4}'")
+    return value
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the training options (each maps to a :class:`TrainConfig` field)."""
     parser.add_argument("--config", help="JSON file of TrainConfig fields (options override it)")
     parser.add_argument("--model", help="registered model name (default llama3-debug)")
     parser.add_argument(
         "--model-overrides",
-        type=json.loads,
+        type=_json_object,
         metavar="JSON",
         help="model config overrides, e.g. '{\"num_layers\": 4}'",
     )
     parser.add_argument(
         "--mesh",
-        type=parse_mesh,
+        type=_mesh_argument,
         help="mesh axis sizes, e.g. dp=2,tp=2 (default: dp = number of ranks)",
     )
     parser.add_argument(
@@ -140,8 +159,19 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1) -> TrainConf
     """
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
-        with open(args.config, encoding="utf-8") as f:
-            values.update(json.load(f))
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except OSError as e:
+            raise ValueError(f"--config {args.config!r}: cannot read it ({e.strerror}).") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {args.config!r}: not valid JSON ({e}).") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(
+                f"--config {args.config!r}: expected a JSON object of TrainConfig fields, "
+                f"got {type(loaded).__name__}."
+            )
+        values.update(loaded)
     for name in _FIELDS_FROM_ARGS:
         value = getattr(args, name, None)
         if value is not None:
@@ -217,7 +247,7 @@ def main(
             cfg = config_from_args(args, world_size)
             trainer = Trainer(cfg, step_callback=step_callback)
         except ValueError as e:  # a run that cannot start: say why, no traceback
-            print(f"error: {e}", file=sys.stderr)
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
             return 2
         result = trainer.fit()
         rank = dist.get_rank() if dist.is_initialized() else 0

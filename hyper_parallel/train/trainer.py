@@ -564,6 +564,8 @@ class Trainer:
         progress = _Progress(cfg.num_steps, self.step, cfg.progress and is_logger)
         if is_logger and cfg.log_every and self.resumed_from:
             print(f"resumed from step {self.resumed_from}", flush=True)
+        elif is_logger and cfg.log_every and cfg.resume and self.step == 0:
+            print(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0", flush=True)
         steps, losses, grad_norms = [], [], []
         t0 = time.perf_counter()
         while self.step < end:

@@ -1,0 +1,149 @@
+"""The mistakes a user makes with the CLI and the trainer: a clear error, no traceback.
+
+Exit status: 1 for a model/plan/mesh that cannot work together, 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from hyper_parallel.cli import main
+
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs transformers"
+)
+
+
+def _run(capsys, argv):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def _usage_exit(capsys, argv, run=main) -> str:
+    with pytest.raises(SystemExit) as info:
+        run(argv)
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return err
+
+
+def test_unknown_model_is_a_usage_error(capsys):
+    code, _, err = _run(capsys, ["validate", "--model", "llama3-7b", "--mesh", "tp=2"])
+    assert code == 2 and "no model named 'llama3-7b'" in err and "llama3-8b" in err
+
+
+@pytest.mark.parametrize("mesh", ["tp=0", "tp", "tp=2,,dp=2", "tp=2,tp=2", "tp=x", "tp:2", ""])
+def test_malformed_mesh_is_a_usage_error(capsys, mesh):
+    err = _usage_exit(capsys, ["plan", "--model", "llama3-debug", "--mesh", mesh])
+    assert "argument --mesh" in err and ("axis=size" in err or ">= 1" in err or "twice" in err)
+
+
+def test_bad_format_and_batch_are_usage_errors(capsys):
+    assert "invalid choice: 'xml'" in _usage_exit(
+        capsys, ["plan", "--model", "llama3-debug", "--mesh", "tp=2", "--format", "xml"]
+    )
+    assert ">= 1" in _usage_exit(
+        capsys, ["plan", "--model", "llama3-debug", "--mesh", "tp=2", "--batch", "0"]
+    )
+
+
+@pytest.mark.parametrize("command", ["plan", "validate"])
+def test_heads_not_divisible_by_tp(capsys, command):
+    code, out, err = _run(capsys, [command, "--model", "llama3-70b", "--mesh", "dp=3,tp=16"])
+    assert code == 1
+    assert "8 key/value heads cannot be split over tp_size=16" in out + err
+
+
+def test_validate_json_reports_a_refused_mesh(capsys):
+    import json
+
+    code, out, _ = _run(
+        capsys, ["validate", "--model", "llama3-70b", "--mesh", "tp=3", "--format", "json"]
+    )
+    report = json.loads(out)
+    assert code == 1 and not report["ok"] and report["num_errors"] == 1
+    assert "64 query heads" in report["findings"][0]["message"]
+
+
+def test_unused_mesh_axis_is_named(capsys):
+    code, _, err = _run(capsys, ["validate", "--model", "llama3-debug", "--mesh", "dp=2,pt=2"])
+    assert code == 2 and "mesh axis 'pt' is used by nothing" in err
+
+
+def test_missing_plan_file(capsys, tmp_path):
+    missing = str(tmp_path / "nope.yaml")
+    code, _, err = _run(
+        capsys, ["validate", "--model", "llama3-debug", "--mesh", "tp=2", "--plan", missing]
+    )
+    assert code == 2 and "does not exist" in err
+    code, _, err = _run(
+        capsys, ["plan", "--model", "llama3-debug", "--mesh", "tp=2", "--plan", str(tmp_path)]
+    )
+    assert code == 2 and "is a directory" in err
+
+
+def test_plan_file_with_a_typod_placement(capsys, tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("layers.*.attention.wq:\n  state_shardings:\n    weight: {tp: Shrd(0)}\n")
+    argv = ["--model", "llama3-debug", "--mesh", "tp=2", "--plan", str(plan)]
+    code, out, _ = _run(capsys, ["validate", *argv])
+    assert code == 1 and "invalid placement 'Shrd(0)'" in out
+    code, _, err = _run(capsys, ["plan", *argv])
+    assert code == 1 and "invalid placement 'Shrd(0)'" in err
+
+
+def test_plan_refuses_a_pattern_that_matches_nothing(capsys, tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("layers.*.atention.wq:\n  state_shardings:\n    weight: {tp: Shard(0)}\n")
+    argv = ["--model", "llama3-debug", "--mesh", "tp=2", "--plan", str(plan), "--seq", "8"]
+    code, _, err = _run(capsys, ["plan", *argv])
+    assert code == 1 and "matches no module" in err
+    code, out, _ = _run(capsys, ["validate", *argv])
+    assert code == 1 and "matches no module" in out
+
+
+@needs_transformers
+def test_hf_family_errors(capsys):
+    code, _, err = _run(capsys, ["validate", "--hf-model", "bert", "--mesh", "tp=2"])
+    assert code == 2 and "unknown Hugging Face model family 'bert'" in err
+    code, out, _ = _run(capsys, ["validate", "--hf-model", "gpt2", "--mesh", "tp=2"])
+    assert code == 1  # no default plan for GPT-2's fused c_attn: say why
+    code, out, _ = _run(capsys, ["validate", "--hf-model", "llama", "--mesh", "tp=8"])
+    assert code == 1 and "num_key_value_heads=4, not divisible" in out
+
+
+# ---------------------------------------------------------------------- trainer
+
+
+def _train(argv):
+    from hyper_parallel.train.run import main as train_main
+
+    return train_main(argv)
+
+
+def test_trainer_usage_errors(capsys, tmp_path):
+    assert "axis=size" in _usage_exit(capsys, ["--mesh", "tp=0"], run=_train)
+    assert "quote the keys" in _usage_exit(
+        capsys, ["--model-overrides", "{num_layers: 4}"], run=_train
+    )
+    assert _train(["--config", str(tmp_path / "missing.json")]) == 2
+    _, err = capsys.readouterr()
+    assert "cannot read it" in err and "Traceback" not in err
+    assert _train(["--steps", "0"]) == 2
+    assert "num_steps must be >= 1" in capsys.readouterr().err
+    assert _train(["--resume", "--steps", "1"]) == 2
+    assert "needs a checkpoint_dir" in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint_says_so(capsys, tmp_path):
+    ckpt = Path(tmp_path) / "ckpt"
+    argv = ["--resume", "--checkpoint-dir", str(ckpt), "--steps", "1", "--no-progress"]
+    argv += ["--model-overrides", '{"num_layers": 1}', "--seq-len", "8", "--batch-size", "2"]
+    assert _train(argv) == 0
+    assert "no checkpoint in" in capsys.readouterr().out
