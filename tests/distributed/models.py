@@ -10,6 +10,7 @@ single-device twin.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.dmodule import LocalMapConfig, Module, ShardingConfig
+from hyper_parallel.dmodule import LocalMapConfig, Module, ShardingConfig, fast_path
 from hyper_parallel.dmodule.types import NamedPlacement
 
 Linear = Module.from_nn_module(nn.Linear)
@@ -559,3 +560,26 @@ def assert_numerics(result: Mapping[str, Any], where: str = "", tol: float = 1e-
 def mesh_1d(world_size: int) -> DeviceMesh:
     """A 1-D CPU mesh of ``world_size`` ranks with the one axis named ``tp``."""
     return init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+
+
+# --------------------------------------------------------------------------- both runtime paths
+
+PATHS = ("dtensor", "fast")
+
+
+def build_with_twin(config: Any, seed: int = 0) -> tuple[Any, Any]:
+    """The model built from ``config`` and its single-device twin (same weights)."""
+    torch.manual_seed(seed)
+    model = config.build()
+    return model, copy.deepcopy(model)
+
+
+def parallelize_on(model: Any, mesh: Any, fast: bool) -> None:
+    """``model.parallelize(mesh)`` with the fast path on or off."""
+    with fast_path(fast):
+        model.parallelize(mesh)
+
+
+def on_both_paths(case: Callable[[bool], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``case`` run with the DTensor boundary and with the fast path (same process group)."""
+    return {path: case(path == "fast") for path in PATHS}

@@ -20,16 +20,20 @@ from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
 from hyper_parallel.dmodule import fast_path, parallelize_module
 from tests.distributed.models import (
+    PATHS,
     PlainFanOut,
     PlainStack,
     assert_numerics,
     attention_core_config,
+    build_with_twin,
     colwise,
     compare,
     fan_out_plan,
     gated_config,
     mesh_1d,
     mlp_config,
+    on_both_paths,
+    parallelize_on,
     placements_of,
     rowwise,
     sequence_parallel_config,
@@ -42,25 +46,7 @@ from tests.distributed.models import (
 pytestmark = pytest.mark.distributed
 WORLD_SIZE = 2
 
-PATHS = ("dtensor", "fast")
 R, S0, S1 = (Replicate(),), (Shard(0),), (Shard(1),)
-
-
-def _build(config: Any, seed: int = 0) -> tuple[Any, Any]:
-    """The model built from ``config`` and its single-device twin (same weights)."""
-    torch.manual_seed(seed)
-    model = config.build()
-    return model, copy.deepcopy(model)
-
-
-def _parallelize(model: Any, mesh: Any, fast: bool) -> None:
-    with fast_path(fast):
-        model.parallelize(mesh)
-
-
-def _on_both_paths(case: Callable[[bool], dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``case`` run with the DTensor boundary and with the fast path (same process group)."""
-    return {path: case(path == "fast") for path in PATHS}
 
 
 def _local_chunk(dim: int):
@@ -78,14 +64,14 @@ def _mlp_runs(fast: bool) -> dict[str, Any]:
     torch.manual_seed(1)
     x = torch.randn(4, 8)
 
-    model, ref = _build(mlp_config(8, 16))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(mlp_config(8, 16))
+    parallelize_on(model, mesh, fast)
     out["module"] = compare(model, ref, [x])
     out["module_again"] = compare(model, ref, [x])  # grads accumulate on both sides
     out["placements"] = placements_of(model)
 
-    model, ref = _build(mlp_config(8, 16))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(mlp_config(8, 16))
+    parallelize_on(model, mesh, fast)
     out["no_input_grad"] = compare(model, ref, [x], input_grads=False)
 
     torch.manual_seed(0)
@@ -112,8 +98,8 @@ def _sequence_parallel_runs(fast: bool) -> dict[str, Any]:
     x = torch.randn(2, 6, 8)  # (batch, sequence, hidden)
     mine = x.chunk(2, 1)[c10d.get_rank()]
     for norm in ("rms", "layer"):
-        model, ref = _build(sequence_parallel_config(8, norm=norm))
-        _parallelize(model, mesh, fast)
+        model, ref = build_with_twin(sequence_parallel_config(8, norm=norm))
+        parallelize_on(model, mesh, fast)
         out[norm] = compare(model, ref, [mine], [x], local_grad=_local_chunk(1))
         out[f"{norm}_placements"] = placements_of(model)
     return out
@@ -125,8 +111,8 @@ def _state_runs(fast: bool) -> dict[str, Any]:
     torch.manual_seed(3)
     x = torch.randn(3, 8)
 
-    model, ref = _build(sharded_buffer_config(8, 6))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(sharded_buffer_config(8, 6))
+    parallelize_on(model, mesh, fast)
     out["buffer"] = compare(model, ref, [x])
     out["buffer_placements"] = placements_of(model)
     out["buffer_state_dict"] = {k: type(v).__name__ for k, v in model.state_dict().items()}
@@ -143,8 +129,8 @@ def _state_runs(fast: bool) -> dict[str, Any]:
     }
     out["buffer_state_dict_after_init"] = sorted(model.state_dict())
 
-    model, ref = _build(tied_lm_config(10, 8))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(tied_lm_config(10, 8))
+    parallelize_on(model, mesh, fast)
     tokens = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(0))
     out["tied"] = compare(model, ref, [tokens])
     out["tied_placements"] = placements_of(model)
@@ -161,20 +147,20 @@ def _argument_runs(fast: bool) -> dict[str, Any]:
     x = torch.randn(3, 8)
     mask = (torch.arange(6) % 3 != 0).float()
 
-    model, ref = _build(gated_config(8, 6))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(gated_config(8, 6))
+    parallelize_on(model, mesh, fast)
     out["kw_mask"] = compare(model, ref, [x], kwargs={"scale": 2.0, "mask": mask})
     out["kw_no_mask"] = compare(model, ref, [x], kwargs={"scale": 0.5, "mask": None})
     out["kw_all_keyword"] = compare(model, ref, [], kwargs={"x": x, "scale": 1.5})
     out["kw_placements"] = placements_of(model)
 
-    model, ref = _build(two_outputs_config(8, 6))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(two_outputs_config(8, 6))
+    parallelize_on(model, mesh, fast)
     out["tuple"] = compare(model, ref, [x])
     out["tuple_placements"] = placements_of(model)
 
-    model, ref = _build(attention_core_config(num_heads=4))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(attention_core_config(num_heads=4))
+    parallelize_on(model, mesh, fast)
     q, k, v = torch.randn(3, 2, 4, 5, 8).unbind(0)  # (batch, heads, sequence, head_dim)
     # q and k arrive whole (in_src Replicate); v has no in_src, so each rank passes its
     # own heads and the boundary wraps them with in_dst.
@@ -193,8 +179,8 @@ def _argument_runs(fast: bool) -> dict[str, Any]:
 def _replicated_state_in_local_map(fast: bool) -> dict[str, Any]:
     mesh = mesh_1d(2)
     rank = c10d.get_rank()
-    model, ref = _build(tempered_attention_config(num_heads=4))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(tempered_attention_config(num_heads=4))
+    parallelize_on(model, mesh, fast)
     q, k, v = torch.randn(3, 2, 4, 5, 8, generator=torch.Generator().manual_seed(6)).unbind(0)
 
     def mine(t: torch.Tensor) -> torch.Tensor:
@@ -212,17 +198,17 @@ def _uneven_runs(fast: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     torch.manual_seed(5)
     x = torch.randn(3, 8)
-    model, ref = _build(mlp_config(8, 5))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(mlp_config(8, 5))
+    parallelize_on(model, mesh, fast)
     out["mlp"] = compare(model, ref, [x])
     out["mlp_local_shapes"] = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
 
-    model, ref = _build(sharded_buffer_config(8, 5))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(sharded_buffer_config(8, 5))
+    parallelize_on(model, mesh, fast)
     out["buffer"] = compare(model, ref, [x])
 
-    model, ref = _build(tied_lm_config(11, 8))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(tied_lm_config(11, 8))
+    parallelize_on(model, mesh, fast)
     tokens = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(0))
     out["tied"] = compare(model, ref, [tokens])
     return out
@@ -243,7 +229,7 @@ def _meta_init_runs(fast: bool) -> dict[str, Any]:
     for name, config in configs.items():
         with torch.device("meta"):
             model = config.build()
-        _parallelize(model, mesh, fast)
+        parallelize_on(model, mesh, fast)
         model.to_empty(device="cpu")
         local_shapes = {n: p.to_local().shape for n, p in model.named_parameters()}
         torch.manual_seed(7)
@@ -288,7 +274,7 @@ def _meta_init_runs(fast: bool) -> dict[str, Any]:
 
 def _results(dist: Any, case: Callable[[bool], dict[str, Any]]) -> list[tuple[str, Any]]:
     """``(path, result)`` for every rank and both boundary paths, from one round trip."""
-    return [(path, res[path]) for res in dist.run(_on_both_paths, case) for path in PATHS]
+    return [(path, res[path]) for res in dist.run(on_both_paths, case) for path in PATHS]
 
 
 def test_colwise_rowwise_mlp(dist):

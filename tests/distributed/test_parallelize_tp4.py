@@ -7,7 +7,6 @@ direction, and placements.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -17,13 +16,16 @@ import torch
 from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
-from hyper_parallel.dmodule import fast_path
 from tests.distributed.models import (
+    PATHS,
     assert_numerics,
     attention_core_config,
+    build_with_twin,
     compare,
     mesh_1d,
     mlp_config,
+    on_both_paths,
+    parallelize_on,
     placements_of,
     tied_lm_config,
 )
@@ -31,23 +33,7 @@ from tests.distributed.models import (
 pytestmark = pytest.mark.distributed
 WORLD_SIZE = 4
 
-PATHS = ("dtensor", "fast")
 R, S0, S1 = (Replicate(),), (Shard(0),), (Shard(1),)
-
-
-def _build(config: Any, seed: int = 0) -> tuple[Any, Any]:
-    torch.manual_seed(seed)
-    model = config.build()
-    return model, copy.deepcopy(model)
-
-
-def _parallelize(model: Any, mesh: Any, fast: bool) -> None:
-    with fast_path(fast):
-        model.parallelize(mesh)
-
-
-def _on_both_paths(case: Callable[[bool], dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {path: case(path == "fast") for path in PATHS}
 
 
 def _tp4_runs(fast: bool) -> dict[str, Any]:
@@ -58,20 +44,20 @@ def _tp4_runs(fast: bool) -> dict[str, Any]:
     x = torch.randn(4, 8)
     # 16 splits 4+4+4+4; 10 splits 3+3+3+1; 6 splits 2+2+2+0 (the last rank holds nothing).
     for hidden in (16, 10, 6):
-        model, ref = _build(mlp_config(8, hidden))
-        _parallelize(model, mesh, fast)
+        model, ref = build_with_twin(mlp_config(8, hidden))
+        parallelize_on(model, mesh, fast)
         out[f"mlp{hidden}"] = compare(model, ref, [x])
         out[f"mlp{hidden}_placements"] = placements_of(model)
         out[f"mlp{hidden}_rows"] = model.up.weight.to_local().shape[0]
 
-    model, ref = _build(tied_lm_config(10, 8))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(tied_lm_config(10, 8))
+    parallelize_on(model, mesh, fast)
     tokens = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(0))
     out["tied"] = compare(model, ref, [tokens])
     out["tied_is_tied"] = model.emb.weight is model.out.weight
 
-    model, ref = _build(attention_core_config(num_heads=4))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(attention_core_config(num_heads=4))
+    parallelize_on(model, mesh, fast)
     q, k, v = torch.randn(3, 2, 4, 5, 8).unbind(0)
     out["local_map"] = compare(
         model,
@@ -90,8 +76,8 @@ def _dp_tp_runs(fast: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     torch.manual_seed(2)
     x = torch.randn(4, 8)
-    model, ref = _build(mlp_config(8, 16, dp=True))
-    _parallelize(model, mesh, fast)
+    model, ref = build_with_twin(mlp_config(8, 16, dp=True))
+    parallelize_on(model, mesh, fast)
     out["mlp"] = compare(
         model,
         ref,
@@ -105,7 +91,7 @@ def _dp_tp_runs(fast: bool) -> dict[str, Any]:
     config = mlp_config(8, 12, dp=True)
     with torch.device("meta"):
         model = config.build()
-    _parallelize(model, mesh, fast)
+    parallelize_on(model, mesh, fast)
     model.to_empty(device="cpu")
     torch.manual_seed(9)
     model.init_states()
@@ -124,7 +110,7 @@ def _dp_tp_runs(fast: bool) -> dict[str, Any]:
 
 
 def _results(dist: Any, case: Callable[[bool], dict[str, Any]]) -> list[tuple[str, Any]]:
-    return [(path, res[path]) for res in dist.run(_on_both_paths, case) for path in PATHS]
+    return [(path, res[path]) for res in dist.run(on_both_paths, case) for path in PATHS]
 
 
 def test_tp4_mlp_even_and_uneven_tied_and_local_map(dist):
