@@ -10,32 +10,19 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hyper_parallel
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
 from hyper_parallel.dmodule import LocalMapConfig, Module, ShardingConfig, parallelize_module
 
 WORLD_SIZE = 4
 Linear = Module.from_nn_module(nn.Linear)
-
-
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[DeviceMesh]:
-    """A 1-D ``tp`` mesh of 4 on a fake process group (this process is rank 0)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD_SIZE)
-    try:
-        yield init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- __all__
