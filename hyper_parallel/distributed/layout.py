@@ -1,0 +1,396 @@
+"""One N-D mesh for every axis: sizes, checks, and the DeviceMesh views each axis needs.
+
+Users give sizes for the axes ``pp, dp_replicate, dp_shard, cp, tp, ep`` (``dp`` is
+accepted as a synonym of ``dp_shard``). The ranks are laid out outermost first as
+``pp, dp_replicate, dp_shard, cp, tp`` (tp innermost, on the fastest links, as
+torchtitan does), so the world size is ``pp * dp_replicate * dp_shard * cp * tp``.
+``ep`` adds no ranks: it borrows them from ``dp_shard * cp * tp`` (innermost first,
+so from tp before cp before dp_shard) and must divide that product. Derived axes:
+
+- ``fsdp`` = dp_shard x cp: what FSDP2 shards dense states over;
+- ``efsdp`` = dp_shard x cp x tp / ep: what FSDP2 shards expert states over;
+- ``batch`` = dp_replicate x dp_shard: ranks that read different rows of the batch;
+- ``loss`` = dp_replicate x dp_shard x cp: ranks whose partial losses make the mean.
+
+:class:`MeshLayout` is a plain value (no process group needed): :meth:`MeshLayout.parse`
+reads ``"dp_shard=2,tp=2"``, :meth:`MeshLayout.findings` returns every problem as a
+:class:`~hyper_parallel.dmodule.Finding` with its fix, and :meth:`MeshLayout.build`
+makes the :class:`ParallelMesh` (torch's ``init_device_mesh`` and its flatten /
+unflatten; no hand-made process groups) on a running process group — the trainer's
+real one or the dry run's fake one.
+
+Example::
+
+    layout = MeshLayout.parse("dp_replicate=2,dp_shard=2,tp=2")
+    layout.check(world_size=8)            # raises LayoutError listing every problem
+    mesh = layout.build("cpu")           # under torchrun with 8 ranks
+    mesh["tp"], mesh["fsdp"], mesh.fsdp_mesh()  # 1-D tp, 1-D fsdp, 2-D (replicate, shard)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Iterable, Mapping
+
+import torch.distributed as dist
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.dmodule._checks import Finding
+
+__all__ = [
+    "DENSE_AXES",
+    "USER_AXES",
+    "LayoutError",
+    "MeshLayout",
+    "ParallelMesh",
+]
+
+DENSE_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The axes that multiply to the world size, outermost first."""
+
+USER_AXES = (*DENSE_AXES, "ep")
+"""Every axis a user gives a size for (plus the alias ``dp`` of ``dp_shard``)."""
+
+ALIASES = {"dp": "dp_shard"}
+"""Accepted synonyms: ``dp`` is ``dp_shard`` (FSDP2 over the data-parallel ranks)."""
+
+_DERIVED = ("fsdp", "efsdp")
+
+
+class LayoutError(ValueError):
+    """A mesh layout was refused. ``findings`` lists every problem, each with its fix."""
+
+    def __init__(self, findings: Iterable[Finding]) -> None:
+        self.findings = list(findings)
+        lines = "\n".join(f"  {f}" for f in self.findings)
+        super().__init__(f"{len(self.findings)} problem(s) in the mesh:\n{lines}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MeshLayout:
+    """Sizes of the user-given mesh axes; every size defaults to 1.
+
+    Build it with :meth:`parse` (text) or :meth:`from_sizes` (a mapping), which collect
+    every problem before raising; the constructor itself only stores the sizes, so call
+    :meth:`check` before using a hand-made one.
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def parse(cls, text: str) -> MeshLayout:
+        """Read ``"dp_shard=2,tp=2"`` (any order; ``""`` is one device).
+
+        Raises:
+            LayoutError: Every malformed entry, unknown axis (with the nearest name),
+                repeated axis and size below 1, in one error.
+        """
+        findings: list[Finding] = []
+        sizes: dict[str, int] = {}
+        given: dict[str, str] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, size = item.partition("=")
+            name, size = name.strip(), size.strip()
+            if not sep or not name or not size.lstrip("-").isdigit():
+                findings.append(
+                    _error(
+                        f"entry {item!r} of {text!r} is not 'axis=size'.",
+                        "write the mesh as axis=size pairs, e.g. 'dp_shard=2,tp=2'.",
+                    )
+                )
+                continue
+            _add_size(name, int(size), sizes, given, findings)
+        return cls._finish(sizes, findings)
+
+    @classmethod
+    def from_sizes(cls, sizes: Mapping[str, int]) -> MeshLayout:
+        """A layout from ``{"dp_shard": 2, "tp": 2}`` (enum keys accepted).
+
+        Raises:
+            LayoutError: Every unknown axis, repeated axis (``dp`` and ``dp_shard``
+                both given) and size that is not an integer >= 1, in one error.
+        """
+        if isinstance(sizes, MeshLayout):
+            return sizes
+        findings: list[Finding] = []
+        out: dict[str, int] = {}
+        given: dict[str, str] = {}
+        for axis, size in sizes.items():
+            name = str(getattr(axis, "value", axis))
+            if isinstance(size, bool) or not isinstance(size, int):
+                findings.append(
+                    _error(
+                        f"axis {name!r} has size {size!r}, which is not an integer.",
+                        f"give {name} a whole number >= 1.",
+                    )
+                )
+                continue
+            _add_size(name, size, out, given, findings)
+        return cls._finish(out, findings)
+
+    @classmethod
+    def _finish(cls, sizes: dict[str, int], findings: list[Finding]) -> MeshLayout:
+        if findings:
+            raise LayoutError(findings)
+        layout = cls(**sizes)
+        errors = [f for f in layout.findings() if f.severity == "error"]
+        if errors:
+            raise LayoutError(errors)
+        return layout
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the layout needs: pp x dp_replicate x dp_shard x cp x tp."""
+        return math.prod(self.size(a) for a in DENSE_AXES)
+
+    @property
+    def fsdp(self) -> int:
+        """dp_shard x cp: the ranks FSDP2 shards dense states over."""
+        return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """dp_shard x cp x tp / ep: the ranks FSDP2 shards expert states over."""
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    def size(self, axis: str) -> int:
+        """The size of a user axis or a derived one (``fsdp``, ``efsdp``, ``batch``, ``loss``)."""
+        axis = ALIASES.get(axis, axis)
+        if axis in USER_AXES:
+            return getattr(self, axis)
+        if axis in _DERIVED:
+            return getattr(self, axis)
+        if axis == "batch":
+            return self.dp_replicate * self.dp_shard
+        if axis == "loss":
+            return self.dp_replicate * self.dp_shard * self.cp
+        raise KeyError(
+            f"{axis!r} is not a mesh axis ({', '.join(USER_AXES)}, fsdp, efsdp, batch, loss)"
+        )
+
+    def active(self) -> dict[str, int]:
+        """The user axes of size > 1, in layout order (``{"dp_shard": 2, "tp": 2}``)."""
+        return {a: getattr(self, a) for a in USER_AXES if getattr(self, a) > 1}
+
+    def to_dict(self) -> dict[str, int]:
+        """All user axes with their sizes (JSON-friendly)."""
+        return {a: getattr(self, a) for a in USER_AXES}
+
+    def __str__(self) -> str:
+        active = self.active()
+        return ",".join(f"{a}={s}" for a, s in active.items()) if active else "one device"
+
+    # ------------------------------------------------------------------ checks
+
+    def findings(self, world_size: int | None = None) -> list[Finding]:
+        """Every problem of this layout (and, when given, against ``world_size``).
+
+        Returns:
+            ``Finding``s with path ``"mesh"``; empty when the layout is usable.
+        """
+        out: list[Finding] = []
+        for axis in USER_AXES:
+            size = getattr(self, axis)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                out.append(
+                    _error(
+                        f"axis {axis!r} has size {size!r}; sizes are integers >= 1.",
+                        f"give {axis} a size >= 1, or leave it out (size 1).",
+                        axis,
+                    )
+                )
+        if out:
+            return out
+        borrow = self.dp_shard * self.cp * self.tp
+        if borrow % self.ep:
+            out.append(
+                _error(
+                    f"ep={self.ep} does not divide dp_shard x cp x tp = {self.dp_shard} x "
+                    f"{self.cp} x {self.tp} = {borrow}; expert parallelism borrows its ranks "
+                    "from those axes.",
+                    f"pick ep among the divisors of {borrow} ({_divisors(borrow)}), or grow "
+                    "dp_shard so that ep divides it.",
+                    "ep",
+                )
+            )
+        if world_size is not None and world_size != self.world_size:
+            out.append(
+                _error(
+                    f"the mesh {self} needs pp x dp_replicate x dp_shard x cp x tp = "
+                    f"{self.world_size} ranks, but the world has {world_size}.",
+                    f"make the sizes multiply to {world_size} (e.g. "
+                    f"dp_shard={max(1, world_size // max(1, self.world_size // self.dp_shard))}"
+                    f"), or launch {self.world_size} ranks "
+                    f"(torchrun --nproc-per-node {self.world_size}).",
+                )
+            )
+        return out
+
+    def check(self, world_size: int | None = None) -> None:
+        """Raise :class:`LayoutError` with every error of :meth:`findings`."""
+        errors = [f for f in self.findings(world_size) if f.severity == "error"]
+        if errors:
+            raise LayoutError(errors)
+
+    # ------------------------------------------------------------------ meshes
+
+    def build(self, device_type: str = "cpu") -> ParallelMesh:
+        """The :class:`ParallelMesh` of this layout on the running process group.
+
+        Every rank must call it (it creates process groups). Works on a real group
+        (gloo, NCCL) and on the fake one of the dry run alike.
+
+        Raises:
+            LayoutError: No process group is running (and the layout needs more than
+                one rank), or the world size differs from :attr:`world_size`.
+        """
+        if not dist.is_initialized():
+            raise LayoutError(
+                [
+                    _error(
+                        f"the mesh {self} needs {self.world_size} ranks but no process "
+                        "group is running.",
+                        f"launch with `torchrun --nproc-per-node {self.world_size} ...` "
+                        "(or call dist.init_process_group first).",
+                    )
+                ]
+            )
+        self.check(dist.get_world_size())
+        return ParallelMesh(self, device_type)
+
+
+class ParallelMesh:
+    """The DeviceMesh views of one :class:`MeshLayout`, created once on every rank.
+
+    ``mesh[axis]`` is a 1-D mesh for a user axis (``pp``, ``dp_replicate``,
+    ``dp_shard`` — alias ``dp`` —, ``cp``, ``tp``, ``ep``) or a derived one: ``fsdp``,
+    ``efsdp``, ``batch`` (dp_replicate x dp_shard: ranks that read different rows) and
+    ``loss`` (dp_replicate x dp_shard x cp: ranks whose losses are averaged); :attr:`dense` is the 5-D ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh and
+    :meth:`submesh` slices it. Size-1 axes are kept, so every name always resolves.
+    """
+
+    def __init__(self, layout: MeshLayout, device_type: str) -> None:
+        self.layout = layout
+        self.device_type = device_type
+        sizes = tuple(layout.size(a) for a in DENSE_AXES)
+        self.dense: DeviceMesh = init_device_mesh(device_type, sizes, mesh_dim_names=DENSE_AXES)
+        # Flattened views are kept here (torch deprecates slicing them from the root).
+        self._views: dict[str, DeviceMesh] = {
+            "fsdp": self.dense["dp_shard", "cp"]._flatten("fsdp"),
+            "batch": self.dense["dp_replicate", "dp_shard"]._flatten("batch"),
+            "loss": self.dense["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
+        }
+        borrowed = self.dense["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+        # ep takes the innermost ranks of dp_shard x cp x tp; efsdp the outer ones.
+        self.sparse: DeviceMesh = borrowed._unflatten(0, (layout.efsdp, layout.ep), ("efsdp", "ep"))
+        self._views["efsdp"] = self.sparse["efsdp"]
+        self._views["ep"] = self.sparse["ep"]
+        self._hsdp: DeviceMesh | None = None
+        if layout.dp_replicate > 1:
+            # HSDP: FSDP2 takes a 2-D (replicate, shard) mesh; shard = dp_shard x cp.
+            self._hsdp = self._views["loss"]._unflatten(
+                0, (layout.dp_replicate, layout.fsdp), ("dp_replicate", "fsdp")
+            )
+
+    def __getitem__(self, axis: str) -> DeviceMesh:
+        axis = ALIASES.get(axis, axis)
+        if axis in self._views:
+            return self._views[axis]
+        if axis in DENSE_AXES:
+            return self.dense[axis]
+        raise KeyError(
+            f"{axis!r} is not an axis of this mesh; axes are {', '.join(DENSE_AXES)}, ep, "
+            "and the derived fsdp, efsdp, batch (dp_replicate x dp_shard) and loss "
+            "(dp_replicate x dp_shard x cp)."
+        )
+
+    def submesh(self, axes: Iterable[str]) -> DeviceMesh:
+        """The dense mesh sliced to ``axes`` (in layout order), e.g. ``("cp", "tp")``."""
+        names = tuple(a for a in DENSE_AXES if a in set(axes))
+        return self.dense[names] if len(names) > 1 else self.dense[names[0]]
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """What ``fully_shard`` takes for dense states: the 1-D ``fsdp`` mesh, the 2-D
+        ``(dp_replicate, fsdp)`` mesh for HSDP, or ``None`` when neither axis is > 1."""
+        if self._hsdp is not None:
+            return self._hsdp
+        if self.layout.fsdp > 1:
+            return self._views["fsdp"]
+        return None
+
+    def local_rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        return self[axis].get_local_rank()
+
+
+def _add_size(
+    name: str,
+    size: int,
+    sizes: dict[str, int],
+    given: dict[str, str],
+    findings: list[Finding],
+) -> None:
+    canonical = ALIASES.get(name, name)
+    if canonical not in USER_AXES:
+        known = [*USER_AXES, *ALIASES]
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close and name not in _DERIVED else ""
+        derived = (
+            f" {name} is derived from the others ({name} = "
+            f"{'dp_shard x cp' if name == 'fsdp' else 'dp_shard x cp x tp / ep'}), not given."
+            if name in _DERIVED
+            else ""
+        )
+        findings.append(
+            _error(
+                f"{name!r} is not a mesh axis.{hint}{derived}",
+                f"use axes among {', '.join(USER_AXES)} (dp = dp_shard).",
+                name,
+            )
+        )
+        return
+    if canonical in sizes:
+        first = given[canonical]
+        same = (
+            f"{first!r} and {name!r} both name the {canonical} axis"
+            if first != name
+            else f"{name!r} is given more than once"
+        )
+        findings.append(
+            _error(
+                f"{same}.",
+                f"give {canonical} once.",
+                name,
+            )
+        )
+        return
+    if size < 1:
+        findings.append(
+            _error(
+                f"axis {name!r} has size {size}; sizes are integers >= 1.",
+                f"give {name} a size >= 1, or leave it out (size 1).",
+                name,
+            )
+        )
+        return
+    sizes[canonical] = size
+    given[canonical] = name
+
+
+def _error(message: str, fix: str, axis: str = "") -> Finding:
+    return Finding("error", "mesh", axis, message, fix)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -1,0 +1,107 @@
+"""The N-D mesh layout: parsing, every bad mesh as one error, derived axes on a fake group."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from hyper_parallel.distributed import LayoutError, MeshLayout
+
+
+def test_parse_any_order_and_alias():
+    layout = MeshLayout.parse("tp=2, dp=4,pp=2")
+    assert (layout.pp, layout.dp_shard, layout.tp) == (2, 4, 2)
+    assert layout.world_size == 16
+    assert str(layout) == "pp=2,dp_shard=4,tp=2"
+    assert MeshLayout.parse("") == MeshLayout()
+    assert MeshLayout.parse("").world_size == 1
+
+
+def test_derived_sizes():
+    layout = MeshLayout.parse("dp_replicate=2,dp_shard=4,cp=2,tp=2,ep=8")
+    assert layout.world_size == 32
+    assert layout.fsdp == 8
+    assert layout.efsdp == 2  # 4 * 2 * 2 / 8
+    assert layout.size("batch") == 8 and layout.size("loss") == 16
+    assert layout.active() == {"dp_replicate": 2, "dp_shard": 4, "cp": 2, "tp": 2, "ep": 8}
+
+
+def test_every_problem_in_one_error():
+    with pytest.raises(LayoutError) as info:
+        MeshLayout.parse("dp=2,dp_shard=2,tpp=2,cp=0,garbage")
+    text = str(info.value)
+    assert len(info.value.findings) == 4
+    assert "'dp' and 'dp_shard' both name the dp_shard axis" in text
+    assert "Did you mean 'tp'?" in text
+    assert "axis 'cp' has size 0" in text
+    assert "'garbage'" in text and "axis=size" in text
+
+
+def test_repeated_axis_and_derived_axis():
+    with pytest.raises(LayoutError, match="'tp' is given more than once"):
+        MeshLayout.parse("tp=2,tp=2")
+    with pytest.raises(LayoutError, match="fsdp is derived"):
+        MeshLayout.parse("fsdp=2")
+    with pytest.raises(LayoutError, match="not an integer"):
+        MeshLayout.from_sizes({"tp": 2.0})
+
+
+def test_ep_must_divide_borrowed_axes():
+    with pytest.raises(LayoutError) as info:
+        MeshLayout.parse("dp_shard=2,tp=3,ep=4")
+    assert "ep=4 does not divide dp_shard x cp x tp = 2 x 1 x 3 = 6" in str(info.value)
+    assert "1, 2, 3, 6" in str(info.value)
+
+
+def test_world_size_mismatch_names_both_numbers():
+    (finding,) = MeshLayout.parse("tp=2").findings(world_size=4)
+    assert "needs pp x dp_replicate x dp_shard x cp x tp = 2 ranks" in finding.message
+    assert "world has 4" in finding.message
+    assert "--nproc-per-node 2" in finding.fix
+
+
+def test_build_without_process_group_is_a_clear_error():
+    assert not dist.is_initialized()
+    with pytest.raises(LayoutError, match="no process group is running"):
+        MeshLayout.parse("tp=2").build("cpu")
+
+
+@pytest.mark.parametrize("rank", [0, 5, 13])
+def test_views_on_fake_group(rank):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    layout = MeshLayout.parse("pp=2,dp_replicate=2,dp_shard=2,cp=1,tp=2,ep=4")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        mesh = layout.build("cpu")
+        sizes = {a: mesh[a].size() for a in ("pp", "dp_replicate", "dp", "cp", "tp")}
+        assert sizes == {"pp": 2, "dp_replicate": 2, "dp": 2, "cp": 1, "tp": 2}
+        assert (mesh["fsdp"].size(), mesh["efsdp"].size(), mesh["ep"].size()) == (2, 1, 4)
+        assert (mesh["batch"].size(), mesh["loss"].size()) == (4, 4)
+        # Row-major layout: tp innermost, pp outermost; ep takes dp_shard x tp's ranks.
+        pp, dpr, dps, tp = rank // 8, rank // 4 % 2, rank // 2 % 2, rank % 2
+        assert mesh.local_rank("pp") == pp and mesh.local_rank("tp") == tp
+        assert mesh.local_rank("dp_replicate") == dpr and mesh.local_rank("dp_shard") == dps
+        assert mesh.local_rank("ep") == dps * 2 + tp
+        assert mesh.local_rank("batch") == dpr * 2 + dps
+        hsdp = mesh.fsdp_mesh()
+        assert hsdp.mesh_dim_names == ("dp_replicate", "fsdp") and tuple(hsdp.shape) == (2, 2)
+        assert mesh.submesh(("tp", "cp")).mesh_dim_names == ("cp", "tp")
+        with pytest.raises(KeyError, match="not an axis of this mesh"):
+            mesh["model"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_mesh_is_1d_without_replicate():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    layout = MeshLayout.parse("dp_shard=2,cp=2")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        mesh = layout.build("cpu")
+        assert mesh.fsdp_mesh().mesh_dim_names == ("fsdp",)
+        assert mesh.fsdp_mesh().size() == 4
+    finally:
+        dist.destroy_process_group()
+    assert MeshLayout.parse("tp=2").fsdp == 1
