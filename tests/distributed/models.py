@@ -24,6 +24,8 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.dmodule import LocalMapConfig, Module, ShardingConfig, fast_path
+from hyper_parallel.dmodule._boundary import Boundary
+from hyper_parallel.dmodule._fast import FastPath
 from hyper_parallel.dmodule.types import NamedPlacement
 
 Linear = Module.from_nn_module(nn.Linear)
@@ -583,3 +585,52 @@ def parallelize_on(model: Any, mesh: Any, fast: bool) -> None:
 def on_both_paths(case: Callable[[bool], dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``case`` run with the DTensor boundary and with the fast path (same process group)."""
     return {path: case(path == "fast") for path in PATHS}
+
+
+class PathLog:
+    """Which path each call of each parallelized module of ``model`` actually ran.
+
+    A module whose ``forward`` is a :class:`FastPath` ran ``"<kind>"`` unless the call
+    was handed to its DTensor fallback (recorded as ``"dtensor"``); a module whose
+    ``forward`` is the DTensor :class:`Boundary` always runs ``"dtensor"``. Installed
+    through public hooks only: a forward pre-hook per module and ``FastPath.attach``.
+
+    Example::
+
+        log = PathLog(model)
+        model(x)
+        log.ran()  # {"up": {"colwise"}, "down": {"rowwise"}}
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.calls: dict[str, list[str]] = {}
+        for path, module in model.named_modules():
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, FastPath):
+                self._watch(path, module, forward.kind)
+                forward.attach(self._fallback(path, forward.fallback))
+            elif isinstance(forward, Boundary):
+                self._watch(path, module, "dtensor")
+
+    def _watch(self, path: str, module: nn.Module, kind: str) -> None:
+        self.calls[path] = []
+
+        def pre_hook(_module: nn.Module, _args: Any) -> None:
+            self.calls[path].append(kind)
+
+        module.register_forward_pre_hook(pre_hook)
+
+    def _fallback(self, path: str, fallback: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.calls[path][-1] = "dtensor"
+            return fallback(*args, **kwargs)
+
+        return run
+
+    def ran(self) -> dict[str, set[str]]:
+        """Module path → the set of paths its calls took (empty: never called)."""
+        return {path: set(kinds) for path, kinds in self.calls.items()}
+
+    def clear(self) -> None:
+        for kinds in self.calls.values():
+            kinds.clear()
