@@ -993,7 +993,7 @@ def select_fast_path(
 ) -> FastPath | None:
     """The fast path for ``module`` under ``config`` on ``mesh``, or ``None`` to keep DTensor.
 
-    Called at ``parallelize`` time, after the module's states became DTensors.
+    Called at ``parallelize`` time, before anything changes (states are still plain).
 
     Args:
         module: The module being parallelized (its ``forward`` not yet replaced).

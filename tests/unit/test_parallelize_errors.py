@@ -31,6 +31,7 @@ from hyper_parallel.dmodule import (
     ShardingConfig,
     parallelize_module,
 )
+from hyper_parallel.dmodule._fast import ENV_VAR
 from tests.distributed.models import (
     AttentionCore,
     Linear,
@@ -495,7 +496,20 @@ def _snapshot(model: nn.Module) -> dict[str, Any]:
         },
         "state_dict_keys": sorted(model.state_dict()),
         "forwards": {n: vars(m).get("forward") for n, m in model.named_modules()},
+        # No attribute (a boundary marker) and no hook left behind on any module.
+        "attributes": {n: sorted(vars(m)) for n, m in model.named_modules()},
+        "hooks": {n: [len(getattr(m, h)) for h in _HOOK_DICTS] for n, m in model.named_modules()},
     }
+
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -518,6 +532,8 @@ def _assert_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
         assert torch.equal(_local(now), _local(value)), f"buffer {name} changed"
     assert after["state_dict_keys"] == before["state_dict_keys"]
     assert after["forwards"] == before["forwards"], "a forward was replaced"
+    assert after["attributes"] == before["attributes"], "a module attribute was added"
+    assert after["hooks"] == before["hooks"], "a hook was left behind"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -542,6 +558,25 @@ def test_malformed_call_is_refused_and_changes_nothing(name: str, meshes):
     if case.fix is not None:
         case.fix(model, meshes)
         assert any(isinstance(t, DTensor) for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("how", ["module", "plan"])
+def test_bad_path_switch_is_refused_before_anything_changes(how: str, meshes, monkeypatch):
+    """Path selection is part of the checks: a bad switch value changes nothing."""
+    monkeypatch.setenv(ENV_VAR, "maybe")
+    if how == "module":
+        model: nn.Module = mlp_config(8, 16).build()
+        call = _parallelize()
+    else:
+        model = Toy()
+        call = _plan({"layers.*.mlp.up": colwise(), "layers.*.mlp.down": rowwise()})
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=f"{ENV_VAR}='maybe': set it to 1"):
+        call(model, meshes)
+    _assert_unchanged(model, before)
+    monkeypatch.setenv(ENV_VAR, "1")  # the same model, with a valid switch, parallelizes
+    call(model, meshes)
+    assert any(isinstance(t, DTensor) for t in model.state_dict().values())
 
 
 def test_corpus_is_large_enough():
