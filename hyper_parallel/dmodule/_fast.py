@@ -546,6 +546,8 @@ class _RowwiseLinear(_LinearPath):
         if not self._has_bias:
             return self._output(_exit_reduce(self, y, scatter), scatter)
         bias = params[1]
+        if bias.dtype != y.dtype:  # autocast: F.linear would cast its bias like the matmul
+            bias = bias.to(y.dtype)
         if scatter is not None and (_needs_grad(y) or _needs_grad(bias)):
             y = _ScatterAddBias.apply(y, bias, scatter, self.group, self.size)
         else:

@@ -505,7 +505,9 @@ def compare(
     Returns:
         A picklable dict: ``fwd``/``bwd`` collective counts, ``out`` (max |diff| per
         output), ``out_placements``, ``grads`` (max |diff| per parameter),
-        ``grad_placements``, ``input_grads`` (max |diff| per grad-requiring argument).
+        ``grad_placements``, ``input_grads`` (max |diff| per grad-requiring argument),
+        ``paths`` (module path → (path installed, paths its forward calls ran); see
+        :class:`PathLog` and :func:`assert_paths`).
     """
     kwargs = dict(kwargs or {})
     ref_args = args if ref_args is None else ref_args
@@ -518,8 +520,10 @@ def compare(
 
     xs = [leaf(a) for a in args]
     refs = [leaf(a) for a in ref_args]
+    log = PathLog(model)
     with CommDebugMode() as fwd:
         out = model(*xs, **kwargs)
+    log.close()
     ref_out = reference(*refs, **kwargs)
     outs = list(out) if isinstance(out, tuple) else [out]
     ref_outs = list(ref_out) if isinstance(ref_out, tuple) else [ref_out]
@@ -542,6 +546,7 @@ def compare(
         "grads": max_grad_diffs(model, reference),
         "grad_placements": {n: tuple(p.grad.placements) for n, p in model.named_parameters()},
         "input_grads": input_diffs,
+        "paths": {p: (log.installed[p], sorted(k)) for p, k in log.ran().items()},
     }
 
 
@@ -557,6 +562,22 @@ def assert_numerics(result: Mapping[str, Any], where: str = "", tol: float = 1e-
     }
     bad = {k: v for k, v in diffs.items() if not v <= tol}
     assert not bad, f"{where}: differences from the single-device model above {tol}: {bad}"
+
+
+def assert_paths(result: Mapping[str, Any], path: str, *, expect_fast: bool = True) -> None:
+    """The runtime path ``path`` ("fast"/"dtensor") of a :func:`compare` result is the one that ran.
+
+    DTensor runs: every module installed and ran the DTensor boundary. Fast runs:
+    every module's calls ran the path it installed (no call handed to the DTensor
+    fallback unnoticed) and, with ``expect_fast``, at least one module is fast.
+    """
+    paths = result["paths"]
+    if path == "dtensor":
+        assert all(kind == "dtensor" for kind, _ in paths.values()), paths
+    elif expect_fast:
+        assert any(kind != "dtensor" for kind, _ in paths.values()), f"nothing fast: {paths}"
+    for module, (kind, ran) in paths.items():
+        assert ran in ([], [kind]), f"{path}: {module!r} installed {kind} but ran {ran}"
 
 
 def mesh_1d(world_size: int) -> DeviceMesh:
@@ -604,21 +625,32 @@ class PathLog:
 
     def __init__(self, model: nn.Module) -> None:
         self.calls: dict[str, list[str]] = {}
+        self.installed: dict[str, str] = {}  # module path → the path installed at parallelize
+        self._undo: list[Callable[[], Any]] = []
         for path, module in model.named_modules():
             forward = module.__dict__.get("forward")
             if isinstance(forward, FastPath):
                 self._watch(path, module, forward.kind)
-                forward.attach(self._fallback(path, forward.fallback))
+                fallback = forward.fallback
+                forward.attach(self._fallback(path, fallback))
+                self._undo.append(lambda f=forward, fb=fallback: f.attach(fb))
             elif isinstance(forward, Boundary):
                 self._watch(path, module, "dtensor")
 
     def _watch(self, path: str, module: nn.Module, kind: str) -> None:
         self.calls[path] = []
+        self.installed[path] = kind
 
         def pre_hook(_module: nn.Module, _args: Any) -> None:
             self.calls[path].append(kind)
 
-        module.register_forward_pre_hook(pre_hook)
+        self._undo.append(module.register_forward_pre_hook(pre_hook).remove)
+
+    def close(self) -> None:
+        """Remove the hooks and restore each fast path's own fallback."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
 
     def _fallback(self, path: str, fallback: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
