@@ -26,6 +26,7 @@ from hyper_parallel.dmodule._checks import (
     ParallelizeError,
     PlanEntry,
     check_entries,
+    check_mesh,
     describe,
     errors_of,
     state_owner,
@@ -481,7 +482,15 @@ def parallelize_entries(
         )
     axes = mesh_axes_of(mesh)
     sizes = dict(zip(axes, mesh.shape)) if axes is not None else None
-    errors = errors_of([*extra_findings, *check_entries(entries, axes, sizes)])
+    mesh_findings = check_mesh(
+        axes or (),
+        mesh_size=mesh.size(),
+        rank_in_mesh=mesh.get_coordinate() is not None,
+        rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else None,
+    )
+    errors = errors_of(
+        [*extra_findings, *mesh_findings, *check_entries(entries, axes, sizes, root)]
+    )
     if errors:
         raise ParallelizeError(errors)
     assert axes is not None

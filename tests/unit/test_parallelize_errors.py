@@ -57,6 +57,10 @@ def meshes() -> Iterator[dict[str, DeviceMesh]]:
             "tp": init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",)),
             "dp_tp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
             "unnamed": init_device_mesh("cpu", (WORLD_SIZE,)),
+            # DeviceMesh accepts what init_device_mesh refuses: an axis named twice.
+            "same_axis_twice": DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("tp", "tp")),
+            # Ranks 1-3: this process (rank 0) is not one of them.
+            "without_this_rank": DeviceMesh("cpu", [1, 2, 3], mesh_dim_names=("tp",)),
         }
     finally:
         dist.destroy_process_group()
@@ -127,6 +131,22 @@ class Toy(nn.Module):
             x = layer(x)
         return x
 
+
+class GroupedQueryAttention(nn.Module):
+    """4 query heads and 2 key/value heads of ``head_dim`` 4 (attention's declared field)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = 4
+        self.wq = nn.Linear(16, 16)
+        self.wk = nn.Linear(16, 8)
+        self.wv = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wq(x) + (self.wk(x) * self.wv(x)).repeat(1, 2)
+
+
+QKV_PLAN = {"wq": colwise(), "wk": colwise(), "wv": colwise()}
 
 GOOD_PLAN = {"layers.*.mlp.up": colwise(), "layers.*.mlp.down": rowwise()}
 STACK_PLAN = {"layers.*.up": colwise(), "layers.*.down": rowwise()}
@@ -304,6 +324,42 @@ CASES: dict[str, Case] = {
         _parallelize("unnamed"),
         ["<root>: mesh:", "no mesh_dim_names", "mesh_dim_names=('dp', 'tp')"],
         _parallelize("tp"),
+    ),
+    "mesh_names_an_axis_twice": Case(
+        lambda: stack(),
+        _parallelize("same_axis_twice"),
+        ["<root>: mesh:", "axis 'tp' appears more than once", "name each mesh axis once"],
+        _parallelize("tp"),
+    ),
+    "mesh_without_this_rank": Case(
+        lambda: stack(),
+        _parallelize("without_this_rank"),
+        ["<root>: mesh:", "rank 0) is not one of the mesh's 3 ranks", "over every rank"],
+        _parallelize("tp"),
+    ),
+    "more_ranks_than_key_value_heads": Case(
+        GroupedQueryAttention,
+        _plan(QKV_PLAN),
+        [
+            "wk: state_shardings['weight']: 2 heads (8 features / head_dim 4 of <root>)",
+            "axis 'tp' of size 4, which is larger than the head count",
+            "wv: state_shardings['weight']",
+            "use a 'tp' size that divides 2 (2, 1)",
+        ],
+        _plan(QKV_PLAN, "dp_tp"),  # tp=2: one key/value head per rank
+        num_problems=2,
+    ),
+    "state_sharded_on_a_dim_of_size_1": Case(
+        lambda: nn.Linear(8, 1),
+        _plan({"": colwise()}),
+        [
+            "<root>: state_shardings['weight']: axis 'tp' shards dim 0 of 'weight', which has "
+            "size 1 (shape (1, 8))",
+            "the other 3 an empty shard",
+            "make 'bias' Replicate() on 'tp', or shard a dim larger than 1",
+        ],
+        _plan({"": rowwise()}),
+        num_problems=2,
     ),
     "mesh_not_a_device_mesh": Case(
         lambda: stack(),
