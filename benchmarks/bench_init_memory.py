@@ -8,9 +8,13 @@ at that point (after imports and process-group setup):
   needs to hold all of it;
 - ``meta -> shard -> init (tp=N)``: build on the meta device with the ``apply_tp``
   configs, ``parallelize`` over a fake process group of N ranks, ``to_empty`` and
-  ``init_states()`` — rank 0 only ever materializes its own shards, plus one
-  module's full parameters at a time while it initializes them (so that a sharded
-  model starts from the values the whole model would have);
+  ``init_states()`` — rank 0 keeps only its own shards, but while a module is
+  initialized its *full* parameters exist on every rank (so that a sharded model
+  starts from the values the whole model would have), plus the initializer's
+  temporaries (torch's ``trunc_normal_`` takes a few times the tensor) and what the
+  allocator keeps of them. The bound is therefore the rank's shards plus a few times
+  the largest module's full parameters, not the shards alone; the largest module of
+  ``llama3-405b`` (reported below) shows what that means at scale;
 - ``whole -> shard (tp=N)``: build and initialize whole, then ``parallelize`` — the
   usual way without a meta build.
 
@@ -90,13 +94,42 @@ def _measure(mode: str, tp: int) -> dict[str, Any]:
         for p in model.parameters()
     )
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest, largest_bytes = largest_module(model)
     dist.destroy_process_group()
     return {
         "mode": mode,
         "peak_bytes": peak - before,
         "rank_param_bytes": local,
         "model_param_bytes": total,
+        "largest_module": largest,
+        "largest_module_bytes": largest_bytes,
     }
+
+
+def largest_module(model: Any) -> tuple[str, int]:
+    """The module whose own parameters are largest in full (global) size, and their bytes.
+
+    ``init_states`` materializes one module's full parameters at a time, so this is
+    the transient on top of a rank's shards (before the initializer's temporaries).
+    """
+    best = ("", 0)
+    for name, module in model.named_modules():
+        size = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        if size > best[1]:
+            best = (name, size)
+    return best
+
+
+def at_scale(model_name: str = "llama3-405b") -> dict[str, Any]:
+    """The largest module of a registered model, built on the meta device (no memory)."""
+    import torch
+
+    from hyper_parallel.dmodule import get_spec
+
+    with torch.device("meta"):
+        model = get_spec(model_name).config().build()
+    name, size = largest_module(model)
+    return {"model": model_name, "largest_module": name, "largest_module_bytes": size}
 
 
 def run(tp: int) -> dict[str, Any]:
@@ -110,7 +143,7 @@ def run(tp: int) -> dict[str, Any]:
             text=True,
         )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return {"tp": tp, "model": dict(MODEL), "rows": rows}
+    return {"tp": tp, "model": dict(MODEL), "rows": rows, "at_scale": at_scale()}
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -120,14 +153,25 @@ def format_result(result: dict[str, Any]) -> str:
         f"Llama ({result['model']['dim']} dim, {result['model']['num_layers']} layers, "
         f"{total / 4 / 1e6:.0f}M params = {total / mib:.0f} MiB fp32), peak RSS above "
         f"baseline, rank 0 of tp={result['tp']}",
-        f"  {'mode':<24} {'peak MiB':>9} {'params held MiB':>16} {'peak / whole':>13}",
+        f"  {'mode':<24} {'peak MiB':>9} {'params held MiB':>16} {'peak / whole':>13} "
+        f"{'peak - held MiB':>16}",
     ]
     whole = result["rows"][0]["peak_bytes"]
     for row in result["rows"]:
         lines.append(
             f"  {row['mode']:<24} {row['peak_bytes'] / mib:>9.0f} "
-            f"{row['rank_param_bytes'] / mib:>16.0f} {row['peak_bytes'] / whole:>13.2f}"
+            f"{row['rank_param_bytes'] / mib:>16.0f} {row['peak_bytes'] / whole:>13.2f} "
+            f"{(row['peak_bytes'] - row['rank_param_bytes']) / mib:>16.0f}"
         )
+    first = result["rows"][0]
+    scale = result["at_scale"]
+    lines += [
+        f"  largest module ({first['largest_module']}): "
+        f"{first['largest_module_bytes'] / mib:.0f} MiB in full, held whole on every rank "
+        "while it is initialized (plus the initializer's temporaries)",
+        f"  {scale['model']}: largest module ({scale['largest_module']}) "
+        f"{scale['largest_module_bytes'] / 1e9:.1f} GB in full",
+    ]
     return "\n".join(lines)
 
 

@@ -185,9 +185,14 @@ def section_memory(result: dict[str, Any], charts: list[str]) -> str:
         f"Llama with dim {model['dim']}, {model['num_layers']} layers, vocabulary "
         f"{model['vocab_size']}: {total / 4 / 1e6:.0f}M parameters, {total / mib:.0f} MiB "
         "fp32. Peak resident memory of rank 0 above its level before building, each mode "
-        "in a fresh process. The meta path holds its shards plus, while one module is "
-        "initialized, that module's full parameters (so every mesh starts from the same "
-        "values) and the initializer's temporaries.",
+        "in a fresh process. The meta path keeps only its shards, but while one module is "
+        "initialized that module's full parameters exist on every rank (so every mesh "
+        "starts from the same values), plus the initializer's temporaries: the peak is "
+        "the shards plus a few times the largest module "
+        f"({result['rows'][0]['largest_module']}, "
+        f"{result['rows'][0]['largest_module_bytes'] / mib:.0f} MiB here; "
+        f"{result['at_scale']['largest_module_bytes'] / 1e9:.1f} GB for "
+        f"{result['at_scale']['model']}'s {result['at_scale']['largest_module']}).",
         "",
         "| mode | peak MiB | parameters held MiB | peak / whole |",
         "| --- | ---: | ---: | ---: |",

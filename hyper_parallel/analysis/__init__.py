@@ -16,7 +16,9 @@ from hyper_parallel.analysis.dry_run import ParamShard as ParamShard
 from hyper_parallel.analysis.dry_run import dry_run as dry_run
 from hyper_parallel.analysis.equivalence import EquivalenceReport as EquivalenceReport
 from hyper_parallel.analysis.equivalence import EquivalenceRow as EquivalenceRow
+from hyper_parallel.analysis.equivalence import ModuleDrift as ModuleDrift
 from hyper_parallel.analysis.equivalence import check_equivalence as check_equivalence
+from hyper_parallel.analysis.equivalence import find_first_drift as find_first_drift
 from hyper_parallel.analysis.validate import Redistribution as Redistribution
 from hyper_parallel.analysis.validate import ValidationReport as ValidationReport
 from hyper_parallel.analysis.validate import validate as validate
@@ -25,11 +27,13 @@ __all__ = [
     "DryRunReport",
     "EquivalenceReport",
     "EquivalenceRow",
+    "ModuleDrift",
     "ModuleShards",
     "ParamShard",
     "Redistribution",
     "ValidationReport",
     "check_equivalence",
     "dry_run",
+    "find_first_drift",
     "validate",
 ]

@@ -5,7 +5,9 @@ original, runs forward and backward on both with the same input, and reports the
 largest difference in outputs and in every parameter's gradient, by name. A plan
 that lies about a layout (a ``Partial`` handed on as a plain tensor, an input
 declared ``Replicate`` that is really a shard) shows up as a large difference and
-names the parameter it hurts most.
+names the parameter it hurts most, and the first module (in the order modules finish
+their forward) whose output drifts from its single-device twin is where it started:
+:func:`find_first_drift` returns just that module.
 
 Example (on every rank of an initialized process group)::
 
@@ -32,11 +34,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hyper_parallel.analysis._format import placement_text, table
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.dmodule._checks import BOUNDARY_ATTR
+from hyper_parallel.dmodule._placements import normalize_placements
+from hyper_parallel.dmodule.sharding import resolve_placements
 
-__all__ = ["EquivalenceReport", "EquivalenceRow", "check_equivalence"]
+__all__ = [
+    "EquivalenceReport",
+    "EquivalenceRow",
+    "ModuleDrift",
+    "check_equivalence",
+    "find_first_drift",
+]
 
 Inputs = tuple[Any, ...] | dict[str, Any] | torch.Tensor
 
@@ -104,6 +116,53 @@ class EquivalenceRow:
 
 
 @dataclass(frozen=True, slots=True)
+class ModuleDrift:
+    """The first module whose output differs from its single-device twin beyond tolerance.
+
+    Modules are taken in the order they finish their forward (a child before its
+    parent), so the first one that drifts is the innermost module where the
+    difference appears; everything that finished before it matched.
+
+    Attributes:
+        path: Module path in the model (``layers.2.mlp.down``; ``""`` for the root).
+        call: Which call of the module (0 for the first), for modules called repeatedly.
+        output: Which output tensor (``output``, ``output[0]``, ``output.logits``).
+        placements: The parallelized output's layout (``tp=Shard(2)``; ``plain``).
+        max_abs_diff: ``max |a - b|`` over ranks.
+        tolerance_ratio: ``max |a - b| / (atol + rtol * |b|)``; ``inf`` for a shape
+            mismatch or NaN/inf in one model only.
+        num_compared: How many module outputs were compared in all.
+    """
+
+    path: str
+    call: int
+    output: str
+    placements: str
+    max_abs_diff: float
+    tolerance_ratio: float
+    num_compared: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable (non-finite numbers as strings)."""
+        return {
+            "path": self.path,
+            "call": self.call,
+            "output": self.output,
+            "placements": self.placements,
+            "max_abs_diff": _json_float(self.max_abs_diff),
+            "tolerance_ratio": _json_float(self.tolerance_ratio),
+            "num_compared": self.num_compared,
+        }
+
+    def __str__(self) -> str:
+        call = f" (call {self.call})" if self.call else ""
+        return (
+            f"{self.path or '<root>'}{call} {self.output} [{self.placements}]: "
+            f"max |diff| {_num(self.max_abs_diff)}, diff/tol {_num(self.tolerance_ratio)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class EquivalenceReport:
     """The result of :func:`check_equivalence`; identical on every rank.
 
@@ -116,6 +175,8 @@ class EquivalenceReport:
         synced: Parameters, buffers and inputs that differed between ranks before the
             check and were overwritten with rank 0's values (``param:up.weight``,
             ``inputs.input_ids``, ``inputs[0]``).
+        first_drift: The first module whose output drifts (:class:`ModuleDrift`), or
+            ``None`` when every module output that could be compared matched.
     """
 
     outputs: tuple[EquivalenceRow, ...]
@@ -124,6 +185,7 @@ class EquivalenceReport:
     rtol: float
     world_size: int
     synced: tuple[str, ...] = ()
+    first_drift: ModuleDrift | None = None
 
     @property
     def max_abs_output_diff(self) -> float:
@@ -157,6 +219,7 @@ class EquivalenceReport:
             "max_abs_grad_diff": _json_float(self.max_abs_grad_diff),
             "worst_param": self.worst_param,
             "synced": list(self.synced),
+            "first_drift": None if self.first_drift is None else self.first_drift.to_dict(),
             "outputs": [r.to_dict() for r in self.outputs],
             "rows": [r.to_dict() for r in self.rows],
         }
@@ -169,6 +232,7 @@ class EquivalenceReport:
             f"max |output diff| {_num(self.max_abs_output_diff)}   "
             f"max |grad diff| {_num(self.max_abs_grad_diff)}   "
             f"worst parameter: {self.worst_param or '-'}",
+            f"first module whose output drifts: {self.first_drift or '-'}",
         ]
         if self.synced:
             shown = ", ".join(self.synced[:5]) + (" ..." if len(self.synced) > 5 else "")
@@ -316,8 +380,11 @@ def check_equivalence(
         )
     parallel = model if result is None else result
 
-    loss, outputs, placements = _step(parallel, _clone_tree(synced_inputs), loss_fn)
-    ref_loss, ref_outputs, _ = _step(reference, _clone_tree(synced_inputs), loss_fn)
+    with _ModuleOutputs(parallel, parallel=True) as module_outputs:
+        loss, outputs, placements = _step(parallel, _clone_tree(synced_inputs), loss_fn)
+    with _ModuleOutputs(reference, parallel=False) as ref_module_outputs:
+        ref_loss, ref_outputs, _ = _step(reference, _clone_tree(synced_inputs), loss_fn)
+    first_drift = _first_drift(module_outputs, ref_module_outputs, atol, rtol)
 
     local_outputs = [_compare("loss", loss, ref_loss, (), "plain", atol, rtol)]
     local_outputs += _compare_outputs(outputs, ref_outputs, placements, atol, rtol)
@@ -330,7 +397,42 @@ def check_equivalence(
         rtol=rtol,
         world_size=dist.get_world_size(),
         synced=(*synced, *synced_input_names),
+        first_drift=first_drift,
     )
+
+
+def find_first_drift(
+    model: nn.Module,
+    parallelize: Callable[[nn.Module], nn.Module | None],
+    inputs: Inputs,
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+) -> ModuleDrift | None:
+    """The first module whose output drifts from its single-device twin (a parity bisector).
+
+    Runs :func:`check_equivalence` (same arguments, same collective contract) and
+    returns its ``first_drift``: the module, in the order modules finish their
+    forward, whose output first differs beyond ``atol + rtol * |reference|``.
+
+    A module's output is compared when its global value is known: a DTensor
+    (gathered), a plain tensor its own config lays out (``use_local_output`` with
+    ``out_dst``/``out_src``), or a plain tensor of the reference's shape. A plain
+    local piece with no declared layout (inside a region that hands local tensors
+    around) is skipped; the first comparable module after it reports the drift.
+
+    Returns:
+        A :class:`ModuleDrift`, or ``None`` when every compared output matched.
+
+    Example::
+
+        drift = find_first_drift(model, lambda m: parallelize_module(m, mesh, plan), (x,))
+        if drift is not None:
+            print(drift.path)  # e.g. "layers.2.mlp.down"
+    """
+    report = check_equivalence(model, parallelize, inputs, loss_fn=loss_fn, atol=atol, rtol=rtol)
+    return report.first_drift
 
 
 # --------------------------------------------------------------------------- preparation
@@ -657,3 +759,100 @@ def _reduce_rows(
             )
         )
     return done[: len(outputs)], done[len(outputs) :]
+
+
+# --------------------------------------------------------------------------- module outputs
+
+_OutputKey = tuple[str, int, str]  # (module path, call index, output leaf name)
+
+
+class _ModuleOutputs:
+    """Every module's output tensors (detached, global values), in the order modules finish.
+
+    On the parallelized model a DTensor output is gathered with ``full_tensor()`` (a
+    collective, issued in the same order on every rank); a plain output is wrapped
+    with the layout its module's config declares for it, else kept as it is and
+    marked undeclared.
+    """
+
+    def __init__(self, model: nn.Module, *, parallel: bool) -> None:
+        self.model = model
+        self.parallel = parallel
+        self.records: list[tuple[_OutputKey, torch.Tensor, str, bool]] = []
+        self._calls: dict[str, int] = {}
+        self._handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> _ModuleOutputs:
+        for path, module in self.model.named_modules():
+            self._handles.append(module.register_forward_hook(self._hook(path)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, path: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            call = self._calls.get(path, 0)
+            self._calls[path] = call + 1
+            layout = _declared_layout(module) if self.parallel else None
+            with torch.no_grad():
+                for leaf, t in _named_leaves(output, "output"):
+                    if isinstance(t, DTensor):
+                        value, placements, declared = t.detach().full_tensor(), t, True
+                    elif layout is not None and t.is_floating_point():
+                        mesh, spec = layout
+                        dt = DTensor.from_local(
+                            t.detach(), mesh, normalize_placements(spec, t.ndim), run_check=False
+                        )
+                        value, placements, declared = dt.full_tensor(), dt, True
+                    else:
+                        value, placements, declared = t.detach().clone(), t, not self.parallel
+                    text = _placements_text(placements)
+                    self.records.append(((path, call, leaf), value, text, declared))
+
+        return hook
+
+
+def _declared_layout(module: nn.Module) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(mesh, placements)`` a module's config gives its plain (local) output, if any."""
+    boundary = getattr(module, BOUNDARY_ATTR, None)
+    if boundary is None or not boundary.config.use_local_output:
+        return None
+    config = boundary.config
+    named = config.out_dst_shardings
+    if named is None and not isinstance(config.out_src_shardings, tuple):
+        named = config.out_src_shardings
+    if named is None:
+        return None
+    return boundary.mesh, tuple(resolve_placements(named, boundary.mesh))
+
+
+def _first_drift(
+    parallel: _ModuleOutputs, reference: _ModuleOutputs, atol: float, rtol: float
+) -> ModuleDrift | None:
+    """The first compared module output beyond tolerance, agreed on by every rank."""
+    ref = {key: value for key, value, _, _ in reference.records}
+    # One row per record of the parallelized model, the same list on every rank (the
+    # forward is SPMD); -1 marks a record this rank cannot compare.
+    keys: list[tuple[_OutputKey, str]] = []
+    rows: list[tuple[float, float]] = []
+    for key, value, placements, declared in parallel.records:
+        want = ref.get(key)
+        keys.append((key, placements))
+        if want is None or (not declared and value.shape != want.shape):
+            rows.append((-1.0, -1.0))  # not in the reference, or a local piece
+            continue
+        row = _compare(key[2], value, want, tuple(want.shape), placements, atol, rtol)
+        rows.append((math.inf, math.inf) if row.flags else (row.ratio, row.abs_diff))
+    if not rows:
+        return None
+    values = torch.tensor(rows, dtype=torch.float64, device=_comm_device()).nan_to_num(nan=math.inf)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    reduced = values.tolist()
+    num_compared = sum(ratio >= 0 for ratio, _ in reduced)
+    for ((path, call, leaf), placements), (ratio, abs_diff) in zip(keys, reduced):
+        if ratio > 1.0:
+            return ModuleDrift(path, call, leaf, placements, abs_diff, ratio, num_compared)
+    return None

@@ -49,6 +49,7 @@ from hyper_parallel.dmodule._checks import (
     ParallelizeError,
     PlanEntry,
     check_entries,
+    check_mesh,
     forward_signature,
     get_state,
 )
@@ -251,6 +252,7 @@ def validate(
     batch_size: int = 1,
     seq_len: int | None = None,
     trace: bool = True,
+    world_size: int | None = None,
 ) -> ValidationReport:
     """Check a model + plan + mesh shape and report every problem at once.
 
@@ -272,6 +274,7 @@ def validate(
         seq_len: Sequence length of the default inputs; default twice the product of
             the non-data-parallel axis sizes (at least 16), so sequence sharding divides.
         trace: Run the boundary analysis (a forward pass on fake tensors).
+        world_size: Ranks the job will have; an error when the mesh's size differs.
 
     Returns:
         A :class:`ValidationReport`; ``report.ok`` is ``False`` when there are errors.
@@ -289,13 +292,22 @@ def validate(
         report = validate(spec.extras["tp"](spec.config()), {"dp": 16, "tp": 8})
         print(report.to_table())
     """
+    mesh_findings = []
+    if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names is not None:
+        # A DeviceMesh may name an axis twice; as a mapping it would silently collapse.
+        mesh_findings = check_mesh(mesh.mesh_dim_names)
+        if mesh_findings:
+            mesh = dict(zip(mesh.mesh_dim_names, mesh.shape))
     shape = mesh_shape(mesh)
+    mesh_findings += check_mesh(
+        tuple(shape), world_size=world_size, mesh_size=math.prod(shape.values())
+    )
     target = resolve_target(model_or_config, plan)
     report = ValidationReport(model=target.name, mesh=shape)
     model = target.build_meta()
     entries, plan_findings = target.entries(model)
     axes = tuple(shape)
-    findings = [*plan_findings, *check_entries(entries, axes, shape)]
+    findings = [*mesh_findings, *plan_findings, *check_entries(entries, axes, shape, model)]
     findings += _coverage(model, entries, axes)
     if trace:
         if seq_len is None:
@@ -637,20 +649,26 @@ class _BoundaryTracer:
         self, entry: PlanEntry, name: str, value: torch.Tensor, dst: tuple[Placement, ...]
     ) -> None:
         divisors: dict[int, int] = {}
+        axes_of: dict[int, list[str]] = {}
         for axis, p in zip(self.axes, dst):
             if isinstance(p, Shard) and p.dim < value.ndim:
                 divisors[p.dim] = divisors.get(p.dim, 1) * self.shape[axis]
+                axes_of.setdefault(p.dim, []).append(axis)
         for dim, divisor in divisors.items():
             size = value.shape[dim]
             if divisor > 1 and size % divisor:
+                per_rank = -(-size // divisor)
+                axis = "x".join(axes_of[dim])
                 self.findings.append(
                     Finding(
                         "warning",
                         entry.path,
                         f"in_dst_shardings[{name!r}]",
                         f"input {name!r} dim {dim} has size {size} in the traced forward, not "
-                        f"divisible by {divisor}; shards will be uneven.",
-                        "choose batch/sequence sizes divisible by the axis size.",
+                        f"divisible by {divisor} (axis {axis!r}): shards of {per_rank} and "
+                        f"{size - per_rank * (divisor - 1)}, uneven.",
+                        f"choose batch/sequence sizes divisible by {divisor} (the {axis!r} "
+                        "size), e.g. pad the sequence.",
                     )
                 )
 

@@ -26,6 +26,7 @@ from hyper_parallel.dmodule._checks import (
     ParallelizeError,
     PlanEntry,
     check_entries,
+    check_mesh,
     describe,
     errors_of,
     state_owner,
@@ -365,15 +366,22 @@ class Boundary:
 
     # ------------------------------------------------------------------ installation
 
-    def install(self, module: nn.Module) -> None:
+    def select_path(self, module: nn.Module, fast_enabled: bool) -> _fast.FastPath | None:
+        """The fast path to install for ``module`` (``None``: this DTensor boundary).
+
+        Selection reads only the module, its config and the mesh, so it runs before
+        anything changes and an error in it leaves the model as it was.
+        """
+        if not (self.wraps_forward and fast_enabled):
+            return None
+        axes = tuple(self.mesh.mesh_dim_names or ())
+        return _fast.select_fast_path(module, self.config, axes, self.mesh)
+
+    def install(self, module: nn.Module, fast: _fast.FastPath | None = None) -> None:
         setattr(module, BOUNDARY_ATTR, self)
         if self.wraps_forward:
             # Where the config fixes the one collective, run on local shards instead
             # (dmodule/_fast.py); this boundary stays as the fallback for other calls.
-            fast = None
-            if _fast.fast_path_enabled():
-                axes = tuple(self.mesh.mesh_dim_names or ())
-                fast = _fast.select_fast_path(module, self.config, axes, self.mesh)
             module.forward = self if fast is None else fast.attach(self)  # type: ignore[method-assign]
 
     def __repr__(self) -> str:
@@ -474,12 +482,24 @@ def parallelize_entries(
         )
     axes = mesh_axes_of(mesh)
     sizes = dict(zip(axes, mesh.shape)) if axes is not None else None
-    errors = errors_of([*extra_findings, *check_entries(entries, axes, sizes)])
+    mesh_findings = check_mesh(
+        axes or (),
+        mesh_size=mesh.size(),
+        rank_in_mesh=mesh.get_coordinate() is not None,
+        rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else None,
+    )
+    errors = errors_of(
+        [*extra_findings, *mesh_findings, *check_entries(entries, axes, sizes, root)]
+    )
     if errors:
         raise ParallelizeError(errors)
     assert axes is not None
+    # Everything that can fail — boundaries, the path switch, path selection — runs
+    # before the first state is distributed: on error the model is left as it was.
     boundaries = [Boundary(e.path, e.module, mesh, e.config, axes) for e in entries]
+    fast_enabled = _fast.fast_path_enabled()
+    paths = [b.select_path(e.module, fast_enabled) for e, b in zip(entries, boundaries)]
     _distribute_states(root, boundaries, mesh)
-    for e, b in zip(entries, boundaries):
-        b.install(e.module)
+    for e, b, fast in zip(entries, boundaries, paths):
+        b.install(e.module, fast)
     return boundaries

@@ -22,7 +22,7 @@ from hyper_parallel.dmodule._placements import normalize_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
-__all__ = ["Finding", "ParallelizeError", "PlanEntry", "check_entries"]
+__all__ = ["Finding", "ParallelizeError", "PlanEntry", "check_entries", "check_mesh"]
 
 # Attribute set on a module once its boundary is installed.
 BOUNDARY_ATTR = "_hp_boundary"
@@ -146,12 +146,29 @@ def _named_fields(config: ShardingConfig) -> Iterable[tuple[str, NamedPlacement]
             yield f"local_map.in_grad_placements[{i}]", named
 
 
-def _check_axes(c: _Collector, config: ShardingConfig, axes: tuple[str, ...]) -> None:
+def _check_axes(
+    c: _Collector,
+    config: ShardingConfig,
+    axes: tuple[str, ...],
+    axis_sizes: Mapping[str, int] | None = None,
+) -> None:
+    idle: dict[str, list[str]] = {}
     for field, named in _named_fields(config):
         try:
             resolve_placements(named, axes)
         except ValueError as e:
             c.error(field, str(e), f"name only the mesh's axes {list(axes)} (case-sensitive).")
+            continue
+        for axis, p in named.items():
+            if axis_sizes is not None and axis_sizes.get(str(axis)) == 1 and not p.is_replicate():
+                idle.setdefault(str(axis), []).append(field)
+    for axis, fields in idle.items():
+        c.warning(
+            ", ".join(fields),
+            f"axis {axis!r} has size 1, so these placements on it do nothing (every rank "
+            "holds whole tensors on it).",
+            f"drop {axis!r} from these placements, or give the axis more than one rank.",
+        )
 
 
 def _shard_divisor(named: NamedPlacement, dim: int, ndim: int, sizes: Mapping[str, int]) -> int:
@@ -209,13 +226,153 @@ def _check_states(
             elif isinstance(p, Shard) and axis_sizes is not None:
                 divisor = _shard_divisor(named, p.dim, ndim, axis_sizes)
                 size = tensor.shape[p.dim]
-                if divisor > 1 and size % divisor:
-                    c.warning(
+                if divisor > 1 and size == 1:
+                    c.error(
                         field,
-                        f"dim {p.dim} of {key!r} has size {size}, not divisible by {divisor} "
-                        f"(axis {str(axis)!r}); shards will be uneven.",
-                        "choose sizes divisible by the axis size, or accept uneven shards.",
+                        f"axis {str(axis)!r} shards dim {p.dim} of {key!r}, which has size 1 "
+                        f"(shape {tuple(tensor.shape)}): one rank would hold it and the other "
+                        f"{divisor - 1} an empty shard.",
+                        f"make {key!r} Replicate() on {str(axis)!r}, or shard a dim larger than 1.",
                     )
+                elif divisor > 1 and size % divisor:
+                    if isinstance(module, nn.Embedding) and key == "weight" and p.dim % 2 == 0:
+                        _vocab_warning(c, field, str(axis), size, divisor)
+                    else:
+                        c.warning(
+                            field,
+                            f"dim {p.dim} of {key!r} has size {size}, not divisible by "
+                            f"{divisor} (axis {str(axis)!r}); shards will be uneven.",
+                            "choose sizes divisible by the axis size, or accept uneven shards.",
+                        )
+
+
+def _vocab_warning(c: _Collector, field: str, axis: str, vocab: int, divisor: int) -> None:
+    rows = -(-vocab // divisor)  # DTensor's chunks: ceil(V / n) rows, the last ranks fewer
+    padded = rows * divisor
+    c.warning(
+        field,
+        f"the vocabulary of {vocab} rows does not divide by {divisor} (axis {axis!r}): "
+        f"ranks hold {rows} rows, the last {vocab - rows * (divisor - 1)} (uneven shards, "
+        "and a vocab-parallel loss over them).",
+        f"pad the vocabulary to {padded} rows (+{padded - vocab}), a multiple of {divisor}, "
+        "and never predict the padding ids.",
+    )
+
+
+def _head_dim_of(root: nn.Module | None, path: str) -> tuple[str, int] | None:
+    """The nearest ancestor of ``path`` that declares an integer ``head_dim`` (attention)."""
+    if root is None or not path:
+        return None
+    parts = path.split(".")
+    for end in range(len(parts) - 1, -1, -1):
+        prefix = ".".join(parts[:end])
+        try:
+            owner = root.get_submodule(prefix) if prefix else root
+        except AttributeError:
+            return None
+        head_dim = getattr(owner, "head_dim", None)
+        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
+            return prefix, head_dim
+    return None
+
+
+def _check_heads(
+    c: _Collector,
+    root: nn.Module | None,
+    module: nn.Module,
+    config: ShardingConfig,
+    axis_sizes: Mapping[str, int] | None,
+) -> None:
+    """A projection inside an attention module must be split into whole heads.
+
+    Attention views q/k/v as ``(..., heads, head_dim)``: a rank holding part of a head
+    (more ranks than key/value heads, or a count that does not divide) computes the
+    wrong attention or fails deep in the forward.
+    """
+    if not isinstance(module, nn.Linear) or axis_sizes is None:
+        return
+    found = _head_dim_of(root, c.path)
+    named = config.state_shardings.get("weight")
+    if found is None or named is None:
+        return
+    owner, head_dim = found
+    for dim, features in ((0, module.out_features), (1, module.in_features)):
+        divisor = _shard_divisor(named, dim, 2, axis_sizes)
+        if divisor == 1 or features % head_dim:
+            continue
+        num_heads = features // head_dim
+        if num_heads % divisor == 0:
+            continue
+        axes = [str(a) for a, p in named.items() if isinstance(p, Shard) and p.dim % 2 == dim]
+        what = "is larger than" if divisor > num_heads else "does not divide"
+        sizes = ", ".join(str(n) for n in range(num_heads, 0, -1) if num_heads % n == 0)
+        c.error(
+            "state_shardings['weight']",
+            f"{num_heads} heads ({features} features / head_dim {head_dim} of "
+            f"{owner or '<root>'}) are split over axis {'x'.join(axes)!r} of size {divisor}, "
+            f"which {what} the head count: a rank would hold part of a head.",
+            f"use a {'x'.join(axes)!r} size that divides {num_heads} ({sizes}), or a model "
+            "with more heads.",
+        )
+
+
+def check_mesh(
+    axes: Sequence[str],
+    *,
+    world_size: int | None = None,
+    mesh_size: int | None = None,
+    rank_in_mesh: bool = True,
+    rank: int | None = None,
+) -> list[Finding]:
+    """Mesh-level problems: an axis named twice, a size that is not the job's, this rank outside.
+
+    Args:
+        axes: The mesh's axis names in order.
+        world_size: Ranks in the job, when the mesh must cover all of them.
+        mesh_size: Ranks in the mesh (the product of the axis sizes).
+        rank_in_mesh: Whether this process is one of the mesh's ranks.
+        rank: This process's rank, for the message.
+    """
+    findings = []
+    repeated = sorted({a for a in axes if list(axes).count(a) > 1})
+    if repeated:
+        findings.append(
+            Finding(
+                "error",
+                "",
+                "mesh",
+                f"axis {repeated[0]!r} appears more than once in the mesh's axis names "
+                f"{tuple(axes)}, so a placement on it is ambiguous.",
+                "name each mesh axis once (e.g. ('dp', 'tp')).",
+            )
+        )
+    if world_size is not None and mesh_size is not None and mesh_size != world_size:
+        effect = (
+            "ranks would sit idle" if mesh_size < world_size else "it needs ranks that do not exist"
+        )
+        findings.append(
+            Finding(
+                "error",
+                "",
+                "mesh",
+                f"the mesh has {mesh_size} ranks but the job has {world_size} (world size): "
+                f"{effect}.",
+                f"choose axis sizes whose product is {world_size}.",
+            )
+        )
+    if not rank_in_mesh:
+        findings.append(
+            Finding(
+                "error",
+                "",
+                "mesh",
+                f"this process (rank {rank}) is not one of the mesh's {mesh_size} ranks, so it "
+                "would hold no shards and take part in no collective.",
+                "build the mesh over every rank that calls parallelize (init_device_mesh uses "
+                "the whole world), or call parallelize only on the mesh's ranks.",
+            )
+        )
+    return findings
 
 
 def _check_inputs(c: _Collector, module: nn.Module, config: ShardingConfig) -> None:
@@ -333,6 +490,7 @@ def check_entries(
     entries: Sequence[PlanEntry],
     mesh_axes: Sequence[str] | None,
     axis_sizes: Mapping[str, int] | None = None,
+    root: nn.Module | None = None,
 ) -> list[Finding]:
     """Check every entry of a plan; returns all findings (errors and warnings).
 
@@ -340,6 +498,8 @@ def check_entries(
         entries: The modules to parallelize with their configs.
         mesh_axes: The mesh's axis names in order; ``None`` for a mesh without names.
         axis_sizes: Axis sizes, when known, for divisibility warnings.
+        root: The model the entry paths are relative to, so a projection can be
+            checked against the heads of the attention module around it.
     """
     # Imported here: the layout checks build Findings, defined in this module.
     from hyper_parallel.dmodule._known_layouts import check_known_layouts
@@ -365,8 +525,9 @@ def check_entries(
                 f"{type(e.module).__name__} is already parallelized.",
                 "parallelize a model once; build a fresh model to apply another plan.",
             )
-        _check_axes(c, e.config, axes)
+        _check_axes(c, e.config, axes, axis_sizes)
         _check_states(c, e.module, e.config, axis_sizes)
+        _check_heads(c, root, e.module, e.config, axis_sizes)
         _check_inputs(c, e.module, e.config)
         _check_local_map(c, e.module, e.config)
         findings.extend(c.findings)

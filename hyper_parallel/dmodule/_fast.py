@@ -30,10 +30,11 @@ layout, a sequence not divisible by the axis size, a keyword it does not know).
 
 Scope: configs whose non-``Replicate`` placements are all on one mesh axis (so every
 1-D mesh, and N-D meshes where the other axes are replicated); ``nn.Linear`` and
-``nn.Embedding`` whose sharded dims divide evenly; ``nn.LayerNorm``, ``nn.RMSNorm``
-and modules named ``*RMSNorm`` / ``*LayerNorm`` with 1-D states (token-wise by
-convention). Everything else — 2-D placements, uneven shards, other module types,
-transposed (Conv1D) weights, gathered column outputs — runs on DTensor.
+``nn.Embedding`` whose sharded dims divide evenly; ``nn.LayerNorm`` and ``nn.RMSNorm``
+(and subclasses that keep torch's forward), which normalize the trailing
+``normalized_shape``. Everything else — other norms whatever their class name, 2-D
+placements, uneven shards, other module types, transposed (Conv1D) weights, gathered
+column outputs — runs on DTensor.
 
 Choose the path with :func:`set_fast_path`, the :func:`fast_path` context manager or
 ``HYPER_PARALLEL_FAST_PATH=0|1``; the choice is made when a model is parallelized.
@@ -545,6 +546,8 @@ class _RowwiseLinear(_LinearPath):
         if not self._has_bias:
             return self._output(_exit_reduce(self, y, scatter), scatter)
         bias = params[1]
+        if bias.dtype != y.dtype:  # autocast: F.linear would cast its bias like the matmul
+            bias = bias.to(y.dtype)
         if scatter is not None and (_needs_grad(y) or _needs_grad(bias)):
             y = _ScatterAddBias.apply(y, bias, scatter, self.group, self.size)
         else:
@@ -934,19 +937,16 @@ def _select_embedding(module: nn.Embedding, view: _ConfigView) -> FastPath:
     return _VocabEmbedding(module, view)
 
 
-_NORM_SUFFIXES = ("RMSNorm", "LayerNorm")
-
-
 def _num_norm_dims(module: nn.Module) -> int | None:
-    """Trailing dims a norm normalizes over, if ``module`` is a token-wise norm."""
+    """Trailing dims a norm normalizes over, if ``module`` is known to be token-wise.
+
+    Known by contract only: torch's ``nn.LayerNorm`` / ``nn.RMSNorm`` forward, which
+    normalizes the trailing ``normalized_shape``. A module that merely looks like a
+    norm (a class name, 1-D states) may normalize another dim (channels-first norms
+    normalize dim 1), so it keeps the DTensor path.
+    """
     if type(module).forward in (nn.LayerNorm.forward, nn.RMSNorm.forward):
         return len(module.normalized_shape)  # type: ignore[arg-type]
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-        return None  # a subclass with its own forward
-    if type(module).__name__.endswith(_NORM_SUFFIXES) and all(
-        p.ndim == 1 for p in module.parameters(recurse=False)
-    ):
-        return 1
     return None
 
 
@@ -995,7 +995,7 @@ def select_fast_path(
 ) -> FastPath | None:
     """The fast path for ``module`` under ``config`` on ``mesh``, or ``None`` to keep DTensor.
 
-    Called at ``parallelize`` time, after the module's states became DTensors.
+    Called at ``parallelize`` time, before anything changes (states are still plain).
 
     Args:
         module: The module being parallelized (its ``forward`` not yet replaced).

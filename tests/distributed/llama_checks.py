@@ -16,6 +16,7 @@ from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.dmodule import fast_path
 from hyper_parallel.models.llama import apply_tp, apply_tp_sp, cross_entropy_loss, preset_config
+from tests.distributed.models import PathLog
 
 LAYOUTS = {"tp": apply_tp, "tp_sp": apply_tp_sp}
 
@@ -108,8 +109,10 @@ def compare_with_one_device(
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (2, seq_len + 1), generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    log = PathLog(model)
     with CommDebugMode() as forward:
         logits = model(inputs)
+    log.close()
     with CommDebugMode() as loss_mode:
         loss = cross_entropy_loss(logits, targets)
     with CommDebugMode() as backward:
@@ -133,6 +136,7 @@ def compare_with_one_device(
             "backward": collective_counts(backward),
         },
         "logits_placements": _placements(logits),
+        "paths": {p: (log.installed[p], sorted(k)) for p, k in log.ran().items()},
         "param_placements": {n: _placements(p) for n, p in params.items()},
         "grad_placements": {n: _placements(p.grad) for n, p in params.items()},
     }

@@ -24,6 +24,8 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.dmodule import LocalMapConfig, Module, ShardingConfig, fast_path
+from hyper_parallel.dmodule._boundary import Boundary
+from hyper_parallel.dmodule._fast import FastPath
 from hyper_parallel.dmodule.types import NamedPlacement
 
 Linear = Module.from_nn_module(nn.Linear)
@@ -503,7 +505,9 @@ def compare(
     Returns:
         A picklable dict: ``fwd``/``bwd`` collective counts, ``out`` (max |diff| per
         output), ``out_placements``, ``grads`` (max |diff| per parameter),
-        ``grad_placements``, ``input_grads`` (max |diff| per grad-requiring argument).
+        ``grad_placements``, ``input_grads`` (max |diff| per grad-requiring argument),
+        ``paths`` (module path → (path installed, paths its forward calls ran); see
+        :class:`PathLog` and :func:`assert_paths`).
     """
     kwargs = dict(kwargs or {})
     ref_args = args if ref_args is None else ref_args
@@ -516,8 +520,10 @@ def compare(
 
     xs = [leaf(a) for a in args]
     refs = [leaf(a) for a in ref_args]
+    log = PathLog(model)
     with CommDebugMode() as fwd:
         out = model(*xs, **kwargs)
+    log.close()
     ref_out = reference(*refs, **kwargs)
     outs = list(out) if isinstance(out, tuple) else [out]
     ref_outs = list(ref_out) if isinstance(ref_out, tuple) else [ref_out]
@@ -540,6 +546,7 @@ def compare(
         "grads": max_grad_diffs(model, reference),
         "grad_placements": {n: tuple(p.grad.placements) for n, p in model.named_parameters()},
         "input_grads": input_diffs,
+        "paths": {p: (log.installed[p], sorted(k)) for p, k in log.ran().items()},
     }
 
 
@@ -555,6 +562,22 @@ def assert_numerics(result: Mapping[str, Any], where: str = "", tol: float = 1e-
     }
     bad = {k: v for k, v in diffs.items() if not v <= tol}
     assert not bad, f"{where}: differences from the single-device model above {tol}: {bad}"
+
+
+def assert_paths(result: Mapping[str, Any], path: str, *, expect_fast: bool = True) -> None:
+    """The runtime path ``path`` ("fast"/"dtensor") of a :func:`compare` result is the one that ran.
+
+    DTensor runs: every module installed and ran the DTensor boundary. Fast runs:
+    every module's calls ran the path it installed (no call handed to the DTensor
+    fallback unnoticed) and, with ``expect_fast``, at least one module is fast.
+    """
+    paths = result["paths"]
+    if path == "dtensor":
+        assert all(kind == "dtensor" for kind, _ in paths.values()), paths
+    elif expect_fast:
+        assert any(kind != "dtensor" for kind, _ in paths.values()), f"nothing fast: {paths}"
+    for module, (kind, ran) in paths.items():
+        assert ran in ([], [kind]), f"{path}: {module!r} installed {kind} but ran {ran}"
 
 
 def mesh_1d(world_size: int) -> DeviceMesh:
@@ -583,3 +606,63 @@ def parallelize_on(model: Any, mesh: Any, fast: bool) -> None:
 def on_both_paths(case: Callable[[bool], dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``case`` run with the DTensor boundary and with the fast path (same process group)."""
     return {path: case(path == "fast") for path in PATHS}
+
+
+class PathLog:
+    """Which path each call of each parallelized module of ``model`` actually ran.
+
+    A module whose ``forward`` is a :class:`FastPath` ran ``"<kind>"`` unless the call
+    was handed to its DTensor fallback (recorded as ``"dtensor"``); a module whose
+    ``forward`` is the DTensor :class:`Boundary` always runs ``"dtensor"``. Installed
+    through public hooks only: a forward pre-hook per module and ``FastPath.attach``.
+
+    Example::
+
+        log = PathLog(model)
+        model(x)
+        log.ran()  # {"up": {"colwise"}, "down": {"rowwise"}}
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.calls: dict[str, list[str]] = {}
+        self.installed: dict[str, str] = {}  # module path → the path installed at parallelize
+        self._undo: list[Callable[[], Any]] = []
+        for path, module in model.named_modules():
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, FastPath):
+                self._watch(path, module, forward.kind)
+                fallback = forward.fallback
+                forward.attach(self._fallback(path, fallback))
+                self._undo.append(lambda f=forward, fb=fallback: f.attach(fb))
+            elif isinstance(forward, Boundary):
+                self._watch(path, module, "dtensor")
+
+    def _watch(self, path: str, module: nn.Module, kind: str) -> None:
+        self.calls[path] = []
+        self.installed[path] = kind
+
+        def pre_hook(_module: nn.Module, _args: Any) -> None:
+            self.calls[path].append(kind)
+
+        self._undo.append(module.register_forward_pre_hook(pre_hook).remove)
+
+    def close(self) -> None:
+        """Remove the hooks and restore each fast path's own fallback."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def _fallback(self, path: str, fallback: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.calls[path][-1] = "dtensor"
+            return fallback(*args, **kwargs)
+
+        return run
+
+    def ran(self) -> dict[str, set[str]]:
+        """Module path → the set of paths its calls took (empty: never called)."""
+        return {path: set(kinds) for path, kinds in self.calls.items()}
+
+    def clear(self) -> None:
+        for kinds in self.calls.values():
+            kinds.clear()

@@ -16,10 +16,17 @@ import torch.distributed as c10d
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_parallel.analysis import find_first_drift
 from hyper_parallel.analysis.equivalence import check_equivalence
 from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
-from hyper_parallel.dmodule import Module, Sequential, ShardingConfig, parallelize_module
+from hyper_parallel.dmodule import (
+    LocalMapConfig,
+    Module,
+    Sequential,
+    ShardingConfig,
+    parallelize_module,
+)
 from hyper_parallel.dmodule.presets import colwise, rowwise
 
 pytestmark = pytest.mark.distributed
@@ -288,3 +295,66 @@ def test_needs_a_process_group():
     assert not c10d.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         check_equivalence(_MLP(), lambda m: None, (torch.randn(2, DIM),))
+
+
+class _Stack(nn.Module):
+    def __init__(self, num_layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_MLP() for _ in range(num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def _stack_plan(planted: str | None) -> dict[str, ShardingConfig]:
+    plan = {}
+    for i in range(4):
+        plan[f"layers.{i}.up"] = colwise()
+        plan[f"layers.{i}.down"] = rowwise(use_local_output=True)  # a plain residual
+    if planted is not None:
+        # A row-wise local_map region that declares its output Replicate: the local
+        # result is a per-rank partial sum, so the declaration is a lie.
+        plan[planted] = ShardingConfig(
+            state_shardings={"weight": {"tp": Shard(1)}, "bias": {"tp": Replicate()}},
+            in_dst_shardings={"input": {"tp": Shard(-1)}},
+            out_src_shardings={"tp": Replicate()},
+            local_map=LocalMapConfig(in_grad_placements=({"tp": Shard(-1)},)),
+            use_local_output=True,
+        )
+    return plan
+
+
+def _planted_drift(planted: str | None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _Stack()
+    x = torch.randn(3, DIM)
+    plan = _stack_plan(planted)
+    report = check_equivalence(model, lambda m: parallelize_module(m, _mesh(), plan), (x,))
+    torch.manual_seed(0)
+    drift = find_first_drift(_Stack(), lambda m: parallelize_module(m, _mesh(), plan), (x,))
+    return {
+        **_result(report),
+        "drift": None if drift is None else drift.to_dict(),
+    }
+
+
+@pytest.mark.parametrize("planted", ["layers.2.down", "layers.0.down", None])
+def test_parity_bisector_finds_the_planted_module(dist, planted):
+    r0 = _same_on_every_rank(dist.run(_planted_drift, planted))
+    report, drift = r0["report"], r0["drift"]
+    assert report["first_drift"] == drift
+    if planted is None:
+        assert report["passed"] and drift is None, r0["text"]
+        return
+    assert not report["passed"]
+    assert drift["path"] == planted, r0["text"]
+    assert (drift["call"], drift["output"]) == (0, "output")
+    assert drift["placements"] == "tp=Replicate()"
+    assert drift["tolerance_ratio"] > 1
+    # Every module that finished earlier was compared and matched: each layer's up,
+    # down and block, plus the planted layer's up.
+    earlier = 3 * int(planted.split(".")[1]) + 1
+    assert drift["num_compared"] >= earlier + 1
+    assert f"first module whose output drifts: {planted} output" in r0["text"]

@@ -31,6 +31,7 @@ from hyper_parallel.dmodule import (
     set_fast_path,
 )
 from hyper_parallel.dmodule._fast import ENV_VAR, FastPath, explain_fast_path
+from tests.distributed.models import PathLog
 
 pytestmark = pytest.mark.distributed
 WORLD_SIZE = 2
@@ -77,12 +78,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _kinds(model: nn.Module) -> dict[str, str]:
-    return {
-        n: m.forward.kind if isinstance(m.forward, FastPath) else "dtensor"
-        for n, m in model.named_modules()
-        if getattr(m, "_hp_boundary", None) is not None
-    }
+def _ran(log: PathLog) -> dict[str, str]:
+    """Module path → the path its calls actually took ("colwise", "dtensor", ...)."""
+    return {path: "/".join(sorted(kinds)) or "never called" for path, kinds in log.ran().items()}
 
 
 def _layout(t: Any) -> str:
@@ -100,13 +98,14 @@ def _run(
     model = copy.deepcopy(base)
     with fast_path(fast):
         parallelize_module(model, _mesh(), plan)
+    log = PathLog(model)
     inputs = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in inputs)
     with CommDebugMode() as fwd:
         out = model(*inputs)
     with CommDebugMode() as bwd:
         _local(out).pow(2).sum().backward()
     return {
-        "kinds": _kinds(model),
+        "kinds": _ran(log),
         "out": _full(out, seq_dim).detach(),
         "out_layout": _layout(out),
         "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
@@ -285,7 +284,63 @@ def _local_map_plan() -> dict[str, ShardingConfig]:
     }
 
 
+class ConvNeXtLayerNorm(nn.Module):
+    """A channels-first LayerNorm (ConvNeXt's): normalizes dim 1 of ``(N, C, L)``.
+
+    Named like a norm with 1-D states, but not token-wise over the last dim: only its
+    type's contract could tell, so the fast path must leave it to DTensor.
+    """
+
+    def __init__(self, channels: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(channels))
+        self.bias = nn.Parameter(torch.randn(channels))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(1, keepdim=True)
+        var = (x - mean).pow(2).mean(1, keepdim=True)
+        return self.weight[:, None] * (x - mean) / torch.sqrt(var + self.eps) + self.bias[:, None]
+
+
+class TorchNormSubclass(nn.RMSNorm):
+    """A subclass that keeps ``nn.RMSNorm.forward``: token-wise by contract."""
+
+
 # ---------------------------------------------------------------------------- rank functions
+
+
+def _channels_first_norm_runs() -> dict[str, Any]:
+    """Channels arrive and leave sharded (``Shard(1)``); both paths vs one device."""
+    torch.manual_seed(0)
+    rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    base = ConvNeXtLayerNorm(8)
+    x = torch.randn(2, 8, 5)
+    ref = copy.deepcopy(base)
+    ref_x = x.clone().requires_grad_()
+    ref_out = ref(ref_x)
+    ref_out.pow(2).sum().backward()
+    channels = {"tp": Shard(1)}
+    plan = {"": ShardingConfig(in_dst_shardings={"x": channels}, out_dst_shardings=channels)}
+    out: dict[str, Any] = {}
+    for fast in (True, False):
+        model = copy.deepcopy(base)
+        with fast_path(fast):
+            parallelize_module(model, _mesh(), plan)
+        log = PathLog(model)
+        mine = x.chunk(size, 1)[rank].clone().requires_grad_()
+        y = model(mine)
+        y.to_local().pow(2).sum().backward()
+        out["fast" if fast else "dtensor"] = {
+            "ran": _ran(log),
+            "out": (y.full_tensor() - ref_out).abs().max().item(),
+            "grads": {
+                n: (_full(p.grad) - ref.get_parameter(n).grad).abs().max().item()
+                for n, p in model.named_parameters()
+            },
+            "input_grad": (mine.grad - ref_x.grad.chunk(size, 1)[rank]).abs().max().item(),
+        }
+    return out
 
 
 def _mlp_runs(local: bool) -> dict[str, Any]:
@@ -368,7 +423,7 @@ def _selector_kinds() -> dict[str, str]:
     def explain(module: nn.Module, config: ShardingConfig, on: Any = mesh) -> str:
         return explain_fast_path(module, config, tuple(on.mesh_dim_names), on)
 
-    class RMSNorm(nn.Module):  # named like a norm, token-wise
+    class RMSNorm(nn.Module):  # named like a norm: the name proves nothing, DTensor runs it
         def __init__(self) -> None:
             super().__init__()
             self.weight = nn.Parameter(torch.ones(8))
@@ -388,7 +443,8 @@ def _selector_kinds() -> dict[str, str]:
         "rowwise_sp": explain(nn.Linear(16, 8), _rowwise(False, output=Shard(1))),
         "embedding": explain(nn.Embedding(32, 8), _sequence_parallel_plan(False)["emb"]),
         "layer_norm_sp": explain(nn.LayerNorm(8), ShardingConfig(in_dst_shardings={"input": seq})),
-        "rms_norm_sp": explain(RMSNorm(), ShardingConfig(in_dst_shardings={"x": seq})),
+        "rms_norm_by_name": explain(RMSNorm(), ShardingConfig(in_dst_shardings={"x": seq})),
+        "custom_norm": explain(TorchNormSubclass(8), ShardingConfig(in_dst_shardings={"x": seq})),
         "torch_rms_norm_replicated": explain(
             nn.RMSNorm(8), ShardingConfig(in_dst_shardings={"x": {"tp": Replicate()}})
         ),
@@ -538,7 +594,7 @@ def test_selector_picks_and_rejects(dist):
     assert kinds["rowwise_sp"] == "rowwise_sequence_parallel"
     assert kinds["embedding"] == "vocab_embedding_sequence_parallel"
     assert kinds["layer_norm_sp"] == "sequence_parallel_norm"
-    assert kinds["rms_norm_sp"] == "sequence_parallel_norm"
+    assert kinds["custom_norm"] == "sequence_parallel_norm"
     assert kinds["torch_rms_norm_replicated"] == "norm"
     assert kinds["local_map"] == "local_map"
     assert kinds["second_axis_replicated"] == "colwise"
@@ -550,6 +606,7 @@ def test_selector_picks_and_rejects(dist):
         "embedding_max_norm": "max_norm",
         "batch_norm": "not a pattern",
         "norm_sharded_feature": "normalized dim",
+        "rms_norm_by_name": "not a pattern",
         "two_axes": "more than one mesh axis",
     }
     for name, reason in rejected.items():
@@ -566,3 +623,13 @@ def test_switch_and_environment(dist):
         "switch_over_env": True,
         "env_on": True,
     }
+
+
+def test_channels_first_norm_keeps_the_dtensor_path(dist):
+    """A norm over dim 1 named ``*LayerNorm`` runs on DTensor on both switches, correctly."""
+    for runs in dist.run(_channels_first_norm_runs):
+        for path, run in runs.items():
+            assert run["ran"] == {"": "dtensor"}, path
+            assert run["out"] < ATOL and run["input_grad"] < ATOL, (path, run)
+            assert set(run["grads"]) == {"weight", "bias"}
+            assert max(run["grads"].values()) < ATOL, (path, run["grads"])

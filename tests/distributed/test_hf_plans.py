@@ -96,9 +96,9 @@ def _comm_counts(comm: CommDebugMode) -> dict[str, int]:
 
 
 @_quiet_comm_debug
-def _hf_equivalence(family: str, plan_file: str, attn: str) -> dict:
+def _hf_equivalence(family: str, plan_file: str, attn: str, overrides: dict | None = None) -> dict:
     """Parallelize ``family`` from a plan file; compare one training step with one device."""
-    model = build_hf_model(family, attn_implementation=attn)
+    model = build_hf_model(family, attn_implementation=attn, **(overrides or {}))
     reference = copy.deepcopy(model)
     parallelize_module(model, _mesh(), plan_file)
     ids = torch.randint(
@@ -118,6 +118,8 @@ def _hf_equivalence(family: str, plan_file: str, attn: str) -> dict:
         "placements": _placements(model),
         "comms": _comm_counts(comm),
         "tied": model.lm_head.weight is model.get_input_embeddings().weight,
+        "model": type(model).__name__,
+        "sliding_window": getattr(model.config, "sliding_window", None),
     }
 
 
@@ -146,6 +148,17 @@ def test_llama_from_plan_file_matches_one_device(dist):
     results = dist.run(_hf_equivalence, "llama", str(PLANS / "hf_llama_tp.yaml"), "eager")
     r0 = _check_hf_result(results)
     assert r0["placements"]["lm_head.weight"] == "[Shard(dim=0)]"
+    assert not r0["tied"]
+
+
+def test_mistral_sliding_window_from_llama_plan_file_matches_one_device(dist):
+    """Mistral's layout is Llama's: the same plan file. A window of 8 over 16 tokens
+    makes its sliding-window mask (what sets it apart) part of the comparison."""
+    results = dist.run(
+        _hf_equivalence, "mistral", str(PLANS / "hf_llama_tp.yaml"), "eager", {"sliding_window": 8}
+    )
+    r0 = _check_hf_result(results)
+    assert (r0["model"], r0["sliding_window"]) == ("MistralForCausalLM", 8)
     assert not r0["tied"]
 
 

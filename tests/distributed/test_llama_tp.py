@@ -17,6 +17,7 @@ from tests.distributed.llama_checks import (
     expected_collectives,
     loss_on_other_placements,
 )
+from tests.distributed.models import assert_paths
 
 pytestmark = pytest.mark.distributed
 WORLD_SIZE = 2
@@ -48,6 +49,18 @@ def test_logits_and_every_gradient_match_one_device(results, layout, path):
         worst = {n: d for n, d in r["grad_diffs"].items() if d > TOL}
         assert not worst, worst
         assert len(r["grad_diffs"]) == 3 + 9 * NUM_LAYERS  # every parameter compared
+
+
+@pytest.mark.parametrize(("layout", "path"), CASES)
+def test_each_module_ran_the_path_it_claims(results, layout, path):
+    for r in results[layout, path]:
+        assert_paths(r, path)
+        if path == "fast":
+            kinds = {m: kind for m, (kind, _) in r["paths"].items()}
+            norms = {m: k for m, k in kinds.items() if m.endswith("norm")}
+            assert len(norms) == 2 * NUM_LAYERS + 1, kinds
+            want = "sequence_parallel_norm" if layout == "tp_sp" else "dtensor"
+            assert set(norms.values()) <= {want, "norm"}, norms
 
 
 @pytest.mark.parametrize(("layout", "path"), CASES)

@@ -24,6 +24,7 @@ from tests.distributed.models import (
     PlainFanOut,
     PlainStack,
     assert_numerics,
+    assert_paths,
     attention_core_config,
     build_with_twin,
     colwise,
@@ -273,8 +274,23 @@ def _meta_init_runs(fast: bool) -> dict[str, Any]:
 
 
 def _results(dist: Any, case: Callable[[bool], dict[str, Any]]) -> list[tuple[str, Any]]:
-    """``(path, result)`` for every rank and both boundary paths, from one round trip."""
-    return [(path, res[path]) for res in dist.run(on_both_paths, case) for path in PATHS]
+    """``(path, result)`` for every rank and both boundary paths, from one round trip.
+
+    Every comparison in a result is checked to have run on the path it claims: all
+    DTensor when the fast path is off, and each module on the path it installed.
+    """
+    out = [(path, res[path]) for res in dist.run(on_both_paths, case) for path in PATHS]
+    for path, res in out:
+        for value in res.values() if isinstance(res, dict) else ():
+            if isinstance(value, dict) and "paths" in value:
+                assert_paths(value, path, expect_fast=False)
+        if isinstance(res, dict) and "paths" in res:
+            assert_paths(res, path, expect_fast=False)
+    return out
+
+
+def _fast_kinds(result: dict[str, Any]) -> dict[str, str]:
+    return {module: kind for module, (kind, _) in result["paths"].items()}
 
 
 def test_colwise_rowwise_mlp(dist):
@@ -305,6 +321,10 @@ def test_colwise_rowwise_mlp(dist):
         }
         assert res["module"]["out_placements"] == [R]
         assert res["module"]["grad_placements"] == expected
+        if path == "fast":
+            assert _fast_kinds(res["module"]) == {"up": "colwise", "down": "rowwise"}
+            assert set(_fast_kinds(res["plan"]).values()) == {"colwise", "rowwise"}
+            assert set(_fast_kinds(res["fan_out"]).values()) == {"dtensor", "colwise", "rowwise"}
 
 
 def test_sequence_parallel_norm(dist):
@@ -322,6 +342,9 @@ def test_sequence_parallel_norm(dist):
             assert result["bwd"] == {"reduce_scatter_tensor": 1}
             assert result["out_placements"] == [(Shard(2),)]
             assert result["grad_placements"]["norm.weight"] == (Partial(),)
+            if path == "fast":
+                kinds = {"norm": "sequence_parallel_norm", "proj": "colwise"}
+                assert _fast_kinds(result) == kinds, norm
         assert res["rms_placements"] == {"norm.weight": R, "proj.weight": S0, "proj.bias": S0}
         assert res["layer_placements"] == {
             "norm.weight": R,

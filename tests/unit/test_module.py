@@ -26,6 +26,7 @@ from hyper_parallel.dmodule import (
     ShardingConfig,
     fast_path,
 )
+from tests.distributed.models import PathLog
 
 WORLD_SIZE = 4
 Linear = Module.from_nn_module(nn.Linear)
@@ -482,6 +483,8 @@ def test_local_map_region_refuses_undeclared_dtensor_and_missing_input(mesh, fas
     core = _qk_only_attention()
     with fast_path(fast):
         core.parallelize(mesh)
+    log = PathLog(core)
+    assert log.installed == {"": "local_map" if fast else "dtensor"}
     q = torch.ones(1, 4, 3, 2)
     v = distribute_tensor(torch.ones(1, 4, 3, 2), mesh, [Shard(1)], src_data_rank=None)
     with pytest.raises(ValueError, match=r"<root>: local_map argument 'v' is a DTensor.*in_dst"):
@@ -490,6 +493,9 @@ def test_local_map_region_refuses_undeclared_dtensor_and_missing_input(mesh, fas
         core(q, None, torch.ones(1, 1, 3, 2))
     out = core(q, q, torch.ones(1, 1, 3, 2))  # a plain v is this rank's local piece
     assert out.placements == (Shard(1),)
+    # The refused calls went through the DTensor boundary (which names the problem);
+    # the good one ran the path installed.
+    assert log.calls[""] == ["dtensor", "dtensor", "local_map" if fast else "dtensor"]
 
 
 def test_subclass_without_config_builds_itself():

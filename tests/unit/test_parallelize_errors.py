@@ -31,6 +31,7 @@ from hyper_parallel.dmodule import (
     ShardingConfig,
     parallelize_module,
 )
+from hyper_parallel.dmodule._fast import ENV_VAR
 from tests.distributed.models import (
     AttentionCore,
     Linear,
@@ -56,6 +57,10 @@ def meshes() -> Iterator[dict[str, DeviceMesh]]:
             "tp": init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",)),
             "dp_tp": init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
             "unnamed": init_device_mesh("cpu", (WORLD_SIZE,)),
+            # DeviceMesh accepts what init_device_mesh refuses: an axis named twice.
+            "same_axis_twice": DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("tp", "tp")),
+            # Ranks 1-3: this process (rank 0) is not one of them.
+            "without_this_rank": DeviceMesh("cpu", [1, 2, 3], mesh_dim_names=("tp",)),
         }
     finally:
         dist.destroy_process_group()
@@ -126,6 +131,22 @@ class Toy(nn.Module):
             x = layer(x)
         return x
 
+
+class GroupedQueryAttention(nn.Module):
+    """4 query heads and 2 key/value heads of ``head_dim`` 4 (attention's declared field)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = 4
+        self.wq = nn.Linear(16, 16)
+        self.wk = nn.Linear(16, 8)
+        self.wv = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wq(x) + (self.wk(x) * self.wv(x)).repeat(1, 2)
+
+
+QKV_PLAN = {"wq": colwise(), "wk": colwise(), "wv": colwise()}
 
 GOOD_PLAN = {"layers.*.mlp.up": colwise(), "layers.*.mlp.down": rowwise()}
 STACK_PLAN = {"layers.*.up": colwise(), "layers.*.down": rowwise()}
@@ -303,6 +324,42 @@ CASES: dict[str, Case] = {
         _parallelize("unnamed"),
         ["<root>: mesh:", "no mesh_dim_names", "mesh_dim_names=('dp', 'tp')"],
         _parallelize("tp"),
+    ),
+    "mesh_names_an_axis_twice": Case(
+        lambda: stack(),
+        _parallelize("same_axis_twice"),
+        ["<root>: mesh:", "axis 'tp' appears more than once", "name each mesh axis once"],
+        _parallelize("tp"),
+    ),
+    "mesh_without_this_rank": Case(
+        lambda: stack(),
+        _parallelize("without_this_rank"),
+        ["<root>: mesh:", "rank 0) is not one of the mesh's 3 ranks", "over every rank"],
+        _parallelize("tp"),
+    ),
+    "more_ranks_than_key_value_heads": Case(
+        GroupedQueryAttention,
+        _plan(QKV_PLAN),
+        [
+            "wk: state_shardings['weight']: 2 heads (8 features / head_dim 4 of <root>)",
+            "axis 'tp' of size 4, which is larger than the head count",
+            "wv: state_shardings['weight']",
+            "use a 'tp' size that divides 2 (2, 1)",
+        ],
+        _plan(QKV_PLAN, "dp_tp"),  # tp=2: one key/value head per rank
+        num_problems=2,
+    ),
+    "state_sharded_on_a_dim_of_size_1": Case(
+        lambda: nn.Linear(8, 1),
+        _plan({"": colwise()}),
+        [
+            "<root>: state_shardings['weight']: axis 'tp' shards dim 0 of 'weight', which has "
+            "size 1 (shape (1, 8))",
+            "the other 3 an empty shard",
+            "make 'bias' Replicate() on 'tp', or shard a dim larger than 1",
+        ],
+        _plan({"": rowwise()}),
+        num_problems=2,
     ),
     "mesh_not_a_device_mesh": Case(
         lambda: stack(),
@@ -495,7 +552,20 @@ def _snapshot(model: nn.Module) -> dict[str, Any]:
         },
         "state_dict_keys": sorted(model.state_dict()),
         "forwards": {n: vars(m).get("forward") for n, m in model.named_modules()},
+        # No attribute (a boundary marker) and no hook left behind on any module.
+        "attributes": {n: sorted(vars(m)) for n, m in model.named_modules()},
+        "hooks": {n: [len(getattr(m, h)) for h in _HOOK_DICTS] for n, m in model.named_modules()},
     }
+
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -518,6 +588,8 @@ def _assert_unchanged(model: nn.Module, before: dict[str, Any]) -> None:
         assert torch.equal(_local(now), _local(value)), f"buffer {name} changed"
     assert after["state_dict_keys"] == before["state_dict_keys"]
     assert after["forwards"] == before["forwards"], "a forward was replaced"
+    assert after["attributes"] == before["attributes"], "a module attribute was added"
+    assert after["hooks"] == before["hooks"], "a hook was left behind"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -542,6 +614,25 @@ def test_malformed_call_is_refused_and_changes_nothing(name: str, meshes):
     if case.fix is not None:
         case.fix(model, meshes)
         assert any(isinstance(t, DTensor) for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("how", ["module", "plan"])
+def test_bad_path_switch_is_refused_before_anything_changes(how: str, meshes, monkeypatch):
+    """Path selection is part of the checks: a bad switch value changes nothing."""
+    monkeypatch.setenv(ENV_VAR, "maybe")
+    if how == "module":
+        model: nn.Module = mlp_config(8, 16).build()
+        call = _parallelize()
+    else:
+        model = Toy()
+        call = _plan({"layers.*.mlp.up": colwise(), "layers.*.mlp.down": rowwise()})
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=f"{ENV_VAR}='maybe': set it to 1"):
+        call(model, meshes)
+    _assert_unchanged(model, before)
+    monkeypatch.setenv(ENV_VAR, "1")  # the same model, with a valid switch, parallelizes
+    call(model, meshes)
+    assert any(isinstance(t, DTensor) for t in model.state_dict().values())
 
 
 def test_corpus_is_large_enough():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel.analysis import ValidationReport, validate
@@ -272,3 +273,100 @@ def test_an_existing_process_group_skips_the_trace_with_a_note():
             dry_run(toy(), MESH, good_plan())
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- misconfigurations users hit
+
+
+def _findings(report: ValidationReport, severity: str, path: str) -> list[str]:
+    return [
+        f"{f.field} | {f.message} | {f.fix}"
+        for f in report.findings
+        if f.severity == severity and f.path == path
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tp", "relation", "sizes"),
+    [(8, "is larger than", "(4, 2, 1)"), (3, "does not divide", "(4, 2, 1)")],
+)
+def test_key_value_heads_split_over_tp_is_an_error_with_path_axis_and_fix(tp, relation, sizes):
+    spec = get_spec("llama3-debug")  # 4 key/value heads of head_dim 8
+    report = validate(spec.extras["tp"](spec.config()), {"tp": tp}, trace=False)
+    for proj in ("wk", "wv"):
+        (text,) = _findings(report, "error", f"layers.1.attention.{proj}")
+        assert text.startswith("state_shardings['weight'] | 4 heads (32 features / head_dim 8")
+        assert f"axis 'tp' of size {tp}, which {relation} the head count" in text
+        assert f"use a 'tp' size that divides 4 {sizes}" in text
+
+
+def test_vocabulary_not_divisible_is_a_warning_with_the_padding():
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(66, DIM)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.embed(tokens)
+
+    with torch.device("meta"):
+        model = Tokens()
+    report = validate(model, {"tp": 4}, {"embed": vocab_parallel_embedding()}, trace=False)
+    assert report.ok
+    (text,) = _findings(report, "warning", "embed")
+    assert "vocabulary of 66 rows does not divide by 4 (axis 'tp')" in text
+    assert "ranks hold 17 rows, the last 15" in text
+    assert "pad the vocabulary to 68 rows (+2)" in text
+
+
+def test_sequence_parallel_length_not_divisible_is_a_warning_naming_the_axis():
+    spec = get_spec("llama3-debug")
+    report = validate(spec.extras["tp_sp"](spec.config()), {"tp": 2}, seq_len=15)
+    assert report.ok and report.traced
+    (text,) = _findings(report, "warning", "layers.0.attention_norm")
+    assert "dim 1 has size 15" in text and "(axis 'tp'): shards of 8 and 7" in text
+    assert "divisible by 2 (the 'tp' size)" in text
+
+
+def test_mesh_size_other_than_the_world_size_is_an_error():
+    report = validate(toy(), MESH, good_plan(), trace=False, world_size=6)
+    (text,) = _findings(report, "error", "")
+    assert text.startswith("mesh | the mesh has 8 ranks but the job has 6 (world size)")
+    assert "product is 6" in text
+    assert validate(toy(), MESH, good_plan(), trace=False, world_size=8).ok
+
+
+def test_a_mesh_that_names_an_axis_twice_is_an_error():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("tp", "tp"))
+        report = validate(toy(), mesh, good_plan(), trace=False)
+    finally:
+        dist.destroy_process_group()
+    (text,) = _findings(report, "error", "")
+    assert "axis 'tp' appears more than once" in text and "name each mesh axis once" in text
+
+
+def test_placement_on_an_axis_of_size_1_is_a_warning():
+    report = validate(toy(), {"dp": 4, "tp": 1}, good_plan(), trace=False)
+    assert report.ok
+    (text,) = _findings(report, "warning", "blocks.0.up")
+    fields, message, fix = text.split(" | ")
+    assert fields == "state_shardings['weight'], out_dst_shardings"  # colwise's Shard()s
+    assert message.startswith("axis 'tp' has size 1, so these placements on it do nothing")
+    assert fix.startswith("drop 'tp' from these placements")
+    wider = validate(toy(), {"dp": 2, "tp": 2}, good_plan(), trace=False)
+    assert not any("has size 1" in f.message for f in wider.findings)
+
+
+def test_state_sharded_on_a_dim_of_size_1_is_an_error():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(DIM, 1))
+    report = validate(model, {"tp": 2}, {"0": colwise()}, trace=False)
+    texts = _findings(report, "error", "0")
+    assert len(texts) == 2  # weight (1, DIM) and bias (1,)
+    assert "axis 'tp' shards dim 0 of 'weight', which has size 1" in texts[0]

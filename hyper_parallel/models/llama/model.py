@@ -36,8 +36,12 @@ Linear = Module.from_nn_module(nn.Linear)
 Embedding = Module.from_nn_module(nn.Embedding)
 
 
-class RMSNorm(Module):
-    """Root-mean-square norm (Zhang & Sennrich, 2019) with a learned per-feature scale."""
+class RMSNorm(nn.RMSNorm, Module):
+    """Root-mean-square norm (Zhang & Sennrich, 2019) with a learned per-feature scale.
+
+    torch's ``nn.RMSNorm`` over the last dim (its forward, unchanged), so the fast
+    path knows by type that it is token-wise.
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -45,12 +49,7 @@ class RMSNorm(Module):
         eps: float = 1e-5
 
     def __init__(self, config: RMSNorm.Config) -> None:
-        super().__init__()
-        self.eps = config.eps
-        self.weight = nn.Parameter(torch.empty(config.dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        nn.RMSNorm.__init__(self, config.dim, eps=config.eps)
 
 
 class RotaryEmbedding(Module):

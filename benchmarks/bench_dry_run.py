@@ -1,0 +1,94 @@
+"""Wall time and peak memory of ``hyper-parallel plan`` (the dry run) at scale.
+
+Each case runs the CLI's ``plan`` command in a fresh subprocess, exactly as a user
+would, and reports the subprocess's wall time (launch to exit, Python start-up and
+imports included), its CPU time (user + system: what the wall time is on an idle
+machine, and much less sensitive to other load) and its peak resident set size (its
+own ``ru_maxrss`` at exit).
+These are the numbers the README quotes.
+
+Run::
+
+    .venv/bin/python benchmarks/bench_dry_run.py [--json dry_run.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+CASES = (
+    ("llama3-70b", "dp=128,tp=8"),
+    ("llama3-405b", "dp=2048,tp=8"),
+)
+# The CLI's own entry point, reporting this process's peak RSS (KiB on Linux) and CPU
+# time on exit.
+_CLI = """
+import resource, sys
+from hyper_parallel.cli import main
+try:
+    code = main(sys.argv[1:])
+finally:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s = usage.ru_utime + usage.ru_stime
+    print(f"peak_rss_kib={usage.ru_maxrss} cpu_s={cpu_s}", file=sys.stderr)
+raise SystemExit(code)
+"""
+
+
+def measure(model: str, mesh: str, *extra: str) -> dict[str, Any]:
+    """One ``plan --model MODEL --mesh MESH --format json [EXTRA...]`` run in a subprocess."""
+    argv = [sys.executable, "-c", _CLI, "plan", "--model", model, "--mesh", mesh]
+    argv += ["--format", "json", *extra]
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"plan --model {model} --mesh {mesh} failed:\n{err[-2000:]}")
+    report = json.loads(out)
+    stats = dict(item.split("=") for item in err.strip().splitlines()[-1].split())
+    return {
+        "model": model,
+        "mesh": mesh,
+        "world_size": math.prod(int(p.split("=")[1]) for p in mesh.split(",")),
+        "wall_s": wall,
+        "cpu_s": float(stats["cpu_s"]),
+        "peak_rss_bytes": int(stats["peak_rss_kib"]) * 1024,
+        "num_params": report.get("num_params"),
+    }
+
+
+def format_result(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"hyper-parallel plan (dry run, fake process group), {os.cpu_count()} CPU(s):",
+        f"  {'model':<12} {'mesh':<14} {'ranks':>7} {'wall s':>7} {'CPU s':>6} {'peak RSS MB':>12}",
+    ]
+    for r in rows:
+        lines.append(
+            f"  {r['model']:<12} {r['mesh']:<14} {r['world_size']:>7,} {r['wall_s']:>7.1f} "
+            f"{r['cpu_s']:>6.1f} {r['peak_rss_bytes'] / 1e6:>12.0f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    rows = [measure(model, mesh) for model, mesh in CASES]
+    print(format_result(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
