@@ -38,7 +38,7 @@ from hyper_parallel.distributed.axes import (
     plan_mesh,
     states_on_axes,
 )
-from hyper_parallel.distributed.fsdp import apply_fsdp
+from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for
 from hyper_parallel.distributed.layout import (
     DATA_AXES,
     DENSE_AXES,
@@ -350,11 +350,14 @@ def dry_run(
         + axis_support_findings(layout, ANALYSIS_AXES, "the dry run")
     )
     target = resolve_target(model_or_config, plan)
-    use_fsdp = fsdp and (layout.fsdp > 1 or layout.dp_replicate > 1)
+    # The axes the plan declares decide where it runs and what FSDP may shard over.
+    entries, _ = target.entries(target.build_meta(1 if target.layers_field else None))
+    declared = declared_axes(entries)
     loss = loss_fn or default_loss
     depths: tuple[int | None, ...] = TRACE_DEPTHS if target.layers_field else (None,)
     with fake_world(layout) as world:
-        fsdp_mesh = world.fsdp_mesh() if use_fsdp else None
+        fsdp_mesh = fsdp_mesh_for(world, declared) if fsdp else None
+        use_fsdp = fsdp_mesh is not None
         runs = [
             _trace_step(
                 target,

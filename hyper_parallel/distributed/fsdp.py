@@ -26,11 +26,33 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.distributed.layout import ParallelMesh
 from hyper_parallel.dmodule._checks import Finding
 
-__all__ = ["apply_fsdp", "fsdp_mesh_findings", "fsdp_units"]
+__all__ = ["apply_fsdp", "fsdp_mesh_findings", "fsdp_mesh_for", "fsdp_units"]
 
 _SHARD_DIMS = ("fsdp", "dp_shard", "dp")
+
+
+def fsdp_mesh_for(mesh: ParallelMesh, plan_axes: tuple[str, ...] | list[str]) -> DeviceMesh | None:
+    """The mesh FSDP2 shards dense states over, given the axes the plan declares.
+
+    Normally :meth:`ParallelMesh.fsdp_mesh`: ``fsdp`` = dp_shard x cp (2-D with
+    ``dp_replicate`` for HSDP). When the plan itself places states on ``cp`` (a
+    context-parallel layout keeps every state a DTensor on its ``(cp, tp)`` submesh),
+    FSDP2 cannot shard over ``cp`` as well (torch refuses overlapping meshes), so it
+    shards over ``dp_shard`` alone (``(dp_replicate, dp_shard)`` for HSDP); the states
+    stay replicated over ``cp`` and their ``cp``-partial gradients are reduced by DTensor.
+
+    Returns:
+        The mesh, or ``None`` when there is no data axis to shard over.
+    """
+    layout = mesh.layout
+    if "cp" not in plan_axes:
+        return mesh.fsdp_mesh()
+    if layout.dp_replicate > 1:
+        return mesh.submesh(("dp_replicate", "dp_shard"))
+    return mesh["dp_shard"] if layout.dp_shard > 1 else None
 
 
 def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -51,7 +51,7 @@ from hyper_parallel.distributed.axes import (
     plan_axis_findings,
     plan_mesh,
 )
-from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_units
+from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for, fsdp_units
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
 from hyper_parallel.dmodule._checks import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
@@ -365,7 +365,8 @@ def build_parallel_model(
     (:func:`model_config`) → ``model.parallelize`` on the submesh of the axes that
     sharding declares (:func:`~hyper_parallel.distributed.plan_mesh`) →
     ``fully_shard`` each block of ``model.layers`` and the root over
-    ``mesh.fsdp_mesh()`` (FSDP on ``fsdp`` = dp_shard x cp, HSDP with dp_replicate)
+    :func:`~hyper_parallel.distributed.fsdp.fsdp_mesh_for` (FSDP on ``fsdp`` = dp_shard
+    x cp, HSDP with dp_replicate; dp_shard alone when the plan keeps states on cp)
     → ``to_empty(device)`` → ``torch.manual_seed(cfg.seed)`` and ``init_states()``.
     With ``mesh=None`` the same model is built for one device, through the same
     steps, so it gets the same initial values.
@@ -391,10 +392,11 @@ def build_parallel_model(
     with torch.device("meta"):
         model = config.build()
     if mesh is not None:
-        sub = plan_mesh(mesh, config_axes(config))
+        axes = config_axes(config)
+        sub = plan_mesh(mesh, axes)
         if sub is not None:
             model.parallelize(sub)
-        fsdp_mesh = mesh.fsdp_mesh()
+        fsdp_mesh = fsdp_mesh_for(mesh, axes)
         if fsdp_mesh is not None:
             units = fsdp_units(model)
             if not units:

@@ -194,3 +194,24 @@ def test_validate_warns_about_the_hsdp_trap():
     (trap,) = [f for f in report.warnings if "HSDP" in f.message]
     assert trap.path == "mesh" and "('dp', 'tp')" in trap.message
     assert report.layout == MeshLayout(dp_shard=2, tp=2)
+
+
+def test_fsdp_leaves_cp_to_a_plan_that_keeps_states_on_it():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hyper_parallel.distributed.fsdp import fsdp_mesh_for
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=16)
+    try:
+        mesh = MeshLayout.parse("dp_replicate=2,dp_shard=2,cp=2,tp=2").build("cpu")
+        assert fsdp_mesh_for(mesh, ("tp",)) is mesh.fsdp_mesh()
+        assert fsdp_mesh_for(mesh, ("cp", "tp")).mesh_dim_names == ("dp_replicate", "dp_shard")
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = MeshLayout.parse("cp=2,tp=2").build("cpu")
+        assert fsdp_mesh_for(mesh, ("tp",)).mesh_dim_names == ("fsdp",)
+        assert fsdp_mesh_for(mesh, ("cp", "tp")) is None  # no data axis left to shard over
+    finally:
+        dist.destroy_process_group()
