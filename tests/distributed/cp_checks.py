@@ -30,12 +30,23 @@ from tests.distributed.llama_checks import _KINDS
 TP_LAYOUTS = {"tp": apply_tp, "tp_sp": apply_tp_sp}
 
 
+# Process-group name -> mesh axis, for every mesh built in this process. DTensor caches
+# output specs by mesh *equality*, so a DTensor may carry an earlier, equal mesh (same
+# ranks and names) and run its collectives on that mesh's groups.
+_AXIS_OF_GROUP: dict[str, str] = {}
+
+
+def _record_groups(mesh: Any) -> None:
+    for axis in ("cp", "tp"):
+        _AXIS_OF_GROUP[mesh[axis].get_group().group_name] = axis
+
+
 class AxisCommMode(CommDebugMode):
     """``CommDebugMode`` that also counts each collective by the mesh axis it runs on."""
 
-    def __init__(self, groups: dict[str, str]) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._axis_of = {name: axis for axis, name in groups.items()}
+        self._axis_of = _AXIS_OF_GROUP
         self.by_axis: Counter[tuple[str, str]] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -48,6 +59,8 @@ class AxisCommMode(CommDebugMode):
                 name = a if isinstance(a, str) else getattr(a, "group_name", None)
                 if isinstance(name, str) and name in self._axis_of:
                     axis = self._axis_of[name]
+                elif isinstance(name, str):
+                    axis = f"?{name}"
             self.by_axis[(axis, kind)] += 1
         return out
 
@@ -63,6 +76,7 @@ def build(mesh_text: str, tp_layout: str | None, order: str = "cp_last") -> Any:
     """The layout's ParallelMesh, model-mesh and config (cp applied last or first)."""
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
+    _record_groups(mesh)
     axes = [a for a in ("cp", "tp") if layout.size(a) > 1]
     config = preset_config("llama3-debug")
     if order == "cp_last":
@@ -114,12 +128,11 @@ def compare_with_one_device(
     if batch_positions:
         pos = pos.expand(2, -1).contiguous()
 
-    groups = {a: mesh[a].get_group().group_name for a in ("cp", "tp") if layout.size(a) > 1}
-    with AxisCommMode(groups) as forward:
+    with AxisCommMode() as forward:
         logits = model(local_inputs, positions=pos)
-    with AxisCommMode(groups) as loss_mode:
+    with AxisCommMode() as loss_mode:
         loss = cross_entropy_loss(logits, local_targets)
-    with AxisCommMode(groups) as backward:
+    with AxisCommMode() as backward:
         loss.backward()
 
     ref_logits = reference(inputs)
@@ -178,3 +191,54 @@ def _local_reference_loss_diff(
         mine.flatten(0, -2), cp.shard_sequence(targets, rank, size).flatten()
     )
     return abs(loss.item() - expected.item())
+
+
+def expected_cp_collectives(num_layers: int) -> dict[str, dict[str, int]]:
+    """Collectives on ``cp`` per phase of one step: the declared ones and nothing else.
+
+    Forward: in each layer the attention core all-gathers its keys and values (2 per
+    layer), and the model's root all-gathers the positions once (for the mask).
+    Backward: the keys' and values' gradients, declared ``Partial`` on ``cp``, are
+    reduce-scattered back to their sequence shards (2 per layer); positions carry no
+    gradient. The loss is each rank's own mean: nothing on ``cp``.
+    """
+    return {
+        "forward": {"all_gather": 2 * num_layers + 1},
+        "loss": {},
+        "backward": {"reduce_scatter": 2 * num_layers},
+    }
+
+
+def forward_without_positions(mesh_text: str, tp_layout: str | None) -> str:
+    """A cp model called without positions: the error every rank raises."""
+    _, _, model_mesh, config = build(mesh_text, tp_layout)
+    model = config.build()
+    torch.manual_seed(0)
+    model.init_states()
+    model.parallelize(model_mesh)
+    tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    try:
+        model(tokens)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def unshard_round_trip(seq_len: int) -> dict[str, Any]:
+    """shard_sequence on every rank, then unshard_sequence: the input back, with gradients."""
+    layout = MeshLayout.from_sizes({"cp": c10d.get_world_size()})
+    mesh = layout.build("cpu")
+    rank, size = mesh.local_rank("cp"), layout.cp
+    full = torch.randn(2, seq_len, 3, generator=torch.Generator().manual_seed(0))
+    full.requires_grad_(True)
+    local = cp.shard_sequence(full, rank, size)
+    back = cp.unshard_sequence(local, mesh["cp"])
+    # Every rank holds the whole tensor; its gradient reaches each rank's own part.
+    (back * torch.arange(seq_len).view(1, -1, 1)).sum().backward()
+    pos = cp.unshard_sequence(cp.positions(seq_len, rank, size), mesh["cp"], dim=0)
+    return {
+        "equal": torch.equal(back, full),
+        "positions": pos.tolist(),
+        "grad": full.grad.tolist(),
+        "mine": cp.positions(seq_len, rank, size).tolist(),
+    }
