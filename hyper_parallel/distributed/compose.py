@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from hyper_parallel.distributed.layout import USER_AXES
 from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 from hyper_parallel.dmodule.types import NamedPlacement
 
@@ -41,7 +42,10 @@ def _union(a: NamedPlacement | None, b: NamedPlacement | None, where: str) -> Na
                 "model config and apply each axis once."
             )
         out[name] = v
-    return out  # type: ignore[return-value]
+    # Mesh order (outermost first), so the result does not depend on which axis came first.
+    rank = {a: i for i, a in enumerate(USER_AXES)}
+    ordered = sorted(out, key=lambda a: rank.get(a, len(rank)))
+    return {a: out[a] for a in ordered}  # type: ignore[misc]
 
 
 def _merge_inputs(
@@ -151,7 +155,7 @@ def merge_sharding_configs(
         >>> tp = ShardingConfig(state_shardings={"weight": {"tp": Shard(0)}})
         >>> cp = ShardingConfig(state_shardings={"weight": {"cp": Replicate()}})
         >>> merge_sharding_configs(tp, cp).state_shardings["weight"]
-        {'tp': Shard(dim=0), 'cp': Replicate()}
+        {'cp': Replicate(), 'tp': Shard(dim=0)}
     """
     if a is None:
         return b
