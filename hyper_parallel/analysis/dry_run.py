@@ -18,6 +18,7 @@ layers is the same in both runs); the report says so.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -52,7 +53,14 @@ from hyper_parallel.dmodule._checks import Finding
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
 from ._format import human_bytes, layer_pattern, placement_text, table
-from ._model import TRACE_DEPTHS, Target, default_inputs, default_loss, resolve_target
+from ._model import (
+    TRACE_DEPTHS,
+    Target,
+    cp_inputs,
+    default_inputs,
+    default_loss,
+    resolve_target,
+)
 from ._world import MeshShape, fake_world
 from .collectives import (
     Collective,
@@ -192,7 +200,9 @@ class DryRunReport:
         fsdp_text = "no FSDP"
         if self.fsdp:
             kind = "HSDP" if "dp_replicate" in self.fsdp_axes else "FSDP2"
-            fsdp_text = f"{kind} over {' x '.join(self.fsdp_axes)} (fsdp = dp_shard x cp)"
+            fsdp_text = f"{kind} over {' x '.join(self.fsdp_axes)}"
+            if "fsdp" in self.fsdp_axes:
+                fsdp_text += " (fsdp = dp_shard x cp)"
         out = [
             f"plan: {self.model} on {self.layout.describe()} ({self.world_size:,} ranks); "
             f"batch {self.batch_size} x seq {self.seq_len}; {self.param_dtype} parameters; "
@@ -311,7 +321,8 @@ def dry_run(
         plan: Module path pattern → ShardingConfig, or a plan file. It is applied on
             the submesh of the axes it declares, as the trainer applies it.
         batch_size: Per-rank batch size of the traced step.
-        seq_len: Sequence length of the traced step.
+        seq_len: Sequence length of the traced step (global: under context parallelism
+            each rank traces its ``seq_len / cp`` tokens, head-tail, with their positions).
         fsdp: Shard parameters, gradients and optimizer state with FSDP2 over
             ``fsdp`` = dp_shard x cp (HSDP over ``(dp_replicate, fsdp)`` when
             dp_replicate > 1); each element of the model's top-level ``ModuleList``s
@@ -353,6 +364,14 @@ def dry_run(
     # The axes the plan declares decide where it runs and what FSDP may shard over.
     entries, _ = target.entries(target.build_meta(1 if target.layers_field else None))
     declared = declared_axes(entries)
+    # One gate: every problem of the plan's axes and of context parallelism, together.
+    problems = [f for f in plan_axis_findings(layout, declared, fsdp=fsdp) if f.severity == "error"]
+    if layout.cp > 1:
+        from hyper_parallel.distributed import context_parallel
+
+        subject = target.config if target.config is not None else target.model
+        problems += context_parallel.cp_findings(subject, layout, seq_len)
+    _raise_errors(problems)
     loss = loss_fn or default_loss
     depths: tuple[int | None, ...] = TRACE_DEPTHS if target.layers_field else (None,)
     with fake_world(layout) as world:
@@ -381,11 +400,11 @@ def dry_run(
         fsdp=use_fsdp,
         fsdp_axes=fsdp_axes,
         plan_axes=plan_axes,
-        columns=_placement_columns(layout, use_fsdp, plan_axes),
+        columns=_placement_columns(layout, fsdp_axes, plan_axes),
         layout=layout,
     )
     report = _combine(target, runs, layout, settings)
-    data_axis, data_size = _data_axis(layout)
+    data_axis, data_size = _data_axis(layout, plan_axes)
     if not use_fsdp and data_size > 1:
         report.collectives.append(_ddp_all_reduce(report.per_rank.grads, data_axis, data_size))
         phases = {"forward": 0, "backward": 1, "optimizer": 2}
@@ -427,9 +446,13 @@ def _trace_step(
     mode = FakeTensorMode()
     model = target.build_fake(mode, depth, param_dtype)
     types = {path: type(m).__name__ for path, m in model.named_modules()}
-    args = _inputs(model, inputs, batch_size, seq_len, mode)
     entries, findings = target.entries(model)
     axes = declared_axes(entries)
+    kwargs: dict[str, torch.Tensor] = {}
+    if "cp" in axes and world.layout.cp > 1 and inputs is None:
+        args, kwargs = cp_inputs(model, batch_size, seq_len, world.layout.cp, mode)
+    else:
+        args = _inputs(model, inputs, batch_size, seq_len, mode)
     _raise_errors(
         [
             f
@@ -455,7 +478,7 @@ def _trace_step(
     recorder = CollectiveRecorder(axis_groups(world))
     comm = CommDebugMode()
     with mode, comm, recorder:
-        out = model(*args)
+        out = model(*args, **kwargs)
         loss = loss_fn(out, *args)
         recorder.phase = "backward"
         loss.backward()
@@ -483,26 +506,35 @@ def _raise_errors(findings: Sequence[Finding]) -> None:
 
 
 def _placement_columns(
-    layout: MeshLayout, use_fsdp: bool, plan_axes: Sequence[str]
+    layout: MeshLayout, fsdp_axes: Sequence[str], plan_axes: Sequence[str]
 ) -> tuple[str, ...]:
-    """One column per active axis; ``fsdp`` stands for dp_shard x cp when FSDP shards it."""
+    """One column per active axis, named as the states' meshes name it: FSDP's shard
+    dim (``fsdp`` = dp_shard x cp, or ``dp_shard`` when the plan keeps cp) and the plan's."""
     cols = []
     if layout.dp_replicate > 1:
         cols.append("dp_replicate")
-    if use_fsdp and layout.fsdp > 1:
-        cols.append("fsdp")
+    shard = [a for a in fsdp_axes if a != "dp_replicate"]
+    if shard and layout.size(shard[0]) > 1:
+        cols.append(shard[0])
     elif layout.dp_shard > 1:
         cols.append("dp_shard")
-    cols += [a for a in ("cp", "tp") if layout.size(a) > 1 or a in plan_axes]
+    covered = set(cols) | ({"dp_shard", "cp"} if "fsdp" in cols else set())
+    cols += [a for a in ("cp", "tp") if (layout.size(a) > 1 or a in plan_axes) and a not in covered]
     return tuple(cols)
 
 
-def _data_axis(layout: MeshLayout) -> tuple[str, int]:
-    """The axis over which gradients are averaged without FSDP, and its size."""
-    active = [a for a in ("dp_replicate", "dp_shard", "cp") if layout.size(a) > 1]
+def _data_axis(layout: MeshLayout, plan_axes: Sequence[str]) -> tuple[str, int]:
+    """The axis over which gradients are averaged without FSDP, and its size.
+
+    A ``cp`` the plan declares is not one: its gradients come back ``Partial`` on ``cp``
+    and are reduced as DTensors (listed with the optimizer's pending reductions).
+    """
+    axes = ("dp_replicate", "dp_shard") + (() if "cp" in plan_axes else ("cp",))
+    active = [a for a in axes if layout.size(a) > 1]
     if len(active) == 1:
         return active[0], layout.size(active[0])
-    return "loss", layout.size("loss")
+    size = math.prod(layout.size(a) for a in active)
+    return ("loss" if "cp" in active else "batch"), size
 
 
 def _pending_reductions(grads: Sequence[torch.Tensor]) -> list[Collective]:
@@ -756,7 +788,7 @@ def _assumptions(
     num_units = len(last.fsdp_units)
     if len(runs) == 2 and target.num_layers is not None and last.depth is not None:
         num_units += (target.num_layers - last.depth) * (num_units - len(runs[0].fsdp_units))
-    data_axis, data_size = _data_axis(layout)
+    data_axis, data_size = _data_axis(layout, last.plan_axes)
     if fsdp_axes:
         hsdp = (
             " (HSDP: states sharded within each dp_replicate group, gradients all-reduced "
@@ -772,8 +804,8 @@ def _assumptions(
         )
     elif data_size == 1:
         notes.append(
-            f"FSDP off: the mesh ({layout.describe()}) has no data axis (dp_replicate, "
-            "dp_shard, cp), so there is no data parallelism to shard over."
+            f"FSDP off: the mesh ({layout.describe()}) has no data axis FSDP can shard "
+            "over (dp_replicate, dp_shard, and cp unless the plan keeps states on cp)."
         )
     else:
         notes.append(

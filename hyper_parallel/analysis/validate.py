@@ -78,7 +78,7 @@ from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
 from ._format import human_bytes, layer_pattern, placement_text, table
-from ._model import Target, default_inputs, resolve_target
+from ._model import Target, cp_inputs, default_inputs, resolve_target
 from ._world import MeshShape, fake_world
 from .collectives import ALL_GATHER, redistribution_collectives
 
@@ -342,6 +342,11 @@ def validate(
         layout, declared, fsdp=True, states_on_data=states_on_axes(entries, _DATA_AXES)
     )
     findings += _user_mesh_findings(mesh)
+    if layout.cp > 1:
+        from hyper_parallel.distributed import context_parallel
+
+        subject = target.config if target.config is not None else model
+        findings += context_parallel.cp_findings(subject, layout, seq_len)
     findings += [*plan_findings, *check_entries(entries, DENSE_AXES, sizes)]
     findings += _coverage(model, entries, plan_axes or tuple(layout.active()) or ("tp",))
     if trace:
@@ -786,6 +791,10 @@ def _trace_on(
 ) -> list[Finding]:
     try:
         args = _fake_inputs(inputs, mode) if inputs is not None else None
+        kwargs: dict[str, torch.Tensor] = {}
+        layout = report.layout
+        if args is None and layout is not None and layout.cp > 1 and "cp" in report.plan_axes:
+            args, kwargs = cp_inputs(model, batch_size, seq_len, layout.cp, mode)
         if args is None:
             args = default_inputs(model, batch_size, seq_len, mode)
     except ValueError as e:
@@ -799,10 +808,10 @@ def _trace_on(
     tracer = _BoundaryTracer(entries, shape)
     try:
         with tracer.active(model), mode:
-            model(*args)
+            model(*args, **kwargs)
     except Exception as e:  # any failure of the forward is a finding
         path = tracer.current_path()
-        reason = _plain_forward_failure(target, args, mode)
+        reason = _plain_forward_failure(target, args, mode, kwargs)
         if reason is not None:
             report.notes.append(
                 f"boundary analysis skipped: the example inputs do not fit the model even "
@@ -832,13 +841,16 @@ def _trace_on(
 
 
 def _plain_forward_failure(
-    target: Target, args: Sequence[torch.Tensor], mode: FakeTensorMode
+    target: Target,
+    args: Sequence[torch.Tensor],
+    mode: FakeTensorMode,
+    kwargs: Mapping[str, torch.Tensor] | None = None,
 ) -> str | None:
     """Why the model without its plan cannot run on ``args`` (``None`` when it can)."""
     model = target.build_fake(mode)
     try:
         with mode:
-            model(*args)
+            model(*args, **(kwargs or {}))
     except Exception as e:
         return f"{type(e).__name__}: {_first_lines(str(e))}"
     return None

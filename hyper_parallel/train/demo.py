@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _style(layout: MeshLayout, sequence_parallel: bool) -> str:
     """``"TP+SP x HSDP"``: what runs on each active axis of the mesh."""
     parts = []
+    if layout.cp > 1:
+        parts.append("CP (head-tail)")
     if layout.tp > 1:
         parts.append("TP+SP" if sequence_parallel else "TP")
     if layout.dp_replicate > 1:

@@ -80,7 +80,7 @@ __all__ = [
     "train",
 ]
 
-TRAINER_AXES = ("dp_replicate", "dp_shard", "tp")
+TRAINER_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 """User axes the trainer runs; any other axis of size > 1 is refused by :func:`check_config`."""
 
 
@@ -341,12 +341,16 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Findin
         findings.append(
             Finding("error", "model", cfg.model, str(e), "pick axis sizes the model supports.")
         )
-    else:
-        findings += [
-            f
-            for f in plan_axis_findings(layout, config_axes(config), fsdp=True)
-            if f.severity == "error"
-        ]
+        return findings
+    findings += [
+        f
+        for f in plan_axis_findings(layout, config_axes(config), fsdp=True)
+        if f.severity == "error"
+    ]
+    if layout.cp > 1:
+        from hyper_parallel.distributed import context_parallel
+
+        findings += context_parallel.cp_findings(config, layout, cfg.seq_len)
     return findings
 
 
@@ -536,6 +540,9 @@ class Trainer:
         self.dp_size = layout.size("batch")
         self.dp_rank = 0 if self.mesh is None else self.mesh.local_rank("batch")
         self.loss_size = layout.size("loss")
+        # Context parallelism: each rank holds chunks of every sequence (head-tail).
+        self.cp_size = layout.cp
+        self.cp_rank = 0 if self.mesh is None else self.mesh.local_rank("cp")
         self.model = build_parallel_model(cfg, self.mesh, self.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
@@ -611,7 +618,7 @@ class Trainer:
             group["lr"] = lr
         batch = self.local_batch()
         loss = self.loss_fn(self.model(batch.inputs, **batch.model_kwargs), batch.targets)
-        loss.backward()
+        self.backward(loss)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
@@ -624,9 +631,40 @@ class Trainer:
 
         Rows are split over the ``batch`` axis (dp_replicate x dp_shard); ranks that
         differ only in model-parallel coordinates read the same rows.
+        Under context parallelism each rank keeps chunks ``i`` and ``2 cp - 1 - i`` of
+        every sequence (:func:`~hyper_parallel.distributed.context_parallel.shard_sequence`)
+        for inputs and targets alike, and passes their global positions to the model.
         """
         inputs, targets = self.data.next_batch(self.dp_rank, self.dp_size)
-        return Batch(inputs=inputs.to(self.device), targets=targets.to(self.device))
+        kwargs: dict[str, Any] = {}
+        if self.cp_size > 1:
+            from hyper_parallel.distributed import context_parallel
+
+            seq_len = inputs.shape[1]
+            inputs = context_parallel.shard_sequence(inputs, self.cp_rank, self.cp_size)
+            targets = context_parallel.shard_sequence(targets, self.cp_rank, self.cp_size)
+            positions = context_parallel.positions(seq_len, self.cp_rank, self.cp_size)
+            kwargs["positions"] = positions.to(self.device)
+        return Batch(
+            inputs=inputs.to(self.device), targets=targets.to(self.device), model_kwargs=kwargs
+        )
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate this rank's mean ``loss`` so every gradient is the global-batch one.
+
+        FSDP2 averages over the data ranks. Under context parallelism the states are
+        replicated over ``cp`` and their gradients come back ``Partial`` (a sum over the
+        ``cp`` ranks' tokens): the loss is scaled by ``1 / cp`` so that sum is the mean,
+        and gradients FSDP does not own are reduced here, once.
+        """
+        if self.cp_size == 1:
+            loss.backward()
+            return
+        (loss / self.cp_size).backward()
+        for p in self.model.parameters():
+            grad = p.grad
+            if isinstance(grad, DTensor) and any(x.is_partial() for x in grad.placements):
+                p.grad = grad.redistribute(grad.device_mesh, p.placements)
 
     def global_mean(self, loss: torch.Tensor) -> float:
         """The global-batch mean of this rank's mean ``loss``: averaged over the ``loss`` axis.

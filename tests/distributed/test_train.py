@@ -31,6 +31,7 @@ WORLD_SIZE = 4
 SMALL = {"global_batch_size": 4, "seq_len": 32, "log_every": 0, "progress": False}
 DP2_TP2 = {"dp": 2, "tp": 2}
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
+CP2_TP2 = {"cp": 2, "tp": 2}
 # tp=4 needs every head count divisible by 4 (the debug preset has 2 key/value heads).
 FOUR_HEADS = {"num_heads": 4, "num_kv_heads": 4}
 ENTRY = os.path.join(os.path.dirname(__file__), "train_crash_entry.py")
@@ -75,8 +76,13 @@ def _step_then_train(cfg_dict: dict) -> dict | None:
     batch = trainer.local_batch()
     logits = trainer.model(batch.inputs, **batch.model_kwargs)
     loss = trainer.loss_fn(logits, batch.targets)
-    loss.backward()
-    outputs = _gather_rows(logits, trainer)
+    trainer.backward(loss)
+    outputs = logits
+    if trainer.cp_size > 1:  # the sequence back in order (head-tail undone)
+        from hyper_parallel.distributed import context_parallel
+
+        outputs = context_parallel.unshard_sequence(logits, trainer.mesh["cp"])
+    outputs = _gather_rows(outputs, trainer)
     grads = {
         name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
         for name, p in trainer.model.named_parameters()
@@ -194,10 +200,7 @@ def test_dp_tp_training_matches_one_process(dist, sequence_parallel):
         torch.testing.assert_close(sharded["states"][name], value, atol=1e-5, rtol=1e-4)
 
 
-def test_hsdp_step_and_training_match_one_process(dist):
-    cfg = TrainConfig(mesh=HSDP, num_steps=3, **SMALL)
-    sharded = dist.run(_step_then_train, cfg.to_dict())[0]
-    single = dist.run(_step_then_train_one_process_on_rank0, cfg.to_dict())[0]
+def _assert_step_and_training_match(sharded: dict, single: dict) -> None:
     first, one = sharded["first"], single["first"]
     assert abs(first["loss"] - one["loss"]) < 1e-5
     torch.testing.assert_close(first["outputs"], one["outputs"], atol=1e-5, rtol=1e-5)
@@ -208,6 +211,18 @@ def test_hsdp_step_and_training_match_one_process(dist):
     assert max(diffs) < 1e-5, diffs
     for name, value in single["states"].items():
         torch.testing.assert_close(sharded["states"][name], value, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "sequence_parallel"),
+    [(HSDP, False), (CP2_TP2, False), (CP2_TP2, True)],
+    ids=["hsdp", "cp2_tp2", "cp2_tp2_sp"],
+)
+def test_step_and_training_match_one_process(dist, mesh, sequence_parallel):
+    cfg = TrainConfig(mesh=mesh, sequence_parallel=sequence_parallel, num_steps=3, **SMALL)
+    sharded = dist.run(_step_then_train, cfg.to_dict())[0]
+    single = dist.run(_step_then_train_one_process_on_rank0, cfg.to_dict())[0]
+    _assert_step_and_training_match(sharded, single)
 
 
 def test_clip_grad_norm_across_meshes(dist):
@@ -241,6 +256,14 @@ def test_hsdp_checkpoint_reshards_bitwise_to_dp_shard4_and_one_process(dist, tmp
     one.load(path)
     assert one.step == 2
     _assert_bitwise_equal(_full_states(one), saved)
+
+
+def test_cp_tp_checkpoint_reshards_bitwise_to_tp4(dist, tmp_path):
+    path = str(tmp_path / "ckpt")
+    cfg = TrainConfig(mesh=CP2_TP2, num_steps=2, model_overrides=FOUR_HEADS, **SMALL)
+    saved = dist.run(_train_and_save, cfg.to_dict(), path)[0]
+    at_tp4 = dist.run(_load, cfg.replace(mesh={"tp": 4}).to_dict(), path)[0]
+    _assert_bitwise_equal(at_tp4, saved)
 
 
 def test_stop_and_resume_equals_uninterrupted_run(dist, tmp_path, uninterrupted):

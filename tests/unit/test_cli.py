@@ -66,6 +66,29 @@ def test_plan_json_keys_and_values(capsys):
     assert d["seq_len"] == 32 and d["fsdp"] is True and d["param_dtype"] == "float32"
 
 
+def test_plan_and_validate_context_parallel(capsys):
+    code, out, _ = run_cli(
+        capsys, "plan", "--model", "llama3-debug", "--mesh", "dp_shard=2,cp=2,tp=2",
+        "--seq", "32", "--format", "json",
+    )  # fmt: skip
+    assert code == 0
+    d = json.loads(out)
+    assert d["plan_axes"] == ["cp", "tp"] and d["placement_axes"] == ["dp_shard", "cp", "tp"]
+    assert d["fsdp_axes"] == ["dp_shard"]  # the plan keeps states on cp: FSDP over dp_shard
+    assert d["mesh"]["fsdp"] == 4 and d["mesh"]["loss"] == 4 and d["world_size"] == 8
+    wq = next(p for m in d["modules"] if m["path"].endswith("attention.wq") for p in m["params"])
+    assert wq["placements"] == {"dp_shard": "Shard(0)", "cp": "Replicate()", "tp": "Shard(0)"}
+    kinds = {(c["kind"], c["axis"], c["phase"]) for c in d["collectives"]}
+    assert ("all_gather", "cp", "forward") in kinds and (
+        "reduce_scatter",
+        "cp",
+        "backward",
+    ) in kinds
+    code, out, _ = run_cli(capsys, "validate", "--model", "llama3-debug", "--mesh", "cp=2,tp=2")
+    assert code == 0 and out.splitlines()[-1].startswith("OK: 0 error(s)")
+    assert "plan on cp x tp" in out.splitlines()[0]
+
+
 def test_plan_table_sp_no_fsdp_bf16(capsys):
     code, out, _ = run_cli(
         capsys, "plan", "--model", "llama3-debug", "--mesh", "dp=2,tp=2", "--seq", "32",

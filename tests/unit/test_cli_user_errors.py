@@ -116,17 +116,18 @@ def test_mesh_product_must_match_the_ranks_torchrun_starts(capsys, monkeypatch):
     [
         ("dp=2,ep=2", "ep=2: expert parallelism is not yet supported by the trainer"),
         ("pp=2", "pp=2: pipeline parallelism is not yet supported by the trainer"),
-        ("cp=2", "the mesh has cp=2 but the model's sharding declares no 'cp' placement"),
+        ("cp=2", "cannot be split head-tail over cp=2"),  # --seq-len 30: not 2 x cp chunks
     ],
 )
 def test_axes_the_trainer_cannot_run_are_refused_by_name(capsys, monkeypatch, mesh, message):
     from hyper_parallel.distributed import MeshLayout
 
     monkeypatch.setenv("WORLD_SIZE", str(MeshLayout.parse(mesh).world_size))
-    assert _train(["--mesh", mesh, "--steps", "1"]) == 2
+    assert _train(["--mesh", mesh, "--steps", "1", "--seq-len", "30"]) == 2
     assert message in capsys.readouterr().err
-    code, _, err = _run(capsys, ["demo", "--mesh", mesh, "--steps", "1"])
-    assert code == 2 and message in err
+    if mesh != "cp=2":  # the demo's sequence (64) splits over cp=2
+        code, _, err = _run(capsys, ["demo", "--mesh", mesh, "--steps", "1"])
+        assert code == 2 and message in err
 
 
 @pytest.mark.parametrize(
@@ -134,13 +135,23 @@ def test_axes_the_trainer_cannot_run_are_refused_by_name(capsys, monkeypatch, me
     [
         ("dp=2,ep=2", "ep=2: expert parallelism is not yet supported by"),
         ("pp=2,tp=2", "pp=2: pipeline parallelism is not yet supported by"),
-        ("cp=2,tp=2", "declares no 'cp' placement"),
+        ("cp=2,tp=2", "cannot be split head-tail over cp=2"),
     ],
 )
 @pytest.mark.parametrize("command", ["plan", "validate"])
 def test_plan_and_validate_refuse_axes_the_model_cannot_use(capsys, command, mesh, message):
-    code, out, err = _run(capsys, [command, "--model", "llama3-debug", "--mesh", mesh])
+    argv = [command, "--model", "llama3-debug", "--mesh", mesh, "--seq", "30"]
+    code, out, err = _run(capsys, argv)
     assert code == 1 and message in out + err
+
+
+@needs_transformers
+@pytest.mark.parametrize("command", ["plan", "validate"])
+def test_a_plan_without_cp_is_refused_on_a_cp_mesh(capsys, command):
+    plan = str(Path(__file__).resolve().parents[2] / "examples" / "plans" / "hf_llama_tp.yaml")
+    argv = [command, "--hf-model", "llama", "--plan", plan, "--mesh", "cp=2,tp=2"]
+    code, out, err = _run(capsys, argv)
+    assert code == 1 and "declares no 'cp' placement" in out + err
 
 
 def test_unknown_mesh_axis_is_named_with_the_nearest(capsys):
