@@ -75,9 +75,10 @@ def _style(layout: MeshLayout, sequence_parallel: bool) -> str:
         parts.append("CP (head-tail)")
     if layout.tp > 1:
         parts.append("TP+SP" if sequence_parallel else "TP")
+    # FSDP shards over dp_shard (x cp, except that a context-parallel plan keeps cp).
     if layout.dp_replicate > 1:
-        parts.append("HSDP" if layout.fsdp > 1 else "replicated DP")
-    elif layout.fsdp > 1:
+        parts.append("HSDP" if layout.dp_shard > 1 else "replicated DP")
+    elif layout.dp_shard > 1:
         parts.append("FSDP2")
     return " x ".join(parts) or "one device"
 

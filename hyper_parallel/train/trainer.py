@@ -1,8 +1,8 @@
 """A small trainer on the N-D mesh: TP (+SP) x FSDP2 / HSDP, DCP checkpoints.
 
 The mesh is one :class:`~hyper_parallel.distributed.MeshLayout` (``TrainConfig.mesh``:
-``dp_replicate``, ``dp_shard`` — alias ``dp`` —, ``tp``; ``pp`` and ``ep`` are
-refused with a clear error until the trainer runs them). :func:`check_config` is the
+``dp_replicate``, ``dp_shard`` — alias ``dp`` —, ``cp``, ``tp``; ``pp`` and ``ep``
+are refused with a clear error until the trainer runs them). :func:`check_config` is the
 one gate: every problem of the mesh, the axes and the model, before any process
 group exists. The model is built on the meta device from its registered
 :class:`~hyper_parallel.dmodule.model_spec.ModelSpec`, parallelized on the submesh
@@ -14,9 +14,11 @@ over :meth:`~hyper_parallel.distributed.ParallelMesh.fsdp_mesh` (1-D ``fsdp``, o
 own shards. ``init_states`` is shard-consistent: with the same seed, a model built
 this way at any mesh starts from exactly the values of the same model built in one
 process. With the same global batch (split over the ``batch`` axis, dp_replicate x
-dp_shard; tp ranks read the same rows), FSDP averaging gradients over every data
-rank and the logged loss averaged over the ``loss`` axis, the losses of any mesh
-match the single-process run to float32 rounding.
+dp_shard; tp ranks read the same rows; cp ranks split each sequence head-tail and
+pass its global positions), FSDP averaging gradients over every data rank (and the
+``cp``-partial gradients averaged over cp) and the logged loss averaged over the
+``loss`` axis, the losses of any mesh match the single-process run to float32
+rounding.
 
 Run it under ``torchrun`` (see :mod:`hyper_parallel.train.run`) or in one process::
 
