@@ -27,7 +27,7 @@ from hyper_parallel.dmodule.plan import match_plan
 from hyper_parallel.dmodule.plan_file import load_plan
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
-__all__ = ["Target", "default_inputs", "default_loss", "resolve_target"]
+__all__ = ["Target", "cp_inputs", "default_inputs", "default_loss", "resolve_target"]
 
 Plan = Mapping[str, ShardingConfig]
 # Layers are traced at these two depths and extrapolated linearly (see Target.trace_depths).
@@ -255,6 +255,22 @@ def default_inputs(
                 "nor an nn.Linear (features); pass inputs=(tensor, ...) explicitly."
             )
     raise ValueError("cannot infer the model's inputs: it has no parameters; pass inputs=.")
+
+
+def cp_inputs(
+    model: nn.Module, batch_size: int, seq_len: int, cp_size: int, mode: FakeTensorMode
+) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    """Rank 0's fake inputs under context parallelism: its ``seq_len / cp`` tokens and
+    their global positions (head-tail), as the trainer feeds them.
+
+    Raises:
+        ValueError: ``seq_len`` not divisible by ``2 * cp_size`` (from the split).
+    """
+    from hyper_parallel.distributed import context_parallel
+
+    positions = context_parallel.positions(seq_len, 0, cp_size)
+    args = default_inputs(model, batch_size, positions.numel(), mode)
+    return args, {"positions": mode.from_tensor(positions)}
 
 
 def default_loss(output: Any, *inputs: Any) -> torch.Tensor:

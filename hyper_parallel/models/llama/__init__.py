@@ -1,9 +1,9 @@
-"""A Llama-3-style decoder with declarative tensor- and sequence-parallel layouts.
+"""A Llama-3-style decoder with declarative tensor-, sequence- and context-parallel layouts.
 
 Importing this package registers one :class:`~hyper_parallel.dmodule.ModelSpec` per
 preset (``llama3-debug``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``). Each spec's
 ``config(**overrides)`` returns a ``Transformer.Config``; its ``extras`` hold the
-family, the sharding functions (``"tp"``, ``"tp_sp"``), the loss and ``num_params``.
+family, the sharding functions (``"tp"``, ``"tp_sp"``, ``"cp"``), the loss and ``num_params``.
 
 Example::
 
@@ -39,6 +39,8 @@ from hyper_parallel.models.llama.model import (
 from hyper_parallel.models.llama.model import Transformer as Transformer
 from hyper_parallel.models.llama.model import TransformerBlock as TransformerBlock
 from hyper_parallel.models.llama.model import apply_rotary_emb as apply_rotary_emb
+from hyper_parallel.models.llama.model import causal_mask as causal_mask
+from hyper_parallel.models.llama.sharding import apply_cp as apply_cp
 from hyper_parallel.models.llama.sharding import apply_tp as apply_tp
 from hyper_parallel.models.llama.sharding import apply_tp_sp as apply_tp_sp
 
@@ -51,9 +53,11 @@ __all__ = [
     "ScaledDotProductAttention",
     "Transformer",
     "TransformerBlock",
+    "apply_cp",
     "apply_rotary_emb",
     "apply_tp",
     "apply_tp_sp",
+    "causal_mask",
     "cross_entropy_loss",
     "llama3_config",
     "num_params",
@@ -77,6 +81,7 @@ for _name in PRESETS:
                 "family": "llama3",
                 "tp": apply_tp,
                 "tp_sp": apply_tp_sp,
+                "cp": apply_cp,
                 "loss_fn": cross_entropy_loss,
                 "num_params": num_params,
             },

@@ -3,6 +3,12 @@
 With the output projection column-parallel, logits arrive as a DTensor sharded on
 the vocabulary dim; PyTorch's ``loss_parallel`` computes the loss from the shards
 (all-reduces of one value per token instead of a full-vocab all-gather).
+
+With the sequence split across ranks (context parallelism: logits ``Shard(1)`` on
+``cp``), each rank scores its own tokens against its own targets: the loss is the mean
+over the rank's tokens. Every rank holds the same number of tokens, so the mean of the
+ranks' losses is the global mean, and the data-parallel average of the gradients over
+``cp`` (FSDP2 over ``dp_shard x cp``) is the one-device gradient.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Shard
 
 __all__ = ["cross_entropy_loss"]
 
@@ -25,11 +32,15 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     column-parallel output projection leaves them) go through PyTorch's
     ``loss_parallel``, forward *and* backward, so ``loss.backward()`` may be called
     anywhere. Replicated DTensor logits are used through their local copy; plain
-    tensors through ``F.cross_entropy``.
+    tensors through ``F.cross_entropy``. Logits sharded on the sequence dim (``Shard(1)``
+    on ``cp``: context parallelism) are scored on this rank's tokens against
+    this rank's ``targets``: the result is the mean over the rank's tokens (vocab-parallel
+    over the one axis, if any, that shards the vocabulary).
 
     Args:
-        logits: Plain tensor, or DTensor sharded on its last dim or replicated.
-        targets: Plain tensor of token ids.
+        logits: Plain tensor, or DTensor sharded on its last dim (one mesh axis), on
+            the sequence dim, or replicated.
+        targets: Plain tensor of token ids (this rank's, when logits are sequence-sharded).
 
     Returns:
         The scalar loss: a replicated DTensor for vocab-sharded logits, else a tensor.
@@ -46,6 +57,8 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
         placements = tuple(logits.placements)
         if len(placements) == 1 and placements[0].is_shard(logits.ndim - 1):
             return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten())
+        if _token_split(logits):
+            return _local_tokens_loss(logits, targets)
         if not all(p.is_replicate() for p in placements):
             raise ValueError(
                 f"cross_entropy_loss: logits are a DTensor placed {list(placements)} on a "
@@ -82,3 +95,49 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         with loss_parallel():
             (grad_logits,) = torch.autograd.grad(loss, leaf, grad_loss)
         return grad_logits, None
+
+
+def _token_split(logits: DTensor) -> bool:
+    """Sharded on the sequence dim on some axis, else only Shard(vocab) (one axis) or Replicate."""
+    vocab, seq = logits.ndim - 1, logits.ndim - 2
+    placements = logits.placements
+    allowed = all(p.is_replicate() or p.is_shard(seq) or p.is_shard(vocab) for p in placements)
+    num_vocab = sum(p.is_shard(vocab) for p in placements)
+    return seq > 0 and any(p.is_shard(seq) for p in placements) and allowed and num_vocab <= 1
+
+
+def _local_tokens_loss(logits: DTensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over this rank's tokens (vocab-parallel where the vocab is split)."""
+    placements = tuple(logits.placements)
+    local = logits.to_local(grad_placements=placements)
+    if targets.shape != local.shape[:-1]:
+        raise ValueError(
+            f"cross_entropy_loss: logits are split over the sequence ({list(placements)}), so "
+            f"targets must be this rank's: shape {tuple(local.shape[:-1])}, got "
+            f"{tuple(targets.shape)}. Cut targets like the tokens "
+            "(context_parallel.shard_sequence(targets, cp_rank, cp_size))."
+        )
+    vocab = logits.ndim - 1
+    vocab_axes = [i for i, p in enumerate(placements) if p.is_shard(vocab)]
+    if not vocab_axes:
+        return F.cross_entropy(local.flatten(0, -2), targets.flatten())
+    names = logits.device_mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            "cross_entropy_loss: vocab- and token-sharded logits need a mesh with "
+            "mesh_dim_names; build the mesh with names (MeshLayout.build does)."
+        )
+    vocab_mesh = logits.device_mesh[names[vocab_axes[0]]]
+    shape = (*local.shape[:-1], logits.shape[-1])
+    shards = DTensor.from_local(
+        local, vocab_mesh, [Shard(vocab)], run_check=False, shape=shape, stride=_strides(shape)
+    )
+    return _VocabParallelCrossEntropy.apply(shards.flatten(0, -2), targets.flatten())
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))

@@ -6,6 +6,13 @@ presets in ``config.py``. The code runs unchanged on plain tensors and on DTenso
 (shapes are global there); the attention core runs on local tensors when
 ``sharding.py`` makes it a ``local_map`` region, so it reads head counts from its
 inputs.
+
+Positions: ``Transformer.forward(tokens, positions=None)``. Without ``positions`` the
+tokens are the whole sequence ``0..S-1`` and attention is causal by index. With
+``positions`` (each token's place in the global sequence, e.g. when the sequence is
+split across ranks by context parallelism) the rotary tables are read at those
+positions and the causal mask compares query positions with key positions, so the
+tokens may arrive in any order and keys may come from a longer (gathered) sequence.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ __all__ = [
     "Transformer",
     "TransformerBlock",
     "apply_rotary_emb",
+    "causal_mask",
 ]
 
 Linear = Module.from_nn_module(nn.Linear)
@@ -83,19 +91,34 @@ class RotaryEmbedding(Module):
         angles = torch.outer(positions, inv_freq)
         return {"cos": angles.cos(), "sin": angles.sin()}
 
-    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, seq_len: int, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` of shape ``(seq_len, head_dim // 2)``, or at ``positions``.
+
+        Args:
+            seq_len: Length of the (global) sequence; it must fit the tables.
+            positions: Token positions ``[..., S]``; the result is ``[..., S, head_dim // 2]``.
+        """
         if seq_len > self.max_seq_len:
             raise ValueError(
                 f"RotaryEmbedding: sequence of {seq_len} tokens exceeds max_seq_len="
                 f"{self.max_seq_len}; build the model with a larger max_seq_len."
             )
-        return self.cos[:seq_len], self.sin[:seq_len]
+        if positions is None:
+            return self.cos[:seq_len], self.sin[:seq_len]
+        # A row lookup (exact copies of the table rows), written as an embedding so a
+        # sequence-sharded ``positions`` keeps its sharding.
+        return F.embedding(positions, self.cos), F.embedding(positions, self.sin)
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair ``(x[..., 2i], x[..., 2i+1])`` of ``x`` ``(B, S, H, D)`` by its angle."""
+    """Rotate each pair ``(x[..., 2i], x[..., 2i+1])`` of ``x`` ``(B, S, H, D)`` by its angle.
+
+    ``cos`` and ``sin`` are ``(S, D/2)`` (one table for the batch) or ``(B, S, D/2)``.
+    """
     real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (S, 1, D/2): broadcast over heads
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (..., S, 1, D/2): broadcast over heads
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)  # the tables are fp32; keep x's dtype
 
@@ -104,6 +127,10 @@ class ScaledDotProductAttention(Module):
     """Causal attention over ``(B, S, H, D)`` inputs; keys/values may have fewer heads (GQA).
 
     Head counts come from the inputs, so the same code runs on a rank's local heads.
+    Without positions, query ``i`` attends to keys ``0..i`` (``is_causal``). With
+    ``q_positions`` ``[..., Sq]`` and ``kv_positions`` ``[..., Sk]`` a query attends to
+    every key whose position is not after its own (an explicit mask), so the queries
+    may be a subset of the keys, in any order.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -113,10 +140,45 @@ class ScaledDotProductAttention(Module):
     def __init__(self, config: ScaledDotProductAttention.Config) -> None:
         super().__init__()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_positions: torch.Tensor | None = None,
+        kv_positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if (q_positions is None) != (kv_positions is None):
+            raise ValueError(
+                "ScaledDotProductAttention: got only one of q_positions and kv_positions; "
+                "pass both (the mask compares them) or neither (causal by index)."
+            )
+        if q_positions is None and q.shape[1] != k.shape[1]:
+            raise ValueError(
+                f"ScaledDotProductAttention: {q.shape[1]} queries and {k.shape[1]} keys "
+                "cannot be masked causally by index; pass q_positions and kv_positions."
+            )
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if q_positions is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            mask = causal_mask(q_positions, kv_positions)  # type: ignore[arg-type]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
+
+
+def causal_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+    """Boolean mask, ``True`` where a query may attend: key position <= query position.
+
+    Args:
+        q_positions: ``[Sq]`` or ``[B, Sq]``.
+        kv_positions: ``[Sk]`` or ``[B, Sk]``.
+
+    Returns:
+        ``[Sq, Sk]`` for 1-D positions, else ``[B, 1, Sq, Sk]`` (broadcast over heads).
+    """
+    mask = q_positions.unsqueeze(-1) >= kv_positions.unsqueeze(-2)
+    return mask if mask.ndim == 2 else mask.unsqueeze(-3)
 
 
 class Attention(Module):
@@ -139,11 +201,21 @@ class Attention(Module):
         )
         self.inner_attention = config.inner_attention.build()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        return self.wo(self.inner_attention(q, k, v).flatten(-2))
+        if positions is None:
+            out = self.inner_attention(q, k, v)
+        else:
+            out = self.inner_attention(q, k, v, positions, positions)
+        return self.wo(out.flatten(-2))
 
 
 class FeedForward(Module):
@@ -180,15 +252,24 @@ class TransformerBlock(Module):
         self.ffn_norm = config.ffn_norm.build()
         self.feed_forward = config.feed_forward.build()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(BaseModel):
     """Decoder-only language model: ``forward(tokens (B, S)) -> logits (B, S, vocab)``.
 
-    Build one from a preset with :func:`~hyper_parallel.models.llama.llama3_config`.
+    ``forward(tokens, positions=positions)`` takes each token's position in the global
+    sequence (``[S]`` or ``[B, S]``), for a sequence split across ranks; see the module
+    docstring. Build one from a preset with
+    :func:`~hyper_parallel.models.llama.llama3_config`.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -207,9 +288,22 @@ class Transformer(BaseModel):
         self.norm = config.norm.build()
         self.output = config.output.build()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
-        cos, sin = self.rope(tokens.shape[1])
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        if positions is None:
+            if h.shape[1] != tokens.shape[1]:
+                raise ValueError(
+                    f"Transformer: the {tokens.shape[1]} tokens given are part of a "
+                    f"{h.shape[1]}-token sequence split across ranks (context parallel), so "
+                    "their order says nothing about their positions; pass them: "
+                    "model(tokens, positions=context_parallel.positions(seq_len, cp_rank, "
+                    "cp_size))."
+                )
+            cos, sin = self.rope(tokens.shape[1])
+            for layer in self.layers:
+                h = layer(h, cos, sin)
+        else:
+            cos, sin = self.rope(h.shape[1], positions)
+            for layer in self.layers:
+                h = layer(h, cos, sin, positions)
         return self.output(self.norm(h))

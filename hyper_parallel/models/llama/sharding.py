@@ -16,18 +16,37 @@ The attention core runs as a ``local_map`` region on each rank's heads.
 Sequence parallel (Korthikanti et al., 2022) adds: the residual stream and the
 norms are sharded on the sequence dim; each attention and feed-forward block
 all-gathers its input once and reduce-scatters its output.
+
+Context parallel (:func:`apply_cp`): every activation is sharded on the sequence dim
+over ``cp`` (a head-tail split, see
+:mod:`hyper_parallel.distributed.context_parallel`) and the states are replicated on
+``cp``. The attention core is the one place that needs other tokens: its queries stay
+local while keys and values are all-gathered over ``cp`` on the way in, and its
+``in_grad_placements`` declare their gradients ``Partial`` on ``cp``, so backward
+reduce-scatters them. The causal mask compares global positions: the model's root
+gathers ``positions`` once per forward, the rotary tables and the queries read their
+local slice of it (no communication), the keys the whole.
+
+The layouts compose: each writes placements for its own axis and joins the configs a
+module already has (:func:`~hyper_parallel.distributed.compose.merge_sharding_configs`),
+so ``apply_cp(apply_tp(config))`` and ``apply_tp(apply_cp(config))`` are the same
+(cp, tp) layout.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+from typing import Any
 
-from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
+from hyper_parallel.distributed.compose import ComposeError, merge_sharding_configs
+from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
 from hyper_parallel.models.llama.model import Linear, Transformer
 
-__all__ = ["apply_tp", "apply_tp_sp"]
+__all__ = ["apply_cp", "apply_tp", "apply_tp_sp"]
 
 # Activation layouts inside an attention block: (batch, seq, heads, head_dim).
 _HEADS_DIM = 2
@@ -108,35 +127,51 @@ def _tensor_parallel(
     # Shard(seq) -> Replicate all-gather a declared redistribution, not an implicit one.
     entry: dict[str, NamedPlacement] = {"x": residual}
     new = copy.deepcopy(config)
-    new.tok_embeddings.sharding_config = ShardingConfig(
-        state_shardings={"weight": {axis: Shard(0)}},
-        in_dst_shardings={"input": replicated},
-        out_dst_shardings=residual,
+    _check_not_applied(config, axis, "apply_tp_sp" if sequence_parallel else "apply_tp")
+    _put(
+        new.tok_embeddings,
+        ShardingConfig(
+            state_shardings={"weight": {axis: Shard(0)}},
+            in_dst_shardings={"input": replicated},
+            out_dst_shardings=residual,
+        ),
+        "tok_embeddings",
     )
-    new.rope.sharding_config = ShardingConfig(
-        state_shardings={"cos": replicated, "sin": replicated}
-    )
-    for layer in new.layers:
+    _put(new.rope, ShardingConfig(state_shardings={"cos": replicated, "sin": replicated}), "rope")
+    for i, layer in enumerate(new.layers):
+        p = f"layers.{i}"
         attention, ffn = layer.attention, layer.feed_forward
-        layer.attention_norm.sharding_config = _norm(residual, replicated, hand_off)
-        layer.ffn_norm.sharding_config = _norm(residual, replicated, hand_off)
+        _put(layer.attention_norm, _norm(residual, replicated, hand_off), f"{p}.attention_norm")
+        _put(layer.ffn_norm, _norm(residual, replicated, hand_off), f"{p}.ffn_norm")
         # Each block gathers its input once, for all its column projections.
-        for block in (attention, ffn):
-            block.sharding_config = ShardingConfig(
-                in_src_shardings=entry, in_dst_shardings={"x": replicated}
+        for name, block in (("attention", attention), ("feed_forward", ffn)):
+            _put(
+                block,
+                ShardingConfig(in_src_shardings=entry, in_dst_shardings={"x": replicated}),
+                f"{p}.{name}",
             )
-        for linear in (attention.wq, attention.wk, attention.wv, ffn.w1, ffn.w3):
-            linear.sharding_config = _colwise(linear, axis)
-        for linear in (attention.wo, ffn.w2):
-            linear.sharding_config = _rowwise(axis, residual)
+        for name, linear in (
+            ("attention.wq", attention.wq),
+            ("attention.wk", attention.wk),
+            ("attention.wv", attention.wv),
+            ("feed_forward.w1", ffn.w1),
+            ("feed_forward.w3", ffn.w3),
+        ):
+            _put(linear, _colwise(linear, axis), f"{p}.{name}")
+        for name, linear in (("attention.wo", attention.wo), ("feed_forward.w2", ffn.w2)):
+            _put(linear, _rowwise(axis, residual), f"{p}.{name}")
         heads: NamedPlacement = {axis: Shard(_HEADS_DIM)}
-        attention.inner_attention.sharding_config = ShardingConfig(
-            in_dst_shardings={"q": heads, "k": heads, "v": heads},
-            out_src_shardings=heads,
-            local_map=LocalMapConfig(in_grad_placements=(heads, heads, heads)),
+        _put(
+            attention.inner_attention,
+            ShardingConfig(
+                in_dst_shardings={"q": heads, "k": heads, "v": heads},
+                out_src_shardings=heads,
+                local_map=LocalMapConfig(in_grad_placements=(heads, heads, heads)),
+            ),
+            f"{p}.attention.inner_attention",
         )
-    new.norm.sharding_config = _norm(residual, replicated, hand_off)
-    new.output.sharding_config = _colwise(new.output, axis, in_src={"input": residual})
+    _put(new.norm, _norm(residual, replicated, hand_off), "norm")
+    _put(new.output, _colwise(new.output, axis, in_src={"input": residual}), "output")
     return new
 
 
@@ -198,3 +233,176 @@ def _check_heads(config: Transformer.Config, tp_size: int) -> None:
                     f"tp_size={tp_size} ranks (each rank holds whole heads); use a tp size "
                     f"that divides {num_heads}, or more heads."
                 )
+
+
+def apply_cp(
+    config: Transformer.Config,
+    cp_size: int,
+    axis: MeshAxisName | str = MeshAxisName.CP,
+) -> Transformer.Config:
+    """Context parallelism on mesh axis ``axis``: the sequence split over its ranks.
+
+    Every activation is ``Shard(seq)`` on ``axis``; states are replicated on it. In each
+    attention block the queries stay local and the keys and values are all-gathered on
+    the way into the attention core (a ``local_map`` region) — ``2 x num_layers``
+    all-gathers per forward, and their gradients reduce-scattered in backward (declared
+    ``Partial`` by ``in_grad_placements``). Positions are gathered once per forward for
+    the causal mask. Combine with :func:`apply_tp` / :func:`apply_tp_sp` in either order
+    and parallelize on the 2-D ``(cp, tp)`` mesh.
+
+    The model must then be called as ``model(tokens, positions=positions)`` with each
+    rank's part of the sequence, cut by
+    :func:`~hyper_parallel.distributed.context_parallel.shard_sequence` (head-tail
+    balanced) and its :func:`~hyper_parallel.distributed.context_parallel.positions`.
+    Logits come back ``Shard(1)`` on ``axis`` in that order;
+    :func:`~hyper_parallel.models.llama.cross_entropy_loss` gives the mean over the
+    rank's tokens (average it over ``cp``, as FSDP2 over ``dp_shard x cp`` does with
+    the gradients, for the global mean).
+
+    Args:
+        config: The model config; it is not changed.
+        cp_size: The size of the ``axis`` mesh axis (checked; the placements do not
+            depend on it). Sequence lengths are checked per batch by
+            :func:`~hyper_parallel.distributed.context_parallel.cp_findings` and
+            :func:`~hyper_parallel.distributed.context_parallel.shard_sequence`.
+        axis: Name of the context-parallel mesh axis.
+
+    Returns:
+        A new config with the ``axis`` placements joined to any it already has.
+
+    Raises:
+        ValueError: ``cp_size`` is not an integer >= 1, or the layout was already applied.
+
+    Example:
+        >>> from hyper_parallel.models.llama import apply_tp, preset_config
+        >>> config = apply_cp(apply_tp(preset_config("llama3-debug"), tp_size=2), cp_size=2)
+        >>> # config.build().parallelize(mesh.submesh(("cp", "tp")))
+    """
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+        raise ValueError(
+            f"apply_cp: cp_size={cp_size!r}; it must be an integer >= 1 (the size of the "
+            f"{_axis_name(axis)!r} mesh axis)."
+        )
+    _check_not_applied(config, axis, "apply_cp")
+    seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
+    replicated: NamedPlacement = {axis: Replicate()}
+    # Positions are [S] or [B, S]: the sequence is their last dim.
+    local_positions: NamedPlacement = {axis: Shard(-1)}
+    activation = {"x": seq}
+    new = copy.deepcopy(config)
+    _put(
+        new,
+        ShardingConfig(
+            in_src_shardings={"positions": local_positions},
+            in_dst_shardings={"positions": replicated},
+        ),
+        "",
+    )
+    _put(
+        new.tok_embeddings,
+        ShardingConfig(
+            state_shardings={"weight": replicated},
+            in_dst_shardings={"input": seq},
+            out_dst_shardings=seq,
+        ),
+        "tok_embeddings",
+    )
+    _put(
+        new.rope,
+        ShardingConfig(
+            state_shardings={"cos": replicated, "sin": replicated},
+            in_dst_shardings={"positions": local_positions},
+        ),
+        "rope",
+    )
+    for i, layer in enumerate(new.layers):
+        p = f"layers.{i}"
+        attention, ffn = layer.attention, layer.feed_forward
+        for name, norm in (("attention_norm", layer.attention_norm), ("ffn_norm", layer.ffn_norm)):
+            _put(norm, _cp_norm(seq, replicated), f"{p}.{name}")
+        for name, block in (("attention", attention), ("feed_forward", ffn)):
+            _put(block, ShardingConfig(in_dst_shardings=activation), f"{p}.{name}")
+        for name, linear in (
+            ("attention.wq", attention.wq),
+            ("attention.wk", attention.wk),
+            ("attention.wv", attention.wv),
+            ("attention.wo", attention.wo),
+            ("feed_forward.w1", ffn.w1),
+            ("feed_forward.w2", ffn.w2),
+            ("feed_forward.w3", ffn.w3),
+        ):
+            _put(linear, _cp_linear(linear, seq, replicated), f"{p}.{name}")
+        gathered = replicated
+        partial: NamedPlacement = {axis: Partial()}
+        _put(
+            attention.inner_attention,
+            ShardingConfig(
+                in_src_shardings={"k": seq, "v": seq},
+                in_dst_shardings={
+                    "q": seq,
+                    "k": gathered,
+                    "v": gathered,
+                    "q_positions": local_positions,
+                    "kv_positions": gathered,
+                },
+                out_src_shardings=seq,
+                local_map=LocalMapConfig(
+                    in_grad_placements=(seq, partial, partial, local_positions, gathered)
+                ),
+            ),
+            f"{p}.attention.inner_attention",
+        )
+    _put(new.norm, _cp_norm(seq, replicated), "norm")
+    _put(new.output, _cp_linear(new.output, seq, replicated), "output")
+    return new
+
+
+def _cp_linear(
+    linear: Linear.Config, seq: NamedPlacement, replicated: NamedPlacement
+) -> ShardingConfig:
+    states = {"weight": replicated}
+    if linear.bias:
+        states["bias"] = replicated
+    return ShardingConfig(
+        state_shardings=states, in_dst_shardings={"input": seq}, out_dst_shardings=seq
+    )
+
+
+def _cp_norm(seq: NamedPlacement, replicated: NamedPlacement) -> ShardingConfig:
+    # Token-wise: runs on each rank's tokens; the weight's gradient is a partial sum
+    # over the rank's tokens (Partial on cp), reduced where it is consumed.
+    return ShardingConfig(state_shardings={"weight": replicated}, in_dst_shardings={"x": seq})
+
+
+def _axis_name(axis: MeshAxisName | str) -> str:
+    return str(getattr(axis, "value", axis))
+
+
+def _put(node: Module.Config, config: ShardingConfig, path: str) -> None:
+    """Join ``config`` to the sharding config ``node`` already carries (another axis')."""
+    owner: Any = type(node).__dict__.get("_owner") or getattr(type(node), "_owner", None)
+    order = list(inspect.signature(owner.forward).parameters)[1:] if owner is not None else []
+    try:
+        node.sharding_config = merge_sharding_configs(
+            node.sharding_config, config, input_order=order, where=path or "<root>"
+        )
+    except ComposeError as e:
+        raise ValueError(str(e)) from None
+
+
+def _placed_axes(config: Transformer.Config) -> set[str]:
+    existing = config.tok_embeddings.sharding_config
+    if existing is None:
+        return set()
+    return {_axis_name(k) for k in existing.state_shardings.get("weight", {})}
+
+
+def _check_not_applied(config: Transformer.Config, axis: MeshAxisName | str, fn: str) -> None:
+    name = _axis_name(axis)
+    if name in _placed_axes(config):
+        raise ValueError(
+            f"{fn}: the config already places axis {name!r} (a layout for it was applied); "
+            "apply each axis' layout once, to a config without it (e.g. "
+            f"apply_cp(apply_tp(preset_config(...)))), and give different axes different "
+            "names."
+        )

@@ -1,0 +1,244 @@
+"""Rank-side checks of the reference Llama's context-parallel layout against one device.
+
+Module-level functions, run on every rank through ``dist.run`` by ``test_llama_cp.py``
+(2 ranks) and ``test_llama_cp4.py`` (4 ranks: cp=4 and cp=2 x tp=2).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as c10d
+from torch.distributed.tensor.debug import CommDebugMode
+
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed import MeshLayout
+from hyper_parallel.distributed import context_parallel as cp
+from hyper_parallel.dmodule import fast_path
+from hyper_parallel.dmodule._fast import FastPath
+from hyper_parallel.models.llama import (
+    apply_cp,
+    apply_tp,
+    apply_tp_sp,
+    cross_entropy_loss,
+    preset_config,
+)
+from tests.distributed.llama_checks import _KINDS
+
+TP_LAYOUTS = {"tp": apply_tp, "tp_sp": apply_tp_sp}
+
+
+# Process-group name -> mesh axis, for every mesh built in this process. DTensor caches
+# output specs by mesh *equality*, so a DTensor may carry an earlier, equal mesh (same
+# ranks and names) and run its collectives on that mesh's groups.
+_AXIS_OF_GROUP: dict[str, str] = {}
+
+
+def _record_groups(mesh: Any) -> None:
+    for axis in ("cp", "tp"):
+        _AXIS_OF_GROUP[mesh[axis].get_group().group_name] = axis
+
+
+class AxisCommMode(CommDebugMode):
+    """``CommDebugMode`` that also counts each collective by the mesh axis it runs on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._axis_of = _AXIS_OF_GROUP
+        self.by_axis: Counter[tuple[str, str]] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = sum(self.comm_counts.values())
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is not NotImplemented and sum(self.comm_counts.values()) > before:
+            kind = _KINDS.get(str(func._overloadpacket).rsplit(".", 1)[-1], str(func))
+            axis = "?"
+            for a in [*args, *(kwargs or {}).values()]:
+                name = a if isinstance(a, str) else getattr(a, "group_name", None)
+                if isinstance(name, str) and name in self._axis_of:
+                    axis = self._axis_of[name]
+                elif isinstance(name, str):
+                    axis = f"?{name}"
+            self.by_axis[(axis, kind)] += 1
+        return out
+
+
+def _counts(mode: AxisCommMode) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for (axis, kind), n in sorted(mode.by_axis.items()):
+        out.setdefault(axis, {})[kind] = n
+    return out
+
+
+def build(mesh_text: str, tp_layout: str | None, order: str = "cp_last") -> Any:
+    """The layout's ParallelMesh, model-mesh and config (cp applied last or first)."""
+    layout = MeshLayout.parse(mesh_text)
+    mesh = layout.build("cpu")
+    _record_groups(mesh)
+    axes = [a for a in ("cp", "tp") if layout.size(a) > 1]
+    config = preset_config("llama3-debug")
+    if order == "cp_last":
+        if tp_layout is not None:
+            config = TP_LAYOUTS[tp_layout](config, tp_size=layout.tp)
+        config = apply_cp(config, cp_size=layout.cp)
+    else:
+        config = apply_cp(config, cp_size=layout.cp)
+        if tp_layout is not None:
+            config = TP_LAYOUTS[tp_layout](config, tp_size=layout.tp)
+    return layout, mesh, mesh.submesh(axes), config
+
+
+def compare_with_one_device(
+    mesh_text: str,
+    tp_layout: str | None,
+    local_fast_path: bool,
+    seq_len: int,
+    batch_positions: bool = False,
+    order: str = "cp_last",
+) -> dict[str, Any]:
+    """Parallelize on the (cp[, tp]) mesh; compare logits, loss and every gradient.
+
+    The rank's loss is the mean over its tokens; the global loss is their mean over
+    ``cp`` and the gradient the mean of the ranks' gradients over ``cp`` (what FSDP2
+    over ``dp_shard x cp`` computes), both compared with one device.
+    """
+    layout, mesh, model_mesh, config = build(mesh_text, tp_layout, order)
+    cp_size, cp_rank = layout.cp, mesh.local_rank("cp")
+
+    reference = preset_config("llama3-debug").build()
+    torch.manual_seed(0)
+    reference.init_states()
+
+    with torch.device("meta"):
+        model = config.build()
+    with fast_path(local_fast_path):
+        model.parallelize(model_mesh)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_states()
+
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (2, seq_len + 1), generator=generator)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    local_inputs = cp.shard_sequence(inputs, cp_rank, cp_size)
+    local_targets = cp.shard_sequence(targets, cp_rank, cp_size)
+    pos = cp.positions(seq_len, cp_rank, cp_size)
+    if batch_positions:
+        pos = pos.expand(2, -1).contiguous()
+
+    with AxisCommMode() as forward:
+        logits = model(local_inputs, positions=pos)
+    with AxisCommMode() as loss_mode:
+        loss = cross_entropy_loss(logits, local_targets)
+    with AxisCommMode() as backward:
+        loss.backward()
+
+    ref_logits = reference(inputs)
+    ref_loss = cross_entropy_loss(ref_logits, targets)
+    ref_loss.backward()
+
+    cp_group = mesh["cp"].get_group()
+    local_loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+    global_loss = local_loss.detach().clone()
+    c10d.all_reduce(global_loss, group=cp_group)
+    global_loss /= cp_size
+
+    full_logits = cp.unshard_sequence(logits, mesh["cp"])
+    params = dict(model.named_parameters())
+    grad_diffs = {}
+    for name, p in reference.named_parameters():
+        grad = params[name].grad
+        # The ranks' gradients, summed by full_tensor() over cp (Partial), then averaged.
+        full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        if not any(pl.is_partial() for pl in grad.placements):
+            c10d.all_reduce(full, group=cp_group)  # replicated per rank: sum the ranks'
+        grad_diffs[name] = (full / cp_size - p.grad).abs().max().item()
+
+    # Which runtime path each configured module took: a fast-path pattern, or DTensor.
+    paths = {
+        path: m.forward.kind if isinstance(m.forward, FastPath) else "dtensor"
+        for path, m in model.named_modules()
+        if getattr(m, "sharding_config", None) is not None
+    }
+    return {
+        "logits_diff": (full_logits - ref_logits).abs().max().item(),
+        "local_loss_diff_to_local_reference": _local_reference_loss_diff(
+            ref_logits, targets, local_loss, cp_rank, cp_size
+        ),
+        "loss_diff": abs(global_loss.item() - ref_loss.item()),
+        "grad_diffs": grad_diffs,
+        "counts": {
+            "forward": _counts(forward),
+            "loss": _counts(loss_mode),
+            "backward": _counts(backward),
+        },
+        "logits_placements": [str(p) for p in logits.placements],
+        "param_placements": {n: [str(x) for x in p.placements] for n, p in params.items()},
+        "grad_placements": {n: [str(x) for x in p.grad.placements] for n, p in params.items()},
+        "fast_paths": paths,
+        "local_seq": local_inputs.shape[1],
+    }
+
+
+def _local_reference_loss_diff(
+    ref_logits: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor, rank: int, size: int
+) -> float:
+    """The rank's loss vs one device's mean over the same tokens (the rank's part)."""
+    mine = cp.shard_sequence(ref_logits, rank, size)
+    expected = torch.nn.functional.cross_entropy(
+        mine.flatten(0, -2), cp.shard_sequence(targets, rank, size).flatten()
+    )
+    return abs(loss.item() - expected.item())
+
+
+def expected_cp_collectives(num_layers: int) -> dict[str, dict[str, int]]:
+    """Collectives on ``cp`` per phase of one step: the declared ones and nothing else.
+
+    Forward: in each layer the attention core all-gathers its keys and values (2 per
+    layer), and the model's root all-gathers the positions once (for the mask).
+    Backward: the keys' and values' gradients, declared ``Partial`` on ``cp``, are
+    reduce-scattered back to their sequence shards (2 per layer); positions carry no
+    gradient. The loss is each rank's own mean: nothing on ``cp``.
+    """
+    return {
+        "forward": {"all_gather": 2 * num_layers + 1},
+        "loss": {},
+        "backward": {"reduce_scatter": 2 * num_layers},
+    }
+
+
+def forward_without_positions(mesh_text: str, tp_layout: str | None) -> str:
+    """A cp model called without positions: the error every rank raises."""
+    _, _, model_mesh, config = build(mesh_text, tp_layout)
+    model = config.build()
+    torch.manual_seed(0)
+    model.init_states()
+    model.parallelize(model_mesh)
+    tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    try:
+        model(tokens)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def unshard_round_trip(seq_len: int) -> dict[str, Any]:
+    """shard_sequence on every rank, then unshard_sequence: the input back, with gradients."""
+    layout = MeshLayout.from_sizes({"cp": c10d.get_world_size()})
+    mesh = layout.build("cpu")
+    rank, size = mesh.local_rank("cp"), layout.cp
+    full = torch.randn(2, seq_len, 3, generator=torch.Generator().manual_seed(0))
+    full.requires_grad_(True)
+    local = cp.shard_sequence(full, rank, size)
+    back = cp.unshard_sequence(local, mesh["cp"])
+    # Every rank holds the whole tensor; its gradient reaches each rank's own part.
+    (back * torch.arange(seq_len).view(1, -1, 1)).sum().backward()
+    pos = cp.unshard_sequence(cp.positions(seq_len, rank, size), mesh["cp"], dim=0)
+    return {
+        "equal": torch.equal(back, full),
+        "positions": pos.tolist(),
+        "grad": full.grad.tolist(),
+        "mine": cp.positions(seq_len, rank, size).tolist(),
+    }
