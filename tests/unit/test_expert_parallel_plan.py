@@ -15,8 +15,8 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.distributed.expert_parallel import RoutedExpertsDispatch, expert_parallel
 from hyper_parallel.dmodule import ParallelizeError, ShardingConfig, load_plan, parallelize_module
-from hyper_parallel.dmodule.plan_file import plan_from_dict, plan_to_dict
 from hyper_parallel.dmodule.dispatch import DispatchConfig
+from hyper_parallel.dmodule.plan_file import plan_from_dict, plan_to_dict
 from hyper_parallel.models.qwen3_moe import apply_ep, preset_config
 
 PLANS = Path(__file__).resolve().parents[2] / "examples" / "plans"
