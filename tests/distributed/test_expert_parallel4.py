@@ -1,0 +1,39 @@
+"""Expert parallelism on 4 gloo ranks, against one device: ep=4, and ep=2 with efsdp=2.
+
+At ``dp_shard=4,ep=2`` each expert lives on two ranks (the efsdp group, here reduced
+by hand as FSDP2 would); every rank reads its own rows of the batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import moe_checks
+
+pytestmark = pytest.mark.distributed
+WORLD_SIZE = 4
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("mesh", ["dp_shard=4,ep=4", "dp_shard=4,ep=2"])
+def test_debug_moe_equals_one_device(dist, mesh: str) -> None:
+    results = dist.run(moe_checks.model_parity, mesh)
+    for r in results:
+        for key in ("logits", "loss", "aux"):
+            assert r[key] < TOL, (key, r[key])
+        worst = max(r["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst
+        layers = r["num_layers"]
+        assert r["forward_comms"] == {"all_to_all_single": 3 * layers}
+        assert r["backward_comms"] == {"all_to_all_single": 2 * layers}
+
+
+def test_ep4_zero_tokens_for_whole_ranks(dist) -> None:
+    # Ranks hold experts {0,1}, {2,3}, {4,5}, {6,7}: ranks 2 and 3 receive nothing.
+    routes = [[[0, 1], [1, 2]], [[3, 0]], [[2, 1], [0, 3], [1, 0]], [[0, 2]]]
+    results = dist.run(moe_checks.experts_parity, "dp_shard=4,ep=4", routes)
+    for r in results:
+        assert r["out"] < TOL and r["x_grad"] < TOL, r
+        assert max(r["grads"].values()) < TOL, r["grads"]
+        assert r["forward_comms"] == {"all_to_all_single": 3}
+        assert r["backward_comms"] == {"all_to_all_single": 2}
