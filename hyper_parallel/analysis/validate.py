@@ -297,6 +297,12 @@ def validate(
     axes = tuple(shape)
     findings = [*plan_findings, *check_entries(entries, axes, shape)]
     findings += _coverage(model, entries, axes)
+    if shape.get("ep", 1) > 1:
+        # Imported here: the expert-parallel axis is optional for dense models.
+        from hyper_parallel.distributed.expert_parallel import ep_findings
+
+        # The plan's dispatch check reports expert divisibility too, in the same words.
+        findings += [f for f in ep_findings(model, shape["ep"]) if f not in findings]
     if trace:
         if seq_len is None:
             others = math.prod(s for a, s in shape.items() if a not in _DATA_AXES)

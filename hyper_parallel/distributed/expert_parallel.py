@@ -60,8 +60,10 @@ from hyper_parallel.dmodule.types import MeshAxisName
 __all__ = [
     "ROUTED_EXPERTS",
     "RoutedExpertsDispatch",
+    "ep_findings",
     "expert_grad_divisor",
     "expert_parallel",
+    "moe_layers",
 ]
 
 ROUTED_EXPERTS = "routed_experts"
@@ -114,7 +116,123 @@ def expert_grad_divisor(num_batch_ranks: int) -> int:
     return num_batch_ranks
 
 
-# --------------------------------------------------------------------------- checks
+# --------------------------------------------------------------------------- model checks
+
+
+def _indivisible(path: str, num_experts: int, axis: str, size: int) -> Finding:
+    divisors = ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)
+    return Finding(
+        "error",
+        path,
+        axis,
+        f"{num_experts} experts cannot be split over {axis}={size} ranks (each rank holds "
+        "whole experts).",
+        f"use an {axis} size that divides {num_experts} ({divisors}).",
+    )
+
+
+def _router_of(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """A child that routes: an int ``top_k`` and a 2-D ``weight`` ``[num_experts, dim]``."""
+    for name, child in module.named_children():
+        weight = getattr(child, "weight", None)
+        routes = isinstance(getattr(child, "top_k", None), int)
+        if routes and isinstance(weight, torch.Tensor) and weight.ndim == 2:
+            return name, child
+    return None
+
+
+def _experts_of(module: nn.Module) -> tuple[str, nn.Module, dict[str, int]] | None:
+    """A child whose own parameters are all stacked ``[num_experts, ...]`` 3-D weights."""
+    for name, child in module.named_children():
+        params = {n: p for n, p in child.named_parameters(recurse=False)}
+        if params and all(p.ndim == 3 for p in params.values()):
+            return name, child, {n: p.shape[0] for n, p in params.items()}
+    return None
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """Every mixture-of-experts block of ``model``: ``(router path, router, experts path, experts)``.
+
+    Recognised by contract, not by name: a module with a router child (an int
+    ``top_k`` and a 2-D ``weight``) and an experts child (stacked 3-D weights) — our
+    ``MoE`` and Hugging Face's sparse MoE blocks alike.
+
+    Example::
+
+        layers = moe_layers(get_spec("qwen3-moe-debug").build())
+        [path for path, *_ in layers]   # ['layers.0.moe.router', 'layers.1.moe.router']
+    """
+    out = []
+    for path, module in model.named_modules():
+        router, experts = _router_of(module), _experts_of(module)
+        if router is not None and experts is not None:
+            prefix = f"{path}." if path else ""
+            out.append((prefix + router[0], router[1], prefix + experts[0], experts[1]))
+    return out
+
+
+def ep_findings(model: Any, layout: Any) -> list[Finding]:
+    """Every expert-parallel problem of ``model`` on ``layout``, before any process group.
+
+    Checks: ``ep`` divides dp_shard x cp x tp (the layout's own finding), ``top_k`` is
+    at most the number of experts, the router scores as many experts as the experts
+    module holds (and all its stacked weights agree), and ``ep`` divides the number of
+    experts of every layer.
+
+    Args:
+        model: A model config (built here on the meta device) or a model (any
+            ``nn.Module``, e.g. a Hugging Face MoE; a meta-device build is enough).
+        layout: A :class:`~hyper_parallel.distributed.MeshLayout`, or the ``ep`` size.
+
+    Returns:
+        Error :class:`~hyper_parallel.dmodule.Finding` s, each with its module path and
+        fix; empty when the model splits cleanly.
+
+    Example::
+
+        ep_findings(get_spec("qwen3-30b-a3b").config(), MeshLayout.parse("dp_shard=8,ep=6"))
+    """
+    from hyper_parallel.distributed.layout import MeshLayout
+
+    if isinstance(layout, MeshLayout):
+        out = [f for f in layout.findings() if f.field == "ep"]
+        ep = layout.ep
+    else:
+        out, ep = [], int(layout)
+    if not isinstance(model, nn.Module):
+        with torch.device("meta"):
+            model = model.build()
+    for router_path, router, experts_path, experts in moe_layers(model):
+        num_scored, top_k = router.weight.shape[0], router.top_k
+        if top_k > num_scored:
+            out.append(
+                Finding(
+                    "error",
+                    router_path,
+                    "top_k",
+                    f"top_k={top_k} is more than the {num_scored} experts the router scores.",
+                    f"route each token to at most {num_scored} experts (top_k <= num_experts).",
+                )
+            )
+        counts = {n: p.shape[0] for n, p in experts.named_parameters(recurse=False)}
+        if len(set(counts.values())) > 1 or num_scored not in counts.values():
+            out.append(
+                Finding(
+                    "error",
+                    experts_path,
+                    "num_experts",
+                    f"the router {router_path} scores {num_scored} experts but the stacked "
+                    f"expert weights hold {counts}.",
+                    "build router and experts with the same num_experts.",
+                )
+            )
+            continue
+        if ep > 1 and num_scored % ep:
+            out.append(_indivisible(experts_path, num_scored, "ep", ep))
+    return out
+
+
+# --------------------------------------------------------------------------- plan checks
 
 
 def _check(
@@ -172,12 +290,7 @@ def _check(
         count = next(iter(num_experts.values()))
         ep = axis_sizes[axis]
         if count % ep:
-            error(
-                "state_shardings",
-                f"{count} experts cannot be split over {axis}={ep} ranks (each rank holds "
-                "whole experts).",
-                f"use an {axis} size that divides {count}.",
-            )
+            out.append(_indivisible(path, count, axis, ep))
     try:
         params = [
             p

@@ -161,3 +161,68 @@ def test_unknown_kind_wrong_axis_extra_fields_and_wrong_module_are_refused(ep_me
         dispatch=DispatchConfig(kind="routed_experts", axis="ep"),
     )
     _refused(_model(), ep_mesh, {"layers.0.moe": block}, "takes (x, top_k_index, top_k_weights)")
+
+
+def test_ep_findings_of_a_clean_layout_are_empty() -> None:
+    from hyper_parallel.distributed import MeshLayout
+    from hyper_parallel.distributed.expert_parallel import ep_findings
+
+    assert ep_findings(preset_config("qwen3-moe-debug"), MeshLayout.parse("dp_shard=4,ep=4")) == []
+
+
+def test_ep_findings_report_every_problem_with_path_and_fix() -> None:
+    from hyper_parallel.distributed import MeshLayout
+    from hyper_parallel.distributed.expert_parallel import ep_findings
+
+    config = preset_config("qwen3-moe-debug")
+    config.layers[0].moe.router.top_k = 9
+    config.layers[1].moe.experts.num_experts = 4
+    found = ep_findings(config, MeshLayout(dp_shard=6, ep=3))
+    by_path = {(f.path, f.field): f for f in found}
+    assert set(by_path) == {
+        ("layers.0.moe.router", "top_k"),
+        ("layers.0.moe.experts", "ep"),
+        ("layers.1.moe.experts", "num_experts"),
+    }
+    assert "top_k=9 is more than the 8 experts" in by_path[("layers.0.moe.router", "top_k")].message
+    assert "8 experts cannot be split over ep=3" in by_path[("layers.0.moe.experts", "ep")].message
+    assert "1, 2, 4, 8" in by_path[("layers.0.moe.experts", "ep")].fix
+    mismatch = by_path[("layers.1.moe.experts", "num_experts")]
+    assert "scores 8 experts" in mismatch.message and "same num_experts" in mismatch.fix
+    assert all(f.severity == "error" for f in found)
+    # ep must divide dp_shard x cp x tp: the layout's own finding comes along.
+    layout_found = ep_findings(preset_config("qwen3-moe-debug"), MeshLayout(dp_shard=4, ep=8))
+    assert [(f.path, f.field) for f in layout_found] == [("mesh", "ep")]
+
+
+def test_ep_findings_on_a_hugging_face_moe() -> None:
+    pytest.importorskip("transformers")
+    from hyper_parallel.distributed.expert_parallel import ep_findings, moe_layers
+    from hyper_parallel.hf import build_hf_model
+
+    model = build_hf_model("qwen3_moe", device="meta")
+    assert [r for r, *_ in moe_layers(model)] == [
+        "model.layers.0.mlp.gate",
+        "model.layers.1.mlp.gate",
+    ]
+    found = ep_findings(model, 3)
+    assert [(f.path, f.field) for f in found] == [
+        ("model.layers.0.mlp.experts", "ep"),
+        ("model.layers.1.mlp.experts", "ep"),
+    ]
+    assert ep_findings(build_hf_model("mixtral", device="meta"), 4) == []
+
+
+def test_validate_reports_expert_problems_once_each() -> None:
+    from hyper_parallel.analysis import validate
+
+    config = preset_config("qwen3-moe-debug")
+    config.layers[0].moe.router.top_k = 9
+    report = validate(apply_ep(config), {"ep": 3}, trace=False)
+    assert not report.ok
+    errors = [(f.path, f.field) for f in report.findings if f.severity == "error"]
+    assert sorted(errors) == [
+        ("layers.0.moe.experts", "ep"),
+        ("layers.0.moe.router", "top_k"),
+        ("layers.1.moe.experts", "ep"),
+    ]
