@@ -208,3 +208,45 @@ def hf_plan_parity(family: str, plan_file: str) -> dict[str, Any]:
         "placements": placements,
         "num_layers": reference.config.num_hidden_layers,
     }
+
+
+def _debug_model(mesh: Any, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = apply_ep(preset_config("qwen3-moe-debug"), ep_size=mesh["ep"].size()).build()
+    model.init_states()
+    return model.parallelize(mesh["ep"])
+
+
+def dcp_save(path: str, mesh_text: str) -> None:
+    """Save the seed-0 debug MoE, experts split as ``mesh_text`` says, with DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    dcp.save(_debug_model(mesh, seed=0).state_dict(), checkpoint_id=path)
+
+
+def dcp_load(path: str, mesh_text: str) -> list[str]:
+    """Load it into a seed-1 model at ``mesh_text``; names of states not bitwise seed-0."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    model = _debug_model(mesh, seed=1)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state)
+    torch.manual_seed(0)
+    reference = preset_config("qwen3-moe-debug").build()
+    reference.init_states()
+    expected = reference.state_dict()
+    wrong = []
+    for name, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            per = value.to_local().shape[0]
+            start = mesh["ep"].get_local_rank() * per
+            full = expected[name][start : start + per]
+            value = value.to_local()
+        else:
+            full = expected[name]
+        if not torch.equal(value, full):
+            wrong.append(name)
+    return wrong

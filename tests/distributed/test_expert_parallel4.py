@@ -37,3 +37,26 @@ def test_ep4_zero_tokens_for_whole_ranks(dist) -> None:
         assert max(r["grads"].values()) < TOL, r["grads"]
         assert r["forward_comms"] == {"all_to_all_single": 3}
         assert r["backward_comms"] == {"all_to_all_single": 2}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_checkpoint_saved_at_ep4_loads_at_ep2_and_in_one_process_bitwise(dist, tmp_path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hyper_parallel.models.qwen3_moe import preset_config
+
+    path = str(tmp_path / "ckpt")
+    dist.run(moe_checks.dcp_save, path, "dp_shard=4,ep=4")
+    assert dist.run(moe_checks.dcp_load, path, "dp_shard=4,ep=2") == [[]] * WORLD_SIZE
+    # One process, no process group: a plain single-device model.
+    torch.manual_seed(1)
+    model = preset_config("qwen3-moe-debug").build()
+    model.init_states()
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    torch.manual_seed(0)
+    reference = preset_config("qwen3-moe-debug").build()
+    reference.init_states()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
