@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -114,6 +115,17 @@ def expert_grad_divisor(num_batch_ranks: int) -> int:
     if num_batch_ranks < 1:
         raise ValueError(f"expert_grad_divisor: num_batch_ranks={num_batch_ranks} must be >= 1.")
     return num_batch_ranks
+
+
+def _expert_counts(flat_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    # A scatter-add rather than bincount: a static shape, so fake tensors pass too.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat_index.device)
+    return counts.index_add_(0, flat_index, torch.ones_like(flat_index))
+
+
+def _even_split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
 
 
 # --------------------------------------------------------------------------- model checks
@@ -373,20 +385,25 @@ class RoutedExpertsDispatch:
         flat_index = top_k_index.reshape(-1)
         order = torch.argsort(flat_index, stable=True)
         token_of = order // top_k
-        counts = torch.bincount(flat_index, minlength=self.num_experts)
+        counts = _expert_counts(flat_index, self.num_experts)
         # (1) counts: recv_counts[r * num_local + j] = tokens rank r sends to local expert j.
-        recv_counts = funcol.all_to_all_single(counts, None, None, self.group)
-        recv_counts = funcol.wait_tensor(recv_counts)
-        splits = torch.stack(
-            (counts.view(self.ep_size, -1).sum(1), recv_counts.view(self.ep_size, -1).sum(1))
-        ).tolist()
-        send_splits, recv_splits = splits
+        recv_counts = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, self.group))
+        if is_fake(counts):
+            # Fake tensors (the dry run) carry no counts: uniform routing, stated there.
+            send_splits = recv_splits = _even_split(flat_index.numel(), self.ep_size)
+        else:
+            splits = torch.stack(
+                (counts.view(self.ep_size, -1).sum(1), recv_counts.view(self.ep_size, -1).sum(1))
+            ).tolist()
+            send_splits, recv_splits = splits
         # (2) dispatch: each token to the rank holding its expert.
         received = funcol.all_to_all_single_autograd(
             x[token_of], recv_splits, send_splits, self.group
         )
         received = funcol.wait_tensor(received)
-        local_ids = torch.repeat_interleave(self._local_expert_ids(x.device), recv_counts)
+        local_ids = torch.repeat_interleave(
+            self._local_expert_ids(x.device), recv_counts, output_size=sum(recv_splits)
+        )
         perm = torch.argsort(local_ids, stable=True)  # -> local-expert-major blocks
         y = self._run_local(received[perm], local_ids[perm])
         inverse = torch.empty_like(perm)

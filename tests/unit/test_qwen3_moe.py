@@ -196,3 +196,21 @@ def test_config_rejects_top_k_above_num_experts_and_ep_that_does_not_divide() ->
             vocab_size=8, dim=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4,
             num_experts=2, top_k=1, moe_hidden_dim=4,
         )  # fmt: skip
+
+
+def test_dry_run_traces_the_dispatch_under_uniform_routing() -> None:
+    from hyper_parallel.analysis.dry_run import dry_run
+
+    batch, seq, ep = 4, 32, 4
+    config = preset_config("qwen3-moe-debug")
+    report = dry_run(apply_ep(config), {"ep": ep}, fsdp=False, batch_size=batch, seq_len=seq)
+    stats = {(c.kind, c.phase): c for c in report.collectives}
+    assert set(stats) == {("all_to_all", "forward"), ("all_to_all", "backward")}
+    layers, experts, top_k, dim = 2, 8, 2, 64
+    routed = batch * seq * top_k * dim * 4  # fp32 (token, choice) rows each way
+    forward, backward = stats["all_to_all", "forward"], stats["all_to_all", "backward"]
+    assert (forward.count, backward.count) == (3 * layers, 2 * layers)
+    assert forward.bytes == layers * (experts * 8 + 2 * routed)  # int64 counts + both ways
+    assert backward.bytes == layers * 2 * routed
+    expert_bytes = num_expert_params(config) * 4
+    assert report.per_rank.params == (num_params(config) * 4 - expert_bytes) + expert_bytes // ep

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from hyper_parallel.dmodule.model import BaseModel
 from hyper_parallel.dmodule.module import Module, ModuleList
@@ -46,6 +47,8 @@ __all__ = [
     "ScaledDotProductAttention",
     "Transformer",
     "TransformerBlock",
+    "even_split",
+    "expert_counts",
     "expert_ffn",
     "load_balancing_loss",
 ]
@@ -131,6 +134,26 @@ def _grouped_linear(
     return torch.cat([b @ weight[e].T for e, b in enumerate(blocks)], dim=0)
 
 
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` items in ``parts`` near-equal counts (the first ``total % parts`` get one more).
+
+    Example:
+        >>> even_split(10, 4)
+        [3, 3, 2, 2]
+    """
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def expert_counts(flat_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of ``flat_index`` name each of ``num_experts`` experts (int64).
+
+    A scatter-add rather than ``bincount``, so the shape is static (fake tensors too).
+    """
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat_index.device)
+    return counts.index_add_(0, flat_index, torch.ones_like(flat_index))
+
+
 def expert_ffn(
     x: torch.Tensor,
     num_tokens_per_expert: torch.Tensor,
@@ -153,8 +176,13 @@ def expert_ffn(
         ``(N, dim)`` expert outputs in the same order.
     """
     offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-    grouped = use_grouped_mm and _grouped_mm_runs(x, w1) and _grouped_mm_runs(x, w2)
-    counts = None if grouped else num_tokens_per_expert.tolist()
+    if is_fake(x):
+        # Fake tensors (the dry run) carry no counts: assume an even split (uniform routing).
+        counts: list[int] | None = even_split(x.shape[0], num_tokens_per_expert.shape[0])
+    elif use_grouped_mm and _grouped_mm_runs(x, w1) and _grouped_mm_runs(x, w2):
+        counts = None
+    else:
+        counts = num_tokens_per_expert.tolist()
     h = F.silu(_grouped_linear(x, w1, counts, offsets)) * _grouped_linear(x, w3, counts, offsets)
     return _grouped_linear(h, w2, counts, offsets)
 
@@ -190,7 +218,7 @@ class GroupedExperts(Module):
         flat_index = top_k_index.reshape(-1)
         # Expert-major order of the (token, choice) pairs; stable, so ties keep token order.
         order = torch.argsort(flat_index, stable=True)
-        counts = torch.bincount(flat_index, minlength=self.w1.shape[0])
+        counts = expert_counts(flat_index, self.w1.shape[0])
         token_of = order // top_k
         y = expert_ffn(
             x[token_of], counts, self.w1, self.w2, self.w3, use_grouped_mm=self.use_grouped_mm
