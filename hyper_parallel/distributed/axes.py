@@ -61,7 +61,7 @@ AXIS_MEANING = {
 }
 
 
-MODEL_AXES = ("tp",)
+MODEL_AXES = ("tp", "ep")
 """Axes a registered model's own sharding functions handle, in the order they are applied."""
 
 

@@ -53,7 +53,8 @@ from torch._subclasses.fake_tensor import is_fake
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Shard
-from hyper_parallel.dmodule._checks import Finding, state_owner
+from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh
+from hyper_parallel.dmodule._checks import Finding, PlanEntry, state_owner
 from hyper_parallel.dmodule.dispatch import Dispatch, register_dispatch
 from hyper_parallel.dmodule.sharding import DispatchConfig, ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import MeshAxisName
@@ -62,9 +63,17 @@ __all__ = [
     "ROUTED_EXPERTS",
     "RoutedExpertsDispatch",
     "ep_findings",
+    "ep_layout_findings",
+    "ep_plan_findings",
+    "expert_entries",
     "expert_grad_divisor",
     "expert_parallel",
+    "expert_parameters",
+    "expert_shard_placement",
     "moe_layers",
+    "parallelize_with_experts",
+    "rescale_expert_grads",
+    "shard_experts",
 ]
 
 ROUTED_EXPERTS = "routed_experts"
@@ -204,8 +213,6 @@ def ep_findings(model: Any, layout: Any) -> list[Finding]:
 
         ep_findings(get_spec("qwen3-30b-a3b").config(), MeshLayout.parse("dp_shard=8,ep=6"))
     """
-    from hyper_parallel.distributed.layout import MeshLayout
-
     if isinstance(layout, MeshLayout):
         out = [f for f in layout.findings() if f.field == "ep"]
         ep = layout.ep
@@ -441,3 +448,167 @@ class RoutedExpertsDispatch:
 
 
 register_dispatch(Dispatch(kind=ROUTED_EXPERTS, check=_check, build=RoutedExpertsDispatch))
+
+
+# --------------------------------------------------------------------------- training wiring
+
+
+def expert_entries(model: nn.Module) -> tuple[list[PlanEntry], list[PlanEntry]]:
+    """A Module tree's plan entries split into ``(dense, routed experts)``."""
+    from hyper_parallel.dmodule.module import Module
+
+    entries = [
+        PlanEntry(path, m, m.sharding_config)
+        for path, m in model.named_modules()
+        if isinstance(m, Module) and m.sharding_config is not None
+    ]
+    experts = [e for e in entries if e.config.dispatch is not None]
+    return [e for e in entries if e.config.dispatch is None], experts
+
+
+def parallelize_with_experts(
+    model: nn.Module, mesh: ParallelMesh, dense_mesh: DeviceMesh | None
+) -> None:
+    """Apply a Module tree's sharding: routed experts on ``mesh["ep"]``, the rest on ``dense_mesh``.
+
+    Both sets are checked before either is applied, so on any problem the model is
+    left as it was.
+
+    Raises:
+        ParallelizeError: Listing every problem of both sets.
+    """
+    from hyper_parallel.dmodule._boundary import parallelize_entries
+    from hyper_parallel.dmodule._checks import ParallelizeError, check_entries, errors_of
+
+    dense, experts = expert_entries(model)
+    ep_mesh = mesh["ep"]
+    findings = check_entries(experts, ("ep",), {"ep": ep_mesh.size()}) if experts else []
+    if dense and dense_mesh is None:
+        findings.append(
+            Finding(
+                "error",
+                dense[0].path,
+                "",
+                "dense sharding configs need a model-parallel mesh, and none was given.",
+                "parallelize dense states on the submesh of the axes they declare.",
+            )
+        )
+    if dense and dense_mesh is not None:
+        axes = tuple(dense_mesh.mesh_dim_names or ())
+        findings += check_entries(dense, axes, dict(zip(axes, dense_mesh.shape)))
+    if errors_of(findings):
+        raise ParallelizeError(errors_of(findings))
+    if dense and dense_mesh is not None:
+        parallelize_entries(model, dense_mesh, dense)
+    if experts:
+        parallelize_entries(model, ep_mesh, experts)
+
+
+def shard_experts(model: nn.Module, mesh: ParallelMesh, **fully_shard_kwargs: Any) -> list[str]:
+    """``fully_shard`` each routed-experts module over ``mesh["efsdp"]`` (before the blocks).
+
+    Expert states are DTensors on ``ep``; FSDP2 shards them further over ``efsdp`` (a
+    2-D (efsdp, ep) layout), and the dense FSDP of the enclosing blocks then leaves them
+    alone. Run it after :func:`parallelize_with_experts` and before the blocks'
+    ``fully_shard``. Returns the wrapped paths.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    _, experts = expert_entries(model)
+    efsdp = mesh["efsdp"]
+    for entry in experts:
+        fully_shard(
+            entry.module,
+            mesh=efsdp,
+            shard_placement_fn=expert_shard_placement(entry.module, efsdp.size()),
+            **fully_shard_kwargs,
+        )
+    return [e.path for e in experts]
+
+
+def expert_shard_placement(
+    module: nn.Module, efsdp_size: int
+) -> Callable[[nn.Parameter], Shard | None] | None:
+    """FSDP2's ``shard_placement_fn`` for an experts module: dim 1 when dim 0 would pad.
+
+    A rank's local experts (``num_experts / ep``) often number fewer than the ``efsdp``
+    ranks; sharding them on dim 0 would pad most ranks' shards to a whole expert
+    (rank 0 holding ``1 / num_local`` of them instead of ``1 / efsdp``). Dim 1 (the
+    expert's hidden or model width) divides evenly then, as torchtitan does.
+    """
+    counts = {_local(p).shape[0] for p in module.parameters(recurse=False)}
+    if all(c % efsdp_size == 0 for c in counts):
+        return None
+    return lambda p: Shard(1)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def expert_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters of every routed-experts module (those with a dispatch config)."""
+    _, experts = expert_entries(model)
+    return [p for e in experts for p in e.module.parameters()]
+
+
+def rescale_expert_grads(model: nn.Module, layout: MeshLayout) -> None:
+    """Bring expert gradients to the dense convention: the mean over the data ranks.
+
+    A rank's expert gradient sums the losses of the ``ep`` ranks that sent it tokens;
+    FSDP2 then averages over ``efsdp`` only. Dense gradients are averaged over all
+    ``dp_shard`` ranks, so expert gradients are divided by the remaining factor,
+    ``dp_shard / efsdp`` = ``ep`` (with cp = tp = 1). Call after ``backward()``.
+    """
+    factor = layout.dp_shard // layout.efsdp
+    if factor == 1:
+        return
+    with torch.no_grad():
+        for p in expert_parameters(model):
+            if p.grad is not None:
+                p.grad.div_(factor)
+
+
+def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
+    """Mesh combinations expert parallelism does not run, each refused with the alternative."""
+    if layout.ep == 1:
+        return []
+    out = []
+    for axis in ("tp", "cp", "dp_replicate", "pp"):
+        size = layout.size(axis)
+        if size > 1:
+            out.append(
+                Finding(
+                    "error",
+                    "mesh",
+                    "ep",
+                    f"ep={layout.ep} with {axis}={size}: expert parallelism runs with dp_shard "
+                    f"only (ep borrowing from dp_shard); with {axis} > 1 the routed tokens would "
+                    "be duplicated or their experts' gradients left unreduced.",
+                    f"leave {axis} out of the mesh and give its ranks to dp_shard "
+                    f"(e.g. dp_shard={layout.dp_shard * size},ep={layout.ep}).",
+                )
+            )
+    return out
+
+
+def ep_plan_findings(layout: MeshLayout, entries: Sequence[PlanEntry]) -> list[Finding]:
+    """An error when the mesh has ``ep`` > 1 but the plan splits no routed experts.
+
+    The ep ranks would then hold every expert and read their batch rows as plain data
+    parallelism, silently: an ep size that changes nothing is refused.
+    """
+    if layout.ep == 1 or any(e.config.dispatch is not None for e in entries):
+        return []
+    return [
+        Finding(
+            "error",
+            "mesh",
+            "ep",
+            f"the mesh has ep={layout.ep} but the model's sharding splits no routed experts "
+            "(no config with a routed_experts dispatch).",
+            "use a mixture-of-experts model (e.g. qwen3-moe-debug, whose 'ep' sharding is "
+            "registered) or a plan with expert_parallel(...) entries, or leave ep out of the "
+            "mesh.",
+        )
+    ]

@@ -74,7 +74,7 @@ def model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> dic
     reference = config.build()
     reference.init_states()
     torch.manual_seed(0)
-    model = apply_ep(config, ep_size=mesh["ep"].size()).build()
+    model = apply_ep(config).build()
     model.init_states()
     model.parallelize(mesh["ep"])
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
@@ -212,7 +212,7 @@ def hf_plan_parity(family: str, plan_file: str) -> dict[str, Any]:
 
 def _debug_model(mesh: Any, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = apply_ep(preset_config("qwen3-moe-debug"), ep_size=mesh["ep"].size()).build()
+    model = apply_ep(preset_config("qwen3-moe-debug")).build()
     model.init_states()
     return model.parallelize(mesh["ep"])
 
@@ -250,3 +250,35 @@ def dcp_load(path: str, mesh_text: str) -> list[str]:
         if not torch.equal(value, full):
             wrong.append(name)
     return wrong
+
+
+def trainer_parity(mesh_text: str) -> dict[str, float]:
+    """The trainer's build (experts on ep, FSDP2 on fsdp/efsdp) vs its one-device build.
+
+    One forward/backward on the same global batch; gradients after the trainer's
+    expert-gradient rescaling, gathered with ``full_tensor``.
+    """
+    from hyper_parallel.distributed.expert_parallel import rescale_expert_grads
+    from hyper_parallel.train import TrainConfig, build_parallel_model
+    from hyper_parallel.train.trainer import build_mesh
+
+    layout = MeshLayout.parse(mesh_text)
+    cfg = TrainConfig(model="qwen3-moe-debug", mesh=layout.active())
+    mesh = build_mesh(layout, device="cpu")
+    model = build_parallel_model(cfg, mesh, device="cpu")
+    reference = build_parallel_model(cfg, None, device="cpu")
+    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    ref_loss = cross_entropy_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+    ref_loss.backward()
+    rows = _batch_rows(mesh, BATCH)
+    loss = cross_entropy_loss(model(tokens[rows, :-1]), tokens[rows, 1:])
+    loss.backward()
+    rescale_expert_grads(model, layout)
+    ref = dict(reference.named_parameters())
+    diffs = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        diffs[name] = (grad - ref[name].grad).abs().max().item()
+    global_loss = _all_reduce(loss.detach(), mesh["batch"]) / mesh["batch"].size()
+    diffs["<loss>"] = (global_loss - ref_loss.detach()).abs().item()
+    return diffs

@@ -77,3 +77,9 @@ def test_hugging_face_moe_from_plan_file_equals_one_device(dist, family) -> None
             for w in ("gate_up_proj", "down_proj")
         }
         assert set(r["placements"].values()) == {"[Shard(dim=0)]"}
+
+
+def test_trainer_build_at_dp_shard2_ep2_equals_one_device(dist) -> None:
+    for diffs in dist.run(moe_checks.trainer_parity, "dp_shard=2,ep=2"):
+        worst = max(diffs.items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst

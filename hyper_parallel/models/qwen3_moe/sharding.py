@@ -26,28 +26,23 @@ def apply_ep(
     config: Transformer.Config,
     *,
     axis: MeshAxisName | str = MeshAxisName.EP,
-    ep_size: int | None = None,
 ) -> Transformer.Config:
     """Expert parallelism on mesh axis ``axis``: each rank holds ``num_experts / ep`` experts.
 
     Args:
         config: The model config; it is not changed.
         axis: Name of the expert-parallel mesh axis.
-        ep_size: When given, checked to divide every layer's expert count.
 
     Returns:
-        A new config with sharding configs on every ``layers.*.moe.experts``.
-
-    Raises:
-        ValueError: If ``ep_size`` does not divide the number of experts.
+        A new config with sharding configs on every ``layers.*.moe.experts``. Whether
+        an ``ep`` size divides the experts is checked where the mesh is known:
+        :func:`check_ep`, ``expert_parallel.ep_findings``, and ``parallelize`` itself.
 
     Example:
         >>> from hyper_parallel.models.qwen3_moe import preset_config
         >>> model = apply_ep(preset_config("qwen3-moe-debug")).build()
         >>> # model.parallelize(mesh["ep"])
     """
-    if ep_size is not None:
-        check_ep(config, ep_size)
     new = copy.deepcopy(config)
     for layer in new.layers:
         layer.moe.experts.sharding_config = expert_parallel(EXPERT_PARAMS, axis=axis)
