@@ -33,7 +33,15 @@ from hyper_parallel.dmodule.presets import colwise, rowwise, vocab_parallel_embe
 from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName
 
-__all__ = ["HF_FAMILIES", "build_hf_model", "check_hf_heads", "hf_config", "hf_tp_plan"]
+__all__ = [
+    "HF_FAMILIES",
+    "HF_MOE_FAMILIES",
+    "build_hf_model",
+    "check_hf_heads",
+    "hf_config",
+    "hf_ep_plan",
+    "hf_tp_plan",
+]
 
 # family → (config class, model class, small config). Every tensor-parallel dim (heads,
 # kv heads, hidden, intermediate, vocab) divides by 4, so tp=2 and tp=4 keep whole heads.
@@ -59,6 +67,34 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "MistralForCausalLM",
         {**_DECODER, "sliding_window": None, "tie_word_embeddings": False},
     ),
+    # Mixtures of experts: 8 experts, top-2, every layer sparse.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            **_DECODER,
+            "head_dim": 8,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            **_DECODER,
+            "intermediate_size": 32,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+        },
+    ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
@@ -78,7 +114,10 @@ _FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 HF_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
-"""Families :func:`build_hf_model` knows: ``llama``, ``qwen2``, ``mistral``, ``gpt2``."""
+"""Families :func:`build_hf_model` knows: ``llama``, ``qwen2``, ``mistral``, ``qwen3_moe``,
+``mixtral``, ``gpt2``."""
+HF_MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "mixtral")
+"""Families whose feed-forward is routed experts (plans: :func:`hf_ep_plan`)."""
 
 
 def _transformers() -> Any:
@@ -192,6 +231,12 @@ def hf_tp_plan(family: str, *, axis: str = MeshAxisName.TP.value) -> dict[str, S
         plan = hf_tp_plan("qwen2")
     """
     _family(family)
+    if family in HF_MOE_FAMILIES:
+        raise ValueError(
+            f"hf_tp_plan({family!r}): a mixture of experts has no gate/up/down MLP to shard "
+            f"column- and row-wise; split its experts with hf_ep_plan({family!r}) on a mesh "
+            "axis named 'ep'."
+        )
     if family == "gpt2":
         raise ValueError(
             "hf_tp_plan('gpt2'): GPT-2 fuses q|k|v into one Conv1D (c_attn), whose contiguous "
@@ -216,6 +261,41 @@ def hf_tp_plan(family: str, *, axis: str = MeshAxisName.TP.value) -> dict[str, S
         # Gathered logits: callers (and HF's loss) get a plain (batch, seq, vocab) tensor.
         "lm_head": colwise(axis=axis, bias=False, output=Replicate(), use_local_output=True),
     }
+
+
+def hf_ep_plan(family: str, *, axis: str = MeshAxisName.EP.value) -> dict[str, ShardingConfig]:
+    """The expert-parallel plan of a Hugging Face mixture of experts (the plan files' content).
+
+    Each layer's experts module (``gate_up_proj`` and ``down_proj`` stacked
+    ``[num_experts, ...]``, ``forward(hidden_states, top_k_index, top_k_weights)``) is
+    split by whole experts over ``axis``, its tokens dispatched to the rank holding
+    their expert (:mod:`hyper_parallel.distributed.expert_parallel`); everything else
+    stays plain (data-parallel over ``axis``).
+
+    Args:
+        family: ``"qwen3_moe"`` or ``"mixtral"``.
+        axis: Mesh axis the experts are split over.
+
+    Returns:
+        Module path pattern → config, for :func:`~hyper_parallel.dmodule.parallelize_module`.
+
+    Raises:
+        ValueError: For a family without routed experts.
+
+    Example::
+
+        plan = hf_ep_plan("qwen3_moe")
+    """
+    _family(family)
+    if family not in HF_MOE_FAMILIES:
+        raise ValueError(
+            f"hf_ep_plan({family!r}): {family} has no routed experts; expert-parallel plans "
+            f"exist for {', '.join(HF_MOE_FAMILIES)} (use hf_tp_plan for dense models)."
+        )
+    # Imported here: distributed/ builds on dmodule, and hf is imported without it.
+    from hyper_parallel.distributed.expert_parallel import expert_parallel
+
+    return {"model.layers.*.mlp.experts": expert_parallel(("gate_up_proj", "down_proj"), axis=axis)}
 
 
 def check_hf_heads(

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
@@ -38,6 +39,11 @@ from hyper_parallel.distributed.axes import (
     plan_axis_findings,
     plan_mesh,
     states_on_axes,
+)
+from hyper_parallel.distributed.expert_parallel import (
+    ep_layout_findings,
+    ep_plan_findings,
+    expert_shard_placement,
 )
 from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for
 from hyper_parallel.distributed.layout import (
@@ -74,7 +80,7 @@ from .memory import StateBytes, ddp_num_buckets, state_bytes
 
 __all__ = ["ANALYSIS_AXES", "DryRunReport", "ModuleShards", "ParamShard", "dry_run"]
 
-ANALYSIS_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+ANALYSIS_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
 """User axes the dry run and ``validate`` trace; others of size > 1 are refused, by name."""
 
 LossFn = Callable[..., torch.Tensor]
@@ -165,6 +171,20 @@ class DryRunReport:
     traced_layers: tuple[int, ...] | None = None
     assumptions: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    per_rank_experts: StateBytes | None = None
+
+    def _per_rank_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.per_rank.to_dict()
+        e = self.per_rank_experts
+        if e is not None:  # routed experts (split over ep x efsdp) and the rest, apart
+            out["experts"] = e.to_dict()
+            out["dense"] = state_bytes(
+                self.per_rank.params - e.params,
+                self.per_rank.grads - e.grads,
+                0,
+            ).to_dict() | {"optimizer": self.per_rank.optimizer - e.optimizer}
+            out["dense"]["total"] = sum(out["dense"][k] for k in ("params", "grads", "optimizer"))
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (the CLI's ``--format json``)."""
@@ -181,7 +201,7 @@ class DryRunReport:
             "fsdp_axes": list(self.fsdp_axes),
             "plan_axes": list(self.plan_axes),
             "placement_axes": list(self.columns),
-            "per_rank_bytes": self.per_rank.to_dict(),
+            "per_rank_bytes": self._per_rank_dict(),
             "collectives": [c.to_dict() for c in self.collectives],
             "collectives_per_layer": None
             if per_layer is None
@@ -226,10 +246,24 @@ class DryRunReport:
         right = (len(axes) + 4,)
         out.append(table(["module", "param", "global", *axes, "local", "bytes"], rows, right))
         m = self.per_rank
-        out += [
-            "",
-            "Memory per rank (steady state between steps):",
-            table(
+        memory = self._per_rank_dict()
+        if "experts" in memory:
+            e, d = memory["experts"], memory["dense"]
+            memory_table = table(
+                ["state", "dense", "experts", "bytes"],
+                [
+                    (label, human_bytes(d[k]), human_bytes(e[k]), human_bytes(memory[k]))
+                    for label, k in (
+                        ("parameters", "params"),
+                        ("gradients", "grads"),
+                        ("AdamW moments", "optimizer"),
+                        ("total", "total"),
+                    )
+                ],
+                right=(1, 2, 3),
+            )
+        else:
+            memory_table = table(
                 ["state", "bytes"],
                 [
                     ("parameters", human_bytes(m.params)),
@@ -238,7 +272,11 @@ class DryRunReport:
                     ("total", human_bytes(m.total)),
                 ],
                 right=(1,),
-            ),
+            )
+        out += [
+            "",
+            "Memory per rank (steady state between steps):",
+            memory_table,
             "",
             "Collectives per training step (per rank):",
             _collective_table(self.collectives),
@@ -359,6 +397,7 @@ def dry_run(
     _raise_errors(
         [f for f in layout.findings() if f.severity == "error"]
         + axis_support_findings(layout, ANALYSIS_AXES, "the dry run")
+        + ep_layout_findings(layout)
     )
     target = resolve_target(model_or_config, plan)
     # The axes the plan declares decide where it runs and what FSDP may shard over.
@@ -429,6 +468,7 @@ class _Run:
     fsdp_units: list[str]
     comm_debug_total: int
     plan_axes: tuple[str, ...] = ()
+    expert_bytes: tuple[int, int, int] | None = None  # params, grads, trainable numel
 
 
 def _trace_step(
@@ -459,6 +499,7 @@ def _trace_step(
             for f in plan_axis_findings(world.layout, axes, fsdp=fsdp_mesh is not None)
             if f.severity == "error"
         ]
+        + ep_plan_findings(world.layout, entries)
     )
     if entries or findings:  # a plan whose patterns all match nothing is refused too
         on_data = states_on_axes(entries, DATA_AXES)
@@ -468,11 +509,22 @@ def _trace_step(
                 "which FSDP also shards over; pass fsdp=False (CLI: --no-fsdp) to place them "
                 "yourself, or drop the data axes from those configs."
             )
-        # The plan runs on the submesh of the axes it declares, as in the trainer.
+        # The plan runs on the submesh of the axes it declares, as in the trainer; routed
+        # experts on the ep mesh.
+        experts = [e for e in entries if e.config.dispatch is not None]
+        dense = [e for e in entries if e.config.dispatch is None]
         sub = plan_mesh(world, axes)
-        parallelize_entries(model, sub if sub is not None else world.dense, entries, findings)
+        parallelize_entries(model, sub if sub is not None else world.dense, dense, findings)
+        if experts:
+            parallelize_entries(model, world["ep"], experts)
+    else:
+        experts = []
     units: list[str] = []
     if fsdp_mesh is not None:
+        efsdp = world["efsdp"]
+        for e in experts:  # expert states: FSDP over efsdp, before the blocks take the rest
+            placement = expert_shard_placement(e.module, efsdp.size())
+            fully_shard(e.module, mesh=efsdp, shard_placement_fn=placement)
         units = apply_fsdp(model, fsdp_mesh)
     modules = _module_shards(model, types)
     recorder = CollectiveRecorder(axis_groups(world))
@@ -484,6 +536,14 @@ def _trace_step(
         loss.backward()
     params = _unique_params(model)
     grads = [p.grad for p in params if p.grad is not None]
+    expert_bytes = None
+    if experts:
+        eparams = [p for e in experts for p in e.module.parameters()]
+        expert_bytes = (
+            sum(_local_bytes(p) for p in eparams),
+            sum(_local_bytes(p.grad) for p in eparams if p.grad is not None),
+            sum(_local(p).numel() for p in eparams if p.requires_grad),
+        )
     pending = _pending_reductions(grads)
     return _Run(
         depth=depth,
@@ -496,6 +556,7 @@ def _trace_step(
         comm_counts={str(op): n for op, n in comm.get_comm_counts().items()},
         fsdp_units=units,
         comm_debug_total=comm.get_total_counts(),
+        expert_bytes=expert_bytes,
         plan_axes=tuple(a for a in axes if a in DENSE_AXES),
     )
 
@@ -646,6 +707,7 @@ def _combine(
             per_rank=state_bytes(last.param_bytes, last.grad_bytes, last.trainable_numel),
             collectives=summarize(last.records),
             comm_debug_counts=last.comm_counts,
+            per_rank_experts=None if last.expert_bytes is None else state_bytes(*last.expert_bytes),
         )
     a, b = runs
     assert a.depth is not None and b.depth == a.depth + 1
@@ -706,6 +768,9 @@ def _combine(
         comm_debug_counts=dict(sorted(counts.items())),
         num_layers=target.num_layers,
         traced_layers=tuple(r.depth for r in runs if r.depth is not None),
+        per_rank_experts=None
+        if a.expert_bytes is None or b.expert_bytes is None
+        else state_bytes(*(ext(x, y) for x, y in zip(a.expert_bytes, b.expert_bytes))),
     )
 
 
@@ -785,6 +850,15 @@ def _assumptions(
         f"Loss: {getattr(loss_fn, '__qualname__', repr(loss_fn))}; collectives of a different "
         "loss (e.g. loss-parallel cross entropy) differ.",
     ]
+    if last.expert_bytes is not None:
+        notes.append(
+            f"Routed experts: weights Shard(0) over ep={layout.ep} (whole experts per rank), "
+            f"FSDP2 over efsdp={layout.efsdp}; listed apart from the dense states. Their "
+            "all_to_all bytes assume uniform routing (each rank's (token, choice) pairs split "
+            "evenly over the ep ranks): counts exchange (num_experts int64), dispatch and "
+            "combine forward (tokens x top_k x dim each), their two transposes backward. "
+            "Real routing is data-dependent; skew moves more bytes to some ranks."
+        )
     num_units = len(last.fsdp_units)
     if len(runs) == 2 and target.num_layers is not None and last.depth is not None:
         num_units += (target.num_layers - last.depth) * (num_units - len(runs[0].fsdp_units))

@@ -57,6 +57,11 @@ from hyper_parallel.distributed.axes import (
     plan_mesh,
     states_on_axes,
 )
+from hyper_parallel.distributed.expert_parallel import (
+    ep_findings,
+    ep_layout_findings,
+    ep_plan_findings,
+)
 from hyper_parallel.distributed.fsdp import fsdp_mesh_findings
 from hyper_parallel.distributed.layout import (
     DATA_AXES,
@@ -88,7 +93,7 @@ __all__ = ["Redistribution", "ValidationReport", "validate"]
 # Axes over which a batch is split by the data loader, not by a plan.
 _DATA_AXES = frozenset({"dp", *DATA_AXES})
 # User axes validate traces (the dry run's); others of size > 1 are refused by name.
-_ANALYSIS_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+_ANALYSIS_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
 @dataclass(frozen=True)
@@ -358,7 +363,15 @@ def validate(
 
         subject = target.config if target.config is not None else model
         findings += context_parallel.cp_findings(subject, layout, seq_len)
-    findings += [*plan_findings, *check_entries(entries, DENSE_AXES, sizes, model)]
+    dense = [e for e in entries if e.config.dispatch is None]
+    experts = [e for e in entries if e.config.dispatch is not None]
+    findings += [*plan_findings, *check_entries(dense, DENSE_AXES, sizes, model)]
+    if experts:  # routed experts are applied on the ep mesh
+        findings += check_entries(experts, ("ep",), {"ep": layout.ep})
+    if layout.ep > 1:
+        findings += ep_layout_findings(layout) + ep_plan_findings(layout, entries)
+        # The plan's dispatch check reports expert divisibility too, in the same words.
+        findings += [f for f in ep_findings(model, layout) if f not in findings]
     findings += _coverage(model, entries, plan_axes or tuple(layout.active()) or ("tp",))
     if trace:
         if seq_len is None:
@@ -768,8 +781,13 @@ def _trace(
         report.notes.append("boundary analysis skipped: the model is already parallelized.")
         return []
     broken = {f.path for f in static if f.severity == "error"}
-    kept = [e for e in entries if e.path not in broken]
-    if len(kept) < len(entries):
+    kept = [e for e in entries if e.path not in broken and e.config.dispatch is None]
+    if any(e.config.dispatch is not None for e in entries):
+        report.notes.append(
+            "boundary analysis ran with the routed experts unsplit (their dispatch is traced "
+            "by `plan`, on the ep mesh)."
+        )
+    if len(kept) < len([e for e in entries if e.config.dispatch is None]):
         report.notes.append(
             f"boundary analysis ran without the {len(entries) - len(kept)} module config(s) "
             "that have errors."

@@ -61,7 +61,7 @@ AXIS_MEANING = {
 }
 
 
-MODEL_AXES = ("tp", "cp")
+MODEL_AXES = ("tp", "cp", "ep")
 """Axes a registered model's own sharding functions handle, in the order they are applied."""
 
 

@@ -379,6 +379,16 @@ class Boundary:
 
     def install(self, module: nn.Module, fast: _fast.FastPath | None = None) -> None:
         setattr(module, BOUNDARY_ATTR, self)
+        if self.config.dispatch is not None:
+            # A registered token dispatch (checked to exist) takes over forward.
+            from hyper_parallel.dmodule.dispatch import get_dispatch
+
+            found = get_dispatch(self.config.dispatch.kind)
+            assert found is not None, "dispatch kinds are checked before boundaries are built"
+            module.forward = found.build(  # type: ignore[method-assign]
+                self.path, module, self.mesh, self.config, self.original_forward
+            )
+            return
         if self.wraps_forward:
             # Where the config fixes the one collective, run on local shards instead
             # (dmodule/_fast.py); this boundary stays as the fallback for other calls.

@@ -422,6 +422,63 @@ def _check_local_map(c: _Collector, module: nn.Module, config: ShardingConfig) -
         )
 
 
+def _check_dispatch(
+    c: _Collector,
+    module: nn.Module,
+    config: ShardingConfig,
+    axes: Sequence[str],
+    axis_sizes: Mapping[str, int] | None,
+) -> None:
+    """A dispatch must be registered, its axis on the mesh, and nothing else adapt activations.
+
+    The dispatch replaces ``forward`` and takes plain local tensors, so ``in_*``/``out_*``,
+    ``local_map`` and ``use_local_output`` would be ignored: refused rather than dropped.
+    """
+    dispatch = config.dispatch
+    if dispatch is None:
+        return
+    # Imported here: the registry imports nothing of ours, but stays out of import cycles.
+    from hyper_parallel.dmodule.dispatch import get_dispatch, list_dispatches
+
+    found = get_dispatch(dispatch.kind)
+    if found is None:
+        c.error(
+            "dispatch.kind",
+            f"no token dispatch of kind {dispatch.kind!r} is registered "
+            f"(known: {list_dispatches()}).",
+            "use a registered kind, or register_dispatch() yours before parallelizing.",
+        )
+        return
+    if dispatch.axis not in axes:
+        c.error(
+            "dispatch.axis",
+            f"axis {dispatch.axis!r} is not in mesh {tuple(axes)}.",
+            f"parallelize on a mesh with an axis named {dispatch.axis!r}, or name one of "
+            f"{tuple(axes)}.",
+        )
+        return
+    extra = [
+        name
+        for name in (
+            "in_src_shardings",
+            "in_dst_shardings",
+            "out_src_shardings",
+            "out_dst_shardings",
+            "local_map",
+        )
+        if getattr(config, name) is not None
+    ] + (["use_local_output"] if config.use_local_output else [])
+    if extra:
+        c.error(
+            "dispatch",
+            f"a {dispatch.kind!r} dispatch takes and returns plain local tensors, so "
+            f"{extra} would be ignored.",
+            "keep only state_shardings (and dispatch) in this config; lay out the tensors "
+            "around it in the configs of the modules before and after.",
+        )
+    c.findings.extend(found.check(c.path, module, config, axes, axis_sizes))
+
+
 def _check_nesting(entries: Sequence[PlanEntry], out: list[Finding]) -> None:
     """Inside a local_map region everything runs on local tensors: no nested configs."""
     for outer in entries:
@@ -530,6 +587,7 @@ def check_entries(
         _check_heads(c, root, e.module, e.config, axis_sizes)
         _check_inputs(c, e.module, e.config)
         _check_local_map(c, e.module, e.config)
+        _check_dispatch(c, e.module, e.config, axes, axis_sizes)
         findings.extend(c.findings)
         findings.extend(check_known_layouts(e.path, e.module, e.config))
     _check_nesting(entries, findings)

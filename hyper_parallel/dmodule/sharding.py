@@ -245,6 +245,66 @@ class LocalMapConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DispatchConfig:
+    """A token dispatch that runs a module's ``forward``, chosen by name at parallelize time.
+
+    Some layouts are not a placement of a tensor but a data-dependent exchange: routed
+    experts send each token to the rank holding its expert. A dispatch is registered
+    under a ``kind`` (:func:`hyper_parallel.dmodule.dispatch.register_dispatch`; the
+    built-in ``"routed_experts"`` lives in :mod:`hyper_parallel.distributed.expert_parallel`)
+    and takes over the module's forward on mesh axis ``axis``.
+
+    Args:
+        kind: Registered dispatch name, e.g. ``"routed_experts"``.
+        axis: The mesh axis the dispatch exchanges tokens over, e.g. ``"ep"``.
+
+    Example::
+
+        from hyper_parallel.core.dtensor.placement_types import Shard
+        from hyper_parallel.dmodule.sharding import DispatchConfig, ShardingConfig
+
+        ShardingConfig(
+            state_shardings={"w1": {"ep": Shard(0)}},
+            dispatch=DispatchConfig(kind="routed_experts", axis="ep"),
+        )
+    """
+
+    kind: str
+    axis: str
+
+    def __post_init__(self) -> None:
+        for name in ("kind", "axis"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise TypeError(
+                    f"DispatchConfig.{name}: expected a non-empty str, got "
+                    f"{type(value).__name__}: {value!r}."
+                )
+        if isinstance(self.axis, MeshAxisName):
+            object.__setattr__(self, "axis", self.axis.value)
+
+    def to_dict(self) -> dict:
+        """Serialize to a JSON-friendly dict (``kind``, ``axis``)."""
+        return {"kind": self.kind, "axis": self.axis}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DispatchConfig:
+        """Rebuild a config from :meth:`to_dict` output.
+
+        Raises:
+            ValueError: For a missing or unknown key.
+        """
+        _check_keys(data, ("kind", "axis"), cls.__name__)
+        missing = [k for k in ("kind", "axis") if k not in data]
+        if missing:
+            raise ValueError(
+                f"DispatchConfig.from_dict: missing key(s) {missing}; write e.g. "
+                "{kind: routed_experts, axis: ep}."
+            )
+        return cls(kind=data["kind"], axis=data["axis"])
+
+
+@dataclass(kw_only=True, slots=True)
 class ShardingConfig:
     """Declarative sharding for one module.
 
@@ -264,6 +324,9 @@ class ShardingConfig:
             is taken to be laid out this way already, as inputs are with ``in_dst``.
         local_map: Optional :class:`LocalMapConfig`: run ``forward`` on local tensors.
         use_local_output: Hand plain local tensors back to the caller instead of DTensors.
+        dispatch: Optional :class:`DispatchConfig`: a registered token dispatch runs
+            ``forward`` (e.g. routed experts over ``ep``); it takes and returns plain
+            local tensors, so it goes with ``state_shardings`` only.
 
     Example:
         TP column-parallel weight with replicated activations::
@@ -290,6 +353,7 @@ class ShardingConfig:
     out_dst_shardings: NamedPlacement | None = None
     local_map: LocalMapConfig | None = None
     use_local_output: bool = False
+    dispatch: DispatchConfig | None = None
 
     def __post_init__(self) -> None:
         _check_named_map(self.state_shardings, "ShardingConfig.state_shardings", "state path")
@@ -320,6 +384,11 @@ class ShardingConfig:
                 "ShardingConfig.use_local_output: expected a bool, got "
                 f"{type(self.use_local_output).__name__}: {self.use_local_output!r}."
             )
+        if self.dispatch is not None and not isinstance(self.dispatch, DispatchConfig):
+            raise TypeError(
+                "ShardingConfig.dispatch: expected a DispatchConfig or None, got "
+                f"{type(self.dispatch).__name__}: {self.dispatch!r}."
+            )
 
     def to_dict(self) -> dict:
         """Serialize to a JSON-friendly dict.
@@ -344,6 +413,7 @@ class ShardingConfig:
             ),
             "local_map": None if self.local_map is None else self.local_map.to_dict(),
             "use_local_output": self.use_local_output,
+            "dispatch": None if self.dispatch is None else self.dispatch.to_dict(),
         }
 
     @classmethod
@@ -373,6 +443,17 @@ class ShardingConfig:
             except (TypeError, ValueError) as e:
                 # Prefix the field so a plan-file error reads local_map: in_grad_placements[0]...
                 raise type(e)(f"local_map: {e}") from None
+        dispatch = data.get("dispatch")
+        if dispatch is not None:
+            if not isinstance(dispatch, Mapping):
+                raise TypeError(
+                    f"dispatch: expected a mapping such as {{kind: routed_experts, axis: ep}}, "
+                    f"got {type(dispatch).__name__}: {dispatch!r}."
+                )
+            try:
+                dispatch = DispatchConfig.from_dict(dispatch)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"dispatch: {e}") from None
         return cls(
             state_shardings=_named_map_from_dict(data.get("state_shardings"), "state_shardings")
             or {},
@@ -384,6 +465,7 @@ class ShardingConfig:
             ),
             local_map=local_map,
             use_local_output=data.get("use_local_output", False),
+            dispatch=dispatch,
         )
 
 
@@ -395,6 +477,7 @@ _SHARDING_FIELDS = (
     "out_dst_shardings",
     "local_map",
     "use_local_output",
+    "dispatch",
 )
 
 

@@ -53,6 +53,13 @@ from hyper_parallel.distributed.axes import (
     plan_axis_findings,
     plan_mesh,
 )
+from hyper_parallel.distributed.expert_parallel import (
+    ep_findings,
+    ep_layout_findings,
+    parallelize_with_experts,
+    rescale_expert_grads,
+    shard_experts,
+)
 from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for, fsdp_units
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
 from hyper_parallel.dmodule._checks import Finding
@@ -82,7 +89,7 @@ __all__ = [
     "train",
 ]
 
-TRAINER_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+TRAINER_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
 """User axes the trainer runs; any other axis of size > 1 is refused by :func:`check_config`."""
 
 
@@ -337,6 +344,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Findin
     layout = cfg.layout
     findings = [f for f in layout.findings(world_size) if f.severity == "error"]
     findings += axis_support_findings(layout, TRAINER_AXES, "the trainer")
+    findings += ep_layout_findings(layout)
     try:
         config = model_config(cfg)
     except ValueError as e:
@@ -344,6 +352,8 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Findin
             Finding("error", "model", cfg.model, str(e), "pick axis sizes the model supports.")
         )
         return findings
+    if layout.ep > 1:
+        findings += ep_findings(config, layout)
     findings += [
         f
         for f in plan_axis_findings(layout, config_axes(config), fsdp=True)
@@ -400,9 +410,14 @@ def build_parallel_model(
     if mesh is not None:
         axes = config_axes(config)
         sub = plan_mesh(mesh, axes)
-        if sub is not None:
+        if layout.ep > 1:
+            # Routed experts go on the ep mesh, the rest on the dense submesh.
+            parallelize_with_experts(model, mesh, sub)
+        elif sub is not None:
             model.parallelize(sub)
         fsdp_mesh = fsdp_mesh_for(mesh, axes)
+        if layout.ep > 1 and fsdp_mesh is not None:
+            shard_experts(model, mesh)  # over efsdp, before the blocks take the rest
         if fsdp_mesh is not None:
             units = fsdp_units(model)
             if not units:
@@ -621,6 +636,8 @@ class Trainer:
         batch = self.local_batch()
         loss = self.loss_fn(self.model(batch.inputs, **batch.model_kwargs), batch.targets)
         self.backward(loss)
+        if self.mesh is not None and self.mesh.layout.ep > 1:
+            rescale_expert_grads(self.model, self.mesh.layout)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()

@@ -114,7 +114,7 @@ def test_mesh_product_must_match_the_ranks_torchrun_starts(capsys, monkeypatch):
 @pytest.mark.parametrize(
     ("mesh", "message"),
     [
-        ("dp=2,ep=2", "ep=2: expert parallelism is not yet supported by the trainer"),
+        ("dp=2,ep=2", "model 'llama3-debug' has no 'ep' sharding function"),
         ("pp=2", "pp=2: pipeline parallelism is not yet supported by the trainer"),
         ("cp=2", "cannot be split head-tail over cp=2"),  # --seq-len 30: not 2 x cp chunks
     ],
@@ -133,7 +133,7 @@ def test_axes_the_trainer_cannot_run_are_refused_by_name(capsys, monkeypatch, me
 @pytest.mark.parametrize(
     ("mesh", "message"),
     [
-        ("dp=2,ep=2", "ep=2: expert parallelism is not yet supported by"),
+        ("dp=2,ep=2", "model 'llama3-debug' has no 'ep' sharding function"),
         ("pp=2,tp=2", "pp=2: pipeline parallelism is not yet supported by"),
         ("cp=2,tp=2", "cannot be split head-tail over cp=2"),
     ],

@@ -209,6 +209,7 @@ def test_sharding_config_fields_and_defaults():
         "out_dst_shardings",
         "local_map",
         "use_local_output",
+        "dispatch",
     ]
     assert all(f.kw_only for f in fields)
     config = ShardingConfig()
@@ -219,6 +220,7 @@ def test_sharding_config_fields_and_defaults():
     assert config.out_dst_shardings is None
     assert config.local_map is None
     assert config.use_local_output is False
+    assert config.dispatch is None
 
 
 def test_sharding_config_default_state_shardings_is_not_shared():
@@ -428,6 +430,7 @@ def test_sharding_config_to_dict_keeps_repr_and_structured_content():
             "in_grad_placements": [{"tp": "Replicate()"}, {}],
         },
         "use_local_output": True,
+        "dispatch": None,
     }
 
 

@@ -1,0 +1,614 @@
+"""Expert parallelism: routed experts split over ``ep``, tokens sent to their experts.
+
+A *routed-experts* module holds ``num_experts`` experts as stacked weights
+``[num_experts, ...]`` and has ``forward(x (T, dim), top_k_index (T, k),
+top_k_weights (T, k)) -> (T, dim)``, the router-weighted sum of each token's chosen
+experts — the contract of :class:`hyper_parallel.models.qwen3_moe.GroupedExperts` and
+of Hugging Face's experts modules (Qwen3-MoE, Mixtral, ...). :func:`expert_parallel`
+is its plan entry: the stacked weights ``Shard(0)`` on the ``ep`` axis (each rank
+holds ``num_experts / ep`` whole experts) and the ``"routed_experts"`` dispatch,
+which replaces the module's forward at parallelize time with:
+
+1. sort the rank's ``(token, choice)`` pairs expert-major and count them per expert;
+2. exchange the counts (one ``all_to_all_single`` of ``num_experts`` integers);
+3. send each token to the rank holding its expert (``all_to_all_single`` with uneven
+   splits, autograd-aware: torch's functional collectives);
+4. run the module's own ``forward`` on the local expert weights, tokens in
+   local-expert-major blocks, each routed once with weight one (the experts' maths is
+   the module's, grouped GEMM or loop alike);
+5. send the results back (the transposed ``all_to_all_single``) and combine them with
+   the router weights, in the order the single-device module uses.
+
+Forward: three all-to-alls (counts, dispatch, combine); backward: the two transposes.
+Zero tokens for an expert, or for a whole rank, is normal. Everything that does not
+depend on the data (group, shapes, slots, local expert ids) is resolved once; per
+call only the split sizes are computed.
+
+Gradients: each rank's expert gradient sums the contributions of the tokens every
+``ep`` rank sent to it, i.e. of every rank's loss. Where the dense gradients are
+*averaged* over the data-parallel ranks (FSDP2), divide the expert gradients by the
+same number of ranks (:func:`expert_grad_divisor`); where dense gradients are summed
+(each rank's loss already scaled by its share), use them as they are.
+
+Example::
+
+    from hyper_parallel.dmodule import parallelize_module
+    from hyper_parallel.distributed.expert_parallel import expert_parallel
+
+    plan = {"model.layers.*.mlp.experts": expert_parallel(("gate_up_proj", "down_proj"))}
+    parallelize_module(hf_model, mesh["ep"], plan)   # a 1-D mesh named "ep"
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Shard
+from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh
+from hyper_parallel.dmodule._checks import Finding, PlanEntry, state_owner
+from hyper_parallel.dmodule.dispatch import Dispatch, register_dispatch
+from hyper_parallel.dmodule.sharding import DispatchConfig, ShardingConfig, resolve_placements
+from hyper_parallel.dmodule.types import MeshAxisName
+
+__all__ = [
+    "ROUTED_EXPERTS",
+    "RoutedExpertsDispatch",
+    "ep_findings",
+    "ep_layout_findings",
+    "ep_plan_findings",
+    "expert_entries",
+    "expert_grad_divisor",
+    "expert_parallel",
+    "expert_parameters",
+    "expert_shard_placement",
+    "moe_layers",
+    "parallelize_with_experts",
+    "rescale_expert_grads",
+    "shard_experts",
+]
+
+ROUTED_EXPERTS = "routed_experts"
+
+
+def expert_parallel(
+    params: Sequence[str], *, axis: MeshAxisName | str = MeshAxisName.EP
+) -> ShardingConfig:
+    """The plan entry of a routed-experts module split over ``axis``.
+
+    Args:
+        params: The stacked expert weights (``[num_experts, ...]`` each), e.g.
+            ``("w1", "w2", "w3")`` or Hugging Face's ``("gate_up_proj", "down_proj")``.
+        axis: The expert-parallel mesh axis.
+
+    Returns:
+        A :class:`ShardingConfig`: every weight ``Shard(0)`` on ``axis``, and the
+        ``"routed_experts"`` dispatch over ``axis``.
+
+    Example:
+        >>> config = expert_parallel(("w1", "w2", "w3"))
+        >>> config.dispatch.kind, config.state_shardings["w1"]
+        ('routed_experts', {'ep': Shard(dim=0)})
+    """
+    name = axis.value if isinstance(axis, MeshAxisName) else str(axis)
+    if isinstance(params, str) or not params:
+        raise ValueError(
+            f"expert_parallel: params must be a non-empty sequence of parameter names, got "
+            f"{params!r}; e.g. ('w1', 'w2', 'w3')."
+        )
+    return ShardingConfig(
+        state_shardings={p: {name: Shard(0)} for p in params},
+        dispatch=DispatchConfig(kind=ROUTED_EXPERTS, axis=name),
+    )
+
+
+def expert_grad_divisor(num_batch_ranks: int) -> int:
+    """What to divide expert gradients by so they match dense gradients averaged over ranks.
+
+    A rank's expert gradient is the sum over the ranks that sent it tokens, and (after
+    the efsdp reduction) over all ``num_batch_ranks`` data-parallel ranks, of each
+    rank's loss gradient; averaging dense gradients divides by ``num_batch_ranks``.
+
+    Example:
+        >>> expert_grad_divisor(8)
+        8
+    """
+    if num_batch_ranks < 1:
+        raise ValueError(f"expert_grad_divisor: num_batch_ranks={num_batch_ranks} must be >= 1.")
+    return num_batch_ranks
+
+
+def _expert_counts(flat_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    # A scatter-add rather than bincount: a static shape, so fake tensors pass too.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat_index.device)
+    return counts.index_add_(0, flat_index, torch.ones_like(flat_index))
+
+
+def _even_split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+# --------------------------------------------------------------------------- model checks
+
+
+def _indivisible(path: str, num_experts: int, axis: str, size: int) -> Finding:
+    divisors = ", ".join(str(d) for d in range(1, num_experts + 1) if num_experts % d == 0)
+    return Finding(
+        "error",
+        path,
+        axis,
+        f"{num_experts} experts cannot be split over {axis}={size} ranks (each rank holds "
+        "whole experts).",
+        f"use an {axis} size that divides {num_experts} ({divisors}).",
+    )
+
+
+def _router_of(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """A child that routes: an int ``top_k`` and a 2-D ``weight`` ``[num_experts, dim]``."""
+    for name, child in module.named_children():
+        weight = getattr(child, "weight", None)
+        routes = isinstance(getattr(child, "top_k", None), int)
+        if routes and isinstance(weight, torch.Tensor) and weight.ndim == 2:
+            return name, child
+    return None
+
+
+def _experts_of(module: nn.Module) -> tuple[str, nn.Module, dict[str, int]] | None:
+    """A child whose own parameters are all stacked ``[num_experts, ...]`` 3-D weights."""
+    for name, child in module.named_children():
+        params = {n: p for n, p in child.named_parameters(recurse=False)}
+        if params and all(p.ndim == 3 for p in params.values()):
+            return name, child, {n: p.shape[0] for n, p in params.items()}
+    return None
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """Every mixture-of-experts block of ``model``: ``(router path, router, experts path, experts)``.
+
+    Recognised by contract, not by name: a module with a router child (an int
+    ``top_k`` and a 2-D ``weight``) and an experts child (stacked 3-D weights) — our
+    ``MoE`` and Hugging Face's sparse MoE blocks alike.
+
+    Example::
+
+        layers = moe_layers(get_spec("qwen3-moe-debug").build())
+        [path for path, *_ in layers]   # ['layers.0.moe.router', 'layers.1.moe.router']
+    """
+    out = []
+    for path, module in model.named_modules():
+        router, experts = _router_of(module), _experts_of(module)
+        if router is not None and experts is not None:
+            prefix = f"{path}." if path else ""
+            out.append((prefix + router[0], router[1], prefix + experts[0], experts[1]))
+    return out
+
+
+def ep_findings(model: Any, layout: Any) -> list[Finding]:
+    """Every expert-parallel problem of ``model`` on ``layout``, before any process group.
+
+    Checks: ``ep`` divides dp_shard x cp x tp (the layout's own finding), ``top_k`` is
+    at most the number of experts, the router scores as many experts as the experts
+    module holds (and all its stacked weights agree), and ``ep`` divides the number of
+    experts of every layer.
+
+    Args:
+        model: A model config (built here on the meta device) or a model (any
+            ``nn.Module``, e.g. a Hugging Face MoE; a meta-device build is enough).
+        layout: A :class:`~hyper_parallel.distributed.MeshLayout`, or the ``ep`` size.
+
+    Returns:
+        Error :class:`~hyper_parallel.dmodule.Finding` s, each with its module path and
+        fix; empty when the model splits cleanly.
+
+    Example::
+
+        ep_findings(get_spec("qwen3-30b-a3b").config(), MeshLayout.parse("dp_shard=8,ep=6"))
+    """
+    if isinstance(layout, MeshLayout):
+        out = [f for f in layout.findings() if f.field == "ep"]
+        ep = layout.ep
+    else:
+        out, ep = [], int(layout)
+    if not isinstance(model, nn.Module):
+        with torch.device("meta"):
+            model = model.build()
+    for router_path, router, experts_path, experts in moe_layers(model):
+        num_scored, top_k = router.weight.shape[0], router.top_k
+        if top_k > num_scored:
+            out.append(
+                Finding(
+                    "error",
+                    router_path,
+                    "top_k",
+                    f"top_k={top_k} is more than the {num_scored} experts the router scores.",
+                    f"route each token to at most {num_scored} experts (top_k <= num_experts).",
+                )
+            )
+        counts = {n: p.shape[0] for n, p in experts.named_parameters(recurse=False)}
+        if len(set(counts.values())) > 1 or num_scored not in counts.values():
+            out.append(
+                Finding(
+                    "error",
+                    experts_path,
+                    "num_experts",
+                    f"the router {router_path} scores {num_scored} experts but the stacked "
+                    f"expert weights hold {counts}.",
+                    "build router and experts with the same num_experts.",
+                )
+            )
+            continue
+        if ep > 1 and num_scored % ep:
+            out.append(_indivisible(experts_path, num_scored, "ep", ep))
+    return out
+
+
+# --------------------------------------------------------------------------- plan checks
+
+
+def _check(
+    path: str,
+    module: nn.Module,
+    config: ShardingConfig,
+    mesh_axes: Sequence[str],
+    axis_sizes: Mapping[str, int] | None,
+) -> list[Finding]:
+    axis = config.dispatch.axis  # type: ignore[union-attr]  # only called with a dispatch
+    out: list[Finding] = []
+
+    def error(field: str, message: str, fix: str) -> None:
+        out.append(Finding("error", path, field, message, fix))
+
+    if not config.state_shardings:
+        error(
+            "state_shardings",
+            "a routed-experts dispatch needs the stacked expert weights, and names none.",
+            "name every [num_experts, ...] weight with {'ep': Shard(0)}, e.g. with "
+            "expert_parallel(('w1', 'w2', 'w3')).",
+        )
+    num_experts: dict[str, int] = {}
+    for key, named in config.state_shardings.items():
+        try:
+            placements = resolve_placements(named, tuple(mesh_axes))
+        except ValueError:
+            continue  # the generic checks report axes not on the mesh
+        on_axis = placements[list(mesh_axes).index(axis)]
+        others = [p for a, p in zip(mesh_axes, placements) if a != axis and not p.is_replicate()]
+        if on_axis != Shard(0) or others:
+            error(
+                f"state_shardings[{key!r}]",
+                f"is placed {dict(zip(mesh_axes, placements))}; a routed-experts weight is "
+                f"split by whole experts: Shard(0) on {axis!r} and Replicate on every other "
+                "axis.",
+                f"write {{{axis!r}: Shard(0)}} (FSDP over efsdp is applied with fully_shard, "
+                "not in the plan).",
+            )
+        found = state_owner(module, key)
+        if found is not None:
+            owner, leaf = found
+            t = owner._parameters.get(leaf)
+            if t is None:
+                t = owner._buffers.get(leaf)
+            if t is not None and t.ndim >= 1:
+                num_experts[key] = t.shape[0]
+    if len(set(num_experts.values())) > 1:
+        error(
+            "state_shardings",
+            f"the expert weights disagree on the number of experts (dim 0): {num_experts}.",
+            "name only the stacked [num_experts, ...] weights of one set of experts.",
+        )
+    elif num_experts and axis_sizes and axis in axis_sizes:
+        count = next(iter(num_experts.values()))
+        ep = axis_sizes[axis]
+        if count % ep:
+            out.append(_indivisible(path, count, axis, ep))
+    try:
+        params = [
+            p
+            for p in inspect.signature(module.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        params = []
+    if len(params) < 3:
+        error(
+            "dispatch",
+            f"{type(module).__name__}.forward takes {[p.name for p in params]}; a routed-experts "
+            "module takes (x, top_k_index, top_k_weights).",
+            "apply the dispatch to the experts module itself (the one called with the router's "
+            "indices and weights), not to the block around it.",
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- the dispatch
+
+
+class RoutedExpertsDispatch:
+    """The forward of a routed-experts module under expert parallelism (built once).
+
+    Args:
+        path: The module's path, for error messages.
+        module: The experts module (its weights already DTensors ``Shard(0)`` on the axis).
+        mesh: The mesh the plan is applied on.
+        config: Its ShardingConfig (with ``dispatch``).
+        forward: The module's own forward, run on local weights.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        config: ShardingConfig,
+        forward: Callable[..., Any],
+    ) -> None:
+        axis = config.dispatch.axis  # type: ignore[union-attr]
+        self.path = path
+        self.forward = forward
+        self.group = mesh.get_group(axis)
+        self.ep_size = mesh.size(list(mesh.mesh_dim_names or ()).index(axis))
+        self.slots: list[tuple[nn.Module, str]] = []
+        num_experts = 0
+        for key in config.state_shardings:
+            found = state_owner(module, key)
+            assert found is not None, "state paths are checked before dispatches are built"
+            owner, leaf = found
+            self.slots.append((owner, leaf))
+            num_experts = owner._parameters[leaf].shape[0]
+        self.num_experts = num_experts
+        self.num_local = num_experts // self.ep_size
+        # Modules that size their own bookkeeping by a `num_experts` attribute (Hugging
+        # Face's experts do) see the local count while they run on local weights.
+        self.count_attr = getattr(module, "num_experts", None) == num_experts
+        self.module = module
+        self._local_ids: dict[torch.device, torch.Tensor] = {}
+
+    def _local_expert_ids(self, device: torch.device) -> torch.Tensor:
+        ids = self._local_ids.get(device)
+        if ids is None:  # (source rank, local expert) blocks as they arrive
+            ids = torch.arange(self.num_local, device=device).repeat(self.ep_size)
+            self._local_ids[device] = ids
+        return ids
+
+    def __call__(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        if isinstance(x, DTensor) or isinstance(top_k_index, DTensor):
+            raise ValueError(
+                f"{self.path}: the routed-experts dispatch takes the rank's tokens as plain "
+                "tensors, got a DTensor; hand the activations over as local tensors "
+                "(use_local_output=True on the module that produces them)."
+            )
+        top_k = top_k_index.shape[1]
+        flat_index = top_k_index.reshape(-1)
+        order = torch.argsort(flat_index, stable=True)
+        token_of = order // top_k
+        counts = _expert_counts(flat_index, self.num_experts)
+        # (1) counts: recv_counts[r * num_local + j] = tokens rank r sends to local expert j.
+        recv_counts = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, self.group))
+        if is_fake(counts):
+            # Fake tensors (the dry run) carry no counts: uniform routing, stated there.
+            send_splits = recv_splits = _even_split(flat_index.numel(), self.ep_size)
+        else:
+            splits = torch.stack(
+                (counts.view(self.ep_size, -1).sum(1), recv_counts.view(self.ep_size, -1).sum(1))
+            ).tolist()
+            send_splits, recv_splits = splits
+        # (2) dispatch: each token to the rank holding its expert.
+        received = funcol.all_to_all_single_autograd(
+            x[token_of], recv_splits, send_splits, self.group
+        )
+        received = funcol.wait_tensor(received)
+        local_ids = torch.repeat_interleave(
+            self._local_expert_ids(x.device), recv_counts, output_size=sum(recv_splits)
+        )
+        perm = torch.argsort(local_ids, stable=True)  # -> local-expert-major blocks
+        y = self._run_local(received[perm], local_ids[perm])
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        # (3) combine: results back to the ranks the tokens came from.
+        back = funcol.all_to_all_single_autograd(y[inverse], send_splits, recv_splits, self.group)
+        back = funcol.wait_tensor(back)
+        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, token_of, weighted.to(x.dtype))
+
+    def _run_local(self, tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """The module's own forward on its local experts, each token routed once, weight 1."""
+        saved = []
+        for owner, leaf in self.slots:
+            param = owner._parameters[leaf]
+            saved.append((owner, leaf, param))
+            # Read on every call: FSDP and checkpoint loading swap the parameters.
+            owner._parameters[leaf] = param.to_local() if isinstance(param, DTensor) else param
+        if self.count_attr:
+            self.module.num_experts = self.num_local
+        try:
+            ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
+            return self.forward(tokens, local_ids.unsqueeze(1), ones)
+        finally:
+            if self.count_attr:
+                self.module.num_experts = self.num_experts
+            for owner, leaf, param in saved:
+                owner._parameters[leaf] = param
+
+    def __repr__(self) -> str:
+        return (
+            f"RoutedExpertsDispatch(path={self.path!r}, num_experts={self.num_experts}, "
+            f"ep={self.ep_size})"
+        )
+
+
+register_dispatch(Dispatch(kind=ROUTED_EXPERTS, check=_check, build=RoutedExpertsDispatch))
+
+
+# --------------------------------------------------------------------------- training wiring
+
+
+def expert_entries(model: nn.Module) -> tuple[list[PlanEntry], list[PlanEntry]]:
+    """A Module tree's plan entries split into ``(dense, routed experts)``."""
+    from hyper_parallel.dmodule.module import Module
+
+    entries = [
+        PlanEntry(path, m, m.sharding_config)
+        for path, m in model.named_modules()
+        if isinstance(m, Module) and m.sharding_config is not None
+    ]
+    experts = [e for e in entries if e.config.dispatch is not None]
+    return [e for e in entries if e.config.dispatch is None], experts
+
+
+def parallelize_with_experts(
+    model: nn.Module, mesh: ParallelMesh, dense_mesh: DeviceMesh | None
+) -> None:
+    """Apply a Module tree's sharding: routed experts on ``mesh["ep"]``, the rest on ``dense_mesh``.
+
+    Both sets are checked before either is applied, so on any problem the model is
+    left as it was.
+
+    Raises:
+        ParallelizeError: Listing every problem of both sets.
+    """
+    from hyper_parallel.dmodule._boundary import parallelize_entries
+    from hyper_parallel.dmodule._checks import ParallelizeError, check_entries, errors_of
+
+    dense, experts = expert_entries(model)
+    ep_mesh = mesh["ep"]
+    findings = check_entries(experts, ("ep",), {"ep": ep_mesh.size()}) if experts else []
+    if dense and dense_mesh is None:
+        findings.append(
+            Finding(
+                "error",
+                dense[0].path,
+                "",
+                "dense sharding configs need a model-parallel mesh, and none was given.",
+                "parallelize dense states on the submesh of the axes they declare.",
+            )
+        )
+    if dense and dense_mesh is not None:
+        axes = tuple(dense_mesh.mesh_dim_names or ())
+        findings += check_entries(dense, axes, dict(zip(axes, dense_mesh.shape)))
+    if errors_of(findings):
+        raise ParallelizeError(errors_of(findings))
+    if dense and dense_mesh is not None:
+        parallelize_entries(model, dense_mesh, dense)
+    if experts:
+        parallelize_entries(model, ep_mesh, experts)
+
+
+def shard_experts(model: nn.Module, mesh: ParallelMesh, **fully_shard_kwargs: Any) -> list[str]:
+    """``fully_shard`` each routed-experts module over ``mesh["efsdp"]`` (before the blocks).
+
+    Expert states are DTensors on ``ep``; FSDP2 shards them further over ``efsdp`` (a
+    2-D (efsdp, ep) layout), and the dense FSDP of the enclosing blocks then leaves them
+    alone. Run it after :func:`parallelize_with_experts` and before the blocks'
+    ``fully_shard``. Returns the wrapped paths.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    _, experts = expert_entries(model)
+    efsdp = mesh["efsdp"]
+    for entry in experts:
+        fully_shard(
+            entry.module,
+            mesh=efsdp,
+            shard_placement_fn=expert_shard_placement(entry.module, efsdp.size()),
+            **fully_shard_kwargs,
+        )
+    return [e.path for e in experts]
+
+
+def expert_shard_placement(
+    module: nn.Module, efsdp_size: int
+) -> Callable[[nn.Parameter], Shard | None] | None:
+    """FSDP2's ``shard_placement_fn`` for an experts module: dim 1 when dim 0 would pad.
+
+    A rank's local experts (``num_experts / ep``) often number fewer than the ``efsdp``
+    ranks; sharding them on dim 0 would pad most ranks' shards to a whole expert
+    (rank 0 holding ``1 / num_local`` of them instead of ``1 / efsdp``). Dim 1 (the
+    expert's hidden or model width) divides evenly then, as torchtitan does.
+    """
+    counts = {_local(p).shape[0] for p in module.parameters(recurse=False)}
+    if all(c % efsdp_size == 0 for c in counts):
+        return None
+    return lambda p: Shard(1)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def expert_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """The parameters of every routed-experts module (those with a dispatch config)."""
+    _, experts = expert_entries(model)
+    return [p for e in experts for p in e.module.parameters()]
+
+
+def rescale_expert_grads(model: nn.Module, layout: MeshLayout) -> None:
+    """Bring expert gradients to the dense convention: the mean over the data ranks.
+
+    A rank's expert gradient sums the losses of the ``ep`` ranks that sent it tokens;
+    FSDP2 then averages over ``efsdp`` only. Dense gradients are averaged over all
+    ``dp_shard`` ranks, so expert gradients are divided by the remaining factor,
+    ``dp_shard / efsdp`` = ``ep`` (with cp = tp = 1). Call after ``backward()``.
+    """
+    factor = layout.dp_shard // layout.efsdp
+    if factor == 1:
+        return
+    with torch.no_grad():
+        for p in expert_parameters(model):
+            if p.grad is not None:
+                p.grad.div_(factor)
+
+
+def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
+    """Mesh combinations expert parallelism does not run, each refused with the alternative."""
+    if layout.ep == 1:
+        return []
+    out = []
+    for axis in ("tp", "cp", "dp_replicate", "pp"):
+        size = layout.size(axis)
+        if size > 1:
+            out.append(
+                Finding(
+                    "error",
+                    "mesh",
+                    "ep",
+                    f"ep={layout.ep} with {axis}={size}: expert parallelism runs with dp_shard "
+                    f"only (ep borrowing from dp_shard); with {axis} > 1 the routed tokens would "
+                    "be duplicated or their experts' gradients left unreduced.",
+                    f"leave {axis} out of the mesh and give its ranks to dp_shard "
+                    f"(e.g. dp_shard={layout.dp_shard * size},ep={layout.ep}).",
+                )
+            )
+    return out
+
+
+def ep_plan_findings(layout: MeshLayout, entries: Sequence[PlanEntry]) -> list[Finding]:
+    """An error when the mesh has ``ep`` > 1 but the plan splits no routed experts.
+
+    The ep ranks would then hold every expert and read their batch rows as plain data
+    parallelism, silently: an ep size that changes nothing is refused.
+    """
+    if layout.ep == 1 or any(e.config.dispatch is not None for e in entries):
+        return []
+    return [
+        Finding(
+            "error",
+            "mesh",
+            "ep",
+            f"the mesh has ep={layout.ep} but the model's sharding splits no routed experts "
+            "(no config with a routed_experts dispatch).",
+            "use a mixture-of-experts model (e.g. qwen3-moe-debug, whose 'ep' sharding is "
+            "registered) or a plan with expert_parallel(...) entries, or leave ep out of the "
+            "mesh.",
+        )
+    ]

@@ -1,0 +1,86 @@
+"""A Qwen3-MoE decoder with expert parallelism.
+
+Importing this package registers one :class:`~hyper_parallel.dmodule.ModelSpec` per
+preset (``qwen3-moe-debug``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``). Each spec's
+``config(**overrides)`` returns a ``Transformer.Config``; its ``extras`` hold the
+family, the sharding function (``"ep"``), the loss, ``num_params`` and
+``num_expert_params``.
+
+Example::
+
+    import torch
+    from hyper_parallel.dmodule import get_spec
+
+    spec = get_spec("qwen3-moe-debug")
+    config = spec.extras["ep"](spec.config())
+    with torch.device("meta"):
+        model = config.build()
+    # model.parallelize(mesh["ep"]); model.to_empty(device="cpu"); model.init_states()
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
+from hyper_parallel.models.llama.loss import cross_entropy_loss as cross_entropy_loss
+from hyper_parallel.models.qwen3_moe.config import PRESETS as PRESETS
+from hyper_parallel.models.qwen3_moe.config import num_expert_params as num_expert_params
+from hyper_parallel.models.qwen3_moe.config import num_params as num_params
+from hyper_parallel.models.qwen3_moe.config import preset_config as preset_config
+from hyper_parallel.models.qwen3_moe.config import qwen3_moe_config as qwen3_moe_config
+from hyper_parallel.models.qwen3_moe.model import Attention as Attention
+from hyper_parallel.models.qwen3_moe.model import GroupedExperts as GroupedExperts
+from hyper_parallel.models.qwen3_moe.model import MoE as MoE
+from hyper_parallel.models.qwen3_moe.model import Router as Router
+from hyper_parallel.models.qwen3_moe.model import Transformer as Transformer
+from hyper_parallel.models.qwen3_moe.model import TransformerBlock as TransformerBlock
+from hyper_parallel.models.qwen3_moe.model import expert_ffn as expert_ffn
+from hyper_parallel.models.qwen3_moe.model import load_balancing_loss as load_balancing_loss
+from hyper_parallel.models.qwen3_moe.sharding import EXPERT_PARAMS as EXPERT_PARAMS
+from hyper_parallel.models.qwen3_moe.sharding import apply_ep as apply_ep
+from hyper_parallel.models.qwen3_moe.sharding import check_ep as check_ep
+
+__all__ = [
+    "EXPERT_PARAMS",
+    "PRESETS",
+    "Attention",
+    "GroupedExperts",
+    "MoE",
+    "Router",
+    "Transformer",
+    "TransformerBlock",
+    "apply_ep",
+    "check_ep",
+    "cross_entropy_loss",
+    "expert_ffn",
+    "load_balancing_loss",
+    "num_expert_params",
+    "num_params",
+    "preset_config",
+    "qwen3_moe_config",
+]
+
+_DESCRIPTIONS = {
+    "qwen3-moe-debug": "Qwen3-MoE-style decoder, debug size: 8 experts, top-2 (trains in "
+    "seconds on CPU)",
+    "qwen3-30b-a3b": "Qwen3-30B-A3B shapes: 128 experts, top-8",
+    "qwen3-235b-a22b": "Qwen3-235B-A22B shapes: 128 experts, top-8",
+}
+
+for _name in PRESETS:
+    register_spec(
+        ModelSpec(
+            name=_name,
+            build_model_fn=functools.partial(preset_config, _name),
+            description=_DESCRIPTIONS[_name],
+            extras={
+                "family": "qwen3_moe",
+                "ep": apply_ep,
+                "loss_fn": cross_entropy_loss,
+                "num_params": num_params,
+                "num_expert_params": num_expert_params,
+                "expert_paths": "layers.*.moe.experts",
+            },
+        )
+    )

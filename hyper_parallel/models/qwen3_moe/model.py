@@ -1,0 +1,366 @@
+"""A Qwen3-MoE decoder: the maths only.
+
+Every layer is a :class:`~hyper_parallel.dmodule.module.Module` built from its
+``Config``; placements live in ``sharding.py``, presets in ``config.py``. The
+attention is the Llama's grouped-query attention with an RMSNorm on each query and
+key head (Qwen3); the feed-forward of every block is a mixture of experts: a softmax
+router picks ``top_k`` experts per token (their weights renormalized over the chosen
+``k``), and :class:`GroupedExperts` runs SwiGLU experts whose weights are stacked
+``[num_experts, ...]``, with no capacity limit (no token is dropped).
+
+:class:`GroupedExperts` takes ``(x, top_k_index, top_k_weights)`` and returns the
+router-weighted sum of the chosen experts' outputs — the same contract as Hugging
+Face's experts modules — so expert parallelism
+(:mod:`hyper_parallel.distributed.expert_parallel`) applies to both unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from hyper_parallel.dmodule.model import BaseModel
+from hyper_parallel.dmodule.module import Module, ModuleList
+from hyper_parallel.models.llama.model import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    ScaledDotProductAttention,
+    apply_rotary_emb,
+)
+
+__all__ = [
+    "Attention",
+    "Embedding",
+    "GroupedExperts",
+    "Linear",
+    "MoE",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "Router",
+    "ScaledDotProductAttention",
+    "Transformer",
+    "TransformerBlock",
+    "even_split",
+    "expert_counts",
+    "expert_ffn",
+    "load_balancing_loss",
+]
+
+
+class Attention(Module):
+    """Grouped-query self-attention with per-head RMSNorm on queries and keys, then RoPE."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        head_dim: int
+        wq: Linear.Config
+        wk: Linear.Config
+        wv: Linear.Config
+        wo: Linear.Config
+        q_norm: RMSNorm.Config
+        k_norm: RMSNorm.Config
+        inner_attention: ScaledDotProductAttention.Config
+
+    def __init__(self, config: Attention.Config) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.wq, self.wk, self.wv, self.wo = (
+            c.build() for c in (config.wq, config.wk, config.wv, config.wo)
+        )
+        self.q_norm, self.k_norm = config.q_norm.build(), config.k_norm.build()
+        self.inner_attention = config.inner_attention.build()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, _ = x.shape
+        q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        return self.wo(self.inner_attention(q, k, v).flatten(-2))
+
+
+class Router(Module):
+    """Softmax top-k router: ``x (T, dim) -> (probs (T, E), top_k_index, top_k_weights)``.
+
+    Probabilities are computed in fp32; the chosen ``top_k`` weights are renormalized
+    to sum to one (Qwen3-MoE's ``norm_topk_prob``).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        dim: int
+        num_experts: int
+        top_k: int
+
+    def __init__(self, config: Router.Config) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.dim))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).float().softmax(dim=-1)
+        top_weights, top_index = probs.topk(self.top_k, dim=-1)
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return probs, top_index, top_weights.to(x.dtype)
+
+
+def _grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` accepts these operands (else the loop is used).
+
+    Its CPU kernel needs every stride a multiple of 16 bytes and a float dtype it
+    implements; the loop gives the same numbers everywhere else.
+    """
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    align = 16 // x.element_size()
+    return x.shape[-1] % align == 0 and weight.shape[-1] % align == 0
+
+
+def _grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None, offsets: torch.Tensor
+) -> torch.Tensor:
+    """``x`` in expert-major blocks times ``weight[e].T`` per block: ``(N, in) -> (N, out)``."""
+    if counts is None:
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    blocks = torch.split(x, counts)
+    return torch.cat([b @ weight[e].T for e, b in enumerate(blocks)], dim=0)
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` items in ``parts`` near-equal counts (the first ``total % parts`` get one more).
+
+    Example:
+        >>> even_split(10, 4)
+        [3, 3, 2, 2]
+    """
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def expert_counts(flat_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many entries of ``flat_index`` name each of ``num_experts`` experts (int64).
+
+    A scatter-add rather than ``bincount``, so the shape is static (fake tensors too).
+    """
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat_index.device)
+    return counts.index_add_(0, flat_index, torch.ones_like(flat_index))
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    *,
+    use_grouped_mm: bool = True,
+) -> torch.Tensor:
+    """SwiGLU experts on expert-major token blocks: ``w2_e(silu(w1_e x) * w3_e x)``.
+
+    Args:
+        x: ``(N, dim)`` tokens, the first ``num_tokens_per_expert[0]`` for expert 0, ...
+        num_tokens_per_expert: ``(E,)`` integer counts summing to ``N`` (zeros allowed).
+        w1, w3: ``(E, hidden, dim)``; w2: ``(E, dim, hidden)``.
+        use_grouped_mm: Use ``torch._grouped_mm`` where it runs; ``False`` forces the
+            loop over experts (the same numbers).
+
+    Returns:
+        ``(N, dim)`` expert outputs in the same order.
+    """
+    offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+    if is_fake(x):
+        # Fake tensors (the dry run) carry no counts: assume an even split (uniform routing).
+        counts: list[int] | None = even_split(x.shape[0], num_tokens_per_expert.shape[0])
+    elif use_grouped_mm and _grouped_mm_runs(x, w1) and _grouped_mm_runs(x, w2):
+        counts = None
+    else:
+        counts = num_tokens_per_expert.tolist()
+    h = F.silu(_grouped_linear(x, w1, counts, offsets)) * _grouped_linear(x, w3, counts, offsets)
+    return _grouped_linear(h, w2, counts, offsets)
+
+
+class GroupedExperts(Module):
+    """``num_experts`` SwiGLU experts with stacked weights; routed tokens in, weighted sum out.
+
+    ``forward(x (T, dim), top_k_index (T, k), top_k_weights (T, k)) -> (T, dim)``:
+    ``out[t] = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(x[t])``. The
+    number of experts is read from the weights, so the same code runs on a rank's
+    local experts (indices then count from that rank's first expert).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        num_experts: int
+        dim: int
+        hidden_dim: int
+        use_grouped_mm: bool = True
+
+    def __init__(self, config: GroupedExperts.Config) -> None:
+        super().__init__()
+        self.use_grouped_mm = config.use_grouped_mm
+        e, d, h = config.num_experts, config.dim, config.hidden_dim
+        self.w1 = nn.Parameter(torch.empty(e, h, d))
+        self.w2 = nn.Parameter(torch.empty(e, d, h))
+        self.w3 = nn.Parameter(torch.empty(e, h, d))
+
+    def forward(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        top_k = top_k_index.shape[1]
+        flat_index = top_k_index.reshape(-1)
+        # Expert-major order of the (token, choice) pairs; stable, so ties keep token order.
+        order = torch.argsort(flat_index, stable=True)
+        counts = expert_counts(flat_index, self.w1.shape[0])
+        token_of = order // top_k
+        y = expert_ffn(
+            x[token_of], counts, self.w1, self.w2, self.w3, use_grouped_mm=self.use_grouped_mm
+        )
+        y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, token_of, y.to(x.dtype))
+
+
+def load_balancing_loss(
+    probs: torch.Tensor, top_k_index: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Switch-Transformer balance loss per sequence, averaged over sequences.
+
+    For each sequence: ``num_experts * sum_e f_e * P_e`` with ``f_e`` the fraction of
+    its ``(token, choice)`` assignments that went to expert ``e`` and ``P_e`` its mean
+    router probability (Fedus et al., 2021, eq. 4-6; per sequence as DeepSeek-V3's
+    sequence-wise balance loss). Per sequence, so that any mesh that keeps whole
+    sequences on a rank (data, tensor and expert parallel) computes exactly the
+    single-device value as the mean of its ranks' values; a value over 1 means
+    imbalance, 1 is perfect balance.
+
+    Args:
+        probs: ``(B, S, E)`` router probabilities.
+        top_k_index: ``(B, S, k)`` chosen experts.
+        num_experts: ``E``.
+
+    Returns:
+        A scalar: the mean over the ``B`` sequences.
+    """
+    bsz, seq_len, top_k = top_k_index.shape
+    counts = torch.zeros(bsz, num_experts, device=probs.device, dtype=probs.dtype)
+    counts.scatter_add_(
+        1,
+        top_k_index.reshape(bsz, -1),
+        torch.ones_like(top_k_index.reshape(bsz, -1), dtype=probs.dtype),
+    )
+    fraction = counts / (seq_len * top_k)
+    return (num_experts * (fraction * probs.mean(dim=1)).sum(dim=-1)).mean()
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Return ``x`` unchanged; in backward, also send ``coef`` as the aux loss's gradient.
+
+    The balance loss then trains the router without the training loop having to add
+    it to the loss (Megatron-LM's ``MoEAuxLossAutoScaler``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, aux_loss: torch.Tensor, coef: float) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        ctx.coef = coef
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.coef), None
+
+
+class MoE(Module):
+    """Mixture-of-experts feed-forward: route, run the chosen experts, weighted sum.
+
+    ``forward(x (B, S, dim)) -> (B, S, dim)``. With ``aux_loss_coef > 0`` the router's
+    balance loss (:func:`load_balancing_loss`) adds ``aux_loss_coef`` times its
+    gradient in backward; its last value is kept in ``aux_loss`` (detached) for logging.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        router: Router.Config
+        experts: GroupedExperts.Config
+        aux_loss_coef: float = 0.001
+
+    def __init__(self, config: MoE.Config) -> None:
+        super().__init__()
+        self.aux_loss_coef = config.aux_loss_coef
+        self.num_experts = config.router.num_experts
+        self.router = config.router.build()
+        self.experts = config.experts.build()
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        probs, top_index, top_weights = self.router(tokens)
+        out = self.experts(tokens, top_index, top_weights).view(bsz, seq_len, dim)
+        if self.aux_loss_coef > 0 and torch.is_grad_enabled():
+            aux = load_balancing_loss(
+                probs.view(bsz, seq_len, -1), top_index.view(bsz, seq_len, -1), self.num_experts
+            )
+            self.aux_loss = aux.detach()
+            out = _AttachAuxLoss.apply(out, aux, self.aux_loss_coef)
+        return out
+
+
+class TransformerBlock(Module):
+    """Pre-norm residual block: attention, then the mixture of experts."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        attention_norm: RMSNorm.Config
+        attention: Attention.Config
+        ffn_norm: RMSNorm.Config
+        moe: MoE.Config
+
+    def __init__(self, config: TransformerBlock.Config) -> None:
+        super().__init__()
+        self.attention_norm = config.attention_norm.build()
+        self.attention = config.attention.build()
+        self.ffn_norm = config.ffn_norm.build()
+        self.moe = config.moe.build()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.moe(self.ffn_norm(h))
+
+
+class Transformer(BaseModel):
+    """Decoder-only MoE language model: ``forward(tokens (B, S)) -> logits (B, S, vocab)``.
+
+    Build one from a preset with :func:`~hyper_parallel.models.qwen3_moe.qwen3_moe_config`.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseModel.Config):
+        tok_embeddings: Embedding.Config
+        rope: RotaryEmbedding.Config
+        layers: list[TransformerBlock.Config]
+        norm: RMSNorm.Config
+        output: Linear.Config
+
+    def __init__(self, config: Transformer.Config) -> None:
+        super().__init__()
+        self.tok_embeddings = config.tok_embeddings.build()
+        self.rope = config.rope.build()
+        self.layers = ModuleList([c.build() for c in config.layers])
+        self.norm = config.norm.build()
+        self.output = config.output.build()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        cos, sin = self.rope(tokens.shape[1])
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))

@@ -1,0 +1,284 @@
+"""Rank-side checks shared by the expert-parallel tests (module-level, so ranks can run them).
+
+Every check builds the single-device reference on each rank from the same seed, runs
+the expert-parallel model on the rank's rows of the batch, and returns the largest
+differences of outputs, loss and every gradient (plus collective counts) to the test.
+Gradient convention (as a data-parallel trainer): each rank's loss is the mean over
+its tokens; dense gradients are averaged over the batch ranks; expert gradients are
+summed over the ranks holding the same experts and divided by the number of batch
+ranks (``expert_grad_divisor``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed import MeshLayout
+from hyper_parallel.distributed.expert_parallel import expert_grad_divisor
+from hyper_parallel.models.qwen3_moe import (
+    GroupedExperts,
+    apply_ep,
+    cross_entropy_loss,
+    preset_config,
+)
+
+BATCH, SEQ = 4, 12
+PLANS = Path(__file__).resolve().parents[2] / "examples" / "plans"
+
+
+def _batch_rows(mesh: Any, batch: int) -> slice:
+    group = mesh["batch"]
+    size, rank = group.size(), group.get_local_rank()
+    per = batch // size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def _all_reduce(t: torch.Tensor, mesh_1d: Any) -> torch.Tensor:
+    t = t.clone()
+    if mesh_1d.size() > 1:
+        dist.all_reduce(t, group=mesh_1d.get_group())
+    return t
+
+
+def _max_diffs(model: torch.nn.Module, reference: torch.nn.Module, mesh: Any) -> dict[str, float]:
+    """Largest |grad - reference grad| per parameter, after the data-parallel reduction."""
+    ref = dict(reference.named_parameters())
+    num_batch = mesh["batch"].size()
+    diffs = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        if isinstance(p, DTensor):  # an expert weight: this rank's experts
+            grad = _all_reduce(p.grad.to_local(), mesh["efsdp"]) / expert_grad_divisor(num_batch)
+            per = p.to_local().shape[0]
+            start = mesh["ep"].get_local_rank() * per
+            expected = ref[name].grad[start : start + per]
+        else:
+            grad = _all_reduce(p.grad, mesh["batch"]) / num_batch
+            expected = ref[name].grad
+        diffs[name] = (grad - expected).abs().max().item()
+    assert set(diffs) == set(ref)
+    return diffs
+
+
+def model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The debug MoE at ``mesh_text`` (experts on ``ep``) vs one device."""
+    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    config = preset_config("qwen3-moe-debug", **(overrides or {}))
+    torch.manual_seed(0)
+    reference = config.build()
+    reference.init_states()
+    torch.manual_seed(0)
+    model = apply_ep(config).build()
+    model.init_states()
+    model.parallelize(mesh["ep"])
+    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    ref_logits = reference(inputs)
+    ref_loss = cross_entropy_loss(ref_logits, targets)
+    ref_loss.backward()
+
+    rows = _batch_rows(mesh, BATCH)
+    with CommDebugMode() as forward_comms:
+        logits = model(inputs[rows])
+    loss = cross_entropy_loss(logits, targets[rows])
+    with CommDebugMode() as backward_comms:
+        loss.backward()
+    global_loss = _all_reduce(loss.detach(), mesh["batch"]) / mesh["batch"].size()
+    aux = [layer.moe.aux_loss for layer in model.layers]
+    ref_aux = [layer.moe.aux_loss for layer in reference.layers]
+    global_aux = [_all_reduce(a, mesh["batch"]) / mesh["batch"].size() for a in aux]
+    return {
+        "logits": (logits - ref_logits[rows]).abs().max().item(),
+        "loss": (global_loss - ref_loss.detach()).abs().item(),
+        "aux": max((a - r).abs().item() for a, r in zip(global_aux, ref_aux)),
+        "grads": _max_diffs(model, reference, mesh),
+        "forward_comms": _counts(forward_comms),
+        "backward_comms": _counts(backward_comms),
+        "placements": {
+            n: repr(list(p.placements))
+            for n, p in model.named_parameters()
+            if isinstance(p, DTensor)
+        },
+        "num_layers": len(model.layers),
+    }
+
+
+def _counts(mode: CommDebugMode) -> dict[str, int]:
+    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items() if n}
+
+
+def experts_parity(mesh_text: str, routes: list[list[list[int]]]) -> dict[str, Any]:
+    """One ``GroupedExperts`` layer with hand-written routes: ``routes[rank]`` is (T, k)."""
+    from hyper_parallel.distributed.expert_parallel import expert_parallel
+
+    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = GroupedExperts.Config(num_experts=8, dim=16, hidden_dim=12)
+    torch.manual_seed(0)
+    reference = config.build()
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    experts = GroupedExperts.Config(
+        num_experts=8, dim=16, hidden_dim=12, sharding_config=expert_parallel(("w1", "w2", "w3"))
+    ).build()
+    experts.load_state_dict(reference.state_dict())
+    experts.parallelize(mesh["ep"])
+    generator = torch.Generator().manual_seed(2)
+    xs = [torch.randn(len(r), 16, generator=generator) for r in routes]
+    ws = [torch.rand(len(r), len(r[0]), generator=generator) for r in routes]
+    x_all = torch.cat(xs).requires_grad_()
+    index_all = torch.tensor([t for r in routes for t in r])
+    ref_out = reference(x_all, index_all, torch.cat(ws))
+    probe = torch.randn(ref_out.shape, generator=generator)
+    (ref_out * probe).sum().backward()
+
+    start = sum(len(r) for r in routes[:rank])
+    local = slice(start, start + len(routes[rank]))
+    x = xs[rank].clone().requires_grad_()
+    with CommDebugMode() as forward_comms:
+        out = experts(x, torch.tensor(routes[rank]), ws[rank])
+    with CommDebugMode() as backward_comms:
+        (out * probe[local]).sum().backward()
+    per = 8 // mesh["ep"].size()
+    first = mesh["ep"].get_local_rank() * per
+    grads = {
+        name: (_all_reduce(p.grad.to_local(), mesh["efsdp"]) - ref.grad[first : first + per])
+        .abs()
+        .max()
+        .item()
+        for (name, p), ref in zip(experts.named_parameters(), reference.parameters())
+    }
+    del world
+    return {
+        "out": (out - ref_out[local]).abs().max().item(),
+        "x_grad": (x.grad - x_all.grad[local]).abs().max().item(),
+        "grads": grads,
+        "forward_comms": _counts(forward_comms),
+        "backward_comms": _counts(backward_comms),
+    }
+
+
+def hf_plan_parity(family: str, plan_file: str) -> dict[str, Any]:
+    """An unmodified Hugging Face MoE parallelized from a plan file on a 1-D ``ep`` mesh.
+
+    Convention of a data-parallel wrapper that sums gradients: each rank's loss is
+    scaled by its share of the tokens (``1 / ranks``), dense gradients are summed over
+    the ranks, expert gradients are used as they are.
+    """
+    from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
+    from hyper_parallel.dmodule import parallelize_module
+    from hyper_parallel.hf import build_hf_model
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    reference = build_hf_model(family, seed=0)
+    model = build_hf_model(family, seed=0)
+    parallelize_module(model, mesh, plan_file)
+    tokens = torch.randint(0, 128, (2 * world, 10), generator=torch.Generator().manual_seed(3))
+    ref_out = reference(tokens, labels=tokens)
+    ref_out.loss.backward()
+    per = tokens.shape[0] // world
+    rows = slice(dist.get_rank() * per, (dist.get_rank() + 1) * per)
+    with CommDebugMode() as comms:
+        out = model(tokens[rows], labels=tokens[rows])
+    (out.loss / world).backward()
+    loss = _all_reduce(out.loss.detach(), mesh) / world
+    ref_params = dict(reference.named_parameters())
+    grads, placements = {}, {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            placements[name] = repr(list(p.placements))
+            local = p.grad.to_local()
+            start = mesh.get_local_rank() * local.shape[0]
+            expected = ref_params[name].grad[start : start + local.shape[0]]
+            grads[name] = (local - expected).abs().max().item()
+        else:
+            grads[name] = (_all_reduce(p.grad, mesh) - ref_params[name].grad).abs().max().item()
+    return {
+        "logits": (out.logits - ref_out.logits[rows]).abs().max().item(),
+        "loss": (loss - ref_out.loss.detach()).abs().item(),
+        "grads": grads,
+        "forward_comms": _counts(comms),
+        "placements": placements,
+        "num_layers": reference.config.num_hidden_layers,
+    }
+
+
+def _debug_model(mesh: Any, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = apply_ep(preset_config("qwen3-moe-debug")).build()
+    model.init_states()
+    return model.parallelize(mesh["ep"])
+
+
+def dcp_save(path: str, mesh_text: str) -> None:
+    """Save the seed-0 debug MoE, experts split as ``mesh_text`` says, with DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    dcp.save(_debug_model(mesh, seed=0).state_dict(), checkpoint_id=path)
+
+
+def dcp_load(path: str, mesh_text: str) -> list[str]:
+    """Load it into a seed-1 model at ``mesh_text``; names of states not bitwise seed-0."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    model = _debug_model(mesh, seed=1)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state)
+    torch.manual_seed(0)
+    reference = preset_config("qwen3-moe-debug").build()
+    reference.init_states()
+    expected = reference.state_dict()
+    wrong = []
+    for name, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            per = value.to_local().shape[0]
+            start = mesh["ep"].get_local_rank() * per
+            full = expected[name][start : start + per]
+            value = value.to_local()
+        else:
+            full = expected[name]
+        if not torch.equal(value, full):
+            wrong.append(name)
+    return wrong
+
+
+def trainer_parity(mesh_text: str) -> dict[str, float]:
+    """The trainer's build (experts on ep, FSDP2 on fsdp/efsdp) vs its one-device build.
+
+    One forward/backward on the same global batch; gradients after the trainer's
+    expert-gradient rescaling, gathered with ``full_tensor``.
+    """
+    from hyper_parallel.distributed.expert_parallel import rescale_expert_grads
+    from hyper_parallel.train import TrainConfig, build_parallel_model
+    from hyper_parallel.train.trainer import build_mesh
+
+    layout = MeshLayout.parse(mesh_text)
+    cfg = TrainConfig(model="qwen3-moe-debug", mesh=layout.active())
+    mesh = build_mesh(layout, device="cpu")
+    model = build_parallel_model(cfg, mesh, device="cpu")
+    reference = build_parallel_model(cfg, None, device="cpu")
+    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    ref_loss = cross_entropy_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+    ref_loss.backward()
+    rows = _batch_rows(mesh, BATCH)
+    loss = cross_entropy_loss(model(tokens[rows, :-1]), tokens[rows, 1:])
+    loss.backward()
+    rescale_expert_grads(model, layout)
+    ref = dict(reference.named_parameters())
+    diffs = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        diffs[name] = (grad - ref[name].grad).abs().max().item()
+    global_loss = _all_reduce(loss.detach(), mesh["batch"]) / mesh["batch"].size()
+    diffs["<loss>"] = (global_loss - ref_loss.detach()).abs().item()
+    return diffs

@@ -1,0 +1,85 @@
+"""Expert parallelism at ep=2 on real gloo ranks, against one device.
+
+Outputs, loss, the router balance loss and every gradient at 1e-5; the collectives of
+each MoE layer (forward: count exchange, dispatch and combine all-to-alls; backward:
+the two transposes; nothing else); routings where experts and whole ranks receive no
+tokens; the Hugging Face plan files.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import moe_checks
+
+pytestmark = pytest.mark.distributed
+WORLD_SIZE = 2
+TOL = 1e-5
+
+
+def _assert_close(result: dict, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        assert result[key] < TOL, (key, result[key])
+    worst = max(result["grads"].items(), key=lambda kv: kv[1])
+    assert worst[1] < TOL, worst
+
+
+def test_debug_moe_at_ep2_equals_one_device(dist) -> None:
+    results = dist.run(moe_checks.model_parity, "dp_shard=2,ep=2")
+    for r in results:
+        _assert_close(r, ("logits", "loss", "aux"))
+        layers = r["num_layers"]
+        # Per MoE layer: counts + dispatch + combine forward, their two transposes backward.
+        assert r["forward_comms"] == {"all_to_all_single": 3 * layers}
+        assert r["backward_comms"] == {"all_to_all_single": 2 * layers}
+        expert_params = {n for n in r["placements"]}
+        assert expert_params == {
+            f"layers.{i}.moe.experts.{w}" for i in range(layers) for w in ("w1", "w2", "w3")
+        }
+        assert set(r["placements"].values()) == {"[Shard(dim=0)]"}
+
+
+def test_loop_experts_at_ep2_equal_one_device(dist) -> None:
+    results = dist.run(moe_checks.model_parity, "dp_shard=2,ep=2", {"use_grouped_mm": False})
+    for r in results:
+        _assert_close(r, ("logits", "loss", "aux"))
+
+
+# rank 0 holds experts 0-3, rank 1 experts 4-7.
+_SKEWED = [
+    [[0, 1], [1, 2], [2, 0], [0, 3]],  # rank 0 sends nothing to rank 1
+    [[4, 0], [5, 1], [0, 4], [1, 5], [4, 5]],  # experts 6, 7 and 2, 3 get nothing from rank 1
+]
+_ALL_TO_RANK0 = [[[0, 1], [2, 3], [1, 2]], [[3, 0], [0, 2]]]  # rank 1 receives zero tokens
+
+
+@pytest.mark.parametrize("routes", [_SKEWED, _ALL_TO_RANK0], ids=["skewed", "one_rank_idle"])
+def test_experts_with_zero_tokens_for_some_experts_and_ranks(dist, routes) -> None:
+    results = dist.run(moe_checks.experts_parity, "dp_shard=2,ep=2", routes)
+    for r in results:
+        _assert_close(r, ("out", "x_grad"))
+        assert r["forward_comms"] == {"all_to_all_single": 3}
+        assert r["backward_comms"] == {"all_to_all_single": 2}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_hugging_face_moe_from_plan_file_equals_one_device(dist, family) -> None:
+    pytest.importorskip("transformers", reason="transformers is in the test extra")
+    plan = moe_checks.PLANS / f"hf_{family}_ep.yaml"
+    results = dist.run(moe_checks.hf_plan_parity, family, str(plan))
+    for r in results:
+        _assert_close(r, ("logits", "loss"))
+        layers = r["num_layers"]
+        assert r["forward_comms"] == {"all_to_all_single": 3 * layers}
+        assert set(r["placements"]) == {
+            f"model.layers.{i}.mlp.experts.{w}"
+            for i in range(layers)
+            for w in ("gate_up_proj", "down_proj")
+        }
+        assert set(r["placements"].values()) == {"[Shard(dim=0)]"}
+
+
+def test_trainer_build_at_dp_shard2_ep2_equals_one_device(dist) -> None:
+    for diffs in dist.run(moe_checks.trainer_parity, "dp_shard=2,ep=2"):
+        worst = max(diffs.items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst

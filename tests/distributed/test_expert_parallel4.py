@@ -1,0 +1,69 @@
+"""Expert parallelism on 4 gloo ranks, against one device: ep=4, and ep=2 with efsdp=2.
+
+At ``dp_shard=4,ep=2`` each expert lives on two ranks (the efsdp group, here reduced
+by hand as FSDP2 would); every rank reads its own rows of the batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import moe_checks
+
+pytestmark = pytest.mark.distributed
+WORLD_SIZE = 4
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("mesh", ["dp_shard=4,ep=4", "dp_shard=4,ep=2"])
+def test_debug_moe_equals_one_device(dist, mesh: str) -> None:
+    results = dist.run(moe_checks.model_parity, mesh)
+    for r in results:
+        for key in ("logits", "loss", "aux"):
+            assert r[key] < TOL, (key, r[key])
+        worst = max(r["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst
+        layers = r["num_layers"]
+        assert r["forward_comms"] == {"all_to_all_single": 3 * layers}
+        assert r["backward_comms"] == {"all_to_all_single": 2 * layers}
+
+
+def test_ep4_zero_tokens_for_whole_ranks(dist) -> None:
+    # Ranks hold experts {0,1}, {2,3}, {4,5}, {6,7}: ranks 2 and 3 receive nothing.
+    routes = [[[0, 1], [1, 2]], [[3, 0]], [[2, 1], [0, 3], [1, 0]], [[0, 2]]]
+    results = dist.run(moe_checks.experts_parity, "dp_shard=4,ep=4", routes)
+    for r in results:
+        assert r["out"] < TOL and r["x_grad"] < TOL, r
+        assert max(r["grads"].values()) < TOL, r["grads"]
+        assert r["forward_comms"] == {"all_to_all_single": 3}
+        assert r["backward_comms"] == {"all_to_all_single": 2}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_checkpoint_saved_at_ep4_loads_at_ep2_and_in_one_process_bitwise(dist, tmp_path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hyper_parallel.models.qwen3_moe import preset_config
+
+    path = str(tmp_path / "ckpt")
+    dist.run(moe_checks.dcp_save, path, "dp_shard=4,ep=4")
+    assert dist.run(moe_checks.dcp_load, path, "dp_shard=4,ep=2") == [[]] * WORLD_SIZE
+    # One process, no process group: a plain single-device model.
+    torch.manual_seed(1)
+    model = preset_config("qwen3-moe-debug").build()
+    model.init_states()
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    torch.manual_seed(0)
+    reference = preset_config("qwen3-moe-debug").build()
+    reference.init_states()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("mesh", ["dp_shard=4,ep=2", "dp_shard=4,ep=4"])
+def test_trainer_build_with_fsdp_over_efsdp_equals_one_device(dist, mesh: str) -> None:
+    for diffs in dist.run(moe_checks.trainer_parity, mesh):
+        worst = max(diffs.items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst

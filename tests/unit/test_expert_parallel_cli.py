@@ -1,0 +1,75 @@
+"""Expert parallelism through the command line and the trainer's gate (no process group)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hyper_parallel.cli import main
+from hyper_parallel.models.qwen3_moe import num_expert_params, num_params, preset_config
+from hyper_parallel.train import TrainConfig
+from hyper_parallel.train.trainer import check_config
+
+
+def _run(capsys, argv):
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_json_lists_experts_apart_and_the_all_to_alls(capsys) -> None:
+    code, out, _ = _run(
+        capsys,
+        ["plan", "--model", "qwen3-moe-debug", "--mesh", "dp_shard=4,ep=2", "--batch", "2",
+         "--seq", "16", "--format", "json"],
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    config = preset_config("qwen3-moe-debug")
+    assert report["num_params"] == num_params(config)
+    memory = report["per_rank_bytes"]
+    # Experts: Shard(0) over ep=2, then FSDP2 over efsdp=2; dense: FSDP2 over dp_shard=4.
+    assert memory["experts"]["params"] == num_expert_params(config) * 4 // 4
+    dense = (num_params(config) - num_expert_params(config)) * 4
+    assert memory["dense"]["params"] == pytest.approx(dense / 4, rel=0.01)  # FSDP pads
+    assert memory["params"] == memory["experts"]["params"] + memory["dense"]["params"]
+    a2a = {c["phase"]: c for c in report["collectives"] if c["kind"] == "all_to_all"}
+    assert {c["axis"] for c in a2a.values()} == {"ep"}
+    assert (a2a["forward"]["count"], a2a["backward"]["count"]) == (6, 4)
+    routed = 2 * 16 * 2 * 64 * 4  # batch x seq x top_k x dim, fp32
+    assert a2a["backward"]["bytes"] == 2 * 2 * routed
+    assert any("uniform routing" in a for a in report["assumptions"])
+
+
+@pytest.mark.parametrize(
+    ("mesh", "message"),
+    [
+        ("dp_shard=3,ep=3", "8 experts cannot be split over ep=3 ranks"),
+        ("dp_shard=2,tp=2,ep=2", "ep=2 with tp=2: expert parallelism runs with dp_shard only"),
+        ("dp_replicate=2,dp_shard=2,ep=2", "ep=2 with dp_replicate=2"),
+    ],
+)
+def test_trainer_gate_refuses_what_expert_parallelism_does_not_run(mesh, message) -> None:
+    from hyper_parallel.distributed import MeshLayout
+
+    cfg = TrainConfig(
+        model="qwen3-moe-debug", mesh=MeshLayout.parse(mesh).active(), global_batch_size=12
+    )
+    findings = check_config(cfg)
+    assert any(message in f.message for f in findings), [str(f) for f in findings]
+    assert all(f.fix for f in findings)
+
+
+def test_trainer_gate_accepts_expert_parallel_meshes() -> None:
+    for mesh in ({"dp_shard": 2, "ep": 2}, {"dp_shard": 4, "ep": 2}, {"dp_shard": 8, "ep": 8}):
+        assert check_config(TrainConfig(model="qwen3-moe-debug", mesh=mesh)) == []
+
+
+def test_validate_cli_reports_the_expert_split(capsys) -> None:
+    code, out, _ = _run(
+        capsys, ["validate", "--model", "qwen3-moe-debug", "--mesh", "dp_shard=6,ep=3"]
+    )
+    assert code == 1
+    assert "8 experts cannot be split over ep=3 ranks" in out
+    assert "use an ep size that divides 8 (1, 2, 4, 8)" in out

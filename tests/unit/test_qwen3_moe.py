@@ -1,0 +1,214 @@
+"""The Qwen3-MoE reference model: shapes, routing, experts, balance loss, presets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyper_parallel.dmodule import get_spec
+from hyper_parallel.models.qwen3_moe import (
+    MoE,
+    Router,
+    apply_ep,
+    check_ep,
+    cross_entropy_loss,
+    expert_ffn,
+    load_balancing_loss,
+    num_expert_params,
+    num_params,
+    preset_config,
+    qwen3_moe_config,
+)
+from hyper_parallel.models.qwen3_moe.model import GroupedExperts
+
+
+def _meta_count(name: str) -> int:
+    with torch.device("meta"):
+        model = preset_config(name).build()
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("qwen3-30b-a3b", 30_532_122_624), ("qwen3-235b-a22b", 235_093_634_560)],
+)
+def test_published_parameter_counts_from_meta_builds(name: str, expected: int) -> None:
+    assert _meta_count(name) == expected
+    assert num_params(preset_config(name)) == expected
+
+
+def test_parameter_count_matches_hugging_face_build_of_the_same_shapes() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf = transformers.Qwen3MoeForCausalLM(config)
+    ours = preset_config("qwen3-30b-a3b", num_layers=2)
+    assert num_params(ours) == sum(p.numel() for p in hf.parameters())
+
+
+def test_expert_parameter_count_is_the_stacked_weights() -> None:
+    config = preset_config("qwen3-moe-debug")
+    model = config.build()
+    stacked = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in f".{n}")
+    assert num_expert_params(config) == stacked
+
+
+def test_router_renormalizes_over_the_chosen_k() -> None:
+    torch.manual_seed(0)
+    router = Router.Config(dim=8, num_experts=6, top_k=3).build()
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(10, 8)
+    probs, index, weights = router(x)
+    full = torch.softmax(x @ router.weight.T, dim=-1)
+    torch.testing.assert_close(probs, full)
+    torch.testing.assert_close(index, full.topk(3, dim=-1).indices)
+    chosen = full.gather(1, index)
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(10))
+
+
+def _experts(use_grouped_mm: bool, num_experts: int = 4) -> GroupedExperts:
+    torch.manual_seed(1)
+    experts = GroupedExperts.Config(
+        num_experts=num_experts, dim=8, hidden_dim=12, use_grouped_mm=use_grouped_mm
+    ).build()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return experts
+
+
+def _per_token_reference(experts, x, index, weights) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(index.shape[1]):
+            e = index[t, j]
+            h = torch.nn.functional.silu(experts.w1[e] @ x[t]) * (experts.w3[e] @ x[t])
+            out[t] += weights[t, j] * (experts.w2[e] @ h)
+    return out
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_experts_equal_a_per_token_reference_with_an_idle_expert(use_grouped_mm: bool) -> None:
+    experts = _experts(use_grouped_mm)
+    x = torch.randn(6, 8)
+    index = torch.tensor([[0, 2], [2, 0], [3, 0], [0, 3], [2, 3], [3, 2]])  # expert 1 idle
+    weights = torch.rand(6, 2)
+    torch.testing.assert_close(
+        experts(x, index, weights), _per_token_reference(experts, x, index, weights)
+    )
+
+
+def test_grouped_mm_and_loop_give_the_same_numbers() -> None:
+    x = torch.randn(12, 8, requires_grad=True)
+    index = torch.randint(0, 4, (12, 2))
+    weights = torch.rand(12, 2)
+    outs, grads = [], []
+    for grouped in (True, False):
+        experts = _experts(grouped)
+        y = experts(x, index, weights)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append(y.detach())
+        grads.append([x.grad.clone(), *(p.grad for p in experts.parameters())])
+        x.grad = None
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_expert_ffn_takes_zero_token_blocks() -> None:
+    experts = _experts(True)
+    x = torch.randn(5, 8)
+    counts = torch.tensor([0, 5, 0, 0])
+    y = expert_ffn(x, counts, experts.w1, experts.w2, experts.w3)
+    ref = experts.w2[1] @ (torch.nn.functional.silu(experts.w1[1] @ x.T) * (experts.w3[1] @ x.T))
+    torch.testing.assert_close(y, ref.T)
+
+
+def test_balance_loss_is_one_when_perfectly_balanced_and_decomposes_by_sequence() -> None:
+    probs = torch.full((2, 4, 4), 0.25)
+    index = torch.tensor([[[0, 1], [2, 3], [0, 1], [2, 3]]] * 2)
+    torch.testing.assert_close(load_balancing_loss(probs, index, 4), torch.tensor(1.0))
+    probs = torch.softmax(torch.randn(4, 6, 5), -1)
+    index = probs.topk(2, -1).indices
+    whole = load_balancing_loss(probs, index, 5)
+    halves = [load_balancing_loss(probs[s], index[s], 5) for s in (slice(0, 2), slice(2, 4))]
+    torch.testing.assert_close(whole, sum(halves) / 2)
+
+
+def test_aux_loss_gradient_is_attached_with_its_coefficient() -> None:
+    def moe(coef: float) -> MoE:
+        config = preset_config("qwen3-moe-debug", aux_loss_coef=coef).layers[0].moe
+        torch.manual_seed(3)
+        module = config.build()
+        module.init_states()
+        return module
+
+    x = torch.randn(2, 5, 64)
+    probe = torch.randn(2, 5, 64)
+    with_aux = moe(0.5)
+    (with_aux(x) * probe).sum().backward()
+    plain = moe(0.0)
+    out = plain(x)
+    probs, index, _ = plain.router(x.reshape(-1, 64))
+    aux = load_balancing_loss(probs.view(2, 5, -1), index.view(2, 5, -1), 8)
+    ((out * probe).sum() + 0.5 * aux).backward()
+    assert with_aux.aux_loss is not None
+    torch.testing.assert_close(with_aux.aux_loss, aux.detach())
+    assert plain.router.weight.grad is not None
+    torch.testing.assert_close(with_aux.router.weight.grad, plain.router.weight.grad)
+    # The attached term really changes the router's gradient.
+    no_aux = moe(0.0)
+    (no_aux(x) * probe).sum().backward()
+    assert not torch.allclose(no_aux.router.weight.grad, plain.router.weight.grad)
+
+
+def test_debug_spec_trains() -> None:
+    spec = get_spec("qwen3-moe-debug")
+    assert spec.extras["family"] == "qwen3_moe"
+    torch.manual_seed(0)
+    model = spec.build()
+    model.init_states()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 256, (4, 33))
+    losses = []
+    for _ in range(8):
+        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_config_rejects_top_k_above_num_experts_and_ep_that_does_not_divide() -> None:
+    with pytest.raises(ValueError, match=r"top_k=9 must be between 1 and num_experts=8"):
+        preset_config("qwen3-moe-debug", top_k=9)
+    with pytest.raises(ValueError, match=r"8 experts cannot be split over ep=3 .* divides 8"):
+        check_ep(preset_config("qwen3-moe-debug"), 3)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        qwen3_moe_config(
+            vocab_size=8, dim=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4,
+            num_experts=2, top_k=1, moe_hidden_dim=4,
+        )  # fmt: skip
+
+
+def test_dry_run_traces_the_dispatch_under_uniform_routing() -> None:
+    from hyper_parallel.analysis.dry_run import dry_run
+
+    batch, seq, ep = 4, 32, 4
+    config = preset_config("qwen3-moe-debug")
+    report = dry_run(apply_ep(config), {"ep": ep}, fsdp=False, batch_size=batch, seq_len=seq)
+    stats = {(c.kind, c.phase): c for c in report.collectives}
+    assert set(stats) == {("all_to_all", "forward"), ("all_to_all", "backward")}
+    layers, experts, top_k, dim = 2, 8, 2, 64
+    routed = batch * seq * top_k * dim * 4  # fp32 (token, choice) rows each way
+    forward, backward = stats["all_to_all", "forward"], stats["all_to_all", "backward"]
+    assert (forward.count, backward.count) == (3 * layers, 2 * layers)
+    assert forward.bytes == layers * (experts * 8 + 2 * routed)  # int64 counts + both ways
+    assert backward.bytes == layers * 2 * routed
+    expert_bytes = num_expert_params(config) * 4
+    assert report.per_rank.params == (num_params(config) * 4 - expert_bytes) + expert_bytes // ep
