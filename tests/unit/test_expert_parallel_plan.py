@@ -218,7 +218,7 @@ def test_validate_reports_expert_problems_once_each() -> None:
 
     config = preset_config("qwen3-moe-debug")
     config.layers[0].moe.router.top_k = 9
-    report = validate(apply_ep(config), {"ep": 3}, trace=False)
+    report = validate(apply_ep(config), {"dp_shard": 3, "ep": 3}, trace=False)
     assert not report.ok
     errors = [(f.path, f.field) for f in report.findings if f.severity == "error"]
     assert sorted(errors) == [

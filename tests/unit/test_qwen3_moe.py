@@ -199,10 +199,12 @@ def test_config_rejects_top_k_above_num_experts_and_ep_that_does_not_divide() ->
 def test_dry_run_traces_the_dispatch_under_uniform_routing() -> None:
     from hyper_parallel.analysis.dry_run import dry_run
 
-    batch, seq, ep = 4, 32, 4
+    batch, seq, ep = 4, 32, 2
     config = preset_config("qwen3-moe-debug")
-    report = dry_run(apply_ep(config), {"ep": ep}, fsdp=False, batch_size=batch, seq_len=seq)
-    stats = {(c.kind, c.phase): c for c in report.collectives}
+    report = dry_run(
+        apply_ep(config), {"dp_shard": 4, "ep": ep}, fsdp=False, batch_size=batch, seq_len=seq
+    )
+    stats = {(c.kind, c.phase): c for c in report.collectives if c.axis == "ep"}
     assert set(stats) == {("all_to_all", "forward"), ("all_to_all", "backward")}
     layers, experts, top_k, dim = 2, 8, 2, 64
     routed = batch * seq * top_k * dim * 4  # fp32 (token, choice) rows each way
