@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.cp_checks import compare_with_one_device, expected_cp_collectives
+from tests.distributed.cp_checks import (
+    compare_with_fsdp,
+    compare_with_one_device,
+    expected_cp_collectives,
+)
 from tests.distributed.llama_checks import expected_collectives
 
 pytestmark = pytest.mark.distributed
@@ -83,3 +87,10 @@ def test_placements_on_the_2d_mesh(results, case):
             assert kind == "sequence_parallel_norm", path
         else:
             assert kind == "dtensor", (path, kind)
+
+
+def test_fsdp_over_cp_with_tp_sp_gives_one_device_gradients(dist):
+    for r in dist.run(compare_with_fsdp, "cp=2,tp=2", "tp_sp", SEQ_LEN):
+        worst = {n: d for n, d in r["grad_diffs"].items() if d > TOL}
+        assert not worst, worst
+        assert len(r["grad_diffs"]) == 3 + 9 * NUM_LAYERS
