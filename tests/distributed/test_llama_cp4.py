@@ -3,7 +3,9 @@
 cp x tp runs on the 2-D ``(cp, tp)`` mesh (``mesh.submesh(("cp", "tp"))``): collectives
 on ``cp`` are exactly the attention core's declared ones, and those on ``tp`` are
 Megatron's minimum, the same as tensor parallelism alone
-(``llama_checks.expected_collectives``). The layouts compose in either order.
+(``llama_checks.expected_collectives``). Applying the layouts in the other order gives
+identical configs (``tests/unit/test_context_parallel.py``); on the 2-D mesh every module
+but the plain-TP norms runs on DTensor whichever path is chosen.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ CASES = {
     "cp4": ("cp=4", None, True, "cp_last"),
     "cp2_tp2": ("cp=2,tp=2", "tp", True, "cp_last"),
     "cp2_tp2_sp": ("cp=2,tp=2", "tp_sp", True, "cp_last"),
-    "cp2_tp2_sp_cp_first_dtensor": ("cp=2,tp=2", "tp_sp", False, "cp_first"),
 }
 
 
