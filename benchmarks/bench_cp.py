@@ -9,8 +9,7 @@ no layout) and reports, per rank:
 - **peak activation bytes**: the bytes of the tensors the forward saves for backward
   (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once; for a
   DTensor its local shard; parameters excluded) — what one rank holds at the end of
-  the forward, the
-  activation peak of a training step without activation checkpointing;
+  the forward, the activation peak of a training step without activation checkpointing;
 - **collective bytes** on ``cp`` per step (``CollectiveRecorder``: the per-rank buffer
   each collective fills or reduces) against the analytical minimum of all-gather
   context parallelism (Llama 3, Dubey et al., 2024, §3.3.2; Megatron-LM's and
