@@ -197,7 +197,7 @@ def causal_work(seq_len: int, cp_size: int, *, balanced: bool = True) -> list[in
 
     Example:
         >>> causal_work(8, 2), causal_work(8, 2, balanced=False)
-        ([18, 18], ([10, 26]))
+        ([18, 18], [10, 26])
     """
     if balanced:
         _check_split(seq_len, cp_size, "causal_work")

@@ -242,3 +242,53 @@ def unshard_round_trip(seq_len: int) -> dict[str, Any]:
         "grad": full.grad.tolist(),
         "mine": cp.positions(seq_len, rank, size).tolist(),
     }
+
+
+def compare_with_fsdp(mesh_text: str, tp_layout: str | None, seq_len: int) -> dict[str, Any]:
+    """CP under FSDP2 sharding over ``cp``: the gradients FSDP leaves equal one device's.
+
+    The model's parameters are DTensors on the (cp[, tp]) mesh, so FSDP2 takes that mesh
+    with ``DataParallelMeshDims(shard="cp")`` (its SPMD form): it shards the states over
+    ``cp`` and averages the ranks' gradients there, which, with each rank's loss the mean
+    over its tokens, is the one-device gradient. No averaging by the test.
+    """
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+
+    layout, mesh, model_mesh, config = build(mesh_text, tp_layout)
+    cp_size, cp_rank = layout.cp, mesh.local_rank("cp")
+    reference = preset_config("llama3-debug").build()
+    torch.manual_seed(0)
+    reference.init_states()
+    model = config.build()
+    torch.manual_seed(0)
+    model.init_states()
+    model.parallelize(model_mesh)
+    # FSDP2 wants the very mesh object the parameters carry. DTensor caches sharding
+    # decisions by mesh *equality*, so in a process that built an equal mesh before (this
+    # pool), parameters may carry that earlier object (same ranks, names and groups).
+    spmd_mesh = model.tok_embeddings.weight.device_mesh
+    assert spmd_mesh == model_mesh
+    assert all(p.device_mesh is spmd_mesh for p in model.parameters())
+    dims = DataParallelMeshDims(shard="cp")
+    for layer in model.layers:
+        fully_shard(layer, mesh=spmd_mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=spmd_mesh, dp_mesh_dims=dims)
+
+    tokens = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = model(
+        cp.shard_sequence(inputs, cp_rank, cp_size),
+        positions=cp.positions(seq_len, cp_rank, cp_size),
+    )
+    loss = cross_entropy_loss(logits, cp.shard_sequence(targets, cp_rank, cp_size))
+    loss.backward()
+    ref_loss = cross_entropy_loss(reference(inputs), targets)
+    ref_loss.backward()
+    params = dict(model.named_parameters())
+    return {
+        "grad_diffs": {
+            n: (params[n].grad.full_tensor() - p.grad).abs().max().item()
+            for n, p in reference.named_parameters()
+        },
+        "param_placements": {n: [str(x) for x in p.placements] for n, p in params.items()},
+    }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.cp_checks import (
+    compare_with_fsdp,
     compare_with_one_device,
     expected_cp_collectives,
     forward_without_positions,
@@ -98,3 +99,12 @@ def test_shard_then_unshard_round_trip_with_gradients(dist):
             assert grad[pos] == [float(pos)] * 3
         others = [p for p in range(seq_len) if p not in r["mine"]]
         assert all(grad[p] == [0.0] * 3 for p in others)
+
+
+def test_fsdp_over_cp_averages_the_gradients_to_one_device(dist):
+    for r in dist.run(compare_with_fsdp, "cp=2", None, SEQ_LEN):
+        worst = {n: d for n, d in r["grad_diffs"].items() if d > TOL}
+        assert not worst, worst
+        assert len(r["grad_diffs"]) == 3 + 9 * NUM_LAYERS
+        # States sharded over cp by FSDP (the model's own cp placement was Replicate).
+        assert r["param_placements"]["layers.0.attention.wq.weight"] == ["S(0)"]

@@ -3,14 +3,20 @@
 cp x tp runs on the 2-D ``(cp, tp)`` mesh (``mesh.submesh(("cp", "tp"))``): collectives
 on ``cp`` are exactly the attention core's declared ones, and those on ``tp`` are
 Megatron's minimum, the same as tensor parallelism alone
-(``llama_checks.expected_collectives``). The layouts compose in either order.
+(``llama_checks.expected_collectives``). Applying the layouts in the other order gives
+identical configs (``tests/unit/test_context_parallel.py``); on the 2-D mesh every module
+but the plain-TP norms runs on DTensor whichever path is chosen.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.cp_checks import compare_with_one_device, expected_cp_collectives
+from tests.distributed.cp_checks import (
+    compare_with_fsdp,
+    compare_with_one_device,
+    expected_cp_collectives,
+)
 from tests.distributed.llama_checks import expected_collectives
 
 pytestmark = pytest.mark.distributed
@@ -24,7 +30,6 @@ CASES = {
     "cp4": ("cp=4", None, True, "cp_last"),
     "cp2_tp2": ("cp=2,tp=2", "tp", True, "cp_last"),
     "cp2_tp2_sp": ("cp=2,tp=2", "tp_sp", True, "cp_last"),
-    "cp2_tp2_sp_cp_first_dtensor": ("cp=2,tp=2", "tp_sp", False, "cp_first"),
 }
 
 
@@ -83,3 +88,10 @@ def test_placements_on_the_2d_mesh(results, case):
             assert kind == "sequence_parallel_norm", path
         else:
             assert kind == "dtensor", (path, kind)
+
+
+def test_fsdp_over_cp_with_tp_sp_gives_one_device_gradients(dist):
+    for r in dist.run(compare_with_fsdp, "cp=2,tp=2", "tp_sp", SEQ_LEN):
+        worst = {n: d for n, d in r["grad_diffs"].items() if d > TOL}
+        assert not worst, worst
+        assert len(r["grad_diffs"]) == 3 + 9 * NUM_LAYERS

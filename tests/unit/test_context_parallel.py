@@ -193,6 +193,8 @@ def test_apply_cp_refuses_bad_sizes_and_a_second_application():
     config = preset_config("llama3-debug")
     with pytest.raises(ValueError, match=r"cp_size=0; it must be an integer >= 1"):
         apply_cp(config, cp_size=0)
+    with pytest.raises(TypeError, match=r"expected the Llama Transformer\.Config, got Config"):
+        apply_cp(config.layers[0], cp_size=2)
     once = apply_cp(config, cp_size=2)
     with pytest.raises(ValueError, match="already places axis 'cp'"):
         apply_cp(once, cp_size=2)

@@ -271,6 +271,7 @@ def apply_cp(
         A new config with the ``axis`` placements joined to any it already has.
 
     Raises:
+        TypeError: ``config`` is not the Llama ``Transformer.Config``.
         ValueError: ``cp_size`` is not an integer >= 1, or the layout was already applied.
 
     Example:
@@ -278,6 +279,12 @@ def apply_cp(
         >>> config = apply_cp(apply_tp(preset_config("llama3-debug"), tp_size=2), cp_size=2)
         >>> # config.build().parallelize(mesh.submesh(("cp", "tp")))
     """
+    if not isinstance(config, Transformer.Config):
+        raise TypeError(
+            f"apply_cp: expected the Llama Transformer.Config, got {type(config).__name__}; "
+            "context parallelism needs a model that takes global positions (this layout "
+            "is for the reference Llama)."
+        )
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
         raise ValueError(
             f"apply_cp: cp_size={cp_size!r}; it must be an integer >= 1 (the size of the "
