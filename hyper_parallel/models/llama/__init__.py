@@ -41,8 +41,11 @@ from hyper_parallel.models.llama.model import TransformerBlock as TransformerBlo
 from hyper_parallel.models.llama.model import apply_rotary_emb as apply_rotary_emb
 from hyper_parallel.models.llama.sharding import apply_tp as apply_tp
 from hyper_parallel.models.llama.sharding import apply_tp_sp as apply_tp_sp
+from hyper_parallel.models.llama.stages import PIPELINE as PIPELINE
+from hyper_parallel.models.llama.stages import TransformerStage as TransformerStage
 
 __all__ = [
+    "PIPELINE",
     "PRESETS",
     "Attention",
     "FeedForward",
@@ -51,6 +54,7 @@ __all__ = [
     "ScaledDotProductAttention",
     "Transformer",
     "TransformerBlock",
+    "TransformerStage",
     "apply_rotary_emb",
     "apply_tp",
     "apply_tp_sp",
@@ -79,6 +83,7 @@ for _name in PRESETS:
                 "tp_sp": apply_tp_sp,
                 "loss_fn": cross_entropy_loss,
                 "num_params": num_params,
+                "pipeline": PIPELINE,
             },
         )
     )

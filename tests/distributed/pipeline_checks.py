@@ -1,0 +1,155 @@
+"""Rank-side checks of pipeline parallelism against one device.
+
+Module-level functions run on every rank through ``dist.run`` by ``test_pipeline.py``
+(2 ranks) and ``test_pipeline_4.py`` (4 ranks).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as c10d
+
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.distributed.pipeline import (
+    PipelineSplit,
+    build_schedule,
+    build_stage_modules,
+    init_states_by_unit,
+    pipeline_step,
+    plan_pipeline,
+)
+from hyper_parallel.models.llama import PIPELINE, apply_tp, cross_entropy_loss, preset_config
+
+BATCH = 8
+SEQ_LEN = 16
+LR = 1e-2
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(
+        0, 256, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(step)
+    )
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _setup(
+    mesh_text: str, schedule: str, num_microbatches: int, split: dict | None, overrides: dict
+):
+    layout = MeshLayout.parse(mesh_text)
+    mesh = layout.build("cpu")
+    config = preset_config("llama3-debug", **overrides)
+    units = PIPELINE.units(config)
+    batch = BATCH // (layout.dp_replicate * layout.dp_shard)
+    plan = plan_pipeline(
+        units,
+        pp=layout.pp,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        split=PipelineSplit.from_dict(split) if split else None,
+        batch_size=batch,
+    )
+    sharded = apply_tp(config, tp_size=layout.tp) if layout.tp > 1 else config
+    pp_rank = mesh["pp"].get_local_rank()
+    modules = build_stage_modules(
+        sharded,
+        PIPELINE,
+        plan,
+        pp_rank,
+        device="cpu",
+        seed=0,
+        tp_mesh=mesh["tp"] if layout.tp > 1 else None,
+        fsdp_mesh=mesh.fsdp_mesh(),
+    )
+    sched = build_schedule(modules, plan, mesh["pp"], "cpu", cross_entropy_loss)
+    return layout, mesh, config, plan, modules, sched
+
+
+def _local_batch(layout: MeshLayout, mesh: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = _batch(step)
+    if layout.dp_shard > 1:
+        size = BATCH // layout.dp_shard
+        rank = mesh["dp_shard"].get_local_rank()
+        inputs, targets = (t[rank * size : (rank + 1) * size] for t in (inputs, targets))
+    return inputs, targets
+
+
+def train_vs_one_device(
+    mesh_text: str,
+    schedule: str,
+    num_microbatches: int,
+    num_steps: int,
+    split: dict | None = None,
+    overrides: dict | None = None,
+) -> dict[str, Any]:
+    """Train ``num_steps`` AdamW steps pipelined and on one device; compare losses and grads.
+
+    Returns:
+        Per-step losses of both, the largest init difference, and the largest
+        gradient difference of every parameter this rank holds after step 1.
+    """
+    overrides = overrides or {}
+    layout, mesh, config, plan, modules, sched = _setup(
+        mesh_text, schedule, num_microbatches, split, overrides
+    )
+    reference = config.build()
+    init_states_by_unit(reference, PIPELINE, 0)
+    ref_params = dict(reference.named_parameters())
+    params = {n: p for m in modules for n, p in m.named_parameters()}
+    init_diff = max(
+        (_full(p).detach() - ref_params[n]).abs().max().item() for n, p in params.items()
+    )
+
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    losses, ref_losses, grad_diffs = [], [], {}
+    for step in range(num_steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        inputs, targets = _local_batch(layout, mesh, step)
+        loss = pipeline_step(sched, plan, mesh["pp"], inputs, targets)
+        if layout.dp_shard > 1:
+            c10d.all_reduce(loss, op=c10d.ReduceOp.AVG, group=mesh["dp_shard"].get_group())
+        losses.append(loss.item())
+        full_inputs, full_targets = _batch(step)
+        ref_loss = cross_entropy_loss(reference(full_inputs), full_targets)
+        ref_loss.backward()
+        ref_losses.append(ref_loss.item())
+        if step == 0:
+            grad_diffs = {
+                n: (_full(p.grad) - ref_params[n].grad).abs().max().item()
+                for n, p in params.items()
+            }
+        opt.step()
+        ref_opt.step()
+    return {
+        "stages": plan.stages_of_rank(mesh["pp"].get_local_rank()),
+        "placements": {
+            n: [str(x) for x in p.placements] if isinstance(p, DTensor) else []
+            for n, p in params.items()
+        },
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "init_diff": init_diff,
+        "grad_diffs": grad_diffs,
+    }
+
+
+def run_back_to_back(
+    mesh_text: str, schedule: str, num_microbatches: int, num_steps: int, overrides: dict
+) -> dict[str, Any]:
+    """Run ``num_steps`` schedule steps back to back (no optimizer); report time and losses."""
+    layout, mesh, _, plan, _, sched = _setup(mesh_text, schedule, num_microbatches, None, overrides)
+    t0 = time.perf_counter()
+    losses = []
+    for step in range(num_steps):
+        inputs, targets = _local_batch(layout, mesh, step % 3)
+        losses.append(pipeline_step(sched, plan, mesh["pp"], inputs, targets).item())
+    return {"seconds": time.perf_counter() - t0, "losses": losses}
