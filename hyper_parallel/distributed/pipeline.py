@@ -468,6 +468,7 @@ def pipeline_findings(
     split: PipelineSplit | None = None,
     stages_per_rank: int | None = None,
     batch_size: int | None = None,
+    model: nn.Module | None = None,
 ) -> list[Finding]:
     """Every problem of a pipeline plan, each with its fix (no process group needed).
 
@@ -476,12 +477,15 @@ def pipeline_findings(
     (a layer count it cannot place, an empty stage, a unit placed twice or not at
     all, a stage count that is not a multiple of pp); micro-batches fewer than the
     schedule needs (torch's own rule, by building the schedule on stand-in stages);
-    a batch not divisible into micro-batches.
+    a batch not divisible into micro-batches; with ``model`` (meta is enough), a
+    weight tied across stages (:func:`tied_parameter_findings`).
 
     Returns:
         The findings (empty when the plan is good).
     """
-    return _plan(units, pp, schedule, num_microbatches, split, stages_per_rank, batch_size)[1]
+    return _plan(units, pp, schedule, num_microbatches, split, stages_per_rank, batch_size, model)[
+        1
+    ]
 
 
 def plan_pipeline(
@@ -493,6 +497,7 @@ def plan_pipeline(
     split: PipelineSplit | None = None,
     stages_per_rank: int | None = None,
     batch_size: int | None = None,
+    model: nn.Module | None = None,
 ) -> PipelinePlan:
     """Check and resolve a pipeline plan (see :func:`pipeline_findings` for the checks).
 
@@ -507,7 +512,7 @@ def plan_pipeline(
         (0, 1, 0, 1)
     """
     plan, findings = _plan(
-        units, pp, schedule, num_microbatches, split, stages_per_rank, batch_size
+        units, pp, schedule, num_microbatches, split, stages_per_rank, batch_size, model
     )
     errors = [f for f in findings if f.severity == "error"]
     if errors:
@@ -524,6 +529,7 @@ def _plan(
     split: PipelineSplit | None,
     stages_per_rank: int | None,
     batch_size: int | None,
+    model: nn.Module | None = None,
 ) -> tuple[PipelinePlan | None, list[Finding]]:
     findings = _schedule_findings(schedule)
     if findings:
@@ -600,6 +606,8 @@ def _plan(
         ranks=tuple(stage_ranks(schedule, pp, num_stages)),
     )
     findings += _microbatch_findings(plan)
+    if model is not None:
+        findings += tied_parameter_findings(model, plan, units)
     if batch_size is not None and batch_size % num_microbatches:
         findings.append(
             _error(
