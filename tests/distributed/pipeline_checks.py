@@ -153,3 +153,83 @@ def run_back_to_back(
         inputs, targets = _local_batch(layout, mesh, step % 3)
         losses.append(pipeline_step(sched, plan, mesh["pp"], inputs, targets).item())
     return {"seconds": time.perf_counter() - t0, "losses": losses}
+
+
+def _stage_modules(mesh_text: str, schedule: str, tp_size: int) -> tuple[Any, list[Any]]:
+    layout = MeshLayout.parse(mesh_text)
+    mesh = layout.build("cpu")
+    config = preset_config("llama3-debug")
+    plan = plan_pipeline(
+        PIPELINE.units(config), pp=layout.pp, schedule=schedule, num_microbatches=4
+    )
+    modules = build_stage_modules(
+        apply_tp(config, tp_size=tp_size),
+        PIPELINE,
+        plan,
+        mesh["pp"].get_local_rank(),
+        device="cpu",
+        seed=1,
+        tp_mesh=mesh["tp"],
+    )
+    return (mesh, plan), modules
+
+
+def _full_states(modules: list[Any], optimizers: list[Any]) -> dict[str, torch.Tensor]:
+    out = {}
+    for module, opt in zip(modules, optimizers, strict=True):
+        for name, p in module.named_parameters():
+            out[name] = _full(p).detach().clone()
+            if p in opt.state:
+                out[name + ":exp_avg"] = _full(opt.state[p]["exp_avg"]).clone()
+    return out
+
+
+def checkpoint_across_meshes(path: str) -> dict[str, Any]:
+    """Save at pp=2 x tp=2 (1F1B) after 2 steps; load at pp=2 x tp=2 with 4 stages,
+    at pp=1 x tp=4 and into one process. Returns the largest differences."""
+    from hyper_parallel.train.checkpoint import load_checkpoint, save_checkpoint
+
+    (mesh, plan), modules = _stage_modules("pp=2,tp=2", "1F1B", 2)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in modules]
+    sched = build_schedule(modules, plan, mesh["pp"], "cpu", cross_entropy_loss)
+    for step in range(2):
+        for opt in optimizers:
+            opt.zero_grad()
+        pipeline_step(sched, plan, mesh["pp"], *_batch(step))
+        for opt in optimizers:
+            opt.step()
+    save_checkpoint(path, model=modules, optimizer=optimizers, train_state={"step": 2})
+    saved = _full_states(modules, optimizers)
+    # Every rank learns every saved value, to compare with any layout.
+    gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(c10d.get_world_size())]
+    c10d.all_gather_object(gathered, saved)
+    reference = {k: v for part in gathered for k, v in part.items()}
+
+    def diff(states: dict[str, torch.Tensor]) -> float:
+        return max((states[k] - reference[k]).abs().max().item() for k in states)
+
+    result: dict[str, Any] = {"num_saved": len(reference)}
+    # pp=2 x tp=2, interleaved: 4 stages, another split of the same names.
+    (_, _), other = _stage_modules("pp=2,tp=2", "Interleaved1F1B", 2)
+    other_opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in other]
+    result["train_state"] = load_checkpoint(path, model=other, optimizer=other_opts)
+    states = _full_states(other, other_opts)
+    result["interleaved"] = (diff(states), len(states))
+    # pp=1 x tp=4: the whole model, tensor parallel on 4 ranks.
+    tp_mesh = MeshLayout.parse("tp=4").build("cpu")["tp"]
+    with torch.device("meta"):
+        whole = apply_tp(preset_config("llama3-debug"), tp_size=4).build()
+    whole.parallelize(tp_mesh)
+    whole.to_empty(device="cpu")
+    whole_opt = torch.optim.AdamW(whole.parameters(), lr=LR)
+    load_checkpoint(path, model=whole, optimizer=whole_opt)
+    states = _full_states([whole], [whole_opt])
+    result["tp4"] = (diff(states), len(states))
+    # One process, no process group.
+    if c10d.get_rank() == 0:
+        single = preset_config("llama3-debug").build()
+        load_checkpoint(path, model=single, distributed=False)
+        states = {n: p.detach() for n, p in single.named_parameters()}
+        result["one_process"] = (diff(states), len(states))
+    c10d.barrier()
+    return result

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.pipeline_checks import train_vs_one_device
-from tests.distributed.test_pipeline import NUM_STEPS, _check_parity
+from tests.distributed.pipeline_checks import checkpoint_across_meshes, train_vs_one_device
+from tests.distributed.test_pipeline import NUM_STEPS, _check_parity, _param_names
 
 pytestmark = pytest.mark.distributed
 WORLD_SIZE = 4
@@ -52,3 +52,16 @@ def test_pp4_one_unit_per_stage(dist):
         ["layers"],
         ["norm", "output"],
     ]
+
+
+def test_checkpoint_saved_at_pp2_tp2_loads_anywhere_bitwise(dist, tmp_path):
+    results = dist.run(checkpoint_across_meshes, str(tmp_path / "step_000002"))
+    num_params = len(_param_names({}))
+    for r in results:
+        assert r["num_saved"] == 2 * num_params  # every weight and its AdamW exp_avg
+        assert r["train_state"] == {"step": 2}
+        assert r["tp4"] == (0.0, 2 * num_params)
+        diff, count = r["interleaved"]
+        assert diff == 0.0 and count > 0
+    assert sum(r["interleaved"][1] for r in results[::2]) == 2 * num_params
+    assert results[0]["one_process"] == (0.0, num_params)
