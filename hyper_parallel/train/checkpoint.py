@@ -3,8 +3,9 @@
 A checkpoint is one DCP directory per step (``step_000120/``) holding the model and
 optimizer states (DTensor shards under TP/FSDP, plain tensors in one process; the
 optimizer's keyed by parameter name, so the parts of a pipeline — a list of stage
-modules with one optimizer each — merge into one checkpoint that loads at any split), a small ``train`` record (step, data position) and
-each rank's random number generator states. DCP stores every DTensor with its
+modules with one optimizer each — merge into one checkpoint that loads at any
+split), a small ``train`` record (step, data position) and each rank's random
+number generator states. DCP stores every DTensor with its
 global shape, so a checkpoint saved at one mesh loads at any other (dp=2 x tp=2 →
 tp=4, or into one process with no process group) and the parameters are bitwise the
 same. A step directory counts as complete once DCP has written its ``.metadata``
