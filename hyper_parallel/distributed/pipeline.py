@@ -121,6 +121,9 @@ class PipelineLayout:
             dict from the block's index, as a string, to its config).
         activation_layout: ``config -> NamedPlacement`` of the activation passed
             between stages as the model's sharding declares it (``{}``: a plain tensor).
+        activation_elements: ``(config, unit name) -> (replicated, tp_split)``: per
+            token, the activation elements the unit keeps for its backward (an
+            estimate for the dry run); ``None`` when the model gives none.
     """
 
     first: tuple[str, ...]
@@ -129,6 +132,7 @@ class PipelineLayout:
     shared: tuple[str, ...]
     stage: type
     activation_layout: Callable[[Any], dict]
+    activation_elements: Callable[[Any, str], tuple[int, int]] | None = None
 
     @property
     def first_name(self) -> str:

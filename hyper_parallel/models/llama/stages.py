@@ -86,6 +86,27 @@ def _activation_layout(config) -> dict:
     return dict(sharding.out_dst_shardings)
 
 
+def _activation_elements(config, unit: str) -> tuple[int, int]:
+    """Per token, the activation elements a unit keeps for its backward: (replicated, tp-split).
+
+    An estimate in the spirit of Korthikanti et al. (2022, §4.1), for attention whose
+    score matrix is not stored (fused SDPA) and no dropout: a block keeps its two norm
+    inputs and outputs and the residual (5 x dim, replicated under plain TP, split
+    under SP) and q, k, v, the attention output and four feed-forward tensors
+    (2 x dim + 2 x kv_dim + 4 x ffn_dim, split over tp). The head keeps the norm's
+    input and output and the logits; the embedding its output.
+    """
+    dim = config.norm.dim
+    if unit == PIPELINE.first_name:
+        return dim, 0
+    if unit == PIPELINE.last_name:
+        return 2 * dim, config.output.out_features
+    block = config.layers[int(unit.rsplit(".", 1)[1])]
+    kv_dim = block.attention.wk.out_features
+    ffn_dim = block.feed_forward.w1.out_features
+    return 5 * dim, 2 * dim + 2 * kv_dim + 4 * ffn_dim
+
+
 PIPELINE = PipelineLayout(
     first=("tok_embeddings",),
     layers="layers",
@@ -93,5 +114,6 @@ PIPELINE = PipelineLayout(
     shared=("rope",),
     stage=TransformerStage,
     activation_layout=_activation_layout,
+    activation_elements=_activation_elements,
 )
 """The Llama decoder's pipeline description (registered as ``extras["pipeline"]``)."""
