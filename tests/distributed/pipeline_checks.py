@@ -22,7 +22,13 @@ from hyper_parallel.distributed.pipeline import (
     pipeline_step,
     plan_pipeline,
 )
-from hyper_parallel.models.llama import PIPELINE, apply_tp, cross_entropy_loss, preset_config
+from hyper_parallel.models.llama import (
+    PIPELINE,
+    apply_tp,
+    apply_tp_sp,
+    cross_entropy_loss,
+    preset_config,
+)
 
 BATCH = 8
 SEQ_LEN = 16
@@ -41,7 +47,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _setup(
-    mesh_text: str, schedule: str, num_microbatches: int, split: dict | None, overrides: dict
+    mesh_text: str,
+    schedule: str,
+    num_microbatches: int,
+    split: dict | None,
+    overrides: dict,
+    sequence_parallel: bool = False,
 ):
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
@@ -56,7 +67,8 @@ def _setup(
         split=PipelineSplit.from_dict(split) if split else None,
         batch_size=batch,
     )
-    sharded = apply_tp(config, tp_size=layout.tp) if layout.tp > 1 else config
+    tp_fn = apply_tp_sp if sequence_parallel else apply_tp
+    sharded = tp_fn(config, tp_size=layout.tp) if layout.tp > 1 else config
     pp_rank = mesh["pp"].get_local_rank()
     modules = build_stage_modules(
         sharded,
@@ -74,9 +86,10 @@ def _setup(
 
 def _local_batch(layout: MeshLayout, mesh: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     inputs, targets = _batch(step)
-    if layout.dp_shard > 1:
-        size = BATCH // layout.dp_shard
-        rank = mesh["dp_shard"].get_local_rank()
+    num = layout.dp_replicate * layout.dp_shard
+    if num > 1:
+        size = BATCH // num
+        rank = mesh["batch"].get_local_rank()
         inputs, targets = (t[rank * size : (rank + 1) * size] for t in (inputs, targets))
     return inputs, targets
 
@@ -88,6 +101,7 @@ def train_vs_one_device(
     num_steps: int,
     split: dict | None = None,
     overrides: dict | None = None,
+    sequence_parallel: bool = False,
 ) -> dict[str, Any]:
     """Train ``num_steps`` AdamW steps pipelined and on one device; compare losses and grads.
 
@@ -97,7 +111,7 @@ def train_vs_one_device(
     """
     overrides = overrides or {}
     layout, mesh, config, plan, modules, sched = _setup(
-        mesh_text, schedule, num_microbatches, split, overrides
+        mesh_text, schedule, num_microbatches, split, overrides, sequence_parallel
     )
     reference = config.build()
     init_states_by_unit(reference, PIPELINE, 0)
@@ -115,8 +129,8 @@ def train_vs_one_device(
         ref_opt.zero_grad()
         inputs, targets = _local_batch(layout, mesh, step)
         loss = pipeline_step(sched, plan, mesh["pp"], inputs, targets)
-        if layout.dp_shard > 1:
-            c10d.all_reduce(loss, op=c10d.ReduceOp.AVG, group=mesh["dp_shard"].get_group())
+        if layout.dp_replicate * layout.dp_shard > 1:
+            c10d.all_reduce(loss, op=c10d.ReduceOp.AVG, group=mesh["batch"].get_group())
         losses.append(loss.item())
         full_inputs, full_targets = _batch(step)
         ref_loss = cross_entropy_loss(reference(full_inputs), full_targets)

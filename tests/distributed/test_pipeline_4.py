@@ -1,9 +1,10 @@
 """Pipeline parallelism composed with tensor parallelism and FSDP2, on 4 gloo ranks.
 
-pp=2 x tp=2 (TP inside each stage on mesh["tp"]), pp=2 x dp_shard=2 (FSDP2 inside
-each stage over mesh.fsdp_mesh()) and pp=4 (four stages of the 2-layer model: the
-embedding and the head alone on theirs): the loss of every one of 5 AdamW steps and
-every gradient after step 1 match one device to 1e-5.
+pp=2 x tp=2 (TP, and TP + SP, inside each stage on mesh["tp"]), pp=2 x dp_shard=2
+(FSDP2 inside each stage over mesh.fsdp_mesh()), pp=2 x dp_replicate=2 (HSDP) and
+pp=4 (four stages of the 2-layer model: the embedding and the head alone on theirs):
+the loss of every one of 5 AdamW steps and every gradient after step 1 match one
+device to 1e-5. A checkpoint saved at pp=2 x tp=2 loads bitwise elsewhere.
 """
 
 from __future__ import annotations
@@ -22,13 +23,9 @@ def _dedupe(results: list[dict], group: int) -> list[dict]:
     return results[::group]
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
-def test_pp2_tp2(dist, schedule):
-    results = dist.run(train_vs_one_device, "pp=2,tp=2", schedule, 4, NUM_STEPS)
-    _check_parity(_dedupe(results, 2))
+def _check_tp_placements(results: list[dict]) -> None:
     for r in results:
-        placements = r["placements"]
-        for name, p in placements.items():  # every parameter is a tp DTensor
+        for name, p in r["placements"].items():  # every parameter is a tp DTensor
             if name.endswith(("wq.weight", "w1.weight", "output.weight")):
                 assert p == ["S(0)"], name
             elif name.endswith(("wo.weight", "w2.weight")):
@@ -37,10 +34,34 @@ def test_pp2_tp2(dist, schedule):
                 assert p in (["S(0)"], ["R"]), name
 
 
-def test_pp2_dp_shard2(dist):
-    results = dist.run(train_vs_one_device, "pp=2,dp_shard=2", "1F1B", 2, NUM_STEPS)
+# ZBVZeroBubble: the split backward detaches stage outputs in place; a tensor-parallel
+# stage hands on a view of its local shard, which the stage copies.
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_pp2_tp2(dist, schedule):
+    results = dist.run(train_vs_one_device, "pp=2,tp=2", schedule, 4, NUM_STEPS)
+    _check_parity(_dedupe(results, 2))
+    _check_tp_placements(results)
+
+
+def test_pp2_tp2_sequence_parallel(dist):
+    # The residual stream crosses the stage boundary sequence-sharded.
+    results = dist.run(train_vs_one_device, "pp=2,tp=2", "1F1B", 4, NUM_STEPS, None, None, True)
+    _check_parity(_dedupe(results, 2))
+    _check_tp_placements(results)
+
+
+# InterleavedZeroBubble: one FSDP unit per stage (per-block units would reduce early).
+@pytest.mark.parametrize("schedule", ["1F1B", "InterleavedZeroBubble"])
+def test_pp2_dp_shard2(dist, schedule):
+    results = dist.run(train_vs_one_device, "pp=2,dp_shard=2", schedule, 2, NUM_STEPS)
     _check_parity(_dedupe(results, 2))
     assert all(p == ["S(0)"] for r in results for p in r["placements"].values())
+
+
+def test_pp2_dp_replicate2_hsdp(dist):
+    results = dist.run(train_vs_one_device, "pp=2,dp_replicate=2", "1F1B", 2, NUM_STEPS)
+    _check_parity(_dedupe(results, 2))
+    assert all(p == ["R", "S(0)"] for r in results for p in r["placements"].values())
 
 
 def test_pp4_one_unit_per_stage(dist):
