@@ -4,9 +4,15 @@ Examples::
 
     hyper-parallel models
     hyper-parallel plan --model llama3-70b --mesh dp=128,tp=8 --sp --format json
+    hyper-parallel plan --model llama3-70b --mesh dp_replicate=4,dp_shard=32,tp=8
     hyper-parallel validate --model llama3-8b --mesh dp=16,tp=8
     hyper-parallel validate --hf-model llama --plan examples/plans/hf_llama_tp.yaml --mesh tp=2
     hyper-parallel demo --mesh dp=2,tp=2
+    hyper-parallel demo --mesh dp_replicate=2,dp_shard=2
+
+``--mesh`` takes ``name=size`` pairs over ``pp, dp_replicate, dp_shard`` (alias ``dp``),
+``cp, tp, ep`` in any order (:class:`hyper_parallel.distributed.MeshLayout`); every
+problem of a mesh is one usage error (exit 2) naming each bad entry.
 
 Exit status: 0 on success; 1 when ``validate`` finds errors (or ``plan`` is given a
 plan that ``parallelize`` refuses, or the demo fails); 2 for a usage error.
@@ -15,7 +21,6 @@ plan that ``parallelize`` refuses, or the demo fails); 2 for a usage error.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -46,12 +51,16 @@ class _PlanError(Exception):
         self.findings = list(findings)
 
 
-def _mesh(text: str) -> dict[str, int]:
-    from hyper_parallel.analysis._world import parse_mesh
+def _mesh(text: str) -> Any:
+    from hyper_parallel.distributed.layout import LayoutError, MeshLayout
 
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "the mesh is empty; write axis=size pairs, e.g. 'dp_shard=2,tp=2'."
+        )
     try:
-        return parse_mesh(text)
-    except ValueError as e:
+        return MeshLayout.parse(text)
+    except LayoutError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -74,13 +83,17 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="a tiny Hugging Face model built on the meta device: llama, qwen2, mistral, gpt2",
     )
     p.add_argument(
-        "--mesh", required=True, type=_mesh, help="axis sizes in mesh order, e.g. dp=128,tp=8"
+        "--mesh",
+        required=True,
+        type=_mesh,
+        help="axis sizes over pp, dp_replicate, dp_shard (alias dp), cp, tp, ep, any order, "
+        "e.g. dp=128,tp=8 or dp_replicate=4,dp_shard=32,tp=8",
     )
     p.add_argument(
         "--plan",
         metavar="FILE",
         help="plan file (.yaml/.json: module path pattern -> sharding config); default: the "
-        "model's own tensor-parallel sharding when the mesh has a 'tp' axis",
+        "model's own sharding for the mesh's model axes (tp)",
     )
     p.add_argument(
         "--sp", action="store_true", help="tensor + sequence parallel (registered models)"
@@ -111,9 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_arguments(plan)
     plan.add_argument(
-        "--no-fsdp", action="store_true", help="do not shard states over dp with FSDP2"
+        "--no-fsdp",
+        action="store_true",
+        help="do not shard states with FSDP2 over fsdp = dp_shard x cp (HSDP with dp_replicate)",
     )
-    plan.add_argument("--dp-axis", default="dp", help="data-parallel axis for FSDP (default dp)")
     plan.add_argument(
         "--dtype", choices=tuple(_DTYPES), default="fp32", help="parameter dtype (default fp32)"
     )
@@ -183,7 +197,7 @@ class _Subject:
 def _subject(args: argparse.Namespace) -> _Subject:
     from hyper_parallel.dmodule.plan_file import load_plan
 
-    shape: dict[str, int] = args.mesh
+    layout = args.mesh
     plan = None
     if args.plan is not None:
         suffix = os.path.splitext(args.plan)[1].lower()
@@ -206,10 +220,8 @@ def _subject(args: argparse.Namespace) -> _Subject:
             raise _PlanError(
                 str(e), [_finding("", "plan", str(e), "correct the plan file and run again.")]
             ) from None
-    elif args.model is not None or args.hf_model is not None:
-        _check_axes(shape, args)
     if args.hf_model is not None:
-        return _hf_subject(args, shape, plan)
+        return _hf_subject(args, layout, plan)
     from hyper_parallel.dmodule.model_spec import get_spec
 
     try:
@@ -217,28 +229,21 @@ def _subject(args: argparse.Namespace) -> _Subject:
     except ValueError as e:
         raise _UsageError(str(e)) from None
     config = spec.config()
-    if plan is None and "tp" in shape:
-        key = "tp_sp" if args.sp else "tp"
-        sharding = spec.extras.get(key)
-        if sharding is None:
-            raise _UsageError(
-                f"model {args.model!r} has no {key!r} sharding; pass a plan file with --plan."
-            )
-        try:
-            if "tp_size" in inspect.signature(sharding).parameters:
-                config = sharding(config, tp_size=shape["tp"])
-            else:
-                config = sharding(config)
-        except ValueError as e:  # e.g. heads not divisible by the tp size
-            raise _PlanError(
-                f"{args.model} cannot be sharded over tp={shape['tp']}: {e}",
-                [_finding("", "mesh['tp']", str(e), "use a tp size that divides the head counts.")],
-            ) from None
-    elif args.sp:
+    if args.sp and (plan is not None or layout.tp == 1):
         raise _UsageError(
             "--sp shards the sequence over the 'tp' axis: give the mesh a tp axis "
             "(e.g. --mesh dp=2,tp=2), and no --plan."
         )
+    if plan is None:
+        from hyper_parallel.distributed.axes import apply_model_axes
+
+        try:
+            config = apply_model_axes(spec, config, layout, sequence_parallel=args.sp)
+        except ValueError as e:  # e.g. heads not divisible by the tp size
+            raise _PlanError(
+                f"{args.model} cannot be sharded over {layout}: {e}",
+                [_finding("", "mesh", str(e), "use axis sizes that divide the head counts.")],
+            ) from None
     return _Subject(args.model, config, plan, spec.extras.get("loss_fn"), args.seq or _SEQ_LEN)
 
 
@@ -248,20 +253,7 @@ def _finding(path: str, field: str, message: str, fix: str) -> Any:
     return Finding("error", path, field, message, fix)
 
 
-def _check_axes(shape: dict[str, int], args: argparse.Namespace) -> None:
-    """Without --plan only 'tp' (the model's sharding) and the FSDP axis are used."""
-    used = {"tp", getattr(args, "dp_axis", "dp")}
-    unused = [a for a in shape if a not in used]
-    if unused:
-        raise _UsageError(
-            f"mesh axis {unused[0]!r} is used by nothing: without --plan the model's own "
-            f"sharding uses 'tp' (tensor parallel) and FSDP uses {sorted(used - {'tp'})[0]!r} "
-            "(data parallel); rename the axis (e.g. --mesh dp=2,tp=2), or pass a --plan "
-            "that places states on it."
-        )
-
-
-def _hf_subject(args: argparse.Namespace, shape: dict[str, int], plan: Any) -> _Subject:
+def _hf_subject(args: argparse.Namespace, layout: Any, plan: Any) -> _Subject:
     if args.sp:
         raise _UsageError("--sp applies to registered models; give an SP plan with --plan.")
     try:
@@ -272,11 +264,11 @@ def _hf_subject(args: argparse.Namespace, shape: dict[str, int], plan: Any) -> _
         raise _UsageError(str(e)) from None
     if plan is None:
         try:
-            plan = hf_tp_plan(args.hf_model) if "tp" in shape else {}
+            plan = hf_tp_plan(args.hf_model) if layout.tp > 1 else {}
         except ValueError as e:  # gpt2: its fused c_attn has no default plan
             raise _PlanError(f"{e} Pass such a plan with --plan FILE.") from None
-    if "tp" in shape and any(p.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj") for p in plan):
-        heads = check_hf_heads(model, shape["tp"])
+    if layout.tp > 1 and any(p.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj") for p in plan):
+        heads = check_hf_heads(model, layout.tp)
         if heads:
             raise _PlanError(" ".join(f"{f.message} Fix: {f.fix}" for f in heads), heads)
     return _Subject(f"hf:{args.hf_model}", model, plan, None, args.seq or _HF_SEQ_LEN)
@@ -289,6 +281,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from hyper_parallel.analysis import dry_run
+    from hyper_parallel.distributed.layout import LayoutError
     from hyper_parallel.dmodule._checks import ParallelizeError
 
     subject = _subject(args)
@@ -300,7 +293,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             batch_size=args.batch,
             seq_len=subject.seq_len,
             fsdp=not args.no_fsdp,
-            dp_axis=args.dp_axis,
             param_dtype=getattr(torch, _DTYPES[args.dtype]),
             loss_fn=subject.loss_fn,
         )
@@ -311,6 +303,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    except LayoutError as e:  # an axis the plan or the model cannot run on
+        raise _PlanError(str(e), e.findings) from None
     except (ValueError, TypeError, RuntimeError) as e:
         raise _PlanError(
             f"the plan fails when traced ({type(e).__name__}: {e}); run 'hyper-parallel "
@@ -356,7 +350,9 @@ def _print_validate_failure(args: argparse.Namespace, findings: list[Any]) -> in
     from hyper_parallel.analysis.validate import ValidationReport
 
     name = args.model if args.model is not None else f"hf:{args.hf_model}"
-    report = ValidationReport(model=name, mesh=dict(args.mesh), findings=findings)
+    report = ValidationReport(
+        model=name, mesh=args.mesh.active(), layout=args.mesh, findings=findings
+    )
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=1))
     else:

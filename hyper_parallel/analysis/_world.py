@@ -1,5 +1,10 @@
 """A whole mesh in one process: PyTorch's fake process group, and mesh-shape helpers.
 
+:func:`fake_world` builds the one N-D mesh of :mod:`hyper_parallel.distributed.layout`
+(the same :class:`~hyper_parallel.distributed.ParallelMesh` the trainer builds on real
+ranks) over a fake process group, so the dry run and ``validate`` slice the mesh
+exactly as training does.
+
 The fake backend (``torch.testing._internal.distributed.fake_pg``) accepts every
 collective at any world size and moves no data, so a 16,384-rank ``DeviceMesh``
 costs a few milliseconds. Tensors stay fake (no storage), so nothing is computed
@@ -9,42 +14,18 @@ either: only shapes, placements and the collectives issued are real.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Iterator, Mapping
 
 import torch.distributed as dist
 
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh, as_layout
 
-__all__ = ["MeshShape", "fake_world", "format_mesh", "mesh_shape", "parse_mesh"]
+__all__ = ["MeshShape", "fake_world", "format_mesh", "mesh_shape"]
 
 MeshShape = dict[str, int]
 """Axis name → size, in mesh order (``{"dp": 128, "tp": 8}``)."""
-
-
-def parse_mesh(text: str) -> MeshShape:
-    """Parse ``"dp=128,tp=8"`` into ``{"dp": 128, "tp": 8}`` (mesh order kept).
-
-    Raises:
-        ValueError: For a malformed entry, a repeated axis or a size below 1.
-
-    Example::
-
-        parse_mesh("dp=2,tp=4")  # {"dp": 2, "tp": 4}
-    """
-    shape: MeshShape = {}
-    for part in (p.strip() for p in text.split(",")):
-        name, sep, size = part.partition("=")
-        name = name.strip()
-        if not sep or not name or not size.strip().lstrip("-").isdigit():
-            raise ValueError(
-                f"mesh {text!r}: entry {part!r} is not 'axis=size'; write e.g. 'dp=128,tp=8'."
-            )
-        if name in shape:
-            raise ValueError(f"mesh {text!r}: axis {name!r} appears twice; name each axis once.")
-        shape[name] = int(size)
-    return mesh_shape(shape)
 
 
 def mesh_shape(mesh: DeviceMesh | Mapping[str, int]) -> MeshShape:
@@ -83,13 +64,14 @@ def format_mesh(shape: Mapping[str, int]) -> str:
 
 
 @contextlib.contextmanager
-def fake_world(shape: Mapping[str, int]) -> Iterator[DeviceMesh]:
-    """A ``DeviceMesh`` of ``shape`` over a fake process group of ``prod(shape)`` ranks.
+def fake_world(mesh: MeshLayout | Mapping[str, int]) -> Iterator[ParallelMesh]:
+    """The :class:`ParallelMesh` of ``mesh`` over a fake process group of its world size.
 
     This process is rank 0. A default process group is created when none exists and
     destroyed on exit; an existing *fake* group of the same world size is reused.
 
     Raises:
+        LayoutError: For a bad mesh (every problem at once).
         RuntimeError: When a real process group already exists (a fake world
             cannot be created next to it); run the analysis before
             ``init_process_group``, or in a separate process.
@@ -97,7 +79,9 @@ def fake_world(shape: Mapping[str, int]) -> Iterator[DeviceMesh]:
     # Imported here: torch's testing package is only needed when a fake world is made.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    world_size = math.prod(shape.values())
+    layout = as_layout(mesh)
+    layout.check()
+    world_size = layout.world_size
     created = False
     if dist.is_initialized():
         backend = dist.get_backend()
@@ -113,7 +97,7 @@ def fake_world(shape: Mapping[str, int]) -> Iterator[DeviceMesh]:
     try:
         with warnings.catch_warnings():
             _quiet_known_warnings()
-            yield init_device_mesh("cpu", tuple(shape.values()), mesh_dim_names=tuple(shape))
+            yield layout.build("cpu")
     finally:
         if created:
             dist.destroy_process_group()

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
+from hyper_parallel.distributed.layout import ParallelMesh
 
 __all__ = [
     "Collective",
@@ -173,8 +174,15 @@ def summarize(records: Iterable[Collective]) -> list[CollectiveStat]:
     return sorted(stats, key=lambda s: (_PHASE_ORDER.get(s.phase, 9), s.axis, s.kind))
 
 
-def axis_groups(mesh: DeviceMesh) -> dict[str, str]:
-    """Process-group name → mesh axis name, for every axis of ``mesh``."""
+def axis_groups(mesh: DeviceMesh | ParallelMesh) -> dict[str, str]:
+    """Process-group name → mesh axis name, for every axis of ``mesh``.
+
+    For a :class:`~hyper_parallel.distributed.ParallelMesh` every named view counts
+    (user axes, ``fsdp``, the HSDP dims, ``batch``, ``loss``); where two views are the
+    same group, the one :meth:`ParallelMesh.axis_meshes` lists last names it.
+    """
+    if isinstance(mesh, ParallelMesh):
+        return {m.get_group().group_name: axis for axis, m in mesh.axis_meshes()}
     names = mesh.mesh_dim_names or ()
     return {mesh.get_group(axis).group_name: axis for axis in names}
 

@@ -1,12 +1,15 @@
 """Dry run: one training step of a sharded model at any scale, in one process.
 
-:func:`dry_run` builds the model with fake tensors (shapes, no storage), applies
-its plan on the model-parallel axes, wraps each layer and the root with FSDP2's
-``fully_shard`` over ``dp`` (by default), and runs one forward and backward pass
-over PyTorch's fake process group at the full world size, under ``CommDebugMode``
-and a recorder of every collective's kind, axis and size. Nothing is computed and
-no data moves; the sharding, the per-rank memory and the collectives are those of
-the real run.
+:func:`dry_run` builds the N-D mesh of a
+:class:`~hyper_parallel.distributed.MeshLayout` over PyTorch's fake process group at
+the full world size (the same :class:`~hyper_parallel.distributed.ParallelMesh` the
+trainer builds), builds the model with fake tensors (shapes, no storage), applies
+its plan on the submesh of the axes the plan declares (as the trainer does), wraps
+each layer and the root with FSDP2's ``fully_shard`` over ``fsdp`` = dp_shard x cp
+(HSDP on ``(dp_replicate, fsdp)`` when dp_replicate > 1), and runs one forward and
+backward pass under ``CommDebugMode`` and a recorder of every collective's kind,
+axis and size. Nothing is computed and no data moves; the sharding, the per-rank
+memory and the collectives are those of the real run.
 
 A model whose config holds a list of identical layers is traced at two depths and
 extrapolated linearly to its real depth (exact: everything but the number of
@@ -15,28 +18,42 @@ layers is the same in both runs); the report says so.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed.axes import (
+    axis_support_findings,
+    declared_axes,
+    plan_axis_findings,
+    plan_mesh,
+    states_on_axes,
+)
+from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for
+from hyper_parallel.distributed.layout import (
+    DATA_AXES,
+    DENSE_AXES,
+    LayoutError,
+    MeshLayout,
+    ParallelMesh,
+    as_layout,
+)
 from hyper_parallel.dmodule._boundary import parallelize_entries
-from hyper_parallel.dmodule._checks import PlanEntry
+from hyper_parallel.dmodule._checks import Finding
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
 from ._format import human_bytes, layer_pattern, placement_text, table
 from ._model import TRACE_DEPTHS, Target, default_inputs, default_loss, resolve_target
-from ._world import MeshShape, fake_world, format_mesh, mesh_shape
+from ._world import MeshShape, fake_world
 from .collectives import (
     Collective,
     CollectiveRecorder,
@@ -47,7 +64,10 @@ from .collectives import (
 )
 from .memory import StateBytes, ddp_num_buckets, state_bytes
 
-__all__ = ["DryRunReport", "ModuleShards", "ParamShard", "dry_run"]
+__all__ = ["ANALYSIS_AXES", "DryRunReport", "ModuleShards", "ParamShard", "dry_run"]
+
+ANALYSIS_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+"""User axes the dry run and ``validate`` trace; others of size > 1 are refused, by name."""
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -92,14 +112,19 @@ class DryRunReport:
 
     Attributes:
         model: The model's class name.
-        mesh: Axis → size.
+        mesh: The active axes (size > 1) → size.
         world_size: Number of ranks.
         num_params: Parameters of the whole model.
         batch_size: Per-rank batch of the traced step.
         seq_len: Sequence length of the traced step.
         param_dtype: Parameter dtype, e.g. ``"float32"``.
-        fsdp: Whether FSDP2 shards over ``dp_axis``.
-        dp_axis: The data-parallel axis.
+        fsdp: Whether FSDP2 shards dense states over the data axes.
+        fsdp_axes: The dims of the mesh FSDP2 runs on: ``("fsdp",)``, or
+            ``("dp_replicate", "fsdp")`` for HSDP; ``()`` without FSDP.
+        plan_axes: The axes the plan declares: the submesh it is applied on.
+        columns: The placement columns of the parameter table (each active axis;
+            ``fsdp`` stands for dp_shard x cp when FSDP shards over it).
+        layout: The full mesh layout (every axis, derived sizes).
         modules: Per module, its parameters' placements and rank 0's shards.
         per_rank: Bytes per rank of parameters, gradients and AdamW state.
         collectives: Per (kind, axis, phase): count and bytes per rank per step.
@@ -119,7 +144,10 @@ class DryRunReport:
     seq_len: int
     param_dtype: str
     fsdp: bool
-    dp_axis: str
+    fsdp_axes: tuple[str, ...]
+    plan_axes: tuple[str, ...]
+    columns: tuple[str, ...]
+    layout: MeshLayout
     modules: list[ModuleShards]
     per_rank: StateBytes
     collectives: list[CollectiveStat]
@@ -136,13 +164,15 @@ class DryRunReport:
         return {
             "model": self.model,
             "world_size": self.world_size,
-            "mesh": dict(self.mesh),
+            "mesh": self.layout.to_dict(derived=True),
             "num_params": self.num_params,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "param_dtype": self.param_dtype,
             "fsdp": self.fsdp,
-            "dp_axis": self.dp_axis,
+            "fsdp_axes": list(self.fsdp_axes),
+            "plan_axes": list(self.plan_axes),
+            "placement_axes": list(self.columns),
             "per_rank_bytes": self.per_rank.to_dict(),
             "collectives": [c.to_dict() for c in self.collectives],
             "collectives_per_layer": None
@@ -158,13 +188,18 @@ class DryRunReport:
 
     def to_table(self) -> str:
         """The report for people: parameters, memory, collectives, assumptions, summary."""
-        axes = list(self.mesh)
+        axes = list(self.columns)
+        fsdp_text = "no FSDP"
+        if self.fsdp:
+            kind = "HSDP" if "dp_replicate" in self.fsdp_axes else "FSDP2"
+            fsdp_text = f"{kind} over {' x '.join(self.fsdp_axes)} (fsdp = dp_shard x cp)"
         out = [
-            f"plan: {self.model} on {format_mesh(self.mesh)} ({self.world_size:,} ranks); "
+            f"plan: {self.model} on {self.layout.describe()} ({self.world_size:,} ranks); "
             f"batch {self.batch_size} x seq {self.seq_len}; {self.param_dtype} parameters; "
-            + (f"FSDP2 over {self.dp_axis}" if self.fsdp else "no FSDP"),
+            f"{fsdp_text}; plan on {' x '.join(self.plan_axes) or 'no axis'}",
             "",
-            "Parameters (rank 0's shard; numbered layers folded into '*'):",
+            "Parameters (rank 0's shard; one placement column per mesh axis; numbered layers "
+            "folded into '*'):",
         ]
         rows = []
         for (path, name), (p, count) in _fold_params(self.modules).items():
@@ -261,7 +296,6 @@ def dry_run(
     batch_size: int = 1,
     seq_len: int = 2048,
     fsdp: bool = True,
-    dp_axis: str = "dp",
     param_dtype: torch.dtype = torch.float32,
     inputs: Sequence[torch.Tensor] | None = None,
     loss_fn: LossFn | None = None,
@@ -271,15 +305,18 @@ def dry_run(
     Args:
         model_or_config: A model ``Config``, a model built from ``Module`` configs, or
             any ``nn.Module`` together with ``plan``.
-        mesh: Axis sizes in mesh order (``{"dp": 128, "tp": 8}``) or a DeviceMesh.
-        plan: Module path pattern → ShardingConfig, or a plan file.
+        mesh: A :class:`~hyper_parallel.distributed.MeshLayout`, axis sizes over
+            ``pp, dp_replicate, dp_shard`` (alias ``dp``), ``cp, tp, ep``
+            (``{"dp": 128, "tp": 8}``), or a DeviceMesh with those dim names.
+        plan: Module path pattern → ShardingConfig, or a plan file. It is applied on
+            the submesh of the axes it declares, as the trainer applies it.
         batch_size: Per-rank batch size of the traced step.
         seq_len: Sequence length of the traced step.
-        fsdp: Shard parameters, gradients and optimizer state over ``dp_axis`` with
-            FSDP2 (each element of the model's top-level ``ModuleList``s and the root
-            is one ``fully_shard`` unit). Ignored, with a note, when the mesh has no
-            such axis.
-        dp_axis: The data-parallel axis.
+        fsdp: Shard parameters, gradients and optimizer state with FSDP2 over
+            ``fsdp`` = dp_shard x cp (HSDP over ``(dp_replicate, fsdp)`` when
+            dp_replicate > 1); each element of the model's top-level ``ModuleList``s
+            and the root is one ``fully_shard`` unit. Ignored, with a note, when the
+            mesh has no data axis.
         param_dtype: Parameter (and gradient) dtype.
         inputs: Example inputs (only shapes and dtypes are used); by default token
             ids ``(batch_size, seq_len)`` or features, see
@@ -290,9 +327,11 @@ def dry_run(
         A :class:`DryRunReport`.
 
     Raises:
-        ValueError: For a malformed mesh, a plan that ``parallelize`` refuses
-            (run :func:`validate` for the full list), or a plan that places states
-            on ``dp_axis`` while FSDP uses it.
+        ValueError: For a bad mesh (``LayoutError``, every problem at once), an axis
+            the dry run cannot trace yet (``pp``, ``ep``), a ``cp`` axis the plan does
+            not declare, a plan that ``parallelize`` refuses (run :func:`validate` for
+            the full list), or a plan that places states on a data axis while FSDP
+            shards over it.
         RuntimeError: When a real process group already exists.
 
     Example::
@@ -301,24 +340,30 @@ def dry_run(
         from hyper_parallel.dmodule import get_spec
 
         spec = get_spec("llama3-70b")
-        report = dry_run(spec.extras["tp"](spec.config()), {"dp": 128, "tp": 8})
+        report = dry_run(spec.extras["tp"](spec.config()), {"dp_shard": 128, "tp": 8})
         print(report.per_rank.total, report.collectives)
     """
     start = time.perf_counter()
-    shape = mesh_shape(mesh)
+    layout = as_layout(mesh)
+    _raise_errors(
+        [f for f in layout.findings() if f.severity == "error"]
+        + axis_support_findings(layout, ANALYSIS_AXES, "the dry run")
+    )
     target = resolve_target(model_or_config, plan)
-    use_fsdp = fsdp and dp_axis in shape
+    # The axes the plan declares decide where it runs and what FSDP may shard over.
+    entries, _ = target.entries(target.build_meta(1 if target.layers_field else None))
+    declared = declared_axes(entries)
     loss = loss_fn or default_loss
     depths: tuple[int | None, ...] = TRACE_DEPTHS if target.layers_field else (None,)
-    with fake_world(shape) as world:
+    with fake_world(layout) as world:
+        fsdp_mesh = fsdp_mesh_for(world, declared) if fsdp else None
+        use_fsdp = fsdp_mesh is not None
         runs = [
             _trace_step(
                 target,
                 world,
-                shape,
                 depth,
-                use_fsdp=use_fsdp,
-                dp_axis=dp_axis,
+                fsdp_mesh=fsdp_mesh,
                 param_dtype=param_dtype,
                 inputs=inputs,
                 batch_size=batch_size,
@@ -327,19 +372,25 @@ def dry_run(
             )
             for depth in depths
         ]
+        fsdp_axes = tuple(fsdp_mesh.mesh_dim_names or ()) if fsdp_mesh is not None else ()
+    plan_axes = runs[-1].plan_axes
     settings = dict(
         batch_size=batch_size,
         seq_len=seq_len,
         param_dtype=str(param_dtype).removeprefix("torch."),
         fsdp=use_fsdp,
-        dp_axis=dp_axis,
+        fsdp_axes=fsdp_axes,
+        plan_axes=plan_axes,
+        columns=_placement_columns(layout, use_fsdp, plan_axes),
+        layout=layout,
     )
-    report = _combine(target, runs, shape, settings)
-    if not use_fsdp and shape.get(dp_axis, 1) > 1:
-        report.collectives.append(_ddp_all_reduce(report.per_rank.grads, dp_axis, shape[dp_axis]))
+    report = _combine(target, runs, layout, settings)
+    data_axis, data_size = _data_axis(layout)
+    if not use_fsdp and data_size > 1:
+        report.collectives.append(_ddp_all_reduce(report.per_rank.grads, data_axis, data_size))
         phases = {"forward": 0, "backward": 1, "optimizer": 2}
         report.collectives.sort(key=lambda c: (phases.get(c.phase, 3), c.axis, c.kind))
-    report.assumptions = _assumptions(target, runs, shape, use_fsdp, dp_axis, loss)
+    report.assumptions = _assumptions(target, runs, layout, fsdp_axes, loss)
     report.elapsed_s = time.perf_counter() - start
     return report
 
@@ -358,16 +409,15 @@ class _Run:
     comm_counts: dict[str, int]
     fsdp_units: list[str]
     comm_debug_total: int
+    plan_axes: tuple[str, ...] = ()
 
 
 def _trace_step(
     target: Target,
-    world: DeviceMesh,
-    shape: MeshShape,
+    world: ParallelMesh,
     depth: int | None,
     *,
-    use_fsdp: bool,
-    dp_axis: str,
+    fsdp_mesh: DeviceMesh | None,
     param_dtype: torch.dtype,
     inputs: Sequence[torch.Tensor] | None,
     batch_size: int,
@@ -379,23 +429,29 @@ def _trace_step(
     types = {path: type(m).__name__ for path, m in model.named_modules()}
     args = _inputs(model, inputs, batch_size, seq_len, mode)
     entries, findings = target.entries(model)
+    axes = declared_axes(entries)
+    _raise_errors(
+        [
+            f
+            for f in plan_axis_findings(world.layout, axes, fsdp=fsdp_mesh is not None)
+            if f.severity == "error"
+        ]
+    )
     if entries or findings:  # a plan whose patterns all match nothing is refused too
-        on_dp = _paths_placing_on(entries, dp_axis)
-        if use_fsdp and on_dp:
+        on_data = states_on_axes(entries, DATA_AXES)
+        if fsdp_mesh is not None and on_data:
             raise ValueError(
-                f"dry_run: the plan places states on {dp_axis!r} ({', '.join(on_dp)}), which "
-                f"FSDP also shards over; pass fsdp=False (CLI: --no-fsdp) to place them "
-                f"yourself, or drop {dp_axis!r} from those configs."
+                f"dry_run: the plan places states on a data axis ({', '.join(on_data)}), "
+                "which FSDP also shards over; pass fsdp=False (CLI: --no-fsdp) to place them "
+                "yourself, or drop the data axes from those configs."
             )
-        # The plan runs on the model-parallel axes (torchtitan's mesh["tp"]) unless it
-        # places states on the data-parallel axis itself.
-        model_axes = tuple(a for a in shape if a != dp_axis or on_dp)
-        sub = world if len(model_axes) in (0, len(shape)) else world[model_axes]
-        parallelize_entries(model, sub, entries, findings)
+        # The plan runs on the submesh of the axes it declares, as in the trainer.
+        sub = plan_mesh(world, axes)
+        parallelize_entries(model, sub if sub is not None else world.dense, entries, findings)
     units: list[str] = []
-    if use_fsdp:
-        units = _apply_fsdp(model, world[dp_axis])
-    modules = _module_shards(model, types, tuple(shape))
+    if fsdp_mesh is not None:
+        units = apply_fsdp(model, fsdp_mesh)
+    modules = _module_shards(model, types)
     recorder = CollectiveRecorder(axis_groups(world))
     comm = CommDebugMode()
     with mode, comm, recorder:
@@ -405,7 +461,7 @@ def _trace_step(
         loss.backward()
     params = _unique_params(model)
     grads = [p.grad for p in params if p.grad is not None]
-    pending = _pending_reductions(grads, world)
+    pending = _pending_reductions(grads)
     return _Run(
         depth=depth,
         num_params=sum(p.numel() for p in params),
@@ -417,10 +473,39 @@ def _trace_step(
         comm_counts={str(op): n for op, n in comm.get_comm_counts().items()},
         fsdp_units=units,
         comm_debug_total=comm.get_total_counts(),
+        plan_axes=tuple(a for a in axes if a in DENSE_AXES),
     )
 
 
-def _pending_reductions(grads: Sequence[torch.Tensor], world: DeviceMesh) -> list[Collective]:
+def _raise_errors(findings: Sequence[Finding]) -> None:
+    if findings:
+        raise LayoutError(findings)
+
+
+def _placement_columns(
+    layout: MeshLayout, use_fsdp: bool, plan_axes: Sequence[str]
+) -> tuple[str, ...]:
+    """One column per active axis; ``fsdp`` stands for dp_shard x cp when FSDP shards it."""
+    cols = []
+    if layout.dp_replicate > 1:
+        cols.append("dp_replicate")
+    if use_fsdp and layout.fsdp > 1:
+        cols.append("fsdp")
+    elif layout.dp_shard > 1:
+        cols.append("dp_shard")
+    cols += [a for a in ("cp", "tp") if layout.size(a) > 1 or a in plan_axes]
+    return tuple(cols)
+
+
+def _data_axis(layout: MeshLayout) -> tuple[str, int]:
+    """The axis over which gradients are averaged without FSDP, and its size."""
+    active = [a for a in ("dp_replicate", "dp_shard", "cp") if layout.size(a) > 1]
+    if len(active) == 1:
+        return active[0], layout.size(active[0])
+    return "loss", layout.size("loss")
+
+
+def _pending_reductions(grads: Sequence[torch.Tensor]) -> list[Collective]:
     """All-reduces still owed by gradients that backward left ``Partial`` (computed).
 
     DTensor reduces a partial sum only when it is read: such a gradient is reduced when
@@ -433,7 +518,7 @@ def _pending_reductions(grads: Sequence[torch.Tensor], world: DeviceMesh) -> lis
         names = g.device_mesh.mesh_dim_names or ()
         for axis, p in zip(names, g.placements):
             if p.is_partial():
-                size = world[axis].size()
+                size = g.device_mesh[axis].size()
                 out.append(
                     Collective("all_reduce", axis, "optimizer", _local_bytes(g), size, False)
                 )
@@ -458,31 +543,6 @@ def _inputs(
     return tuple(out)
 
 
-def _paths_placing_on(entries: Sequence[PlanEntry], axis: str) -> list[str]:
-    return sorted(
-        {
-            e.path or "<root>"
-            for e in entries
-            for named in e.config.state_shardings.values()
-            if any(str(a) == axis for a in named)
-        }
-    )
-
-
-def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> list[str]:
-    """``fully_shard`` each element of the top-level ModuleLists, then the root."""
-    units: list[tuple[str, nn.Module]] = []
-    lists: list[str] = []
-    for path, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and not any(path.startswith(f"{p}.") for p in lists):
-            lists.append(path)
-            units += [(f"{path}.{i}", child) for i, child in enumerate(m)]
-    for _, unit in units:
-        fully_shard(unit, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
-    return [p for p, _ in units]
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -496,9 +556,7 @@ def _unique_params(model: nn.Module) -> list[torch.Tensor]:
     return list({id(p): p for p in model.parameters()}.values())
 
 
-def _module_shards(
-    model: nn.Module, types: Mapping[str, str], axes: tuple[str, ...]
-) -> list[ModuleShards]:
+def _module_shards(model: nn.Module, types: Mapping[str, str]) -> list[ModuleShards]:
     seen: set[int] = set()
     modules = []
     for path, m in model.named_modules():
@@ -507,10 +565,12 @@ def _module_shards(
             if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
-            placements = {a: "Replicate()" for a in axes}
+            # The placement on each dim of the parameter's own mesh; the report lays
+            # them out in one column per mesh axis (absent: Replicate()).
+            placements = {}
             if isinstance(p, DTensor):
                 names = p.device_mesh.mesh_dim_names or ()
-                placements.update({a: placement_text(q) for a, q in zip(names, p.placements)})
+                placements = {a: placement_text(q) for a, q in zip(names, p.placements)}
             local = _local(p)
             params.append(
                 ParamShard(
@@ -538,12 +598,14 @@ def _stat_map(records: Sequence[Collective]) -> dict[Key, CollectiveStat]:
 
 
 def _combine(
-    target: Target, runs: Sequence[_Run], shape: MeshShape, settings: Mapping[str, Any]
+    target: Target, runs: Sequence[_Run], layout: MeshLayout, settings: Mapping[str, Any]
 ) -> DryRunReport:
     """One run as is; two runs (depths d and d + 1) extrapolated to the real depth."""
-    world_size = math.prod(shape.values())
     last = runs[-1]
-    common = dict(model=target.name, mesh=dict(shape), world_size=world_size, **settings)
+    columns = settings["columns"]
+    for r in runs:
+        r.modules = [_in_columns(m, columns) for m in r.modules]
+    common = dict(model=target.name, mesh=layout.active(), world_size=layout.world_size, **settings)
     if len(runs) == 1:
         return DryRunReport(
             **common,
@@ -640,6 +702,15 @@ def _expand_layers(
     return out
 
 
+def _in_columns(module: ModuleShards, columns: Sequence[str]) -> ModuleShards:
+    """Each parameter's placements over the report's columns (absent: ``Replicate()``)."""
+    params = tuple(
+        replace(p, placements={c: p.placements.get(c, "Replicate()") for c in columns})
+        for p in module.params
+    )
+    return replace(module, params=params)
+
+
 def _ddp_all_reduce(grad_bytes: int, dp_axis: str, dp_size: int) -> CollectiveStat:
     """Data-parallel gradient all-reduce without FSDP, computed from DDP's default buckets."""
     return CollectiveStat(
@@ -656,15 +727,17 @@ def _ddp_all_reduce(grad_bytes: int, dp_axis: str, dp_size: int) -> CollectiveSt
 def _assumptions(
     target: Target,
     runs: Sequence[_Run],
-    shape: MeshShape,
-    use_fsdp: bool,
-    dp_axis: str,
+    layout: MeshLayout,
+    fsdp_axes: tuple[str, ...],
     loss_fn: LossFn,
 ) -> list[str]:
     last = runs[-1]
+    plan_axes = " x ".join(last.plan_axes) or "no axis"
     notes = [
         "Traced on fake tensors (shapes and dtypes, no storage) over PyTorch's fake process "
-        f"group of {math.prod(shape.values()):,} ranks: one forward and one backward pass.",
+        f"group of {layout.world_size:,} ranks: one forward and one backward pass.",
+        f"The mesh is the trainer's: {layout.describe()}; the plan is applied on the submesh "
+        f"of the axes it declares ({plan_axes}), as in training.",
         "Per-rank figures are rank 0's, whose shard is the largest when a dim does not divide "
         "(FSDP2 pads every rank's shard to that size).",
         "Memory is the steady state between steps: parameters; gradients with the dtype and "
@@ -683,22 +756,29 @@ def _assumptions(
     num_units = len(last.fsdp_units)
     if len(runs) == 2 and target.num_layers is not None and last.depth is not None:
         num_units += (target.num_layers - last.depth) * (num_units - len(runs[0].fsdp_units))
-    if use_fsdp:
-        notes.append(
-            f"FSDP2 fully_shard over {dp_axis!r} on {num_units} unit(s) (each element "
-            "of the top-level ModuleLists) and the root, default reshard_after_forward (the "
-            "root keeps its parameters gathered between forward and backward); gradients are "
-            "reduce-scattered in backward. Traced, not computed."
+    data_axis, data_size = _data_axis(layout)
+    if fsdp_axes:
+        hsdp = (
+            " (HSDP: states sharded within each dp_replicate group, gradients all-reduced "
+            "across the groups)"
+            if "dp_replicate" in fsdp_axes
+            else ""
         )
-    elif dp_axis not in shape:
         notes.append(
-            f"FSDP off: the mesh has no {dp_axis!r} axis (axes: {list(shape)}), so there is no "
-            "data parallelism to shard over."
+            f"FSDP2 fully_shard over {' x '.join(fsdp_axes)}{hsdp} on {num_units} unit(s) "
+            "(each element of the top-level ModuleLists) and the root, default "
+            "reshard_after_forward (the root keeps its parameters gathered between forward and "
+            "backward); gradients are reduce-scattered in backward. Traced, not computed."
+        )
+    elif data_size == 1:
+        notes.append(
+            f"FSDP off: the mesh ({layout.describe()}) has no data axis (dp_replicate, "
+            "dp_shard, cp), so there is no data parallelism to shard over."
         )
     else:
         notes.append(
             f"FSDP off (fsdp=False): parameters, gradients and optimizer states are replicated "
-            f"over {dp_axis!r}. The gradient all-reduce over {dp_axis!r} is computed, not "
+            f"over {data_axis!r}. The gradient all-reduce over {data_axis!r} is computed, not "
             "traced: all gradient bytes, in DDP's default buckets (1 MiB, then 25 MiB)."
         )
     if len(runs) > 1:

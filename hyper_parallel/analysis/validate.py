@@ -12,7 +12,14 @@
   is placed differently from what it declared — with the collective it costs;
   undeclared ones (the arriving layout is not the module's ``in_src``) are
   warnings, as is a *local* tensor read back under a different layout;
-- a forward pass that fails once the plan is applied.
+- a forward pass that fails once the plan is applied;
+- the mesh: every problem of its layout, axes the analysis cannot trace yet
+  (``pp``, ``ep``), a ``cp`` axis the plan does not declare, and the HSDP trap
+  (a plan or a DeviceMesh that puts a data axis beside a model axis: a 2-D mesh
+  handed to ``fully_shard`` silently becomes HSDP).
+
+The plan is checked and applied on the submesh of the axes it declares, exactly as
+the trainer and the dry run apply it.
 
 The boundary analysis runs the model once, forward only, on fake tensors over a fake
 process group of the mesh's size (nothing is allocated or computed), following each
@@ -43,6 +50,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement, Shard
+from hyper_parallel.distributed.axes import (
+    axis_support_findings,
+    declared_axes,
+    plan_axis_findings,
+    plan_mesh,
+    states_on_axes,
+)
+from hyper_parallel.distributed.fsdp import fsdp_mesh_findings
+from hyper_parallel.distributed.layout import (
+    DATA_AXES,
+    DENSE_AXES,
+    MeshLayout,
+    ParallelMesh,
+    as_layout,
+)
 from hyper_parallel.dmodule._checks import (
     BOUNDARY_ATTR,
     Finding,
@@ -57,13 +79,15 @@ from hyper_parallel.dmodule.types import NamedPlacement
 
 from ._format import human_bytes, layer_pattern, placement_text, table
 from ._model import Target, default_inputs, resolve_target
-from ._world import MeshShape, fake_world, format_mesh, mesh_shape
+from ._world import MeshShape, fake_world
 from .collectives import ALL_GATHER, redistribution_collectives
 
 __all__ = ["Redistribution", "ValidationReport", "validate"]
 
 # Axes over which a batch is split by the data loader, not by a plan.
-_DATA_AXES = frozenset({"dp", "dp_replicate", "dp_shard", "fsdp"})
+_DATA_AXES = frozenset({"dp", *DATA_AXES})
+# User axes validate traces (the dry run's); others of size > 1 are refused by name.
+_ANALYSIS_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -107,7 +131,7 @@ class ValidationReport:
 
     Attributes:
         model: The model's class name.
-        mesh: Axis → size.
+        mesh: The active axes (size > 1) → size.
         findings: Every problem, errors first, each with severity, path, field,
             message and fix. Severities: ``error`` (``parallelize`` refuses it or
             the forward fails), ``warning`` (runs, but probably not as meant),
@@ -116,6 +140,8 @@ class ValidationReport:
             traced forward pass, declared or not.
         traced: Whether the boundary analysis ran.
         notes: How the analysis was done.
+        layout: The whole mesh layout (every axis and the derived sizes).
+        plan_axes: The axes the plan declares: the submesh it is applied on.
     """
 
     model: str
@@ -124,6 +150,8 @@ class ValidationReport:
     redistributions: list[Redistribution] = field(default_factory=list)
     traced: bool = False
     notes: list[str] = field(default_factory=list)
+    layout: MeshLayout | None = None
+    plan_axes: tuple[str, ...] = ()
 
     @property
     def errors(self) -> list[Finding]:
@@ -144,10 +172,12 @@ class ValidationReport:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form."""
+        layout = self.layout if self.layout is not None else as_layout(self.mesh)
         return {
             "model": self.model,
-            "mesh": dict(self.mesh),
-            "world_size": math.prod(self.mesh.values()),
+            "mesh": layout.to_dict(derived=True),
+            "world_size": layout.world_size,
+            "plan_axes": list(self.plan_axes),
             "ok": self.ok,
             "num_errors": len(self.errors),
             "num_warnings": len(self.warnings),
@@ -163,7 +193,11 @@ class ValidationReport:
         Args:
             verbose: List ``info`` findings and every redistribution too.
         """
-        out = [f"validate: {self.model} on {format_mesh(self.mesh)}"]
+        layout = self.layout if self.layout is not None else as_layout(self.mesh)
+        out = [
+            f"validate: {self.model} on {layout.describe()}; plan on "
+            f"{' x '.join(self.plan_axes) or 'no axis'}"
+        ]
         shown = [f for f in self.findings if verbose or f.severity != "info"]
         for (severity, path, fld), group in _fold(shown):
             first = group[0]
@@ -263,8 +297,11 @@ def validate(
         model_or_config: A model ``Config`` (built on the meta device), a model
             built from ``Module`` configs (its ``sharding_config``s are the plan), or
             any ``nn.Module`` together with ``plan``.
-        mesh: Axis sizes in mesh order (``{"dp": 128, "tp": 8}``) or a DeviceMesh.
-        plan: Module path pattern → ShardingConfig, or a ``.yaml``/``.json`` plan file.
+        mesh: A :class:`~hyper_parallel.distributed.MeshLayout`, axis sizes over
+            ``pp, dp_replicate, dp_shard`` (alias ``dp``), ``cp, tp, ep``
+            (``{"dp": 128, "tp": 8}``), or a DeviceMesh with those dim names.
+        plan: Module path pattern → ShardingConfig, or a ``.yaml``/``.json`` plan file;
+            it is checked on the submesh of the axes it declares.
         inputs: Example inputs for the traced forward; by default token ids
             ``(batch_size, seq_len)`` for a model that starts with an embedding, or
             features for one that starts with a linear layer.
@@ -277,7 +314,7 @@ def validate(
         A :class:`ValidationReport`; ``report.ok`` is ``False`` when there are errors.
 
     Raises:
-        ValueError: For a malformed mesh.
+        ValueError: For a malformed mesh (``LayoutError``: every problem at once).
         TypeError: For a model that is neither a Config nor an ``nn.Module``.
 
     Example::
@@ -289,22 +326,59 @@ def validate(
         report = validate(spec.extras["tp"](spec.config()), {"dp": 16, "tp": 8})
         print(report.to_table())
     """
-    shape = mesh_shape(mesh)
+    layout = as_layout(mesh)
+    layout.check()
     target = resolve_target(model_or_config, plan)
-    report = ValidationReport(model=target.name, mesh=shape)
     model = target.build_meta()
     entries, plan_findings = target.entries(model)
-    axes = tuple(shape)
-    findings = [*plan_findings, *check_entries(entries, axes, shape)]
-    findings += _coverage(model, entries, axes)
+    declared = declared_axes(entries)
+    plan_axes = tuple(a for a in declared if a in DENSE_AXES)
+    report = ValidationReport(
+        model=target.name, mesh=layout.active(), layout=layout, plan_axes=plan_axes
+    )
+    sizes = {a: layout.size(a) for a in DENSE_AXES}
+    findings = axis_support_findings(layout, _ANALYSIS_AXES, "validate")
+    findings += plan_axis_findings(
+        layout, declared, fsdp=True, states_on_data=states_on_axes(entries, _DATA_AXES)
+    )
+    findings += _user_mesh_findings(mesh)
+    findings += [*plan_findings, *check_entries(entries, DENSE_AXES, sizes)]
+    findings += _coverage(model, entries, plan_axes or tuple(layout.active()) or ("tp",))
     if trace:
         if seq_len is None:
-            others = math.prod(s for a, s in shape.items() if a not in _DATA_AXES)
+            others = math.prod(layout.size(a) for a in ("cp", "tp"))
             seq_len = max(16, 2 * others)
-        findings += _trace(target, shape, findings, report, inputs, batch_size, seq_len)
+        findings += _trace(target, layout, findings, report, inputs, batch_size, seq_len)
     order = {"error": 0, "warning": 1, "info": 2}
     report.findings = sorted(findings, key=lambda f: order.get(f.severity, 3))
     return report
+
+
+def _user_mesh_findings(mesh: Any) -> list[Finding]:
+    """The HSDP trap in a DeviceMesh the user passed: data and model axes side by side."""
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim < 2:
+        return []
+    names = tuple(mesh.mesh_dim_names or ())
+    data = [a for a in names if a in _DATA_AXES]
+    if not data or names in (("dp_replicate", "dp_shard"), ("dp_replicate", "fsdp")):
+        return []
+    if mesh.ndim == 2:
+        found = fsdp_mesh_findings(mesh, "mesh")
+        if found:
+            return found
+    return [
+        Finding(
+            "warning",
+            "mesh",
+            "fsdp mesh",
+            f"the DeviceMesh {names} puts the data axis {data[0]!r} beside other axes: "
+            "handing it, or a 2-D slice of it, to fully_shard silently becomes HSDP "
+            "(replicate over the first dim, shard over the second), not FSDP over the "
+            "data ranks.",
+            "build the mesh with MeshLayout(...).build() and hand fully_shard "
+            "ParallelMesh.fsdp_mesh() (1-D fsdp, or (dp_replicate, fsdp) for HSDP).",
+        )
+    ]
 
 
 # ---------------------------------------------------------------------- coverage
@@ -657,7 +731,7 @@ class _BoundaryTracer:
 
 def _trace(
     target: Target,
-    shape: MeshShape,
+    layout: MeshLayout,
     static: Sequence[Finding],
     report: ValidationReport,
     inputs: Sequence[torch.Tensor] | None,
@@ -679,7 +753,9 @@ def _trace(
             "that have errors."
         )
     try:
-        with fake_world(shape) as mesh:
+        with fake_world(layout) as world:
+            mesh = _plan_submesh(world, report.plan_axes)
+            shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
             return _trace_on(
                 target, model, mesh, kept, shape, report, inputs, batch_size, seq_len, mode
             )
@@ -688,6 +764,12 @@ def _trace(
             raise
         report.notes.append(f"boundary analysis skipped: {e}")
         return []
+
+
+def _plan_submesh(world: ParallelMesh, plan_axes: Sequence[str]) -> DeviceMesh:
+    """The submesh the plan is applied on (the trainer's); the tp axis for an empty plan."""
+    sub = plan_mesh(world, plan_axes)
+    return sub if sub is not None else world.submesh(("tp",))
 
 
 def _trace_on(
@@ -742,7 +824,9 @@ def _trace_on(
     report.redistributions = tracer.redistributions
     report.notes.append(
         f"boundary analysis: one forward pass on fake tensors over a fake process group of "
-        f"{math.prod(shape.values())} ranks, inputs {[tuple(a.shape) for a in args]}."
+        f"{torch.distributed.get_world_size()} ranks, plan on the "
+        f"{' x '.join(mesh.mesh_dim_names or ())} submesh, inputs "
+        f"{[tuple(a.shape) for a in args]}."
     )
     return tracer.findings
 

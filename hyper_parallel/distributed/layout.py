@@ -40,11 +40,14 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.dmodule._checks import Finding
 
 __all__ = [
+    "DATA_AXES",
     "DENSE_AXES",
+    "DERIVED_AXES",
     "USER_AXES",
     "LayoutError",
     "MeshLayout",
     "ParallelMesh",
+    "as_layout",
 ]
 
 DENSE_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -57,6 +60,12 @@ ALIASES = {"dp": "dp_shard"}
 """Accepted synonyms: ``dp`` is ``dp_shard`` (FSDP2 over the data-parallel ranks)."""
 
 _DERIVED = ("fsdp", "efsdp")
+
+DERIVED_AXES = ("fsdp", "efsdp", "batch", "loss")
+"""Views made from the user axes: FSDP's dense and expert groups, the batch and loss groups."""
+
+DATA_AXES = ("dp_replicate", "dp_shard", "fsdp", "batch", "loss")
+"""Axes over which the batch is split or gradients are averaged: FSDP's, never a plan's."""
 
 
 class LayoutError(ValueError):
@@ -97,7 +106,17 @@ class MeshLayout:
         findings: list[Finding] = []
         sizes: dict[str, int] = {}
         given: dict[str, str] = {}
-        for item in filter(None, (part.strip() for part in text.split(","))):
+        parts = [part.strip() for part in text.split(",")] if text.strip() else []
+        for item in parts:
+            if not item:
+                findings.append(
+                    _error(
+                        f"{text!r} has an empty entry (two commas in a row, or a comma at an end).",
+                        "write the mesh as axis=size pairs separated by single commas, "
+                        "e.g. 'dp_shard=2,tp=2'.",
+                    )
+                )
+                continue
             name, sep, size = item.partition("=")
             name, size = name.strip(), size.strip()
             if not sep or not name or not size.lstrip("-").isdigit():
@@ -183,9 +202,25 @@ class MeshLayout:
         """The user axes of size > 1, in layout order (``{"dp_shard": 2, "tp": 2}``)."""
         return {a: getattr(self, a) for a in USER_AXES if getattr(self, a) > 1}
 
-    def to_dict(self) -> dict[str, int]:
-        """All user axes with their sizes (JSON-friendly)."""
-        return {a: getattr(self, a) for a in USER_AXES}
+    def to_dict(self, *, derived: bool = False) -> dict[str, int]:
+        """All user axes with their sizes (JSON-friendly); ``derived`` adds
+        ``fsdp``, ``efsdp``, ``batch``, ``loss`` and ``world_size``."""
+        out = {a: getattr(self, a) for a in USER_AXES}
+        if derived:
+            out.update({a: self.size(a) for a in DERIVED_AXES})
+            out["world_size"] = self.world_size
+        return out
+
+    def describe(self) -> str:
+        """``"dp_shard=2 x tp=2 (fsdp=2, batch=2, loss=2)"``: the active axes and the
+        derived sizes that differ from 1; ``"one device"`` for the empty layout."""
+        derived = {a: self.size(a) for a in ("fsdp", "batch", "loss") if self.size(a) > 1}
+        if self.ep > 1:
+            derived["efsdp"] = self.efsdp
+        text = " x ".join(f"{a}={s}" for a, s in self.active().items()) or "one device"
+        if derived:
+            text += " (" + ", ".join(f"{a}={s}" for a, s in derived.items()) + ")"
+        return text
 
     def __str__(self) -> str:
         active = self.active()
@@ -332,6 +367,52 @@ class ParallelMesh:
     def local_rank(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
         return self[axis].get_local_rank()
+
+    def axis_meshes(self) -> list[tuple[str, DeviceMesh]]:
+        """Every named 1-D view as ``(axis, mesh)``, for labelling process groups.
+
+        Ordered so that, where two views are the same group of ranks, the name most
+        telling of what runs on it comes last (a caller building ``{group: axis}``
+        keeps the last one): loss and batch groups, then the user axes, then the
+        FSDP views (and the dims of the HSDP mesh).
+        """
+        out = [(a, self._views[a]) for a in ("loss", "batch", "efsdp", "ep")]
+        out += [(a, self.dense[a]) for a in DENSE_AXES]
+        out.append(("fsdp", self._views["fsdp"]))
+        if self._hsdp is not None:
+            out += [(a, self._hsdp[a]) for a in ("dp_replicate", "fsdp")]
+        return out
+
+
+def as_layout(mesh: MeshLayout | Mapping[str, int] | DeviceMesh) -> MeshLayout:
+    """The :class:`MeshLayout` of a layout, an ``{axis: size}`` mapping or a named DeviceMesh.
+
+    A DeviceMesh's dim names must be user axes (``dp`` for ``dp_shard`` allowed).
+
+    Raises:
+        LayoutError: Every problem of the sizes (unknown axis with the nearest name,
+            axis given twice, size < 1, ep not dividing), in one error.
+    """
+    if isinstance(mesh, MeshLayout):
+        return mesh
+    if isinstance(mesh, DeviceMesh):
+        if mesh.mesh_dim_names is None:
+            raise LayoutError(
+                [
+                    _error(
+                        "the DeviceMesh has no mesh_dim_names, so its axes cannot be read.",
+                        "create it with init_device_mesh(..., mesh_dim_names=('dp_shard', "
+                        "'tp')), or pass the sizes as {axis: size}.",
+                    )
+                ]
+            )
+        return MeshLayout.from_sizes(dict(zip(mesh.mesh_dim_names, mesh.shape)))
+    if not isinstance(mesh, Mapping):
+        raise TypeError(
+            f"mesh must be a MeshLayout, an {{axis: size}} mapping or a DeviceMesh, got "
+            f"{type(mesh).__name__}; e.g. {{'dp_shard': 2, 'tp': 2}}."
+        )
+    return MeshLayout.from_sizes(mesh)
 
 
 def _add_size(

@@ -1,7 +1,8 @@
-"""The demo: train on a dp x tp mesh of local ranks and in one process; show they agree.
+"""The demo: train on an N-D mesh of local ranks and in one process; show they agree.
 
 It launches ``torchrun --standalone`` with one gloo rank per mesh position (dp=2 x
-tp=2: four CPU processes) running :mod:`hyper_parallel.train.run`, trains the same
+tp=2, or dp_replicate=2 x dp_shard=2 for HSDP: four CPU processes) running
+:mod:`hyper_parallel.train.run`, trains the same
 model with the same seed and data in this process, prints both loss columns side
 by side, plots them, and ends with one line::
 
@@ -10,18 +11,18 @@ by side, plots them, and ends with one line::
 (``FAIL`` and a non-zero exit status when the largest difference exceeds the
 tolerance or the distributed run fails). Why the two agree: ``init_states`` gives
 every mesh the single-process initial values; every step's global batch is the
-same and each dp rank takes an equal slice; FSDP averages the dp ranks' gradients,
-which is the gradient of the global-batch mean loss; everything is float32.
+same and each data-parallel rank takes an equal slice; FSDP (HSDP) averages the data
+ranks' gradients, which is the gradient of the global-batch mean loss; everything is
+float32.
 
-Run it as ``hyper-parallel demo --mesh dp=2,tp=2`` or
-``python -m hyper_parallel.train.demo``.
+Run it as ``hyper-parallel demo --mesh dp=2,tp=2`` (any axes of
+:class:`~hyper_parallel.distributed.MeshLayout`) or ``python -m hyper_parallel.train.demo``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -30,8 +31,9 @@ from collections.abc import Sequence
 
 import torch
 
+from hyper_parallel.distributed.layout import MeshLayout
 from hyper_parallel.train.run import _mesh_argument
-from hyper_parallel.train.trainer import TrainConfig, Trainer, model_config
+from hyper_parallel.train.trainer import TrainConfig, Trainer, check_config
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -43,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh",
         type=_mesh_argument,
-        default={"dp": 2, "tp": 2},
-        help="mesh of local ranks, e.g. dp=2,tp=2 (default) or tp=2",
+        default={"dp_shard": 2, "tp": 2},
+        help="mesh of local ranks over pp, dp_replicate, dp_shard (alias dp), cp, tp, ep, "
+        "e.g. dp=2,tp=2 (default), dp_replicate=2,dp_shard=2 (HSDP) or tp=2",
     )
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument(
@@ -63,6 +66,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="outputs/demo",
         help="where the plot and logs go (default outputs/demo)",
     )
+
+
+def _style(layout: MeshLayout, sequence_parallel: bool) -> str:
+    """``"TP+SP x HSDP"``: what runs on each active axis of the mesh."""
+    parts = []
+    if layout.tp > 1:
+        parts.append("TP+SP" if sequence_parallel else "TP")
+    if layout.dp_replicate > 1:
+        parts.append("HSDP" if layout.fsdp > 1 else "replicated DP")
+    elif layout.fsdp > 1:
+        parts.append("FSDP2")
+    return " x ".join(parts) or "one device"
 
 
 def _format_tol(tol: float) -> str:
@@ -141,8 +156,9 @@ def _plot(
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed options; returns the exit status (0 when parity holds)."""
     t0 = time.perf_counter()
-    mesh = {axis: size for axis, size in args.mesh.items() if size > 1}
-    world = math.prod(mesh.values())
+    layout = MeshLayout.from_sizes(args.mesh)
+    mesh = layout.active()
+    world = layout.world_size
     tol_text = _format_tol(args.tol)
     if world < 2:
         print(
@@ -160,20 +176,26 @@ def run(args: argparse.Namespace) -> int:
             log_every=max(1, args.steps // 3),
             progress=False,
         )
-        model_config(cfg)  # shapes that do not fit the mesh fail here, before any rank starts
+        # Every problem (axes the trainer cannot run, shapes that do not fit the mesh)
+        # is reported here, before any rank starts.
+        problems = check_config(cfg, world)
     except ValueError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
+    if problems:
+        lines = "\n".join(f"  {f}" for f in problems)
+        print(f"demo: {len(problems)} problem(s) with --mesh {layout}:\n{lines}", file=sys.stderr)
+        return 2
     os.makedirs(args.output_dir, exist_ok=True)
     out_dir = os.path.abspath(args.output_dir)
-    layout = "TP+SP" if cfg.sequence_parallel else "TP"
+    style = _style(layout, cfg.sequence_parallel)
     label = " x ".join(f"{axis}={size}" for axis, size in mesh.items())
     print(
         f"demo: {cfg.model}, {cfg.num_steps} steps, global batch {cfg.global_batch_size} x "
         f"{cfg.seq_len} bytes, seed {cfg.seed}"
     )
     # Flushed: the ranks write to the same terminal next.
-    print(f"[1/2] {label} ({layout} x FSDP2): {world} gloo ranks under torchrun", flush=True)
+    print(f"[1/2] {label} ({style}): {world} gloo ranks under torchrun", flush=True)
     status, metrics = _launch_ranks(cfg, out_dir)
     if metrics is None:
         print(f"demo: the distributed run failed (exit status {status}); see the output above.")
@@ -189,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{step:>5}  {a:>16.6f}  {b:>16.6f}  {d:>9.2e}")
     print()
     plot_path = os.path.join(out_dir, "loss_parity.png")
-    if _plot(plot_path, steps, dist_losses, one_losses, f"{label} ({layout})"):
+    if _plot(plot_path, steps, dist_losses, one_losses, f"{label} ({style})"):
         print(f"plot: {plot_path}")
     print(f"time: {time.perf_counter() - t0:.1f} s")
     max_diff = max(diffs)
@@ -205,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hyper_parallel.train.demo [options]``."""
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.train.demo",
-        description="Train on a dp x tp mesh of local ranks and in one process; compare.",
+        description="Train on an N-D mesh of local ranks and in one process; compare.",
     )
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -1,10 +1,12 @@
 """Command-line entry for training: one script for a laptop and for a cluster.
 
 Under ``torchrun`` each rank runs this module; it joins the process group torchrun
-set up (NCCL on GPUs, gloo on CPUs), builds the ``dp x tp`` mesh and trains::
+set up (NCCL on GPUs, gloo on CPUs), builds the N-D mesh and trains::
 
-    # 4 local CPU ranks
+    # 4 local CPU ranks: FSDP x TP, or HSDP (2 replicas of 2-way FSDP)
     torchrun --standalone --nproc-per-node 4 -m hyper_parallel.train.run --mesh dp=2,tp=2
+    torchrun --standalone --nproc-per-node 4 -m hyper_parallel.train.run \\
+        --mesh dp_replicate=2,dp_shard=2
 
     # 2 nodes x 8 GPUs (run on every node; same code path, NCCL picked from the device)
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
@@ -14,6 +16,9 @@ set up (NCCL on GPUs, gloo on CPUs), builds the ``dp x tp`` mesh and trains::
     # one process, no launcher
     python -m hyper_parallel.train.run --steps 20
 
+``--mesh`` takes ``name=size`` pairs over ``pp, dp_replicate, dp_shard`` (alias
+``dp``), ``cp, tp, ep``; every problem of the mesh (against the number of ranks
+torchrun starts, too) is reported before any process group is created.
 Options override the values of ``--config FILE`` (a JSON object of
 :class:`~hyper_parallel.train.TrainConfig` fields). With ``--resume`` and a
 restarting launcher (``torchrun --max-restarts N``), a run that lost a rank continues
@@ -33,37 +38,30 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from hyper_parallel.train.trainer import MESH_AXES, TrainConfig, Trainer, default_device
+from hyper_parallel.distributed.layout import LayoutError, MeshLayout
+from hyper_parallel.train.trainer import TrainConfig, Trainer, check_config, default_device
 
 __all__ = ["add_train_arguments", "config_from_args", "main", "parse_mesh"]
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """Parse ``"dp=2,tp=2"`` into ``{"dp": 2, "tp": 2}``; ``""`` is ``{}`` (one device).
+    """Parse ``"dp=2,tp=2"`` into ``{"dp_shard": 2, "tp": 2}``: the axes of size > 1.
+
+    Any user axis of :class:`~hyper_parallel.distributed.MeshLayout` is accepted
+    (``dp`` is ``dp_shard``); ``""`` is ``{}`` (one device).
 
     Raises:
-        ValueError: For an entry that is not ``axis=size`` with a known axis and a
-            positive integer size.
+        LayoutError: (a ``ValueError``) every malformed entry, unknown axis (with the
+            nearest name), repeated axis, size < 1 and ``ep`` not dividing
+            dp_shard x cp x tp, in one error.
     """
-    mesh: dict[str, int] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        axis, sep, size = item.partition("=")
-        axis = axis.strip()
-        if not sep or axis not in MESH_AXES or not size.strip().isdigit() or int(size) < 1:
-            raise ValueError(
-                f"mesh: cannot read {item!r}; write axis=size pairs over the axes "
-                f"{list(MESH_AXES)}, e.g. 'dp=2,tp=2'."
-            )
-        if axis in mesh:
-            raise ValueError(f"mesh: axis {axis!r} is given twice in {text!r}.")
-        mesh[axis] = int(size)
-    return mesh
+    return MeshLayout.parse(text).active()
 
 
 def _mesh_argument(text: str) -> dict[str, int]:
     try:
         return parse_mesh(text)
-    except ValueError as e:  # argparse shows an ArgumentTypeError's own message
+    except LayoutError as e:  # argparse shows an ArgumentTypeError's own message
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -92,7 +90,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh",
         type=_mesh_argument,
-        help="mesh axis sizes, e.g. dp=2,tp=2 (default: dp = number of ranks)",
+        help="mesh axis sizes over pp, dp_replicate, dp_shard (alias dp), cp, tp, ep, e.g. "
+        "dp=2,tp=2 or dp_replicate=2,dp_shard=2 (default: dp_shard = number of ranks)",
     )
     parser.add_argument(
         "--sp",
@@ -177,7 +176,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1) -> TrainConf
         if value is not None:
             values[name] = value
     if "mesh" not in values and world_size > 1:
-        values["mesh"] = {"dp": world_size}
+        values["mesh"] = {"dp_shard": world_size}
     return TrainConfig.from_dict(values)
 
 
@@ -236,15 +235,27 @@ def main(
     """
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.train.run",
-        description="Train a registered model with TP (+SP) x FSDP2 and DCP checkpoints.",
+        description="Train a registered model on an N-D mesh (TP (+SP) x FSDP2 / HSDP) "
+        "with DCP checkpoints.",
     )
     add_train_arguments(parser)
     parser.add_argument("--metrics-out", help="rank 0 writes steps, losses and timing here (JSON)")
     args = parser.parse_args(argv)
-    world_size = _init_process_group()
+    # Every problem of the run (the mesh against the ranks torchrun started, axes the
+    # trainer cannot run, the model's shapes) is reported before any process group.
+    try:
+        cfg = config_from_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        problems = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+    if problems:
+        lines = "\n".join(f"  {f}" for f in problems)
+        print(f"{parser.prog}: error: {len(problems)} problem(s):\n{lines}", file=sys.stderr)
+        return 2
+    _init_process_group()
     try:
         try:
-            cfg = config_from_args(args, world_size)
             trainer = Trainer(cfg, step_callback=step_callback)
         except ValueError as e:  # a run that cannot start: say why, no traceback
             print(f"{parser.prog}: error: {e}", file=sys.stderr)

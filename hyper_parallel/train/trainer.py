@@ -1,15 +1,22 @@
-"""A small trainer: tensor parallel (+ sequence parallel) x FSDP2, DCP checkpoints.
+"""A small trainer on the N-D mesh: TP (+SP) x FSDP2 / HSDP, DCP checkpoints.
 
-The model is built on the meta device from its registered
-:class:`~hyper_parallel.dmodule.model_spec.ModelSpec`, tensor-parallelized with
-``Module.parallelize(mesh["tp"])``, each transformer block and then the root are
-wrapped with FSDP2's ``fully_shard`` over ``mesh["dp"]``, and only then are states
-materialized (``to_empty``) and initialized (``init_states``), so each rank only
-ever holds its own shards. ``init_states`` is shard-consistent: with the same seed,
-a model built this way at any mesh starts from exactly the values of the same model
-built in one process. With the same global batch (each dp rank takes its slice,
-tp ranks the same rows) and FSDP averaging gradients over dp, the losses of a
-dp x tp run match the single-process run to float32 rounding.
+The mesh is one :class:`~hyper_parallel.distributed.MeshLayout` (``TrainConfig.mesh``:
+``dp_replicate``, ``dp_shard`` — alias ``dp`` —, ``tp``; ``pp`` and ``ep`` are
+refused with a clear error until the trainer runs them). :func:`check_config` is the
+one gate: every problem of the mesh, the axes and the model, before any process
+group exists. The model is built on the meta device from its registered
+:class:`~hyper_parallel.dmodule.model_spec.ModelSpec`, parallelized on the submesh
+of the axes its sharding declares (:func:`~hyper_parallel.distributed.plan_mesh`),
+each transformer block and then the root are wrapped with FSDP2's ``fully_shard``
+over :meth:`~hyper_parallel.distributed.ParallelMesh.fsdp_mesh` (1-D ``fsdp``, or
+``(dp_replicate, fsdp)`` for HSDP), and only then are states materialized
+(``to_empty``) and initialized (``init_states``), so each rank only ever holds its
+own shards. ``init_states`` is shard-consistent: with the same seed, a model built
+this way at any mesh starts from exactly the values of the same model built in one
+process. With the same global batch (split over the ``batch`` axis, dp_replicate x
+dp_shard; tp ranks read the same rows), FSDP averaging gradients over every data
+rank and the logged loss averaged over the ``loss`` axis, the losses of any mesh
+match the single-process run to float32 rounding.
 
 Run it under ``torchrun`` (see :mod:`hyper_parallel.train.run`) or in one process::
 
@@ -34,11 +41,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
-from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed.axes import (
+    MODEL_AXES,
+    apply_model_axes,
+    axis_support_findings,
+    declared_axes,
+    plan_axis_findings,
+    plan_mesh,
+)
+from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for, fsdp_units
+from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
+from hyper_parallel.dmodule._checks import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
+from hyper_parallel.dmodule.module import Module
 from hyper_parallel.train.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
@@ -48,20 +65,23 @@ from hyper_parallel.train.checkpoint import (
 from hyper_parallel.train.data import DEFAULT_TEXT, VOCAB_SIZE, TextBatches, load_tokens
 
 __all__ = [
-    "MESH_AXES",
+    "MODEL_AXES",
+    "TRAINER_AXES",
+    "Batch",
     "TrainConfig",
     "TrainResult",
     "Trainer",
     "build_mesh",
     "build_parallel_model",
+    "check_config",
     "clip_grad_norm_",
     "default_device",
     "model_config",
     "train",
 ]
 
-MESH_AXES = ("dp", "tp")
-"""Mesh axes the trainer knows, outermost first: data parallel (FSDP2), tensor parallel."""
+TRAINER_AXES = ("dp_replicate", "dp_shard", "tp")
+"""User axes the trainer runs; any other axis of size > 1 is refused by :func:`check_config`."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -71,12 +91,15 @@ class TrainConfig:
     Args:
         model: Name of a registered model spec (``hyper_parallel.dmodule.get_spec``).
         model_overrides: Keyword overrides for the spec's config (e.g. ``num_layers``).
-        mesh: Mesh axis sizes, e.g. ``{"dp": 2, "tp": 2}``; missing axes are 1. The
-            product is the number of ranks; ``{}`` trains in one process.
+        mesh: Mesh axis sizes over ``pp, dp_replicate, dp_shard`` (alias ``dp``),
+            ``cp, tp, ep``, e.g. ``{"dp_replicate": 2, "dp_shard": 2}`` (HSDP) or
+            ``{"dp": 2, "tp": 2}``; missing axes are 1. ``pp x dp_replicate x dp_shard
+            x cp x tp`` is the number of ranks; ``{}`` trains in one process.
         sequence_parallel: Use the model's TP+SP layout instead of plain TP (needs
             ``tp > 1`` and ``seq_len`` divisible by ``tp``).
         num_steps: Optimizer steps to train for.
-        global_batch_size: Sequences per step over all dp ranks (divisible by dp).
+        global_batch_size: Sequences per step over all data ranks (divisible by
+            dp_replicate x dp_shard).
         seq_len: Tokens per sequence.
         lr: Peak learning rate of AdamW.
         weight_decay: AdamW's decoupled weight decay.
@@ -112,15 +135,15 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.mesh) - set(MESH_AXES))
-        if unknown:
+        if not isinstance(self.mesh, Mapping):
             raise ValueError(
-                f"TrainConfig.mesh: axes {unknown} are not trainer axes {list(MESH_AXES)}; "
-                'write the mesh as e.g. {"dp": 2, "tp": 2}.'
+                f"TrainConfig.mesh must be a dict of axis sizes such as "
+                f'{{"dp_shard": 2, "tp": 2}}, got {type(self.mesh).__name__}.'
             )
-        bad = {k: v for k, v in self.mesh.items() if not isinstance(v, int) or v < 1}
-        if bad:
-            raise ValueError(f"TrainConfig.mesh: axis sizes must be integers >= 1, got {bad}.")
+        try:
+            MeshLayout.from_sizes(self.mesh)
+        except LayoutError as e:
+            raise ValueError(f"TrainConfig.mesh {dict(self.mesh)}: {e}") from None
         for name in ("num_steps", "global_batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}.")
@@ -136,7 +159,8 @@ class TrainConfig:
         if self.global_batch_size % self.dp:
             raise ValueError(
                 f"TrainConfig: global_batch_size={self.global_batch_size} is not divisible by "
-                f"dp={self.dp}; each dp rank takes an equal slice of the global batch."
+                f"dp_replicate x dp_shard = {self.dp}; each data-parallel rank takes an equal "
+                "slice of the global batch."
             )
         if self.sequence_parallel and (self.tp == 1 or self.seq_len % self.tp):
             raise ValueError(
@@ -147,19 +171,24 @@ class TrainConfig:
             raise ValueError("TrainConfig: resume=True needs a checkpoint_dir to resume from.")
 
     @property
+    def layout(self) -> MeshLayout:
+        """The mesh as a :class:`~hyper_parallel.distributed.MeshLayout`."""
+        return MeshLayout.from_sizes(self.mesh)
+
+    @property
     def dp(self) -> int:
-        """Data-parallel size."""
-        return self.mesh.get("dp", 1)
+        """Data-parallel size: dp_replicate x dp_shard, the ranks that read different rows."""
+        return self.layout.size("batch")
 
     @property
     def tp(self) -> int:
         """Tensor-parallel size."""
-        return self.mesh.get("tp", 1)
+        return self.layout.tp
 
     @property
     def world_size(self) -> int:
         """Number of ranks the mesh needs."""
-        return self.dp * self.tp
+        return self.layout.world_size
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""
@@ -194,6 +223,21 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
+class Batch:
+    """One rank's share of a global batch.
+
+    Args:
+        inputs: Token ids ``[rows, seq]`` this rank feeds the model.
+        targets: The next-token ids the loss compares with, same shape.
+        model_kwargs: Extra keyword arguments of the model's forward for this shard.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class TrainResult:
     """What a run did, as seen on this rank.
 
@@ -222,94 +266,110 @@ def default_device() -> torch.device:
 
 
 def build_mesh(
-    sizes: Mapping[str, int], device: torch.device | str | None = None
-) -> DeviceMesh | None:
-    """A ``("dp", "tp")`` DeviceMesh of the given sizes on the running process group.
+    sizes: Mapping[str, int] | MeshLayout, device: torch.device | str | None = None
+) -> ParallelMesh | None:
+    """The :class:`~hyper_parallel.distributed.ParallelMesh` of ``sizes`` on the running group.
 
     Args:
-        sizes: Axis sizes (``{"dp": 2, "tp": 2}``); missing axes are 1.
+        sizes: Axis sizes (``{"dp_shard": 2, "tp": 2}``, ``dp`` = ``dp_shard``) or a
+            layout; missing axes are 1.
         device: Device whose type the mesh uses; defaults to :func:`default_device`.
 
     Returns:
         The mesh, or ``None`` when the sizes multiply to 1 (one device, no mesh).
 
     Raises:
-        ValueError: The sizes need more than one rank but there is no process group,
-            or the process group has another number of ranks.
+        ValueError: A bad mesh (every problem at once), sizes that need more than one
+            rank without a process group, or a process group of another size.
     """
-    world = math.prod(sizes.get(axis, 1) for axis in MESH_AXES)
-    if world == 1:
+    layout = MeshLayout.from_sizes(sizes)
+    if layout.world_size == 1:
         return None
-    if not dist.is_initialized():
-        raise ValueError(
-            f"build_mesh: mesh {dict(sizes)} needs {world} ranks but no process group is "
-            f"running; launch with `torchrun --nproc-per-node {world} -m "
-            "hyper_parallel.train.run ...`."
-        )
-    if dist.get_world_size() != world:
-        raise ValueError(
-            f"build_mesh: mesh {dict(sizes)} needs {world} ranks, the process group has "
-            f"{dist.get_world_size()}; make the axis sizes multiply to the world size."
-        )
     device_type = torch.device(device if device is not None else default_device()).type
-    shape = tuple(sizes.get(axis, 1) for axis in MESH_AXES)
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-
-
-def _axis_size(mesh: DeviceMesh | None, axis: str) -> int:
-    return 1 if mesh is None else mesh[axis].size()
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
-        raise ValueError(
-            f"build_parallel_model: {type(model).__name__} has no `layers` ModuleList of "
-            "transformer blocks to wrap with fully_shard; the trainer shards each block "
-            "of model.layers and then the root."
-        )
-    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    return layout.build(device_type)
 
 
 def model_config(cfg: TrainConfig, tp: int | None = None) -> Any:
-    """The model config ``cfg`` trains, with its sharding configs attached when ``tp > 1``.
+    """The model config ``cfg`` trains, with the sharding of every active model axis.
 
-    Needs no process group, so a launcher can check a run before starting ranks.
+    For each axis of :data:`~hyper_parallel.distributed.axes.MODEL_AXES` of size > 1
+    the spec's sharding function (``extras["tp"]``, ``extras["tp_sp"]`` with sequence
+    parallel) is applied (:func:`~hyper_parallel.distributed.axes.apply_model_axes`), so the
+    config declares exactly the active model axes. Needs no process group, so a
+    launcher can check a run before starting ranks.
 
     Args:
         cfg: The run's config.
         tp: Tensor-parallel size; defaults to ``cfg.tp``.
 
     Raises:
-        ValueError: The model is not registered, has no sharding function for the
-            layout asked for, or ``tp`` does not fit its shapes.
+        ValueError: The model is not registered, has no sharding function for an
+            active axis, or the axis size does not fit its shapes.
     """
-    tp = cfg.tp if tp is None else tp
+    layout = cfg.layout if tp is None else dataclasses.replace(cfg.layout, tp=tp)
+    return _model_config(cfg, layout)
+
+
+def _model_config(cfg: TrainConfig, layout: MeshLayout) -> Any:
     spec = get_spec(cfg.model)
     config = spec.config(**cfg.model_overrides)
-    if tp == 1:
-        return config
-    layout = "tp_sp" if cfg.sequence_parallel else "tp"
-    shard_config = spec.extras.get(layout)
-    if shard_config is None:
-        raise ValueError(
-            f"model {cfg.model!r} has no {layout!r} sharding function in its "
-            f"ModelSpec.extras (has: {sorted(spec.extras)}); register one, or train with tp=1."
+    return apply_model_axes(spec, config, layout, sequence_parallel=cfg.sequence_parallel)
+
+
+def config_axes(config: Any) -> tuple[str, ...]:
+    """The mesh axes a model config's sharding configs declare."""
+    return declared_axes(c.sharding_config for _, c, _, _ in config.traverse(Module.Config))
+
+
+def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Finding]:
+    """Every problem of a run's mesh, axes and model, before any process group exists.
+
+    The one gate the trainer, ``python -m hyper_parallel.train.run`` and the demo use:
+    the layout's own findings (and, when given, its product against ``world_size``),
+    axes the trainer cannot run yet (``pp``, ``ep``), a model that cannot be sharded
+    over its axes, and a plan that does not declare an active model axis.
+
+    Returns:
+        The errors (an empty list when the run can start).
+    """
+    layout = cfg.layout
+    findings = [f for f in layout.findings(world_size) if f.severity == "error"]
+    findings += axis_support_findings(layout, TRAINER_AXES, "the trainer")
+    try:
+        config = model_config(cfg)
+    except ValueError as e:
+        findings.append(
+            Finding("error", "model", cfg.model, str(e), "pick axis sizes the model supports.")
         )
-    return shard_config(config, tp_size=tp)
+    else:
+        findings += [
+            f
+            for f in plan_axis_findings(layout, config_axes(config), fsdp=True)
+            if f.severity == "error"
+        ]
+    return findings
+
+
+def _raise_findings(findings: list[Finding], where: str) -> None:
+    if findings:
+        lines = "\n".join(f"  {f}" for f in findings)
+        raise ValueError(f"{where}: {len(findings)} problem(s):\n{lines}")
 
 
 def build_parallel_model(
-    cfg: TrainConfig, mesh: DeviceMesh | None, device: torch.device | str | None = None
+    cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device | str | None = None
 ) -> nn.Module:
     """Build ``cfg.model`` on meta, parallelize, ``fully_shard``, materialize and initialize.
 
-    Steps: build on the meta device → ``model.parallelize(mesh["tp"])`` with the
-    spec's ``"tp"`` (or ``"tp_sp"``) sharding function (when ``tp > 1``) →
-    ``fully_shard`` each block of ``model.layers`` and the root over ``mesh["dp"]``
-    (when ``dp > 1``) → ``to_empty(device)`` → ``torch.manual_seed(cfg.seed)`` and
-    ``init_states()``. With ``mesh=None`` the same model is built for one device,
-    through the same steps, so it gets the same initial values.
+    Steps: build on the meta device with the sharding of every active model axis
+    (:func:`model_config`) → ``model.parallelize`` on the submesh of the axes that
+    sharding declares (:func:`~hyper_parallel.distributed.plan_mesh`) →
+    ``fully_shard`` each block of ``model.layers`` and the root over
+    :func:`~hyper_parallel.distributed.fsdp.fsdp_mesh_for` (FSDP on ``fsdp`` = dp_shard
+    x cp, HSDP with dp_replicate; dp_shard alone when the plan keeps states on cp)
+    → ``to_empty(device)`` → ``torch.manual_seed(cfg.seed)`` and ``init_states()``.
+    With ``mesh=None`` the same model is built for one device, through the same
+    steps, so it gets the same initial values.
 
     Args:
         cfg: The run's config (model name, overrides, sequence parallel, seed).
@@ -320,23 +380,32 @@ def build_parallel_model(
         The initialized model.
 
     Raises:
-        ValueError: The model spec has no sharding function for the layout asked
-            for, or its model has no ``layers`` to shard.
+        ValueError: The model spec has no sharding function for an active axis, or
+            its model has no ``layers`` to shard.
 
     Example:
         >>> model = build_parallel_model(TrainConfig(), mesh=None)
     """
     device = torch.device(device if device is not None else default_device())
-    tp, dp = _axis_size(mesh, "tp"), _axis_size(mesh, "dp")
-    config = model_config(cfg, tp)
+    layout = mesh.layout if mesh is not None else MeshLayout()
+    config = _model_config(cfg, layout)
     with torch.device("meta"):
         model = config.build()
-    if tp > 1:
-        model.parallelize(mesh["tp"])
-    if dp > 1:
-        for block in _blocks(model):
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+    if mesh is not None:
+        axes = config_axes(config)
+        sub = plan_mesh(mesh, axes)
+        if sub is not None:
+            model.parallelize(sub)
+        fsdp_mesh = fsdp_mesh_for(mesh, axes)
+        if fsdp_mesh is not None:
+            units = fsdp_units(model)
+            if not units:
+                raise ValueError(
+                    f"build_parallel_model: {type(model).__name__} has no `layers` ModuleList "
+                    "of transformer blocks to wrap with fully_shard; the trainer shards each "
+                    "block of model.layers and then the root."
+                )
+            apply_fsdp(model, fsdp_mesh, units)
     model.to_empty(device=device)
     torch.manual_seed(cfg.seed)
     model.init_states()
@@ -438,7 +507,9 @@ class Trainer:
             (after any checkpoint of that step is written).
 
     Raises:
-        ValueError: The mesh does not match the process group (see :func:`build_mesh`).
+        ValueError: Every problem :func:`check_config` finds (a bad mesh, an axis the
+            trainer cannot run, a model that cannot be sharded), or a mesh that does
+            not match the process group.
 
     Example:
         >>> trainer = Trainer(TrainConfig(num_steps=4, log_every=0))
@@ -454,10 +525,17 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(device if device is not None else default_device())
-        self.mesh = build_mesh(cfg.mesh, self.device)
+        layout = cfg.layout
+        # A one-device run may sit inside a larger process group (it then ignores it).
+        world = dist.get_world_size() if dist.is_initialized() and layout.world_size > 1 else None
+        _raise_findings(check_config(cfg, world), f"Trainer (mesh {layout.describe()})")
+        self.mesh = build_mesh(layout, self.device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.dp_size = _axis_size(self.mesh, "dp")
-        self.dp_rank = 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+        # Rows of the global batch are split over `batch` (dp_replicate x dp_shard);
+        # the mean loss is averaged over `loss` (the ranks holding different tokens).
+        self.dp_size = layout.size("batch")
+        self.dp_rank = 0 if self.mesh is None else self.mesh.local_rank("batch")
+        self.loss_size = layout.size("loss")
         self.model = build_parallel_model(cfg, self.mesh, self.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
@@ -524,32 +602,48 @@ class Trainer:
         """One optimizer step on the next batch; returns ``(loss, grad_norm)``.
 
         ``loss`` is the mean over this rank's slice of the global batch, averaged over
-        dp ranks (equal slices: the global-batch mean). FSDP2 averages gradients over
-        dp, so the update is the one a single process computes from the whole batch.
+        the ``loss`` ranks (equal slices: the global-batch mean). FSDP2 averages
+        gradients over every data rank (HSDP: within and across replicas), so the
+        update is the one a single process computes from the whole batch.
         """
         lr = self.cfg.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = self.data.next_batch(self.dp_rank, self.dp_size)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-        loss = self.loss_fn(self.model(inputs), targets)
+        batch = self.local_batch()
+        loss = self.loss_fn(self.model(batch.inputs, **batch.model_kwargs), batch.targets)
         loss.backward()
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return self._global_mean(loss), float(grad_norm)
+        return self.global_mean(loss), float(grad_norm)
+
+    def local_batch(self) -> Batch:
+        """This rank's part of the next global batch (advances the data stream).
+
+        Rows are split over the ``batch`` axis (dp_replicate x dp_shard); ranks that
+        differ only in model-parallel coordinates read the same rows.
+        """
+        inputs, targets = self.data.next_batch(self.dp_rank, self.dp_size)
+        return Batch(inputs=inputs.to(self.device), targets=targets.to(self.device))
+
+    def global_mean(self, loss: torch.Tensor) -> float:
+        """The global-batch mean of this rank's mean ``loss``: averaged over the ``loss`` axis.
+
+        A collective on the ``loss`` group: every rank calls it.
+        """
+        return self._global_mean(loss)
 
     def _global_mean(self, loss: torch.Tensor) -> float:
         value = loss.detach()
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        if self.dp_size > 1:
+        if self.loss_size > 1:
             assert self.mesh is not None
             value = value.clone()
-            dist.all_reduce(value, group=self.mesh.get_group("dp"))
-            value = value / self.dp_size
+            dist.all_reduce(value, group=self.mesh["loss"].get_group())
+            value = value / self.loss_size
         return float(value)
 
     def fit(self, until_step: int | None = None) -> TrainResult:

@@ -1,8 +1,10 @@
 """The trainer on 4 gloo ranks: parity with one process, resharding, resume, restart.
 
-Each test trains the debug Llama a few steps at dp=2 x tp=2 (TP, TP+SP) and checks:
-losses equal a single-process run with the same seed and data; a checkpoint saved at
-dp=2 x tp=2 loads bitwise at tp=4 and in one process; stopping and resuming, and a
+Each test trains the debug Llama a few steps at dp=2 x tp=2 (TP, TP+SP) or
+dp_replicate=2 x dp_shard=2 (HSDP) and checks: outputs, loss and every gradient of a
+step, and the losses of a short run, equal a single-process run with the same seed and
+data; a checkpoint saved at dp=2 x tp=2 loads bitwise at tp=4 and in one process, one
+saved at HSDP(2, 2) at dp_shard=4 and in one process; stopping and resuming, and a
 rank killed under ``torchrun --max-restarts 1``, both end bitwise where an
 uninterrupted run ends.
 """
@@ -28,6 +30,7 @@ WORLD_SIZE = 4
 
 SMALL = {"global_batch_size": 4, "seq_len": 32, "log_every": 0, "progress": False}
 DP2_TP2 = {"dp": 2, "tp": 2}
+HSDP = {"dp_replicate": 2, "dp_shard": 2}
 # tp=4 needs every head count divisible by 4 (the debug preset has 2 key/value heads).
 FOUR_HEADS = {"num_heads": 4, "num_kv_heads": 4}
 ENTRY = os.path.join(os.path.dirname(__file__), "train_crash_entry.py")
@@ -54,6 +57,45 @@ def _train(cfg_dict: dict) -> dict | None:
     result = trainer.fit()
     states = _full_states(trainer)
     return None if states is None else {"losses": result.losses, "states": states}
+
+
+def _gather_rows(t: torch.Tensor, trainer: Trainer) -> torch.Tensor:
+    """This rank's rows of a batch-sharded tensor, gathered over the ``batch`` axis."""
+    local = (t.full_tensor() if isinstance(t, DTensor) else t).detach().contiguous()
+    if trainer.mesh is None or trainer.dp_size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(trainer.dp_size)]
+    dist_c10d.all_gather(parts, local, group=trainer.mesh["batch"].get_group())
+    return torch.cat(parts)
+
+
+def _step_then_train(cfg_dict: dict) -> dict | None:
+    """Outputs, loss and every gradient of the first batch; then train from scratch."""
+    trainer = Trainer(TrainConfig.from_dict(cfg_dict), device="cpu")
+    batch = trainer.local_batch()
+    logits = trainer.model(batch.inputs, **batch.model_kwargs)
+    loss = trainer.loss_fn(logits, batch.targets)
+    loss.backward()
+    outputs = _gather_rows(logits, trainer)
+    grads = {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for name, p in trainer.model.named_parameters()
+    }
+    first = {"loss": trainer.global_mean(loss), "outputs": outputs, "grads": grads}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.data.load_state_dict({"position": 0, "epoch": 0})  # the run starts afresh
+    result = trainer.fit()
+    states = _full_states(trainer)
+    if states is None:
+        return None
+    return {"first": first, "losses": result.losses, "states": states}
+
+
+def _step_then_train_one_process_on_rank0(cfg_dict: dict) -> dict | None:
+    if dist_c10d.get_rank() != 0:
+        return None
+    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sequence_parallel=False)
+    return _step_then_train(cfg.to_dict())
 
 
 def _train_one_process_on_rank0(cfg_dict: dict) -> dict | None:
@@ -152,6 +194,22 @@ def test_dp_tp_training_matches_one_process(dist, sequence_parallel):
         torch.testing.assert_close(sharded["states"][name], value, atol=1e-5, rtol=1e-4)
 
 
+def test_hsdp_step_and_training_match_one_process(dist):
+    cfg = TrainConfig(mesh=HSDP, num_steps=3, **SMALL)
+    sharded = dist.run(_step_then_train, cfg.to_dict())[0]
+    single = dist.run(_step_then_train_one_process_on_rank0, cfg.to_dict())[0]
+    first, one = sharded["first"], single["first"]
+    assert abs(first["loss"] - one["loss"]) < 1e-5
+    torch.testing.assert_close(first["outputs"], one["outputs"], atol=1e-5, rtol=1e-5)
+    assert first["grads"].keys() == one["grads"].keys() and len(one["grads"]) > 10
+    for name, grad in one["grads"].items():
+        torch.testing.assert_close(first["grads"][name], grad, atol=1e-5, rtol=1e-5, msg=name)
+    diffs = [abs(a - b) for a, b in zip(sharded["losses"], single["losses"], strict=True)]
+    assert max(diffs) < 1e-5, diffs
+    for name, value in single["states"].items():
+        torch.testing.assert_close(sharded["states"][name], value, atol=1e-5, rtol=1e-4)
+
+
 def test_clip_grad_norm_across_meshes(dist):
     for total, expected, after in dist.run(_clip_across_meshes):
         assert total == pytest.approx(expected, rel=1e-6)
@@ -165,6 +223,19 @@ def test_checkpoint_reshards_bitwise_to_tp4_and_one_process(dist, tmp_path):
     at_tp4 = dist.run(_load, cfg.replace(mesh={"tp": 4}).to_dict(), path)[0]
     _assert_bitwise_equal(at_tp4, saved)
     # This test process has no process group at all.
+    assert not dist_c10d.is_initialized()
+    one = Trainer(cfg.replace(mesh={}), device="cpu")
+    one.load(path)
+    assert one.step == 2
+    _assert_bitwise_equal(_full_states(one), saved)
+
+
+def test_hsdp_checkpoint_reshards_bitwise_to_dp_shard4_and_one_process(dist, tmp_path):
+    path = str(tmp_path / "ckpt")
+    cfg = TrainConfig(mesh=HSDP, num_steps=2, **SMALL)
+    saved = dist.run(_train_and_save, cfg.to_dict(), path)[0]
+    at_dp4 = dist.run(_load, cfg.replace(mesh={"dp_shard": 4}).to_dict(), path)[0]
+    _assert_bitwise_equal(at_dp4, saved)
     assert not dist_c10d.is_initialized()
     one = Trainer(cfg.replace(mesh={}), device="cpu")
     one.load(path)

@@ -51,12 +51,16 @@ def test_plan_json_keys_and_values(capsys):
     d = json.loads(out)
     assert set(d) >= PLAN_KEYS
     assert d["model"] == "llama3-debug" and d["world_size"] == 4
-    assert d["mesh"] == {"dp": 2, "tp": 2}
+    assert d["mesh"] == {
+        "pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "ep": 1,
+        "fsdp": 2, "efsdp": 4, "batch": 2, "loss": 2, "world_size": 4,
+    }  # fmt: skip
+    assert d["fsdp_axes"] == ["fsdp"] and d["plan_axes"] == ["tp"]
     assert set(d["per_rank_bytes"]) == {"params", "grads", "optimizer", "total"}
     rb = d["per_rank_bytes"]
     assert rb["total"] == rb["params"] + rb["grads"] + rb["optimizer"]
     kinds = {(c["kind"], c["axis"], c["phase"]) for c in d["collectives"]}
-    assert ("all_gather", "dp", "forward") in kinds and ("all_reduce", "tp", "forward") in kinds
+    assert ("all_gather", "fsdp", "forward") in kinds and ("all_reduce", "tp", "forward") in kinds
     assert all({"kind", "axis", "phase", "count", "bytes"} <= set(c) for c in d["collectives"])
     assert d["modules"][0]["path"] == "tok_embeddings"
     assert d["seq_len"] == 32 and d["fsdp"] is True and d["param_dtype"] == "float32"
@@ -72,7 +76,7 @@ def test_plan_table_sp_no_fsdp_bf16(capsys):
     assert "no FSDP" in out.splitlines()[0] and "bfloat16" in out.splitlines()[0]
     rows = [line.split() for line in out.splitlines()]
     assert ["forward", "reduce_scatter", "tp"] in [r[:3] for r in rows]
-    assert ["backward", "all_reduce", "(computed)", "dp"] in [r[:4] for r in rows]
+    assert ["backward", "all_reduce", "(computed)", "dp_shard"] in [r[:4] for r in rows]
 
 
 def test_plan_hugging_face_with_plan_file(capsys):
@@ -96,7 +100,7 @@ def test_validate_ok_and_errors_exit_codes(capsys):
     )
     assert code == 1
     d = json.loads(out)
-    assert d["ok"] is False and d["num_errors"] >= 1 and d["mesh"] == {"tp": 8}
+    assert d["ok"] is False and d["num_errors"] >= 1 and d["mesh"]["tp"] == 8
     assert {"severity", "path", "field", "message", "fix"} <= set(d["findings"][0])
 
 

@@ -41,7 +41,8 @@ def test_unknown_model_is_a_usage_error(capsys):
 @pytest.mark.parametrize("mesh", ["tp=0", "tp", "tp=2,,dp=2", "tp=2,tp=2", "tp=x", "tp:2", ""])
 def test_malformed_mesh_is_a_usage_error(capsys, mesh):
     err = _usage_exit(capsys, ["plan", "--model", "llama3-debug", "--mesh", mesh])
-    assert "argument --mesh" in err and ("axis=size" in err or ">= 1" in err or "twice" in err)
+    assert "argument --mesh" in err
+    assert "axis=size" in err or ">= 1" in err or "more than once" in err
 
 
 def test_bad_format_and_batch_are_usage_errors(capsys):
@@ -71,9 +72,80 @@ def test_validate_json_reports_a_refused_mesh(capsys):
     assert "64 query heads" in report["findings"][0]["message"]
 
 
-def test_unused_mesh_axis_is_named(capsys):
-    code, _, err = _run(capsys, ["validate", "--model", "llama3-debug", "--mesh", "dp=2,pt=2"])
-    assert code == 2 and "mesh axis 'pt' is used by nothing" in err
+# Every bad mesh, in every command that takes one: one usage error naming the problem,
+# before any model is built or process group exists.
+BAD_MESHES = [
+    ("dp=2,tpp=2", "'tpp' is not a mesh axis. Did you mean 'tp'?"),
+    ("dp_shard=2,tp=3,ep=4", "ep=4 does not divide dp_shard x cp x tp = 2 x 1 x 3 = 6"),
+    ("tp=0", "axis 'tp' has size 0; sizes are integers >= 1"),
+    ("tp=2,dp=2,tp=2", "'tp' is given more than once"),
+    ("dp=2,dp_shard=2", "'dp' and 'dp_shard' both name the dp_shard axis"),
+]
+COMMANDS = {
+    "plan": ["plan", "--model", "llama3-debug"],
+    "validate": ["validate", "--model", "llama3-debug"],
+    "demo": ["demo"],
+    "train": [],
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize(("mesh", "message"), BAD_MESHES)
+def test_every_bad_mesh_is_one_clear_usage_error(capsys, command, mesh, message):
+    import torch.distributed as dist
+
+    run = _train if command == "train" else main
+    err = _usage_exit(capsys, [*COMMANDS[command], "--mesh", mesh], run=run)
+    assert "argument --mesh" in err and message in err and "Fix:" in err
+    assert not dist.is_initialized()
+
+
+def test_mesh_product_must_match_the_ranks_torchrun_starts(capsys, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert _train(["--mesh", "tp=2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs pp x dp_replicate x dp_shard x cp x tp = 2 ranks, but the world has 4" in err
+    assert "--nproc-per-node 2" in err
+    assert not dist.is_initialized()  # refused before any process group exists
+
+
+@pytest.mark.parametrize(
+    ("mesh", "message"),
+    [
+        ("dp=2,ep=2", "ep=2: expert parallelism is not yet supported by the trainer"),
+        ("pp=2", "pp=2: pipeline parallelism is not yet supported by the trainer"),
+        ("cp=2", "the mesh has cp=2 but the model's sharding declares no 'cp' placement"),
+    ],
+)
+def test_axes_the_trainer_cannot_run_are_refused_by_name(capsys, monkeypatch, mesh, message):
+    from hyper_parallel.distributed import MeshLayout
+
+    monkeypatch.setenv("WORLD_SIZE", str(MeshLayout.parse(mesh).world_size))
+    assert _train(["--mesh", mesh, "--steps", "1"]) == 2
+    assert message in capsys.readouterr().err
+    code, _, err = _run(capsys, ["demo", "--mesh", mesh, "--steps", "1"])
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize(
+    ("mesh", "message"),
+    [
+        ("dp=2,ep=2", "ep=2: expert parallelism is not yet supported by"),
+        ("pp=2,tp=2", "pp=2: pipeline parallelism is not yet supported by"),
+        ("cp=2,tp=2", "declares no 'cp' placement"),
+    ],
+)
+@pytest.mark.parametrize("command", ["plan", "validate"])
+def test_plan_and_validate_refuse_axes_the_model_cannot_use(capsys, command, mesh, message):
+    code, out, err = _run(capsys, [command, "--model", "llama3-debug", "--mesh", mesh])
+    assert code == 1 and message in out + err
+
+
+def test_unknown_mesh_axis_is_named_with_the_nearest(capsys):
+    err = _usage_exit(capsys, ["validate", "--model", "llama3-debug", "--mesh", "dp=2,dp_shrad=2"])
+    assert "'dp_shrad' is not a mesh axis. Did you mean 'dp_shard'?" in err
 
 
 def test_missing_plan_file(capsys, tmp_path):
@@ -128,7 +200,7 @@ def _train(argv):
 
 
 def test_trainer_usage_errors(capsys, tmp_path):
-    assert "axis=size" in _usage_exit(capsys, ["--mesh", "tp=0"], run=_train)
+    assert ">= 1" in _usage_exit(capsys, ["--mesh", "tp=0"], run=_train)
     assert "quote the keys" in _usage_exit(
         capsys, ["--model-overrides", "{num_layers: 4}"], run=_train
     )

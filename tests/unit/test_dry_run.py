@@ -136,13 +136,13 @@ def test_module_table_placements_and_local_shapes():
     rows = {(m.path, p.name): p for m in report.modules for p in m.params}
     wq = rows[("layers.1.attention.wq", "weight")]
     assert wq.global_shape == (D, D)
-    assert wq.placements == {"dp": "Shard(0)", "tp": "Shard(0)"}
+    assert wq.placements == {"fsdp": "Shard(0)", "tp": "Shard(0)"}
     assert wq.local_shape == (D // 4 // 2, D)
     wo = rows[("layers.1.attention.wo", "weight")]
-    assert wo.placements == {"dp": "Shard(0)", "tp": "Shard(1)"}
+    assert wo.placements == {"fsdp": "Shard(0)", "tp": "Shard(1)"}
     assert wo.local_shape == (D // 2, D // 4)
     norm = rows[("layers.2.ffn_norm", "weight")]
-    assert norm.placements == {"dp": "Shard(0)", "tp": "Replicate()"}
+    assert norm.placements == {"fsdp": "Shard(0)", "tp": "Replicate()"}
     assert norm.local_shape == (D // 2,)
     assert sum(p.bytes for m in report.modules for p in m.params) == report.per_rank.params
 
@@ -154,12 +154,12 @@ def test_tp_collectives_per_layer():
     unit = FP32 * (sharded // 2 + replicated)  # tp-local layer gathered over dp
     assert stats(report.collectives_per_layer, "forward") == {
         ("all_reduce", "tp"): (2, 2 * activation),
-        ("all_gather", "dp"): (1, unit),
+        ("all_gather", "fsdp"): (1, unit),
     }
     assert stats(report.collectives_per_layer, "backward") == {
         ("all_reduce", "tp"): (2, 2 * activation),
-        ("all_gather", "dp"): (1, unit),
-        ("reduce_scatter", "dp"): (1, unit),
+        ("all_gather", "fsdp"): (1, unit),
+        ("reduce_scatter", "fsdp"): (1, unit),
     }
 
 
@@ -182,23 +182,23 @@ def test_tp_sp_collectives_per_layer():
 @pytest.mark.parametrize("num_layers", [2, 5])
 def test_fsdp_collectives_per_block(num_layers):
     report = run(num_layers=num_layers)
-    dp_counts = {k: v[0] for k, v in stats(report.collectives).items() if k[1] == "dp"}
-    forward = {k: v[0] for k, v in stats(report.collectives, "forward").items() if k[1] == "dp"}
-    assert forward == {("all_gather", "dp"): num_layers + 1}
-    assert dp_counts[("reduce_scatter", "dp")] == num_layers + 1
+    dp_counts = {k: v[0] for k, v in stats(report.collectives).items() if k[1] == "fsdp"}
+    forward = {k: v[0] for k, v in stats(report.collectives, "forward").items() if k[1] == "fsdp"}
+    assert forward == {("all_gather", "fsdp"): num_layers + 1}
+    assert dp_counts[("reduce_scatter", "fsdp")] == num_layers + 1
     backward = stats(report.collectives, "backward")
-    assert backward[("all_gather", "dp")][0] == num_layers
+    assert backward[("all_gather", "fsdp")][0] == num_layers
     # Every step gathers and reduce-scatters the full parameters of a dp group.
-    total = stats(report.collectives, "forward")[("all_gather", "dp")][1]
+    total = stats(report.collectives, "forward")[("all_gather", "fsdp")][1]
     assert total == report.per_rank.params * 2  # gathered over dp = 2
 
 
 def test_no_fsdp_has_no_traced_dp_collectives():
     report = run(fsdp=False)
-    assert not [c for c in report.collectives if c.axis == "dp" and c.traced]
+    assert not [c for c in report.collectives if c.axis in ("fsdp", "dp_shard") and c.traced]
     # Data parallelism without FSDP all-reduces every gradient (computed, DDP buckets).
     (ddp,) = [c for c in report.collectives if not c.traced]
-    assert (ddp.kind, ddp.axis, ddp.phase) == ("all_reduce", "dp", "backward")
+    assert (ddp.kind, ddp.axis, ddp.phase) == ("all_reduce", "dp_shard", "backward")
     assert ddp.bytes == report.per_rank.grads
     assert ddp.count == ddp_num_buckets(report.per_rank.grads) == 1  # under 1 MiB
     assert ddp_num_buckets(30 * 2**20) == 3  # 1 MiB, 25 MiB, 4 MiB
@@ -227,20 +227,64 @@ def test_comm_debug_mode_agrees_with_the_recorder():
     assert not any("disagree" in a for a in report.assumptions)
 
 
-def test_plan_on_dp_conflicts_with_fsdp():
-    plan = {
+def _output_plan(axis: str) -> dict[str, ShardingConfig]:
+    return {
         "output": ShardingConfig(
-            state_shardings={"weight": {"dp": Shard(0)}},
-            in_dst_shardings={"input": {"dp": Replicate()}},
-            out_dst_shardings={"dp": Replicate()},
+            state_shardings={"weight": {axis: Shard(0)}},
+            in_dst_shardings={"input": {axis: Replicate()}},
+            out_dst_shardings={axis: Replicate()},
             use_local_output=True,
         )
     }
+
+
+def test_plan_on_a_data_axis_conflicts_with_fsdp():
+    plan = _output_plan("dp_shard")
     with pytest.raises(ValueError, match="pass fsdp=False"):
         dry_run(DEBUG.config(), {"dp": 2, "tp": 2}, plan, seq_len=16)
     report = dry_run(DEBUG.config(), {"dp": 2, "tp": 2}, plan, seq_len=16, fsdp=False)
+    assert report.plan_axes == ("dp_shard",) and report.fsdp_axes == ()
     rows = {(m.path, p.name): p for m in report.modules for p in m.params}
-    assert rows[("output", "weight")].placements == {"dp": "Shard(0)", "tp": "Replicate()"}
+    assert rows[("output", "weight")].placements == {"dp_shard": "Shard(0)", "tp": "Replicate()"}
+
+
+def test_dp_in_a_placement_is_refused_with_the_axis_name():
+    with pytest.raises(ValueError, match=r"synonym of 'dp_shard'.*write 'dp_shard'"):
+        dry_run(DEBUG.config(), {"dp": 2}, _output_plan("dp"), seq_len=16, fsdp=False)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "axis"), [({"pp": 2, "tp": 2}, "pp"), ({"dp": 2, "ep": 2}, "ep"), ({"cp": 2}, "cp")]
+)
+def test_axes_the_model_cannot_use_are_refused_by_name(mesh, axis):
+    with pytest.raises(ValueError, match=f"{axis}=2") as info:
+        run(1, "tp" if "tp" in mesh else "", mesh)
+    assert "cp" not in mesh or "declares no 'cp' placement" in str(info.value)
+    assert not torch.distributed.is_initialized()
+
+
+def test_hsdp_shards_within_replicas():
+    report = run(2, "tp", {"dp_replicate": 2, "dp_shard": 2, "tp": 2})
+    assert report.fsdp_axes == ("dp_replicate", "fsdp") and report.plan_axes == ("tp",)
+    assert report.columns == ("dp_replicate", "fsdp", "tp")
+    rows = {(m.path, p.name): p for m in report.modules for p in m.params}
+    wq = rows[("layers.1.attention.wq", "weight")]
+    assert wq.placements == {"dp_replicate": "Replicate()", "fsdp": "Shard(0)", "tp": "Shard(0)"}
+    assert wq.local_shape == (D // 2 // 2, D)
+    hsdp = run(2, "tp", {"dp_shard": 2, "tp": 2})
+    assert report.per_rank == hsdp.per_rank  # replicas hold the same shards as plain FSDP
+    by_axis = {(c.kind, c.axis, c.phase) for c in report.collectives}
+    # Gradients: reduce-scatter within a replica group, then all-reduce across replicas.
+    assert ("reduce_scatter", "fsdp", "backward") in by_axis
+    assert ("all_reduce", "dp_replicate", "backward") in by_axis
+    d = report.to_dict()
+    assert d["mesh"] == {
+        "pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2, "ep": 1,
+        "fsdp": 2, "efsdp": 4, "batch": 4, "loss": 4, "world_size": 8,
+    }  # fmt: skip
+    table = report.to_table()
+    assert "HSDP over dp_replicate x fsdp" in table
+    assert "dp_replicate" in table.splitlines()[3]  # the parameter table's header
 
 
 def test_invalid_plan_is_refused_with_every_problem():
@@ -256,10 +300,11 @@ def test_invalid_plan_is_refused_with_every_problem():
 def test_report_forms():
     report = run()
     d = report.to_dict()
-    assert d["world_size"] == 4 and d["mesh"] == {"dp": 2, "tp": 2}
+    assert d["world_size"] == 4 and d["mesh"]["dp_shard"] == 2 and d["mesh"]["tp"] == 2
+    assert d["mesh"]["fsdp"] == 2 and d["fsdp_axes"] == ["fsdp"] and d["plan_axes"] == ["tp"]
     assert set(d["per_rank_bytes"]) == {"params", "grads", "optimizer", "total"}
     assert {"kind", "axis", "phase", "count", "bytes"} <= set(d["collectives"][0])
-    assert d["modules"][0]["params"][0]["placements"] == {"dp": "Shard(0)", "tp": "Shard(0)"}
+    assert d["modules"][0]["params"][0]["placements"] == {"fsdp": "Shard(0)", "tp": "Shard(0)"}
     text = report.to_table()
     assert text.splitlines()[-1].startswith("Summary:")
     assert "layers.*.attention.wq (x3)" in text
@@ -276,7 +321,7 @@ def test_hugging_face_model_with_plan_file():
     report = dry_run(model, {"dp": 2, "tp": 2}, plan, seq_len=16)
     assert report.num_params == sum(p.numel() for p in model.parameters())
     num_layers = model.config.num_hidden_layers
-    assert stats(report.collectives, "forward")[("all_gather", "dp")][0] == num_layers + 1
+    assert stats(report.collectives, "forward")[("all_gather", "fsdp")][0] == num_layers + 1
     assert stats(report.collectives, "forward")[("all_reduce", "tp")][0] >= 2 * num_layers
 
 
@@ -312,7 +357,7 @@ def test_llama3_70b_on_1024_ranks():
     assert report.num_params == model_numel(*PRESETS["llama3-70b"])
     assert report.per_rank.params == _padded_local_bytes(*PRESETS["llama3-70b"], 128, 8)
     counts = {k: v[0] for k, v in stats(report.collectives).items()}
-    assert counts[("reduce_scatter", "dp")] == 80 + 1
+    assert counts[("reduce_scatter", "fsdp")] == 80 + 1
     per_layer = stats(report.collectives_per_layer, "forward")
     assert per_layer[("all_reduce", "tp")] == (2, 2 * 2048 * 8192 * FP32)
     assert report.elapsed_s < 60

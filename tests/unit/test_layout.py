@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from hyper_parallel.distributed import LayoutError, MeshLayout
@@ -105,3 +106,112 @@ def test_fsdp_mesh_is_1d_without_replicate():
     finally:
         dist.destroy_process_group()
     assert MeshLayout.parse("tp=2").fsdp == 1
+
+
+# ---------------------------------------------------------------------- plans on the mesh
+
+
+def test_declared_axes_and_plan_submesh():
+    from hyper_parallel.distributed import declared_axes, plan_axis_findings
+    from hyper_parallel.dmodule import get_spec
+    from hyper_parallel.dmodule.module import Module
+
+    spec = get_spec("llama3-debug")
+    config = spec.extras["tp"](spec.config(num_layers=1))
+    configs = [c.sharding_config for _, c, _, _ in config.traverse(Module.Config)]
+    assert declared_axes(configs) == ("tp",)
+    assert declared_axes([spec.config().sharding_config]) == ()
+    # A cp axis the plan does not declare would read sequence shards as whole sequences.
+    (error,) = plan_axis_findings(MeshLayout.parse("cp=2,tp=2"), ("tp",), fsdp=True)
+    assert error.severity == "error" and "declares no 'cp' placement" in error.message
+    assert "apply_cp" in error.fix
+    assert plan_axis_findings(MeshLayout.parse("cp=2,tp=2"), ("cp", "tp"), fsdp=True) == []
+
+
+def test_plan_on_a_data_axis_warns_about_the_hsdp_trap():
+    from hyper_parallel.distributed import plan_axis_findings
+
+    (warning,) = plan_axis_findings(
+        MeshLayout.parse("dp_shard=2,tp=2"), ("dp_shard", "tp"), fsdp=True, states_on_data=["w"]
+    )
+    assert warning.severity == "warning" and warning.field == "dp_shard"
+    assert "silently becomes HSDP" in warning.message and "('dp_shard', 'tp')" in warning.message
+    assert "fsdp_mesh()" in warning.fix
+    assert plan_axis_findings(MeshLayout.parse("dp_shard=2"), ("dp_shard",), fsdp=False) == []
+
+
+def test_fsdp_mesh_findings_name_the_hsdp_trap():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
+    from hyper_parallel.distributed import apply_fsdp, fsdp_mesh_findings
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = MeshLayout.parse("dp_replicate=2,dp_shard=2,tp=2").build("cpu")
+        assert fsdp_mesh_findings(mesh.fsdp_mesh()) == []
+        assert fsdp_mesh_findings(mesh["fsdp"]) == []
+        (trap,) = fsdp_mesh_findings(mesh.submesh(("dp_shard", "tp")))
+        assert trap.severity == "warning" and "silently becomes HSDP" in trap.message
+        assert "replicated over 'dp_shard' and sharded over 'tp'" in trap.message
+        three = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+        (error,) = fsdp_mesh_findings(three)
+        assert error.severity == "error" and "1-D (FSDP) or 2-D (HSDP)" in error.message
+        with pytest.raises(ValueError, match="1-D \\(FSDP\\) or 2-D \\(HSDP\\)"):
+            apply_fsdp(torch.nn.Linear(2, 2), three)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_validate_warns_about_the_hsdp_trap():
+    from hyper_parallel.analysis import validate
+    from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+    from hyper_parallel.dmodule import ShardingConfig, get_spec
+
+    config = get_spec("llama3-debug").config(num_layers=1)
+    plan = {
+        "output": ShardingConfig(
+            state_shardings={"weight": {"dp_shard": Shard(0)}},
+            in_dst_shardings={"input": {"dp_shard": Replicate()}},
+            out_dst_shardings={"dp_shard": Replicate()},
+            use_local_output=True,
+        )
+    }
+    report = validate(config, {"dp_shard": 2, "tp": 2}, plan, trace=False)
+    (trap,) = [f for f in report.warnings if "HSDP" in f.message]
+    assert trap.path == "plan" and "(output)" in trap.message
+    # A user's own 2-D DeviceMesh that puts a data axis beside tp: the same trap.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        user_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        report = validate(get_spec("llama3-debug").extras["tp"](config), user_mesh, trace=False)
+    finally:
+        dist.destroy_process_group()
+    (trap,) = [f for f in report.warnings if "HSDP" in f.message]
+    assert trap.path == "mesh" and "('dp', 'tp')" in trap.message
+    assert report.layout == MeshLayout(dp_shard=2, tp=2)
+
+
+def test_fsdp_leaves_cp_to_a_plan_that_keeps_states_on_it():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hyper_parallel.distributed.fsdp import fsdp_mesh_for
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=16)
+    try:
+        mesh = MeshLayout.parse("dp_replicate=2,dp_shard=2,cp=2,tp=2").build("cpu")
+        assert fsdp_mesh_for(mesh, ("tp",)) is mesh.fsdp_mesh()
+        assert fsdp_mesh_for(mesh, ("cp", "tp")).mesh_dim_names == ("dp_replicate", "dp_shard")
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = MeshLayout.parse("cp=2,tp=2").build("cpu")
+        assert fsdp_mesh_for(mesh, ("tp",)).mesh_dim_names == ("fsdp",)
+        assert fsdp_mesh_for(mesh, ("cp", "tp")) is None  # no data axis left to shard over
+    finally:
+        dist.destroy_process_group()

@@ -104,9 +104,13 @@ def test_config_round_trips_through_a_dict():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"mesh": {"pp": 2}}, r"axes \['pp'\] are not trainer axes"),
+        ({"mesh": {"tpp": 2}}, "'tpp' is not a mesh axis. Did you mean 'tp'"),
         ({"mesh": {"dp": 0}}, "integers >= 1"),
-        ({"mesh": {"dp": 3}}, "global_batch_size=8 is not divisible by dp=3"),
+        ({"mesh": {"dp": 2, "dp_shard": 2}}, "'dp' and 'dp_shard' both name"),
+        (
+            {"mesh": {"dp": 3}},
+            "global_batch_size=8 is not divisible by dp_replicate x dp_shard = 3",
+        ),
         ({"sequence_parallel": True}, "sequence_parallel needs tp > 1"),
         ({"mesh": {"tp": 3}, "sequence_parallel": True}, "seq_len divisible by tp"),
         ({"resume": True}, "needs a checkpoint_dir"),
@@ -132,10 +136,11 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
 
 
 def test_parse_mesh():
-    assert parse_mesh("dp=2,tp=2") == {"dp": 2, "tp": 2}
+    assert parse_mesh("dp=2,tp=2") == {"dp_shard": 2, "tp": 2}
     assert parse_mesh(" tp=4 ") == {"tp": 4}
+    assert parse_mesh("dp_replicate=2,dp_shard=2,cp=1") == {"dp_replicate": 2, "dp_shard": 2}
     assert parse_mesh("") == {}
-    for bad in ("dp", "dp=x", "cp=2", "dp=0", "dp=2,dp=2"):
+    for bad in ("dp", "dp=x", "cpp=2", "dp=0", "dp=2,dp=2", "dp=2,dp_shard=2", "tp=2,ep=3"):
         with pytest.raises(ValueError, match="mesh"):
             parse_mesh(bad)
 
@@ -146,7 +151,7 @@ def test_command_line_options_override_the_config_file(tmp_path):
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     cfg = config_from_args(parser.parse_args(["--config", str(path), "--steps", "9"]), 4)
-    assert (cfg.num_steps, cfg.seed, cfg.mesh) == (9, 3, {"dp": 4})
+    assert (cfg.num_steps, cfg.seed, cfg.mesh) == (9, 3, {"dp_shard": 4})
 
 
 def test_mesh_without_a_process_group_says_how_to_launch():
@@ -159,7 +164,7 @@ def test_demo_checks_the_run_before_starting_ranks(capsys):
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     assert demo.run(parser.parse_args(["--mesh", "dp=3"])) == 2  # global batch 8
-    assert "not divisible by dp=3" in capsys.readouterr().err
+    assert "not divisible by dp_replicate x dp_shard = 3" in capsys.readouterr().err
     assert demo.run(parser.parse_args(["--mesh", "tp=1"])) == 2
     assert "at least two" in capsys.readouterr().err
 

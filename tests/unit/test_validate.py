@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from hyper_parallel.analysis import ValidationReport, validate
-from hyper_parallel.analysis._world import parse_mesh
 from hyper_parallel.analysis.collectives import redistribution_collectives
 from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
+from hyper_parallel.distributed import MeshLayout
 from hyper_parallel.dmodule import ShardingConfig, colwise, get_spec, rowwise
 from hyper_parallel.dmodule.presets import vocab_parallel_embedding
 
@@ -142,8 +142,9 @@ def test_broken_plan_every_problem_in_one_call(broken_report):
     # The implicit all-gather is listed with its cost: (batch, seq, hidden) fp32 gathered.
     (gather,) = [r for r in broken_report.redistributions if r.path == "blocks.0.down"]
     assert gather.source == "blocks.0.up" and not gather.declared
-    assert gather.arrives == {"dp": "Replicate()", "tp": "Shard(2)"}
-    assert gather.needs == {"dp": "Replicate()", "tp": "Replicate()"}
+    # The plan declares only tp, so it is applied (and traced) on the tp submesh.
+    assert gather.arrives == {"tp": "Shard(2)"}
+    assert gather.needs == {"tp": "Replicate()"}
     seq_len = 2 * MESH["tp"] * 2  # the default: twice the non-data axes, at least 16
     assert gather.collectives == [
         {"kind": "all_gather", "axis": "tp", "bytes": seq_len * 4 * HIDDEN}
@@ -152,7 +153,12 @@ def test_broken_plan_every_problem_in_one_call(broken_report):
 
 def test_broken_plan_report_forms(broken_report):
     d = broken_report.to_dict()
-    assert d["ok"] is False and d["mesh"] == MESH and d["world_size"] == 8
+    assert (
+        d["ok"] is False
+        and d["mesh"]["dp_shard"] == 2
+        and d["mesh"]["tp"] == 4
+        and d["world_size"] == 8
+    )
     assert d["num_errors"] == len(broken_report.errors)
     assert {"severity", "path", "field", "message", "fix"} <= set(d["findings"][0])
     text = broken_report.to_table()
@@ -179,7 +185,7 @@ def test_plan_file_and_device_mesh_free(tmp_path):
 
     path = tmp_path / "plan.yaml"
     dump_plan(good_plan(), path)
-    report = validate(toy(), parse_mesh("dp=2,tp=4"), str(path))
+    report = validate(toy(), MeshLayout.parse("dp=2,tp=4"), str(path))
     assert report.ok
     assert not torch.distributed.is_initialized()  # the fake world is torn down
 
@@ -208,7 +214,7 @@ def test_bad_mesh_and_model_are_rejected():
     with pytest.raises(ValueError, match="sizes are integers"):
         validate(toy(), {"tp": 0}, good_plan())
     with pytest.raises(ValueError, match="not 'axis=size'"):
-        parse_mesh("dp:2")
+        MeshLayout.parse("dp:2")
     with pytest.raises(TypeError, match="expected a model Config"):
         validate(object(), MESH)
 

@@ -1,0 +1,235 @@
+"""Which axes a plan uses, where it is applied, and the checks every entry point shares.
+
+A sharding plan *declares* the mesh axes its placements name (today ``tp``; ``cp``
+and ``tp`` for context parallelism). The trainer, the dry run and ``validate`` all
+apply it on the same submesh: :func:`plan_mesh` — the dense mesh sliced to those
+axes, size-1 axes included, so every name the plan uses resolves. Data axes
+(``dp_replicate``, ``dp_shard`` and their views) belong to FSDP and the data loader,
+not to a plan.
+
+The gate: :func:`axis_support_findings` (an axis the caller cannot run yet, e.g.
+``ep`` or ``pp`` for a dense model) and :func:`plan_axis_findings` (a ``cp`` axis
+the plan does not declare, the ``dp`` synonym used in a placement, a plan placing
+states on a data axis) return :class:`~hyper_parallel.dmodule.Finding`\\ s, which
+callers add to the layout's own :meth:`MeshLayout.findings` and report as one list.
+
+Example::
+
+    layout = MeshLayout.parse("dp_shard=2,tp=2")
+    axes = declared_axes(m.sharding_config for m in model.modules() if ...)  # ("tp",)
+    errors = axis_support_findings(layout, TRAINER_AXES, "the trainer")
+    errors += plan_axis_findings(layout, axes, fsdp=True)
+    model.parallelize(plan_mesh(mesh, axes))
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.distributed.layout import (
+    ALIASES,
+    DATA_AXES,
+    DENSE_AXES,
+    USER_AXES,
+    MeshLayout,
+    ParallelMesh,
+)
+from hyper_parallel.dmodule._checks import Finding, PlanEntry, _named_fields
+from hyper_parallel.dmodule.sharding import ShardingConfig
+
+__all__ = [
+    "AXIS_MEANING",
+    "MODEL_AXES",
+    "apply_model_axes",
+    "axis_support_findings",
+    "declared_axes",
+    "plan_axis_findings",
+    "plan_mesh",
+    "states_on_axes",
+]
+
+AXIS_MEANING = {
+    "pp": "pipeline parallelism",
+    "dp_replicate": "replicated data parallelism (HSDP)",
+    "dp_shard": "sharded data parallelism (FSDP2)",
+    "cp": "context parallelism",
+    "tp": "tensor parallelism",
+    "ep": "expert parallelism",
+}
+
+
+MODEL_AXES = ("tp",)
+"""Axes a registered model's own sharding functions handle, in the order they are applied."""
+
+
+def apply_model_axes(
+    spec: Any, config: Any, layout: MeshLayout, *, sequence_parallel: bool = False
+) -> Any:
+    """``config`` with the spec's sharding for every model axis of size > 1 in ``layout``.
+
+    For each axis of :data:`MODEL_AXES` the spec's ``extras[axis]`` sharding function
+    (``extras["tp_sp"]`` for tp with ``sequence_parallel``) is applied, with
+    ``<axis>_size=`` when it takes one; so the config declares exactly the active model
+    axes, as the trainer, the dry run and ``validate`` expect.
+
+    Raises:
+        ValueError: The spec has no sharding function for an active axis, or the
+            function refuses the size (e.g. heads not divisible by tp).
+    """
+    for axis in MODEL_AXES:
+        size = layout.size(axis)
+        if size == 1:
+            continue
+        key = "tp_sp" if axis == "tp" and sequence_parallel else axis
+        fn = spec.extras.get(key)
+        if not callable(fn):
+            raise ValueError(
+                f"model {spec.name!r} has no {key!r} sharding function in its "
+                f"ModelSpec.extras (has: {sorted(k for k, v in spec.extras.items() if callable(v))}"
+                f"); register one, or leave {axis} out of the mesh."
+            )
+        kwargs = {}
+        if f"{axis}_size" in inspect.signature(fn).parameters:
+            kwargs[f"{axis}_size"] = size
+        config = fn(config, **kwargs)
+    return config
+
+
+def declared_axes(configs: Iterable[ShardingConfig | PlanEntry | None]) -> tuple[str, ...]:
+    """Every axis name the configs' placements use: dense axes in layout order, then others.
+
+    Args:
+        configs: ``ShardingConfig``s (or plan entries); ``None`` entries are skipped.
+    """
+    names: set[str] = set()
+    for item in configs:
+        config = item.config if isinstance(item, PlanEntry) else item
+        if config is None:
+            continue
+        for _, named in _named_fields(config):
+            names.update(str(getattr(a, "value", a)) for a in (named or {}))
+    dense = tuple(a for a in DENSE_AXES if a in names)
+    return dense + tuple(sorted(names - set(dense)))
+
+
+def plan_mesh(mesh: ParallelMesh, axes: Iterable[str]) -> DeviceMesh | None:
+    """The submesh a plan declaring ``axes`` is applied on (``None`` when it declares none).
+
+    Only dense axes are kept (:func:`plan_axis_findings` reports the others); the
+    submesh keeps size-1 axes, so a plan's every placement resolves.
+    """
+    dense = [a for a in axes if a in DENSE_AXES]
+    return mesh.submesh(dense) if dense else None
+
+
+def axis_support_findings(layout: MeshLayout, supported: Iterable[str], who: str) -> list[Finding]:
+    """An error for each axis of size > 1 that ``who`` cannot run yet (never ignored).
+
+    Args:
+        layout: The mesh.
+        supported: The user axes ``who`` implements.
+        who: Names the refusing party in the message, e.g. ``"the trainer"``.
+    """
+    allowed = set(supported)
+    out = []
+    for axis, size in layout.active().items():
+        if axis in allowed:
+            continue
+        out.append(
+            Finding(
+                "error",
+                "mesh",
+                axis,
+                f"{axis}={size}: {AXIS_MEANING.get(axis, axis)} is not yet supported by "
+                f"{who} for this model; it runs {', '.join(a for a in USER_AXES if a in allowed)}.",
+                f"leave {axis} out of the mesh (size 1) and give its ranks to "
+                f"{'dp_shard' if 'dp_shard' in allowed else sorted(allowed)[0]} instead.",
+            )
+        )
+    return out
+
+
+def plan_axis_findings(
+    layout: MeshLayout,
+    axes: Iterable[str],
+    *,
+    fsdp: bool,
+    states_on_data: Iterable[str] = (),
+) -> list[Finding]:
+    """Problems between a mesh and the axes a plan declares.
+
+    Args:
+        layout: The mesh.
+        axes: The plan's axes (:func:`declared_axes`).
+        fsdp: Whether FSDP2 shards dense states over the data axes.
+        states_on_data: Module paths whose configs place *states* on a data axis
+            (:func:`states_on_axes`).
+
+    Returns:
+        Errors: ``cp`` > 1 that the plan does not declare (each rank's sequence shard
+        would be read as the whole sequence), ``dp`` used in a placement (a size
+        synonym only). Warnings: states placed on a data axis (the HSDP trap).
+    """
+    axes = tuple(axes)
+    out = []
+    if layout.cp > 1 and "cp" not in axes:
+        out.append(
+            Finding(
+                "error",
+                "mesh",
+                "cp",
+                f"the mesh has cp={layout.cp} but the model's sharding declares no 'cp' "
+                f"placement (it uses {list(axes) or 'no axis'}): every rank would read its "
+                "shard of the sequence as the whole sequence, silently.",
+                "shard the model for context parallelism (Llama: apply_cp, registered as "
+                "the 'cp' sharding of its ModelSpec), or leave cp out of the mesh.",
+            )
+        )
+    for alias, canonical in ALIASES.items():
+        if alias in axes:
+            out.append(
+                Finding(
+                    "error",
+                    "plan",
+                    alias,
+                    f"a placement names {alias!r}, which is only a mesh-size synonym of "
+                    f"{canonical!r}; the mesh's axis is called {canonical!r}.",
+                    f"write {canonical!r} in the placements.",
+                )
+            )
+    data = [a for a in axes if a in DATA_AXES]
+    if data and fsdp:
+        paths = sorted(states_on_data)
+        where = f" ({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''})" if paths else ""
+        model_axes = [a for a in axes if a not in DATA_AXES]
+        out.append(
+            Finding(
+                "warning",
+                "plan",
+                data[0],
+                f"the plan places tensors on the data axis {data[0]!r}{where}, which FSDP2 "
+                "also shards over. Those states end up on a mesh of "
+                f"{tuple(data + model_axes)}: a 2-D slice like that handed to fully_shard "
+                f"silently becomes HSDP (replicate over {data[0]!r}, shard over the second "
+                "axis), not FSDP over the data ranks.",
+                "leave data axes to FSDP (drop them from the plan; FSDP2 runs on "
+                "ParallelMesh.fsdp_mesh()), or turn FSDP off to place states yourself.",
+            )
+        )
+    return out
+
+
+def states_on_axes(entries: Iterable[PlanEntry], axes: Iterable[str]) -> list[str]:
+    """Paths of the entries whose ``state_shardings`` name any of ``axes``."""
+    wanted = set(axes)
+    return sorted(
+        {
+            e.path or "<root>"
+            for e in entries
+            for named in e.config.state_shardings.values()
+            if any(str(getattr(a, "value", a)) in wanted for a in named)
+        }
+    )
