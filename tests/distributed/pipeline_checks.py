@@ -247,3 +247,28 @@ def checkpoint_across_meshes(path: str) -> dict[str, Any]:
         result["one_process"] = (diff(states), len(states))
     c10d.barrier()
     return result
+
+
+def trainer_parity(mesh: dict, schedule: str, num_microbatches: int) -> dict[str, Any]:
+    """The trainer at ``mesh`` (with pp) and in one process: per-step losses of both."""
+    from hyper_parallel.train import TrainConfig, Trainer
+
+    cfg = TrainConfig(
+        mesh=mesh,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        num_steps=3,
+        seq_len=16,
+        log_every=0,
+        progress=False,
+    )
+    trainer = Trainer(cfg, device="cpu")
+    result = trainer.fit()
+    reference = Trainer(cfg.replace(mesh={}), device="cpu").fit()
+    return {
+        "losses": result.losses,
+        "ref_losses": reference.losses,
+        "grad_norms": result.grad_norms,
+        "ref_grad_norms": reference.grad_norms,
+        "parts": [sorted(n for n, _ in m.named_parameters())[:1] for m in trainer.model_parts],
+    }

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.pipeline_checks import checkpoint_across_meshes, train_vs_one_device
+from tests.distributed.pipeline_checks import (
+    checkpoint_across_meshes,
+    train_vs_one_device,
+    trainer_parity,
+)
 from tests.distributed.test_pipeline import NUM_STEPS, _check_parity, _param_names
 
 pytestmark = pytest.mark.distributed
@@ -86,3 +90,15 @@ def test_checkpoint_saved_at_pp2_tp2_loads_anywhere_bitwise(dist, tmp_path):
         assert diff == 0.0 and count > 0
     assert sum(r["interleaved"][1] for r in results[::2]) == 2 * num_params
     assert results[0]["one_process"] == (0.0, num_params)
+
+
+def test_trainer_with_pp_matches_one_process(dist):
+    # Interleaved: 2 stages per rank; gradient clipping combines the norms over pp.
+    results = dist.run(trainer_parity, {"pp": 2, "tp": 2}, "Interleaved1F1B", 4)
+    for r in results:
+        assert len(r["losses"]) == 3
+        for a, b in zip(r["losses"], r["ref_losses"], strict=True):
+            assert abs(a - b) <= 1e-5
+        for a, b in zip(r["grad_norms"], r["ref_grad_norms"], strict=True):
+            assert abs(a - b) <= 1e-5 * max(1.0, b)
+        assert len(r["parts"]) == 2

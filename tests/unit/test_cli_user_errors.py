@@ -115,7 +115,7 @@ def test_mesh_product_must_match_the_ranks_torchrun_starts(capsys, monkeypatch):
     ("mesh", "message"),
     [
         ("dp=2,ep=2", "ep=2: expert parallelism is not yet supported by the trainer"),
-        ("pp=2", "pp=2: pipeline parallelism is not yet supported by the trainer"),
+        ("pp=8", "the split cannot place a unit on every stage"),
         ("cp=2", "the mesh has cp=2 but the model's sharding declares no 'cp' placement"),
     ],
 )
