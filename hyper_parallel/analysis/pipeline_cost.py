@@ -35,6 +35,7 @@ __all__ = [
     "bubble_fraction",
     "in_flight_microbatches",
     "p2p_bytes_per_step",
+    "pipeline_report",
     "rank_ops",
     "simulate",
     "stage_costs",
@@ -328,4 +329,81 @@ def p2p_bytes_per_step(
         "per_microbatch": per_mb,
         "per_rank_max": max(sent),
         "total": sum(sent) * tp,
+    }
+
+
+def pipeline_report(
+    layout: Any,
+    stages: Any,
+    config: Any,
+    *,
+    schedule: str,
+    num_microbatches: int,
+    microbatch_size: int,
+    seq_len: int,
+    element_bytes: int,
+    sequence_parallel: bool = False,
+) -> dict[str, Any]:
+    """The pipeline part of a dry run: stages, per-rank bytes, bubble and P2P traffic.
+
+    Args:
+        layout: The mesh layout (``pp``, ``tp``, ``fsdp`` sizes).
+        stages: The model's :class:`~hyper_parallel.distributed.pipeline.PipelineLayout`.
+        config: The model config (unsharded).
+        schedule, num_microbatches: The pipeline schedule and its micro-batches.
+        microbatch_size: Sequences per micro-batch on one data-parallel rank.
+        seq_len: Tokens per sequence.
+        element_bytes: Bytes of a parameter, gradient and activation element; the
+            optimizer keeps two fp32 states per parameter (AdamW).
+        sequence_parallel: Activations between and inside blocks split over tp.
+
+    Returns:
+        ``stages`` (per stage: units, parameters, per-rank bytes), ``per_rank_bytes``
+        (the heaviest pp rank), ``bubble_fraction``, ``p2p_bytes`` and the plan.
+    """
+    from hyper_parallel.distributed.pipeline import plan_pipeline
+
+    units = stages.units(config)
+    plan = plan_pipeline(units, pp=layout.pp, schedule=schedule, num_microbatches=num_microbatches)
+    tokens = microbatch_size * seq_len
+    acts: dict[str, int] = {}
+    if stages.activation_elements is not None:
+        for u in units:
+            replicated, split = stages.activation_elements(config, u.name)
+            if sequence_parallel:
+                replicated //= layout.tp
+            acts[u.name] = (replicated + split // layout.tp) * tokens * element_bytes
+    costs = stage_costs(
+        plan,
+        units,
+        shard_ways=layout.tp * layout.fsdp,
+        param_bytes=element_bytes,
+        grad_bytes=element_bytes,
+        optimizer_bytes=8,
+        activation_bytes_per_microbatch=acts,
+    )
+    per_rank: dict[int, dict[str, int]] = {}
+    for c in costs:
+        into = per_rank.setdefault(
+            c.rank, dict.fromkeys(("params", "grads", "optimizer", "activations"), 0)
+        )
+        for key in into:
+            into[key] += getattr(c, key)
+    heaviest = max(per_rank.values(), key=lambda d: sum(d.values()))
+    dim = config.norm.dim
+    return {
+        "pipeline": plan.to_dict(),
+        "stages": [
+            c.to_dict() | {"total": c.params + c.grads + c.optimizer + c.activations} for c in costs
+        ],
+        "per_rank_bytes": heaviest | {"total": sum(heaviest.values())},
+        "bubble_fraction": bubble_fraction(
+            schedule, layout.pp, num_microbatches, plan.stages_per_rank
+        ),
+        "p2p_bytes": p2p_bytes_per_step(
+            plan,
+            tokens * dim * element_bytes,
+            tp=layout.tp,
+            sequence_parallel=sequence_parallel,
+        ),
     }
