@@ -21,6 +21,7 @@ plan that ``parallelize`` refuses, or the demo fails); 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -130,6 +131,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--dtype", choices=tuple(_DTYPES), default="fp32", help="parameter dtype (default fp32)"
+    )
+    plan.add_argument(
+        "--schedule",
+        default="1F1B",
+        help="pipeline schedule with a pp axis (torch's names; default 1F1B)",
+    )
+    plan.add_argument(
+        "--microbatches",
+        type=_positive_int,
+        default=None,
+        help="pipeline micro-batches per step (default: the number of stages); --batch is "
+        "then the micro-batch size",
     )
     plan.set_defaults(func=_cmd_plan)
 
@@ -285,10 +298,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from hyper_parallel.dmodule._checks import ParallelizeError
 
     subject = _subject(args)
+    layout = args.mesh
+    pipeline = None
+    if layout.pp > 1:
+        pipeline = _pipeline_part(args, layout)
     try:
         report = dry_run(
             subject.model,
-            args.mesh,
+            dataclasses.replace(layout, pp=1) if pipeline is not None else layout,
             subject.plan,
             batch_size=args.batch,
             seq_len=subject.seq_len,
@@ -311,11 +328,75 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             "validate' with the same arguments for the module at fault."
         ) from None
     report.model = subject.name
+    if pipeline is not None:
+        out = report.to_dict()
+        # The traced step is one pipeline's model-parallel group; pp copies of it.
+        out["world_size"] = layout.world_size
+        out["mesh"]["pp"] = layout.pp
+        out["mesh"]["world_size"] = layout.world_size
+        out.update(pipeline)
+        if args.format == "json":
+            print(json.dumps(out, indent=1))
+        else:
+            print(report.to_table())
+            print(_pipeline_table(pipeline))
+        return 0
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=1))
     else:
         print(report.to_table())
     return 0
+
+
+def _pipeline_part(args: argparse.Namespace, layout: Any) -> dict[str, Any]:
+    """Stages, per-rank bytes, bubble and P2P bytes of the pipeline (``pp > 1``)."""
+    import torch
+
+    from hyper_parallel.analysis.pipeline_cost import pipeline_report
+    from hyper_parallel.distributed.pipeline import MULTI_STAGE_SCHEDULES, PipelineError
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    stages = get_spec(args.model).extras.get("pipeline") if args.model else None
+    if stages is None or args.plan is not None:
+        raise _PlanError(
+            f"pp={layout.pp}: the dry run cuts registered models into pipeline stages; "
+            f"{args.model or args.hf_model!r} with this plan declares none.",
+            [_finding("", "mesh", "no pipeline stages", "leave pp out, or use --model.")],
+        )
+    per_rank = 2 if args.schedule in MULTI_STAGE_SCHEDULES else 1
+    microbatches = args.microbatches or layout.pp * per_rank
+    element_bytes = getattr(torch, _DTYPES[args.dtype]).itemsize
+    try:
+        return pipeline_report(
+            layout,
+            stages,
+            get_spec(args.model).config(),
+            schedule=args.schedule,
+            num_microbatches=microbatches,
+            microbatch_size=args.batch,
+            seq_len=args.seq or _SEQ_LEN,
+            element_bytes=element_bytes,
+            sequence_parallel=args.sp,
+        )
+    except PipelineError as e:
+        raise _PlanError(str(e), e.findings) from None
+
+
+def _pipeline_table(pipeline: dict[str, Any]) -> str:
+    lines = [
+        f"pipeline: {pipeline['pipeline']['schedule']}, "
+        f"{pipeline['pipeline']['num_microbatches']} micro-batches, bubble "
+        f"{pipeline['bubble_fraction']:.3f}",
+        "stage  rank  units                          params/rank  in-flight  total bytes/rank",
+    ]
+    for s in pipeline["stages"]:
+        units = s["units"]
+        label = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
+        lines.append(
+            f"{s['stage']:>5}  {s['rank']:>4}  {label:<30} {s['params']:>11,}  "
+            f"{s['in_flight_microbatches']:>9}  {s['total']:>16,}"
+        )
+    return "\n".join(lines)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

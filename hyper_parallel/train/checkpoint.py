@@ -1,9 +1,11 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP): save, load, find the latest.
 
 A checkpoint is one DCP directory per step (``step_000120/``) holding the model and
-optimizer states (as returned by ``get_state_dict``: DTensor shards under TP/FSDP,
-plain tensors in one process), a small ``train`` record (step, data position) and
-each rank's random number generator states. DCP stores every DTensor with its
+optimizer states (DTensor shards under TP/FSDP, plain tensors in one process; the
+optimizer's keyed by parameter name, so the parts of a pipeline — a list of stage
+modules with one optimizer each — merge into one checkpoint that loads at any
+split), a small ``train`` record (step, data position) and each rank's random
+number generator states. DCP stores every DTensor with its
 global shape, so a checkpoint saved at one mesh loads at any other (dp=2 x tp=2 →
 tp=4, or into one process with no process group) and the parameters are bitwise the
 same. A step directory counts as complete once DCP has written its ``.metadata``
@@ -24,7 +26,7 @@ import contextlib
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,10 +34,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
+    get_optimizer_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
 
 __all__ = ["checkpoint_path", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -112,11 +115,58 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+# Optimizer states keyed by parameter name (``state.layers.0.w1.weight.exp_avg``), so
+# the states of several model parts (pipeline stages) merge into one flat dict and a
+# checkpoint saved with one split loads with any other.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _model_parts(
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> list[tuple[nn.Module, torch.optim.Optimizer | None]]:
+    models = [model] if isinstance(model, nn.Module) else list(model)
+    if optimizer is None:
+        return [(m, None) for m in models]
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    if len(optimizers) != len(models):
+        raise ValueError(
+            f"checkpoint: {len(models)} model part(s) but {len(optimizers)} optimizer(s); "
+            "give one optimizer per model part (pipeline stage), in the same order."
+        )
+    return list(zip(models, optimizers, strict=True))
+
+
+def _part_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    model_state = get_model_state_dict(model)
+    if optimizer is None:
+        return model_state, {}
+    return model_state, get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+
+
+def _merged_state(
+    parts: list[tuple[nn.Module, torch.optim.Optimizer | None]], *, with_optimizer: bool
+) -> dict[str, Any]:
+    """Model (and optimizer) states of every part in one dict; parts own disjoint names."""
+    model_state: dict[str, Any] = {}
+    optim_state: dict[str, Any] = {}
+    for part, part_optimizer in parts:
+        m, o = _part_state(part, part_optimizer)
+        model_state.update(m)
+        optim_state.update(o)
+    state: dict[str, Any] = {"model": model_state}
+    if with_optimizer:
+        state["optimizer"] = optim_state
+    return state
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     train_state: dict[str, Any] | None = None,
     distributed: bool | None = None,
 ) -> None:
@@ -126,18 +176,16 @@ def save_checkpoint(
 
     Args:
         path: The checkpoint directory (see :func:`checkpoint_path`).
-        model: The model (plain, tensor-parallel and/or ``fully_shard``-ed).
-        optimizer: Its optimizer; omitted, only the model is saved.
+        model: The model (plain, tensor-parallel and/or ``fully_shard``-ed), or this
+            rank's model parts (pipeline stages) in a sequence.
+        optimizer: Its optimizer (one per model part); omitted, only the model is saved.
         train_state: A flat dict of small picklable values (step, data position).
         distributed: Whether every rank of the default process group saves together;
             defaults to whether one is initialized.
     """
     distributed = _distributed(distributed)
-    if optimizer is None:
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
+    parts = _model_parts(model, optimizer)
+    state: dict[str, Any] = _merged_state(parts, with_optimizer=optimizer is not None)
     state["train"] = dict(train_state or {})
     # Keyed by rank: each rank's generator state is its own, not a replicated value.
     state["rng"] = {f"rank{_rank(distributed)}": _rng_state()}
@@ -148,8 +196,8 @@ def save_checkpoint(
 def load_checkpoint(
     path: str | os.PathLike[str],
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     distributed: bool | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
@@ -161,8 +209,10 @@ def load_checkpoint(
 
     Args:
         path: A checkpoint directory.
-        model: A model with the same parameter names and global shapes.
-        optimizer: Its optimizer, to restore too; omitted, only the model is loaded.
+        model: A model with the same parameter names and global shapes, or this
+            rank's model parts (pipeline stages, any split) in a sequence.
+        optimizer: Its optimizer (one per model part), to restore too; omitted, only
+            the model is loaded.
         distributed: Whether every rank of the default process group loads together;
             defaults to whether one is initialized.
 
@@ -187,11 +237,9 @@ def load_checkpoint(
             f"load_checkpoint: {path!r} holds no optimizer state (saved with the model "
             "only); load it with optimizer=None."
         )
-    if optimizer is None:
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
+    parts = _model_parts(model, optimizer)
+    per_part = [tuple(map(list, _part_state(m, o))) for m, o in parts]
+    state: dict[str, Any] = _merged_state(parts, with_optimizer=optimizer is not None)
     train_keys = sorted(k.split(".", 1)[1] for k in saved_keys if k.startswith("train."))
     state["train"] = dict.fromkeys(train_keys)
     rng = {
@@ -203,15 +251,15 @@ def load_checkpoint(
         state["rng"] = {f"rank{rank}": rng}
     with _single_process_notice_muted(distributed):
         dcp.load(state, checkpoint_id=path, no_dist=not distributed)
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
+    for (part, part_optimizer), (model_keys, optim_keys) in zip(parts, per_part, strict=True):
+        set_model_state_dict(part, {k: state["model"][k] for k in model_keys})
+        if optimizer is not None:
+            set_optimizer_state_dict(
+                part,
+                part_optimizer,
+                {k: state["optimizer"][k] for k in optim_keys},
+                options=_OPTIONS,
+            )
     restored = state.get("rng", {}).get(f"rank{rank}", {})
     if "cpu" in restored:
         torch.set_rng_state(restored["cpu"])

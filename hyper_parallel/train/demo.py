@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from hyper_parallel.distributed.layout import MeshLayout
-from hyper_parallel.train.run import _mesh_argument
+from hyper_parallel.train.run import _json_object, _mesh_argument
 from hyper_parallel.train.trainer import TrainConfig, Trainer, check_config
 
 __all__ = ["add_arguments", "main", "run"]
@@ -54,6 +54,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sp", action="store_true", help="tensor + sequence parallel instead of plain TP"
     )
     parser.add_argument("--model", default="llama3-debug", help="registered model name")
+    parser.add_argument(
+        "--model-overrides",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="model config overrides, e.g. '{\"num_layers\": 4}'",
+    )
+    parser.add_argument(
+        "--schedule",
+        default="1F1B",
+        help="pipeline schedule under pp > 1 (torch's names: GPipe, 1F1B, Interleaved1F1B, "
+        "InterleavedZeroBubble, ZBVZeroBubble)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline micro-batches per step (default: one sequence each)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="initialization seed")
     parser.add_argument(
         "--tol",
@@ -73,6 +92,8 @@ def _style(layout: MeshLayout, sequence_parallel: bool) -> str:
     parts = []
     if layout.cp > 1:
         parts.append("CP (head-tail)")
+    if layout.pp > 1:
+        parts.append("PP")
     if layout.tp > 1:
         parts.append("TP+SP" if sequence_parallel else "TP")
     # FSDP shards over dp_shard (x cp, except that a context-parallel plan keeps cp).
@@ -172,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = TrainConfig(
             model=args.model,
+            model_overrides=args.model_overrides,
+            schedule=args.schedule,
+            num_microbatches=args.microbatches,
             mesh=mesh,
             sequence_parallel=args.sp,
             num_steps=args.steps,

@@ -119,6 +119,23 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="continue from the latest checkpoint in --checkpoint-dir",
     )
+    parser.add_argument(
+        "--schedule",
+        help="pipeline schedule under pp > 1: GPipe, 1F1B (default), Interleaved1F1B, "
+        "InterleavedZeroBubble, ZBVZeroBubble",
+    )
+    parser.add_argument(
+        "--microbatches",
+        dest="num_microbatches",
+        type=int,
+        help="pipeline micro-batches per step (default: one sequence each)",
+    )
+    parser.add_argument(
+        "--pipeline-split",
+        type=_json_object,
+        metavar="JSON",
+        help="pipeline stage split, e.g. '{\"units_per_stage\": 2}' (default: balanced)",
+    )
     parser.add_argument("--log-every", type=int, help="log every N steps (0: never)")
     parser.add_argument(
         "--no-progress",
@@ -148,6 +165,9 @@ _FIELDS_FROM_ARGS = (
     "resume",
     "log_every",
     "progress",
+    "schedule",
+    "num_microbatches",
+    "pipeline_split",
 )
 
 

@@ -62,6 +62,15 @@ from hyper_parallel.distributed.expert_parallel import (
 )
 from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for, fsdp_units
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
+from hyper_parallel.distributed.pipeline import (
+    PipelineSplit,
+    build_schedule,
+    build_stage_modules,
+    init_states_by_unit,
+    pipeline_findings,
+    pipeline_step,
+    plan_pipeline,
+)
 from hyper_parallel.dmodule._checks import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.dmodule.module import Module
@@ -82,6 +91,7 @@ __all__ = [
     "Trainer",
     "build_mesh",
     "build_parallel_model",
+    "build_pipeline_stages",
     "check_config",
     "clip_grad_norm_",
     "default_device",
@@ -89,7 +99,7 @@ __all__ = [
     "train",
 ]
 
-TRAINER_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+TRAINER_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 """User axes the trainer runs; any other axis of size > 1 is refused by :func:`check_config`."""
 
 
@@ -122,6 +132,12 @@ class TrainConfig:
             (starts from scratch when there is none).
         log_every: Print a log line on rank 0 every this many steps (``0``: never).
         progress: Show a progress bar on rank 0 when stderr is a terminal.
+        schedule: Pipeline schedule (torch's name) when ``pp > 1``: ``GPipe``,
+            ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``.
+        num_microbatches: Micro-batches per step under ``pp > 1``; ``None``: one
+            sequence per micro-batch (the data-parallel rank's batch size).
+        pipeline_split: The stage split (``{"units_per_stage": n}`` or
+            ``{"stages": [[unit, ...], ...]}``); ``None`` balances stages by parameters.
     """
 
     model: str = "llama3-debug"
@@ -142,6 +158,9 @@ class TrainConfig:
     resume: bool = False
     log_every: int = 1
     progress: bool = True
+    schedule: str = "1F1B"
+    num_microbatches: int | None = None
+    pipeline_split: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, Mapping):
@@ -193,6 +212,13 @@ class TrainConfig:
     def tp(self) -> int:
         """Tensor-parallel size."""
         return self.layout.tp
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step (``num_microbatches``, or one sequence each)."""
+        if self.num_microbatches is not None:
+            return self.num_microbatches
+        return max(1, self.global_batch_size // self.dp)
 
     @property
     def world_size(self) -> int:
@@ -363,7 +389,48 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Findin
         from hyper_parallel.distributed import context_parallel
 
         findings += context_parallel.cp_findings(config, layout, cfg.seq_len)
+    if layout.pp > 1:
+        findings += _pipeline_findings(cfg, layout)
     return findings
+
+
+def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
+    spec = get_spec(cfg.model)
+    stages = spec.extras.get("pipeline")
+    if stages is None:
+        return [
+            Finding(
+                "error",
+                "mesh",
+                "pp",
+                f"model {cfg.model!r} declares no pipeline stages (ModelSpec.extras['pipeline']).",
+                "leave pp out of the mesh, or register the model's PipelineLayout.",
+            )
+        ]
+    if layout.cp > 1:
+        return [
+            Finding(
+                "error",
+                "mesh",
+                "pp",
+                f"pp={layout.pp} with cp={layout.cp}: pipeline stages do not pass token "
+                "positions between stages yet.",
+                "use pp with dp_replicate, dp_shard and tp, or cp without pp.",
+            )
+        ]
+    try:
+        split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
+    except ValueError as e:
+        return [Finding("error", "pipeline_split", "", str(e), "fix the split.")]
+    config = spec.config(**cfg.model_overrides)
+    return pipeline_findings(
+        stages.units(config),
+        pp=layout.pp,
+        schedule=cfg.schedule,
+        num_microbatches=cfg.microbatches,
+        split=split,
+        batch_size=cfg.global_batch_size // cfg.dp,
+    )
 
 
 def _raise_findings(findings: list[Finding], where: str) -> None:
@@ -428,13 +495,62 @@ def build_parallel_model(
                 )
             apply_fsdp(model, fsdp_mesh, units)
     model.to_empty(device=device)
-    torch.manual_seed(cfg.seed)
-    model.init_states()
+    _init_states(model, cfg)
     return model
 
 
+def _init_states(model: nn.Module, cfg: TrainConfig) -> None:
+    """Initialize per pipeline unit when the model declares stages (the same values at
+    any pp, see :func:`~hyper_parallel.distributed.pipeline.init_states_by_unit`)."""
+    stages = get_spec(cfg.model).extras.get("pipeline")
+    if stages is not None:
+        init_states_by_unit(model, stages, cfg.seed)
+    else:
+        torch.manual_seed(cfg.seed)
+        model.init_states()
+
+
+def build_pipeline_stages(
+    cfg: TrainConfig, mesh: ParallelMesh, device: torch.device | str | None = None
+) -> tuple[list[nn.Module], Any]:
+    """This rank's pipeline stages of ``cfg.model`` and their plan (``pp > 1``).
+
+    Each stage is built on meta from the model's sharded config, tensor parallel on
+    the plan's submesh, FSDP2 over the same FSDP mesh as :func:`build_parallel_model`,
+    materialized and initialized per unit.
+    """
+    device = torch.device(device if device is not None else default_device())
+    spec = get_spec(cfg.model)
+    stages = spec.extras["pipeline"]
+    config = _model_config(cfg, mesh.layout)
+    split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
+    plan = plan_pipeline(
+        stages.units(spec.config(**cfg.model_overrides)),
+        pp=mesh.layout.pp,
+        schedule=cfg.schedule,
+        num_microbatches=cfg.microbatches,
+        split=split,
+        batch_size=cfg.global_batch_size // cfg.dp,
+    )
+    axes = tuple(a for a in config_axes(config) if a != "pp")
+    modules = build_stage_modules(
+        config,
+        stages,
+        plan,
+        mesh["pp"].get_local_rank(),
+        device=device,
+        seed=cfg.seed,
+        tp_mesh=plan_mesh(mesh, axes),
+        fsdp_mesh=fsdp_mesh_for(mesh, axes),
+    )
+    return modules, plan
+
+
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip gradients to a global norm, for plain, DTensor and mixed-mesh gradients.
 
@@ -450,11 +566,15 @@ def clip_grad_norm_(
         parameters: Parameters whose ``.grad`` to clip (those without are skipped).
         max_norm: Largest allowed total norm (``inf``: only measure it).
         norm_type: The p of the p-norm (``inf`` for the max norm).
+        group: Ranks holding the model's *other* parameters (the pipeline stages'
+            ``pp`` group): their norms are combined into the total.
 
     Returns:
         The total norm before clipping, a plain scalar tensor (same on every rank).
     """
     params = [p for p in parameters if p.grad is not None]
+    if group is not None:
+        return _clip_across(params, max_norm, norm_type, group)
     if not params:
         return torch.tensor(0.0)
     groups: dict[Any, list[torch.Tensor]] = {}
@@ -472,6 +592,28 @@ def clip_grad_norm_(
     if math.isfinite(max_norm):
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def _clip_across(
+    params: list[torch.Tensor], max_norm: float, norm_type: float, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The norm over every rank of ``group`` (each holding other parameters), then clip."""
+    local = clip_grad_norm_(params, math.inf, norm_type).detach().float().reshape(())
+    if math.isinf(norm_type):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        total = local
+    else:
+        powered = local**norm_type
+        dist.all_reduce(powered, group=group)
+        total = powered ** (1.0 / norm_type)
+    if math.isfinite(max_norm) and params:
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for p in params:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(key, []).append(p)
+        for members in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
     return total
 
 
@@ -560,16 +702,32 @@ class Trainer:
         # Context parallelism: each rank holds chunks of every sequence (head-tail).
         self.cp_size = layout.cp
         self.cp_rank = 0 if self.mesh is None else self.mesh.local_rank("cp")
-        self.model = build_parallel_model(cfg, self.mesh, self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
-        )
         spec = get_spec(cfg.model)
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = spec.extras.get(
             "loss_fn", _cross_entropy
         )
+        # Under pp > 1 this rank holds some stages (model parts) and runs torch's schedule.
+        self.schedule: Any = None
+        self.pipeline_plan: Any = None
+        if layout.pp > 1:
+            assert self.mesh is not None
+            self.model_parts, self.pipeline_plan = build_pipeline_stages(
+                cfg, self.mesh, self.device
+            )
+            self.schedule = build_schedule(
+                self.model_parts, self.pipeline_plan, self.mesh["pp"], self.device, self.loss_fn
+            )
+        else:
+            self.model_parts = [build_parallel_model(cfg, self.mesh, self.device)]
+        self.model = self.model_parts[0]
+        self.optimizers = [
+            torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            for m in self.model_parts
+        ]
+        self.optimizer = self.optimizers[0]
         tokens = load_tokens(cfg.text)
-        vocab_size = _vocab_size(self.model)
+        embedding = getattr(spec.config(**cfg.model_overrides), "tok_embeddings", None)
+        vocab_size = getattr(embedding, "num_embeddings", None)
         if vocab_size is not None and vocab_size < VOCAB_SIZE:
             raise ValueError(
                 f"Trainer: model {cfg.model!r} has a vocabulary of {vocab_size} but the data "
@@ -603,8 +761,8 @@ class Trainer:
             path = checkpoint_path(self.cfg.checkpoint_dir, self.step)
         save_checkpoint(
             path,
-            model=self.model,
-            optimizer=self.optimizer,
+            model=self._parts(self.model_parts),
+            optimizer=self._parts(self.optimizers),
             train_state=self.train_state(),
             distributed=self.mesh is not None,
         )
@@ -613,7 +771,10 @@ class Trainer:
     def load(self, path: str) -> None:
         """Restore model, optimizer, step, data position and RNG from a checkpoint."""
         state = load_checkpoint(
-            path, model=self.model, optimizer=self.optimizer, distributed=self.mesh is not None
+            path,
+            model=self._parts(self.model_parts),
+            optimizer=self._parts(self.optimizers),
+            distributed=self.mesh is not None,
         )
         self.step = int(state["step"])
         self.data.load_state_dict(
@@ -631,19 +792,34 @@ class Trainer:
         update is the one a single process computes from the whole batch.
         """
         lr = self.cfg.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
         batch = self.local_batch()
-        loss = self.loss_fn(self.model(batch.inputs, **batch.model_kwargs), batch.targets)
-        self.backward(loss)
-        if self.mesh is not None and self.mesh.layout.ep > 1:
-            rescale_expert_grads(self.model, self.mesh.layout)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
-        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.schedule is not None:
+            assert self.mesh is not None
+            # The batch mean over micro-batches, on every pp rank.
+            loss = pipeline_step(
+                self.schedule, self.pipeline_plan, self.mesh["pp"], batch.inputs, batch.targets
+            )
+            params = [p for m in self.model_parts for p in m.parameters()]
+            grad_norm = clip_grad_norm_(params, max_norm, group=self.mesh["pp"].get_group())
+        else:
+            loss = self.loss_fn(self.model(batch.inputs, **batch.model_kwargs), batch.targets)
+            self.backward(loss)
+            if self.mesh is not None and self.mesh.layout.ep > 1:
+                rescale_expert_grads(self.model, self.mesh.layout)
+            grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
+        for optimizer in self.optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return self.global_mean(loss), float(grad_norm)
+
+    def _parts(self, items: list[Any]) -> Any:
+        """One model (optimizer) at pp=1; the list of this rank's parts under pp > 1."""
+        return items if self.schedule is not None else items[0]
 
     def local_batch(self) -> Batch:
         """This rank's part of the next global batch (advances the data stream).
@@ -758,11 +934,6 @@ class Trainer:
             f"{tokens_per_second:,.0f} tok/s",
             flush=True,
         )
-
-
-def _vocab_size(model: nn.Module) -> int | None:
-    embedding = getattr(model, "tok_embeddings", None)
-    return getattr(embedding, "num_embeddings", None)
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

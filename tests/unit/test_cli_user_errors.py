@@ -6,6 +6,7 @@ Exit status: 1 for a model/plan/mesh that cannot work together, 2 for a usage er
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,7 @@ def test_mesh_product_must_match_the_ranks_torchrun_starts(capsys, monkeypatch):
     ("mesh", "message"),
     [
         ("dp=2,ep=2", "model 'llama3-debug' has no 'ep' sharding function"),
-        ("pp=2", "pp=2: pipeline parallelism is not yet supported by the trainer"),
+        ("pp=8", "the split cannot place a unit on every stage"),
         ("cp=2", "cannot be split head-tail over cp=2"),  # --seq-len 30: not 2 x cp chunks
     ],
 )
@@ -131,14 +132,17 @@ def test_axes_the_trainer_cannot_run_are_refused_by_name(capsys, monkeypatch, me
 
 
 @pytest.mark.parametrize(
-    ("mesh", "message"),
+    ("command", "mesh", "message"),
     [
-        ("dp=2,ep=2", "model 'llama3-debug' has no 'ep' sharding function"),
-        ("pp=2,tp=2", "pp=2: pipeline parallelism is not yet supported by"),
-        ("cp=2,tp=2", "cannot be split head-tail over cp=2"),
-    ],
+        (command, mesh, message)
+        for command in ("plan", "validate")
+        for mesh, message in [
+            ("dp=2,ep=2", "model 'llama3-debug' has no 'ep' sharding function"),
+            ("cp=2,tp=2", "cannot be split head-tail over cp=2"),
+        ]
+    ]
+    + [("validate", "pp=2,tp=2", "pp=2: pipeline parallelism is not yet supported by")],
 )
-@pytest.mark.parametrize("command", ["plan", "validate"])
 def test_plan_and_validate_refuse_axes_the_model_cannot_use(capsys, command, mesh, message):
     argv = [command, "--model", "llama3-debug", "--mesh", mesh, "--seq", "30"]
     code, out, err = _run(capsys, argv)
@@ -152,6 +156,39 @@ def test_a_plan_without_cp_is_refused_on_a_cp_mesh(capsys, command):
     argv = [command, "--hf-model", "llama", "--plan", plan, "--mesh", "cp=2,tp=2"]
     code, out, err = _run(capsys, argv)
     assert code == 1 and "declares no 'cp' placement" in out + err
+
+
+def test_plan_with_pp_reports_stages_and_the_bubble(capsys):
+    from hyper_parallel.analysis.pipeline_cost import bubble_fraction
+
+    code, out, _ = _run(
+        capsys,
+        [
+            "plan",
+            "--model",
+            "llama3-debug",
+            "--mesh",
+            "pp=2,tp=2",
+            "--seq",
+            "64",
+            "--format",
+            "json",
+        ],
+    )
+    assert code == 0
+    report = json.loads(out)
+    assert report["world_size"] == 4 and report["mesh"]["pp"] == 2
+    assert [s["units"] for s in report["stages"]] == [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "norm+output"],
+    ]
+    assert report["bubble_fraction"] == bubble_fraction("1F1B", 2, 2)
+    assert report["per_rank_bytes"]["total"] == max(s["total"] for s in report["stages"])
+    code, _, err = _run(
+        capsys,
+        ["plan", "--model", "llama3-debug", "--mesh", "pp=8", "--format", "json"],
+    )
+    assert code == 1 and "cannot place" in err
 
 
 def test_unknown_mesh_axis_is_named_with_the_nearest(capsys):

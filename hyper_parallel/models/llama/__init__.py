@@ -43,8 +43,11 @@ from hyper_parallel.models.llama.model import causal_mask as causal_mask
 from hyper_parallel.models.llama.sharding import apply_cp as apply_cp
 from hyper_parallel.models.llama.sharding import apply_tp as apply_tp
 from hyper_parallel.models.llama.sharding import apply_tp_sp as apply_tp_sp
+from hyper_parallel.models.llama.stages import PIPELINE as PIPELINE
+from hyper_parallel.models.llama.stages import TransformerStage as TransformerStage
 
 __all__ = [
+    "PIPELINE",
     "PRESETS",
     "Attention",
     "FeedForward",
@@ -53,6 +56,7 @@ __all__ = [
     "ScaledDotProductAttention",
     "Transformer",
     "TransformerBlock",
+    "TransformerStage",
     "apply_cp",
     "apply_rotary_emb",
     "apply_tp",
@@ -84,6 +88,7 @@ for _name in PRESETS:
                 "cp": apply_cp,
                 "loss_fn": cross_entropy_loss,
                 "num_params": num_params,
+                "pipeline": PIPELINE,
             },
         )
     )

@@ -1,0 +1,409 @@
+"""What a pipeline schedule costs, from its own action list: bubble, memory, traffic.
+
+Pure functions (no process group, no tensors). The action list is torch's
+(``torch.distributed.pipelining`` builds it for every schedule; see
+:func:`~hyper_parallel.distributed.pipeline.schedule_actions`), replayed by a small
+event simulation: each rank runs its actions in order, a forward waits for the
+previous stage's forward of the same micro-batch, a backward for the next stage's
+backward and its own forward, a weight-gradient step (zero-bubble ``W``) for its
+input-gradient step (``I``). Costs follow the zero-bubble paper's convention
+(Qi et al., 2023, §2: F = B_input = B_weight, so a full backward costs 2 F).
+Communication is taken as free, so the bubble is the schedule's own idle time.
+
+Example:
+    >>> round(bubble_fraction("GPipe", pp=4, num_microbatches=8), 4)  # (p-1)/(m+p-1)
+    0.2727
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hyper_parallel.distributed.pipeline import (
+    MULTI_STAGE_SCHEDULES,
+    PipelinePlan,
+    PipelineUnit,
+    schedule_actions,
+)
+
+__all__ = [
+    "DEFAULT_COSTS",
+    "Op",
+    "StageCost",
+    "bubble_fraction",
+    "in_flight_microbatches",
+    "p2p_bytes_per_step",
+    "pipeline_report",
+    "rank_ops",
+    "simulate",
+    "stage_costs",
+]
+
+DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+"""Relative time of a forward, a full backward, an input-gradient and a weight-gradient step."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Op:
+    """One compute action: ``kind`` in F, B (full backward), I (input grad), W (weight grad)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+
+_KINDS = {"F": "F", "B": "B", "I": "I", "W": "W"}
+
+
+def _from_torch(action: Any) -> Op | None:
+    if action is None:
+        return None
+    kind = getattr(action.computation_type, "value", str(action.computation_type))
+    if kind not in _KINDS:
+        return None  # communication, REDUCE_GRAD: not compute
+    return Op(_KINDS[kind], action.stage_index, action.microbatch_index)
+
+
+def _runtime_1f1b(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
+    """1F1B's order as torch's ``Schedule1F1B`` runs it (its IR skips micro-batch 0 on
+    the last stage): ``min(m, S - s)`` forwards, then backward/forward pairs, then the
+    remaining backwards."""
+    ops: list[Op] = []
+    warmup = min(num_microbatches, num_stages - stage)
+    fwd = bwd = 0
+    for _ in range(warmup):
+        ops.append(Op("F", stage, fwd))
+        fwd += 1
+    while True:
+        ops.append(Op("B", stage, bwd))
+        bwd += 1
+        if fwd == num_microbatches:
+            break
+        ops.append(Op("F", stage, fwd))
+        fwd += 1
+    ops += [Op("B", stage, b) for b in range(bwd, num_microbatches)]
+    return ops
+
+
+def _complete(ops: Sequence[Sequence[Op]], num_stages: int, m: int) -> bool:
+    """Every stage does each micro-batch's forward and backward exactly once."""
+    seen: dict[tuple[str, int, int], int] = {}
+    for rank in ops:
+        for op in rank:
+            key = (op.kind, op.stage, op.microbatch)
+            seen[key] = seen.get(key, 0) + 1
+    for s in range(num_stages):
+        for mb in range(m):
+            if seen.get(("F", s, mb)) != 1:
+                return False
+            full = seen.get(("B", s, mb), 0)
+            split = (seen.get(("I", s, mb), 0), seen.get(("W", s, mb), 0))
+            if not (full == 1 and split == (0, 0)) and not (full == 0 and split == (1, 1)):
+                return False
+    return all(v == 1 for v in seen.values())
+
+
+def rank_ops(
+    schedule: str, pp: int, num_microbatches: int, stages_per_rank: int | None = None
+) -> list[list[Op]]:
+    """Each rank's compute actions in order, from torch's action list.
+
+    Where torch's intermediate representation is incomplete (its 1F1B IR skips the
+    last stage's micro-batch 0 in torch 2.13), the order its runtime executes is used.
+
+    Raises:
+        ValueError: torch refuses the combination (too few micro-batches, ...).
+    """
+    per_rank = stages_per_rank or (2 if schedule in MULTI_STAGE_SCHEDULES else 1)
+    actions = schedule_actions(schedule, pp, num_microbatches, per_rank)
+    ops = [[op for a in rank if (op := _from_torch(a)) is not None] for rank in actions]
+    num_stages = pp * per_rank
+    if not _complete(ops, num_stages, num_microbatches) and schedule == "1F1B":
+        ops = [_runtime_1f1b(num_stages, num_microbatches, s) for s in range(pp)]
+    if not _complete(ops, num_stages, num_microbatches):
+        raise ValueError(
+            f"{schedule}: torch's action list for pp={pp}, {num_microbatches} micro-batches "
+            "does not run every micro-batch through every stage exactly once."
+        )
+    return ops
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Timeline:
+    makespan: float
+    busy: list[float]
+    finish: dict[Op, float]
+    start: dict[Op, float]
+
+
+def simulate(ops: Sequence[Sequence[Op]], costs: Mapping[str, float] | None = None) -> _Timeline:
+    """Replay per-rank action lists with dependencies; returns start/finish of every op.
+
+    Raises:
+        ValueError: The lists deadlock (an op waits for one that can never run).
+    """
+    costs = {**DEFAULT_COSTS, **(costs or {})}
+    num_stages = 1 + max(op.stage for rank in ops for op in rank)
+    finish: dict[Op, float] = {}
+    start: dict[Op, float] = {}
+    position = [0] * len(ops)
+    clock = [0.0] * len(ops)
+
+    def ready_at(op: Op) -> float | None:
+        """When ``op``'s inputs are ready, or ``None`` while one is not done yet."""
+        if op.kind == "F":
+            deps = [Op("F", op.stage - 1, op.microbatch)] if op.stage > 0 else []
+        elif op.kind == "W":
+            deps = [Op("I", op.stage, op.microbatch)]
+        else:  # B or I: own forward, and the next stage's input gradient (B or I)
+            deps = [Op("F", op.stage, op.microbatch)]
+            if op.stage < num_stages - 1:
+                nxt = [Op(k, op.stage + 1, op.microbatch) for k in ("B", "I")]
+                done = [d for d in nxt if d in finish]
+                if not done:
+                    return None
+                deps.append(done[0])
+        if any(d not in finish for d in deps):
+            return None
+        return max((finish[d] for d in deps), default=0.0)
+
+    remaining = sum(len(r) for r in ops)
+    while remaining:
+        progressed = False
+        for r, rank in enumerate(ops):
+            while position[r] < len(rank):
+                op = rank[position[r]]
+                at = ready_at(op)
+                if at is None:
+                    break
+                start[op] = max(clock[r], at)
+                finish[op] = start[op] + costs[op.kind]
+                clock[r] = finish[op]
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [rank[position[r]] for r, rank in enumerate(ops) if position[r] < len(rank)]
+            raise ValueError(f"pipeline actions deadlock; waiting ops: {stuck}")
+    busy = [sum(costs[op.kind] for op in rank) for rank in ops]
+    return _Timeline(max(clock), busy, finish, start)
+
+
+def bubble_fraction(
+    schedule: str,
+    pp: int,
+    num_microbatches: int,
+    stages_per_rank: int | None = None,
+    costs: Mapping[str, float] | None = None,
+) -> float:
+    """Idle fraction of the pipeline's ranks over one step, from the schedule's actions.
+
+    ``1 - sum(busy time) / (pp * makespan)`` with :data:`DEFAULT_COSTS`; for GPipe
+    and 1F1B this is (p - 1) / (m + p - 1) (Huang et al., 2019; Narayanan et al., 2021).
+
+    Example:
+        >>> bubble_fraction("1F1B", pp=2, num_microbatches=4) == 1 / 5
+        True
+    """
+    timeline = simulate(rank_ops(schedule, pp, num_microbatches, stages_per_rank), costs)
+    return 1.0 - sum(timeline.busy) / (len(timeline.busy) * timeline.makespan)
+
+
+def in_flight_microbatches(ops: Sequence[Sequence[Op]]) -> dict[int, int]:
+    """Most micro-batches whose activations a stage holds at once (forward done, backward not).
+
+    Activations are freed by the full backward or the input-gradient step (the
+    weight-gradient step keeps a smaller set; counted as freed here).
+    """
+    out: dict[int, int] = {}
+    for rank in ops:
+        live: dict[int, int] = {}
+        for op in rank:
+            if op.kind == "F":
+                live[op.stage] = live.get(op.stage, 0) + 1
+                out[op.stage] = max(out.get(op.stage, 0), live[op.stage])
+            elif op.kind in ("B", "I"):
+                live[op.stage] -= 1
+    return dict(sorted(out.items()))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageCost:
+    """Per-rank memory of one stage (bytes) and the units it holds."""
+
+    stage: int
+    rank: int
+    units: tuple[str, ...]
+    num_params: int
+    params: int
+    grads: int
+    optimizer: int
+    in_flight_microbatches: int
+    activations: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return dataclasses.asdict(self) | {"units": list(self.units)}
+
+
+def stage_costs(
+    plan: PipelinePlan,
+    units: Sequence[PipelineUnit],
+    *,
+    shard_ways: int = 1,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    optimizer_bytes: int = 8,
+    activation_bytes_per_microbatch: Mapping[str, int] | None = None,
+) -> list[StageCost]:
+    """Per-rank parameter, gradient, optimizer and activation bytes of each stage.
+
+    Args:
+        plan: The checked pipeline plan.
+        units: The model's units (parameter counts).
+        shard_ways: How many ways the stage's states are sharded within the stage's
+            ranks (tp x fsdp; replicated norms are counted as sharded too, a bound
+            off by the norms' share).
+        param_bytes, grad_bytes: Bytes per parameter / gradient element.
+        optimizer_bytes: Optimizer-state bytes per parameter (AdamW fp32: 8).
+        activation_bytes_per_microbatch: Per unit, the activations one micro-batch
+            keeps for the backward on one rank; multiplied by the stage's in-flight
+            micro-batches from the schedule's actions.
+
+    Returns:
+        One :class:`StageCost` per stage.
+    """
+    by_name = {u.name: u for u in units}
+    in_flight = in_flight_microbatches(
+        rank_ops(plan.schedule, plan.pp, plan.num_microbatches, plan.stages_per_rank)
+    )
+    acts = activation_bytes_per_microbatch or {}
+    out = []
+    for s, names in enumerate(plan.stages):
+        count = sum(by_name[n].num_params for n in names)
+        per_rank = -(-count // shard_ways)
+        flying = in_flight.get(s, 0)
+        out.append(
+            StageCost(
+                stage=s,
+                rank=plan.ranks[s],
+                units=tuple(names),
+                num_params=count,
+                params=per_rank * param_bytes,
+                grads=per_rank * grad_bytes,
+                optimizer=per_rank * optimizer_bytes,
+                in_flight_microbatches=flying,
+                activations=flying * sum(acts.get(n, 0) for n in names),
+            )
+        )
+    return out
+
+
+def p2p_bytes_per_step(
+    plan: PipelinePlan, activation_bytes: int, *, tp: int = 1, sequence_parallel: bool = False
+) -> dict[str, int]:
+    """Point-to-point bytes of one step: activations forward, their gradients backward.
+
+    Each of the ``num_stages - 1`` boundaries carries, per micro-batch, the activation
+    forward and its gradient backward (``activation_bytes`` = micro-batch x seq x
+    dim x element size). Every tp rank of a stage sends its own copy: the whole
+    tensor under plain TP (the residual stream is replicated), a 1/tp sequence
+    shard under sequence parallelism.
+
+    Returns:
+        ``per_microbatch`` (one boundary, one direction, one rank), ``per_rank_max``
+        (the most one rank sends in a step), ``total`` (all ranks of one pipeline).
+    """
+    per_mb = activation_bytes // tp if sequence_parallel else activation_bytes
+    m = plan.num_microbatches
+    sent = [0] * plan.pp
+    for s in range(plan.num_stages):
+        rank = plan.ranks[s]
+        if s < plan.num_stages - 1:
+            sent[rank] += m * per_mb  # forward activations to stage s + 1
+        if s > 0:
+            sent[rank] += m * per_mb  # gradients back to stage s - 1
+    return {
+        "per_microbatch": per_mb,
+        "per_rank_max": max(sent),
+        "total": sum(sent) * tp,
+    }
+
+
+def pipeline_report(
+    layout: Any,
+    stages: Any,
+    config: Any,
+    *,
+    schedule: str,
+    num_microbatches: int,
+    microbatch_size: int,
+    seq_len: int,
+    element_bytes: int,
+    sequence_parallel: bool = False,
+) -> dict[str, Any]:
+    """The pipeline part of a dry run: stages, per-rank bytes, bubble and P2P traffic.
+
+    Args:
+        layout: The mesh layout (``pp``, ``tp``, ``fsdp`` sizes).
+        stages: The model's :class:`~hyper_parallel.distributed.pipeline.PipelineLayout`.
+        config: The model config (unsharded).
+        schedule, num_microbatches: The pipeline schedule and its micro-batches.
+        microbatch_size: Sequences per micro-batch on one data-parallel rank.
+        seq_len: Tokens per sequence.
+        element_bytes: Bytes of a parameter, gradient and activation element; the
+            optimizer keeps two fp32 states per parameter (AdamW).
+        sequence_parallel: Activations between and inside blocks split over tp.
+
+    Returns:
+        ``stages`` (per stage: units, parameters, per-rank bytes), ``per_rank_bytes``
+        (the heaviest pp rank), ``bubble_fraction``, ``p2p_bytes`` and the plan.
+    """
+    from hyper_parallel.distributed.pipeline import plan_pipeline
+
+    units = stages.units(config)
+    plan = plan_pipeline(units, pp=layout.pp, schedule=schedule, num_microbatches=num_microbatches)
+    tokens = microbatch_size * seq_len
+    acts: dict[str, int] = {}
+    if stages.activation_elements is not None:
+        for u in units:
+            replicated, split = stages.activation_elements(config, u.name)
+            if sequence_parallel:
+                replicated //= layout.tp
+            acts[u.name] = (replicated + split // layout.tp) * tokens * element_bytes
+    costs = stage_costs(
+        plan,
+        units,
+        shard_ways=layout.tp * layout.fsdp,
+        param_bytes=element_bytes,
+        grad_bytes=element_bytes,
+        optimizer_bytes=8,
+        activation_bytes_per_microbatch=acts,
+    )
+    per_rank: dict[int, dict[str, int]] = {}
+    for c in costs:
+        into = per_rank.setdefault(
+            c.rank, dict.fromkeys(("params", "grads", "optimizer", "activations"), 0)
+        )
+        for key in into:
+            into[key] += getattr(c, key)
+    heaviest = max(per_rank.values(), key=lambda d: sum(d.values()))
+    dim = config.norm.dim
+    return {
+        "pipeline": plan.to_dict(),
+        "stages": [
+            c.to_dict() | {"total": c.params + c.grads + c.optimizer + c.activations} for c in costs
+        ],
+        "per_rank_bytes": heaviest | {"total": sum(heaviest.values())},
+        "bubble_fraction": bubble_fraction(
+            schedule, layout.pp, num_microbatches, plan.stages_per_rank
+        ),
+        "p2p_bytes": p2p_bytes_per_step(
+            plan,
+            tokens * dim * element_bytes,
+            tp=layout.tp,
+            sequence_parallel=sequence_parallel,
+        ),
+    }

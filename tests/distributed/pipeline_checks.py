@@ -1,0 +1,274 @@
+"""Rank-side checks of pipeline parallelism against one device.
+
+Module-level functions run on every rank through ``dist.run`` by ``test_pipeline.py``
+(2 ranks) and ``test_pipeline_4.py`` (4 ranks).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as c10d
+
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.distributed.pipeline import (
+    PipelineSplit,
+    build_schedule,
+    build_stage_modules,
+    init_states_by_unit,
+    pipeline_step,
+    plan_pipeline,
+)
+from hyper_parallel.models.llama import (
+    PIPELINE,
+    apply_tp,
+    apply_tp_sp,
+    cross_entropy_loss,
+    preset_config,
+)
+
+BATCH = 8
+SEQ_LEN = 16
+LR = 1e-2
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(
+        0, 256, (BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(step)
+    )
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _setup(
+    mesh_text: str,
+    schedule: str,
+    num_microbatches: int,
+    split: dict | None,
+    overrides: dict,
+    sequence_parallel: bool = False,
+):
+    layout = MeshLayout.parse(mesh_text)
+    mesh = layout.build("cpu")
+    config = preset_config("llama3-debug", **overrides)
+    units = PIPELINE.units(config)
+    batch = BATCH // (layout.dp_replicate * layout.dp_shard)
+    plan = plan_pipeline(
+        units,
+        pp=layout.pp,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        split=PipelineSplit.from_dict(split) if split else None,
+        batch_size=batch,
+    )
+    tp_fn = apply_tp_sp if sequence_parallel else apply_tp
+    sharded = tp_fn(config, tp_size=layout.tp) if layout.tp > 1 else config
+    pp_rank = mesh["pp"].get_local_rank()
+    modules = build_stage_modules(
+        sharded,
+        PIPELINE,
+        plan,
+        pp_rank,
+        device="cpu",
+        seed=0,
+        tp_mesh=mesh["tp"] if layout.tp > 1 else None,
+        fsdp_mesh=mesh.fsdp_mesh(),
+    )
+    sched = build_schedule(modules, plan, mesh["pp"], "cpu", cross_entropy_loss)
+    return layout, mesh, config, plan, modules, sched
+
+
+def _local_batch(layout: MeshLayout, mesh: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = _batch(step)
+    num = layout.dp_replicate * layout.dp_shard
+    if num > 1:
+        size = BATCH // num
+        rank = mesh["batch"].get_local_rank()
+        inputs, targets = (t[rank * size : (rank + 1) * size] for t in (inputs, targets))
+    return inputs, targets
+
+
+def train_vs_one_device(
+    mesh_text: str,
+    schedule: str,
+    num_microbatches: int,
+    num_steps: int,
+    split: dict | None = None,
+    overrides: dict | None = None,
+    sequence_parallel: bool = False,
+) -> dict[str, Any]:
+    """Train ``num_steps`` AdamW steps pipelined and on one device; compare losses and grads.
+
+    Returns:
+        Per-step losses of both, the largest init difference, and the largest
+        gradient difference of every parameter this rank holds after step 1.
+    """
+    overrides = overrides or {}
+    layout, mesh, config, plan, modules, sched = _setup(
+        mesh_text, schedule, num_microbatches, split, overrides, sequence_parallel
+    )
+    reference = config.build()
+    init_states_by_unit(reference, PIPELINE, 0)
+    ref_params = dict(reference.named_parameters())
+    params = {n: p for m in modules for n, p in m.named_parameters()}
+    init_diff = max(
+        (_full(p).detach() - ref_params[n]).abs().max().item() for n, p in params.items()
+    )
+
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    losses, ref_losses, grad_diffs = [], [], {}
+    for step in range(num_steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        inputs, targets = _local_batch(layout, mesh, step)
+        loss = pipeline_step(sched, plan, mesh["pp"], inputs, targets)
+        if layout.dp_replicate * layout.dp_shard > 1:
+            c10d.all_reduce(loss, op=c10d.ReduceOp.AVG, group=mesh["batch"].get_group())
+        losses.append(loss.item())
+        full_inputs, full_targets = _batch(step)
+        ref_loss = cross_entropy_loss(reference(full_inputs), full_targets)
+        ref_loss.backward()
+        ref_losses.append(ref_loss.item())
+        if step == 0:
+            grad_diffs = {
+                n: (_full(p.grad) - ref_params[n].grad).abs().max().item()
+                for n, p in params.items()
+            }
+        opt.step()
+        ref_opt.step()
+    return {
+        "stages": plan.stages_of_rank(mesh["pp"].get_local_rank()),
+        "placements": {
+            n: [str(x) for x in p.placements] if isinstance(p, DTensor) else []
+            for n, p in params.items()
+        },
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "init_diff": init_diff,
+        "grad_diffs": grad_diffs,
+    }
+
+
+def run_back_to_back(
+    mesh_text: str, schedule: str, num_microbatches: int, num_steps: int, overrides: dict
+) -> dict[str, Any]:
+    """Run ``num_steps`` schedule steps back to back (no optimizer); report time and losses."""
+    layout, mesh, _, plan, _, sched = _setup(mesh_text, schedule, num_microbatches, None, overrides)
+    t0 = time.perf_counter()
+    losses = []
+    for step in range(num_steps):
+        inputs, targets = _local_batch(layout, mesh, step % 3)
+        losses.append(pipeline_step(sched, plan, mesh["pp"], inputs, targets).item())
+    return {"seconds": time.perf_counter() - t0, "losses": losses}
+
+
+def _stage_modules(mesh_text: str, schedule: str, tp_size: int) -> tuple[Any, list[Any]]:
+    layout = MeshLayout.parse(mesh_text)
+    mesh = layout.build("cpu")
+    config = preset_config("llama3-debug")
+    plan = plan_pipeline(
+        PIPELINE.units(config), pp=layout.pp, schedule=schedule, num_microbatches=4
+    )
+    modules = build_stage_modules(
+        apply_tp(config, tp_size=tp_size),
+        PIPELINE,
+        plan,
+        mesh["pp"].get_local_rank(),
+        device="cpu",
+        seed=1,
+        tp_mesh=mesh["tp"],
+    )
+    return (mesh, plan), modules
+
+
+def _full_states(modules: list[Any], optimizers: list[Any]) -> dict[str, torch.Tensor]:
+    out = {}
+    for module, opt in zip(modules, optimizers, strict=True):
+        for name, p in module.named_parameters():
+            out[name] = _full(p).detach().clone()
+            if p in opt.state:
+                out[name + ":exp_avg"] = _full(opt.state[p]["exp_avg"]).clone()
+    return out
+
+
+def checkpoint_across_meshes(path: str) -> dict[str, Any]:
+    """Save at pp=2 x tp=2 (1F1B) after 2 steps; load at pp=2 x tp=2 with 4 stages,
+    at pp=1 x tp=4 and into one process. Returns the largest differences."""
+    from hyper_parallel.train.checkpoint import load_checkpoint, save_checkpoint
+
+    (mesh, plan), modules = _stage_modules("pp=2,tp=2", "1F1B", 2)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in modules]
+    sched = build_schedule(modules, plan, mesh["pp"], "cpu", cross_entropy_loss)
+    for step in range(2):
+        for opt in optimizers:
+            opt.zero_grad()
+        pipeline_step(sched, plan, mesh["pp"], *_batch(step))
+        for opt in optimizers:
+            opt.step()
+    save_checkpoint(path, model=modules, optimizer=optimizers, train_state={"step": 2})
+    saved = _full_states(modules, optimizers)
+    # Every rank learns every saved value, to compare with any layout.
+    gathered: list[dict[str, torch.Tensor]] = [{} for _ in range(c10d.get_world_size())]
+    c10d.all_gather_object(gathered, saved)
+    reference = {k: v for part in gathered for k, v in part.items()}
+
+    def diff(states: dict[str, torch.Tensor]) -> float:
+        return max((states[k] - reference[k]).abs().max().item() for k in states)
+
+    result: dict[str, Any] = {"num_saved": len(reference)}
+    # pp=2 x tp=2, interleaved: 4 stages, another split of the same names.
+    (_, _), other = _stage_modules("pp=2,tp=2", "Interleaved1F1B", 2)
+    other_opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in other]
+    result["train_state"] = load_checkpoint(path, model=other, optimizer=other_opts)
+    states = _full_states(other, other_opts)
+    result["interleaved"] = (diff(states), len(states))
+    # pp=1 x tp=4: the whole model, tensor parallel on 4 ranks.
+    tp_mesh = MeshLayout.parse("tp=4").build("cpu")["tp"]
+    with torch.device("meta"):
+        whole = apply_tp(preset_config("llama3-debug"), tp_size=4).build()
+    whole.parallelize(tp_mesh)
+    whole.to_empty(device="cpu")
+    whole_opt = torch.optim.AdamW(whole.parameters(), lr=LR)
+    load_checkpoint(path, model=whole, optimizer=whole_opt)
+    states = _full_states([whole], [whole_opt])
+    result["tp4"] = (diff(states), len(states))
+    # One process, no process group.
+    if c10d.get_rank() == 0:
+        single = preset_config("llama3-debug").build()
+        load_checkpoint(path, model=single, distributed=False)
+        states = {n: p.detach() for n, p in single.named_parameters()}
+        result["one_process"] = (diff(states), len(states))
+    c10d.barrier()
+    return result
+
+
+def trainer_parity(mesh: dict, schedule: str, num_microbatches: int) -> dict[str, Any]:
+    """The trainer at ``mesh`` (with pp) and in one process: per-step losses of both."""
+    from hyper_parallel.train import TrainConfig, Trainer
+
+    cfg = TrainConfig(
+        mesh=mesh,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        num_steps=3,
+        seq_len=16,
+        log_every=0,
+        progress=False,
+    )
+    trainer = Trainer(cfg, device="cpu")
+    result = trainer.fit()
+    reference = Trainer(cfg.replace(mesh={}), device="cpu").fit()
+    return {
+        "losses": result.losses,
+        "ref_losses": reference.losses,
+        "grad_norms": result.grad_norms,
+        "ref_grad_norms": reference.grad_norms,
+        "parts": [sorted(n for n, _ in m.named_parameters())[:1] for m in trainer.model_parts],
+    }

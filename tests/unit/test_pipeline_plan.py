@@ -1,0 +1,219 @@
+"""Pipeline stage splits, placement and the plan's findings (no process group)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from hyper_parallel.distributed.pipeline import (
+    PipelineError,
+    PipelineSplit,
+    PipelineUnit,
+    balanced_split,
+    init_states_by_unit,
+    pipeline_findings,
+    plan_pipeline,
+    stage_ranks,
+)
+from hyper_parallel.dmodule import Finding, get_spec
+from hyper_parallel.models.llama import PIPELINE, preset_config
+
+
+@pytest.fixture(scope="module")
+def units():
+    return PIPELINE.units(preset_config("llama3-debug"))
+
+
+def _fields(findings: list[Finding]) -> list[str]:
+    return [f.field for f in findings]
+
+
+def test_units_of_the_debug_model(units):
+    assert [u.name for u in units] == ["tok_embeddings", "layers.0", "layers.1", "norm+output"]
+    assert units[-1].modules == ("norm", "output")
+    with torch.device("meta"):
+        model = preset_config("llama3-debug").build()
+    assert sum(u.num_params for u in units) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("pp", "schedule", "stages", "ranks"),
+    [
+        (4, "1F1B", 4, [0, 1, 2, 3]),
+        (2, "Interleaved1F1B", 4, [0, 1, 0, 1]),
+        (2, "InterleavedZeroBubble", 4, [0, 1, 0, 1]),
+        (2, "ZBVZeroBubble", 4, [0, 1, 1, 0]),
+        (2, "GPipe", 2, [0, 1]),
+    ],
+)
+def test_two_layer_model_runs_four_stages(units, pp, schedule, stages, ranks):
+    plan = plan_pipeline(units, pp=pp, schedule=schedule, num_microbatches=4)
+    assert plan.num_stages == stages and list(plan.ranks) == ranks
+    assert [n for s in plan.stages for n in s] == [u.name for u in units]
+    if stages == 4:
+        assert plan.stages[0] == ("tok_embeddings",) and plan.stages[-1] == ("norm+output",)
+
+
+def test_stage_ranks_looped_and_v_shape():
+    assert stage_ranks("Interleaved1F1B", 3, 9) == [0, 1, 2] * 3
+    assert stage_ranks("ZBVZeroBubble", 3, 6) == [0, 1, 2, 2, 1, 0]
+
+
+def test_balanced_split_is_optimal_against_brute_force():
+    rng = random.Random(0)
+    for _ in range(50):
+        weights = [rng.randint(1, 20) for _ in range(rng.randint(2, 8))]
+        parts = rng.randint(1, len(weights))
+        sizes = balanced_split(weights, parts)
+        assert sum(sizes) == len(weights) and len(sizes) == parts and min(sizes) >= 1
+
+        def worst(cuts, weights=weights):
+            bounds = [0, *cuts, len(weights)]
+            return max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
+
+        best = min(worst(c) for c in itertools.combinations(range(1, len(weights)), parts - 1))
+        assert worst(list(itertools.accumulate(sizes))[:-1]) == best
+
+
+def test_units_per_stage_and_explicit_lists(units):
+    plan = plan_pipeline(
+        units, pp=2, schedule="GPipe", num_microbatches=2, split=PipelineSplit(units_per_stage=2)
+    )
+    assert plan.stages == (("tok_embeddings", "layers.0"), ("layers.1", "norm+output"))
+    split = PipelineSplit.from_dict(
+        {"stages": [["tok_embeddings"], ["layers.0", "layers.1", "norm", "output"]]}
+    )
+    plan = plan_pipeline(units, pp=2, schedule="1F1B", num_microbatches=2, split=split)
+    assert plan.stages == (("tok_embeddings",), ("layers.0", "layers.1", "norm+output"))
+    assert PipelineSplit.from_dict(split.to_dict()) == split
+
+
+def test_405b_at_pp16_is_balanced_by_parameters():
+    spec = get_spec("llama3-405b")
+    units = PIPELINE.units(spec.config())
+    plan = plan_pipeline(units, pp=16, schedule="1F1B", num_microbatches=16)
+    sizes = {u.name: u.num_params for u in units}
+    totals = [sum(sizes[n] for n in s) for s in plan.stages]
+    assert len(totals) == 16 and sum(totals) == spec.extras["num_params"](spec.config())
+    # No stage is more than one block heavier than the lightest.
+    assert max(totals) - min(totals) <= sizes["layers.0"]
+
+
+# ------------------------------------------------------------------ findings
+
+
+def test_good_plan_has_no_findings(units):
+    assert pipeline_findings(units, pp=2, schedule="1F1B", num_microbatches=4, batch_size=8) == []
+
+
+def test_too_few_microbatches_for_1f1b(units):
+    findings = pipeline_findings(units, pp=4, schedule="1F1B", num_microbatches=2)
+    assert _fields(findings) == ["num_microbatches"]
+    assert "refuses 2 micro-batches" in findings[0].message
+    assert "at least 4 micro-batches" in findings[0].fix
+
+
+def test_layer_count_the_split_cannot_place(units):
+    findings = pipeline_findings(units, pp=8, schedule="1F1B", num_microbatches=8)
+    assert _fields(findings) == ["split"]
+    assert "cannot place" in findings[0].message and "num_layers" in findings[0].fix
+    # 2 units per stage gives 2 stages; Interleaved1F1B at pp=2 needs 4.
+    findings = pipeline_findings(
+        units,
+        pp=2,
+        schedule="Interleaved1F1B",
+        num_microbatches=4,
+        split=PipelineSplit(units_per_stage=2),
+    )
+    assert _fields(findings) == ["split"] and "at least 2 per rank" in findings[0].message
+
+
+def test_empty_stage_unknown_unit_and_order(units):
+    split = PipelineSplit(stages=(("tok_embeddings", "layers.0", "layers.1"), (), ("norm",)))
+    findings = pipeline_findings(units, pp=3, schedule="GPipe", num_microbatches=3, split=split)
+    assert _fields(findings) == ["split.stages[1]"] and "is empty" in findings[0].message
+    split = PipelineSplit(stages=(("tok_embeddings", "layers.0", "layer.1"), ("output",)))
+    findings = pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=2, split=split)
+    assert findings[0].message.startswith("names 'layer.1'")
+    assert "leaves unit(s) ['layers.1']" in findings[1].message
+    split = PipelineSplit(stages=(("tok_embeddings", "layers.1"), ("layers.0", "output")))
+    findings = pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=2, split=split)
+    assert "model order" in findings[0].message
+
+
+def test_batch_not_divisible_into_microbatches(units):
+    findings = pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=4, batch_size=6)
+    assert _fields(findings) == ["num_microbatches"]
+    assert "does not split into 4 equal micro-batches" in findings[0].message
+
+
+def test_schedule_names_and_stages_per_rank(units):
+    findings = pipeline_findings(units, pp=2, schedule="1f1b", num_microbatches=4)
+    assert "not a pipeline schedule" in findings[0].message and "'1F1B'" in findings[0].fix
+    findings = pipeline_findings(units, pp=2, schedule="DualPipeV", num_microbatches=4)
+    assert "GPipe" in findings[0].fix
+    findings = pipeline_findings(
+        units, pp=1, schedule="ZBVZeroBubble", num_microbatches=4, stages_per_rank=4
+    )
+    assert "exactly 2 stages per rank" in findings[0].message
+    findings = pipeline_findings(
+        units, pp=2, schedule="1F1B", num_microbatches=4, stages_per_rank=2
+    )
+    assert "one stage per rank" in findings[0].message
+
+
+def test_tied_weights_across_stages_are_refused(units):
+    with torch.device("meta"):
+        model = preset_config("llama3-debug").build()
+    model.output.weight = model.tok_embeddings.weight  # same (vocab, dim) shape: tie them
+    findings = pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=2, model=model)
+    assert _fields(findings) == ["split"]
+    assert "tok_embeddings.weight (stage 0)" in findings[0].message
+    assert "output.weight (stage 1)" in findings[0].message
+    assert "untie" in findings[0].fix
+    with pytest.raises(PipelineError, match="one tied tensor"):
+        plan_pipeline(units, pp=2, schedule="GPipe", num_microbatches=2, model=model)
+    # On one stage the tie is harmless.
+    assert pipeline_findings(units, pp=1, schedule="GPipe", num_microbatches=2, model=model) == []
+
+
+def test_plan_raises_every_error_at_once():
+    units = [PipelineUnit(n, (n,), 1) for n in ("tok_embeddings", "layers.0", "norm+output")]
+    with pytest.raises(PipelineError) as info:
+        plan_pipeline(units, pp=4, schedule="GPipe", num_microbatches=0)
+    assert _fields(info.value.findings) == ["num_microbatches"]
+
+
+# ------------------------------------------------------------------ stages
+
+
+def test_stages_equal_the_one_device_model(units):
+    config = preset_config("llama3-debug")
+    full = config.build()
+    init_states_by_unit(full, PIPELINE, seed=3)
+    plan = plan_pipeline(units, pp=2, schedule="Interleaved1F1B", num_microbatches=4)
+    reference = dict(full.named_parameters())
+    tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    h, names = tokens, []
+    for stage in plan.stages:
+        with torch.device("meta"):
+            module = PIPELINE.stage_config(config, stage).build()
+        module.to_empty(device="cpu")
+        init_states_by_unit(module, PIPELINE, seed=3)
+        for n, p in module.named_parameters():
+            assert torch.equal(p, reference[n]), n
+            names.append(n)
+        h = module(h)
+    assert sorted(names) == sorted(reference)  # the model's own names, each once
+    assert torch.equal(h, full(tokens))
+
+
+def test_stage_refuses_norm_without_output():
+    config = preset_config("llama3-debug")
+    stage = PIPELINE.stage_config(config, ["layers.1", "norm+output"])
+    stage.output = None
+    with pytest.raises(ValueError, match="norm and output are one unit"):
+        stage.build()
