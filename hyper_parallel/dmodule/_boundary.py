@@ -55,7 +55,8 @@ class _Layout:
         cached = self._by_ndim.get(ndim)
         if cached is None:
             cached = normalize_placements(self.placements, ndim)
-            self._by_ndim[ndim] = cached
+            if not torch.compiler.is_compiling():  # a cache filled while tracing fails a guard
+                self._by_ndim[ndim] = cached
         return cached
 
     def __repr__(self) -> str:
