@@ -115,7 +115,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--dp-axis", default="dp", help="data-parallel axis for FSDP (default dp)")
     plan.add_argument(
-        "--dtype", choices=tuple(_DTYPES), default="fp32", help="parameter dtype (default fp32)"
+        "--dtype",
+        choices=tuple(_DTYPES),
+        default="fp32",
+        help="parameter and compute dtype; sets the activations' dtype too (default fp32)",
+    )
+    plan.add_argument(
+        "--ac",
+        choices=("none", "full", "selective"),
+        default="none",
+        help="activation checkpointing for the activation bytes: none (default), full "
+        "(every block), selective (every second block)",
     )
     plan.set_defaults(func=_cmd_plan)
 
@@ -303,6 +313,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             dp_axis=args.dp_axis,
             param_dtype=getattr(torch, _DTYPES[args.dtype]),
             loss_fn=subject.loss_fn,
+            ac=args.ac,
+            # fp16 parameters already compute in fp16; no mixed-precision policy on top.
+            dtype="bf16" if args.dtype == "bf16" else "fp32",
         )
     except ParallelizeError as e:
         print(

@@ -25,11 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed import precision
+from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
+from hyper_parallel.distributed.precision import check_dtype
 from hyper_parallel.dmodule._boundary import parallelize_entries
 from hyper_parallel.dmodule._checks import PlanEntry
 from hyper_parallel.dmodule.sharding import ShardingConfig
@@ -45,7 +48,7 @@ from .collectives import (
     summarize,
     wire_bytes,
 )
-from .memory import StateBytes, ddp_num_buckets, state_bytes
+from .memory import SavedActivations, StateBytes, ddp_num_buckets, state_bytes
 
 __all__ = ["DryRunReport", "ModuleShards", "ParamShard", "dry_run"]
 
@@ -109,6 +112,8 @@ class DryRunReport:
         traced_layers: The depths actually traced (``None``: the full model).
         assumptions: How the numbers were obtained; read them with the numbers.
         elapsed_s: Wall time of the dry run.
+        ac: Activation checkpointing assumed for ``per_rank.activations``.
+        dtype: Compute precision assumed for ``per_rank.activations``.
     """
 
     model: str
@@ -129,6 +134,8 @@ class DryRunReport:
     traced_layers: tuple[int, ...] | None = None
     assumptions: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    ac: str = "none"
+    dtype: str = "fp32"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (the CLI's ``--format json``)."""
@@ -143,6 +150,8 @@ class DryRunReport:
             "param_dtype": self.param_dtype,
             "fsdp": self.fsdp,
             "dp_axis": self.dp_axis,
+            "ac": self.ac,
+            "dtype": self.dtype,
             "per_rank_bytes": self.per_rank.to_dict(),
             "collectives": [c.to_dict() for c in self.collectives],
             "collectives_per_layer": None
@@ -183,13 +192,14 @@ class DryRunReport:
         m = self.per_rank
         out += [
             "",
-            "Memory per rank (steady state between steps):",
+            "Memory per rank (training states, plus one micro-batch's activations):",
             table(
                 ["state", "bytes"],
                 [
                     ("parameters", human_bytes(m.params)),
                     ("gradients", human_bytes(m.grads)),
                     ("AdamW moments", human_bytes(m.optimizer)),
+                    (f"activations (ac={self.ac}, {self.dtype})", human_bytes(m.activations)),
                     ("total", human_bytes(m.total)),
                 ],
                 right=(1,),
@@ -206,7 +216,7 @@ class DryRunReport:
         out += [
             "",
             f"Summary: {_count(self.num_params)} parameters on {self.world_size:,} ranks: "
-            f"{human_bytes(m.total)} of training states per rank; {num_calls:,} collectives per "
+            f"{human_bytes(m.total)} per rank with activations; {num_calls:,} collectives per "
             f"step over {human_bytes(moved)} of buffers per rank ({self.elapsed_s:.1f} s).",
         ]
         return "\n".join(out)
@@ -265,6 +275,8 @@ def dry_run(
     param_dtype: torch.dtype = torch.float32,
     inputs: Sequence[torch.Tensor] | None = None,
     loss_fn: LossFn | None = None,
+    ac: str = "none",
+    dtype: str = "fp32",
 ) -> DryRunReport:
     """Trace one training step of the sharded model at full scale, in this process.
 
@@ -285,6 +297,11 @@ def dry_run(
             ids ``(batch_size, seq_len)`` or features, see
             :func:`~hyper_parallel.analysis.validate`.
         loss_fn: ``loss_fn(output, *inputs) -> scalar``; default: sum of the outputs.
+        ac: Activation checkpointing of the blocks (``"none"``, ``"full"``,
+            ``"selective"``; see :mod:`hyper_parallel.distributed.activation_checkpoint`)
+            for the activation bytes.
+        dtype: Compute precision, ``"fp32"`` or ``"bf16"`` (fp32 master weights; FSDP2's
+            mixed-precision policy, or autocast without FSDP): the activations' dtype.
 
     Returns:
         A :class:`DryRunReport`.
@@ -305,6 +322,8 @@ def dry_run(
         print(report.per_rank.total, report.collectives)
     """
     start = time.perf_counter()
+    check_ac_mode(ac)
+    check_dtype(dtype)
     shape = mesh_shape(mesh)
     target = resolve_target(model_or_config, plan)
     use_fsdp = fsdp and dp_axis in shape
@@ -324,6 +343,8 @@ def dry_run(
                 batch_size=batch_size,
                 seq_len=seq_len,
                 loss_fn=loss,
+                ac=ac,
+                dtype=dtype,
             )
             for depth in depths
         ]
@@ -333,6 +354,8 @@ def dry_run(
         param_dtype=str(param_dtype).removeprefix("torch."),
         fsdp=use_fsdp,
         dp_axis=dp_axis,
+        ac=ac,
+        dtype=dtype,
     )
     report = _combine(target, runs, shape, settings)
     if not use_fsdp and shape.get(dp_axis, 1) > 1:
@@ -358,6 +381,7 @@ class _Run:
     comm_counts: dict[str, int]
     fsdp_units: list[str]
     comm_debug_total: int
+    activation_bytes: int = 0
 
 
 def _trace_step(
@@ -373,6 +397,8 @@ def _trace_step(
     batch_size: int,
     seq_len: int,
     loss_fn: LossFn,
+    ac: str = "none",
+    dtype: str = "fp32",
 ) -> _Run:
     mode = FakeTensorMode()
     model = target.build_fake(mode, depth, param_dtype)
@@ -394,13 +420,18 @@ def _trace_step(
         parallelize_entries(model, sub, entries, findings)
     units: list[str] = []
     if use_fsdp:
-        units = _apply_fsdp(model, world[dp_axis])
+        units = _apply_fsdp(model, world[dp_axis], precision.fsdp_policy(dtype))
     modules = _module_shards(model, types, tuple(shape))
     recorder = CollectiveRecorder(axis_groups(world))
     comm = CommDebugMode()
+    # The blocks activation checkpointing applies to: the list of identical layers (the
+    # trainer's model.layers).
+    blocks = getattr(model, target.layers_field or "layers", None)
+    saved = SavedActivations(model, list(blocks) if isinstance(blocks, nn.ModuleList) else [])
     with mode, comm, recorder:
-        out = model(*args)
-        loss = loss_fn(out, *args)
+        with saved, precision.autocast(dtype, "cpu", sharded=use_fsdp):
+            out = model(*args)
+            loss = loss_fn(out, *args)
         recorder.phase = "backward"
         loss.backward()
     params = _unique_params(model)
@@ -417,6 +448,7 @@ def _trace_step(
         comm_counts={str(op): n for op, n in comm.get_comm_counts().items()},
         fsdp_units=units,
         comm_debug_total=comm.get_total_counts(),
+        activation_bytes=saved.peak_bytes(ac),
     )
 
 
@@ -469,7 +501,9 @@ def _paths_placing_on(entries: Sequence[PlanEntry], axis: str) -> list[str]:
     )
 
 
-def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> list[str]:
+def _apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+) -> list[str]:
     """``fully_shard`` each element of the top-level ModuleLists, then the root."""
     units: list[tuple[str, nn.Module]] = []
     lists: list[str] = []
@@ -477,9 +511,10 @@ def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh) -> list[str]:
         if isinstance(m, nn.ModuleList) and not any(path.startswith(f"{p}.") for p in lists):
             lists.append(path)
             units += [(f"{path}.{i}", child) for i, child in enumerate(m)]
+    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for _, unit in units:
-        fully_shard(unit, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     return [p for p, _ in units]
 
 
@@ -549,7 +584,9 @@ def _combine(
             **common,
             num_params=last.num_params,
             modules=last.modules,
-            per_rank=state_bytes(last.param_bytes, last.grad_bytes, last.trainable_numel),
+            per_rank=state_bytes(
+                last.param_bytes, last.grad_bytes, last.trainable_numel, last.activation_bytes
+            ),
             collectives=summarize(last.records),
             comm_debug_counts=last.comm_counts,
         )
@@ -606,6 +643,7 @@ def _combine(
             ext(a.param_bytes, b.param_bytes),
             ext(a.grad_bytes, b.grad_bytes),
             ext(a.trainable_numel, b.trainable_numel),
+            ext(a.activation_bytes, b.activation_bytes),
         ),
         collectives=collectives,
         collectives_per_layer=per_layer,

@@ -290,6 +290,11 @@ class _ParamView(torch.autograd.Function):
         return DTensor(grad, ctx.grad_spec, requires_grad=False), None
 
 
+def _placement_key(p: Placement) -> tuple[type, int | None]:
+    """What a parameter's placement is (type and shard dim), without its identity."""
+    return type(p), getattr(p, "dim", None)
+
+
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):
@@ -304,7 +309,9 @@ class _ToDTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
         ctx.spec = spec
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+        # A detached inner tensor, as DTensor ops produce: a compiled consumer then sees
+        # the same inner tensor whichever path made its input.
+        return DTensor(local.detach(), spec, requires_grad=local.requires_grad)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None]:
@@ -355,10 +362,15 @@ class FastPath:
         # (parameter name, placements it must have, placements of its gradient or None)
         self._params: list[tuple[str, tuple[Placement, ...], tuple[Placement, ...] | None]] = []
         self._grad_specs: dict[str, tuple[TensorMeta, DTensorSpec]] = {}
+        self._param_keys: dict[str, tuple[tuple[type, int | None], ...]] = {}
 
     def attach(self, fallback: Callable[..., Any]) -> FastPath:
         """Set the DTensor boundary that runs the calls this path declines; returns ``self``."""
         self.fallback = fallback
+        self._param_keys = {
+            name: tuple(_placement_key(x) for x in placements)
+            for name, placements, _ in self._params
+        }
         return self
 
     def __repr__(self) -> str:
@@ -391,14 +403,20 @@ class FastPath:
         """
         store = self.module._parameters
         mesh = self.mesh
+        compiling = torch.compiler.is_compiling()
         out = []
         for name, placements, grad_placements in self._params:
             p = store[name]
-            if (
-                not isinstance(p, DTensor)
-                or p.placements != placements
-                or (p.device_mesh is not mesh and p.device_mesh != mesh)
-            ):
+            if not isinstance(p, DTensor):
+                return None
+            if compiling:
+                # Compared by type and dim: reading this path's own placement objects next
+                # to the parameter's makes dynamo guard on whether they are the same
+                # objects, which differs from block to block (a recompile per block).
+                same = tuple(_placement_key(a) for a in p.placements) == self._param_keys[name]
+            else:
+                same = p.placements == placements
+            if not same or (p.device_mesh is not mesh and p.device_mesh != mesh):
                 return None
             out.append(self._param_view(name, p, grad_placements))
         return out

@@ -38,6 +38,11 @@ from torch.distributed.fsdp import fully_shard
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed import precision
+from hyper_parallel.distributed.activation_checkpoint import apply_activation_checkpointing
+from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
+from hyper_parallel.distributed.compile import apply_compile
+from hyper_parallel.distributed.precision import check_dtype
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.train.checkpoint import (
     checkpoint_path,
@@ -90,6 +95,14 @@ class TrainConfig:
             (starts from scratch when there is none).
         log_every: Print a log line on rank 0 every this many steps (``0``: never).
         progress: Show a progress bar on rank 0 when stderr is a terminal.
+        compile: ``torch.compile`` each transformer block (``fullgraph=True``), after
+            the tensor-parallel plan and before FSDP2
+            (:mod:`hyper_parallel.distributed.compile`).
+        dtype: ``"fp32"``, or ``"bf16"`` mixed precision with fp32 master weights
+            (:mod:`hyper_parallel.distributed.precision`).
+        ac: Activation checkpointing: ``"none"``, ``"full"`` (every block) or
+            ``"selective"`` (every second block;
+            :mod:`hyper_parallel.distributed.activation_checkpoint`).
     """
 
     model: str = "llama3-debug"
@@ -110,8 +123,18 @@ class TrainConfig:
     resume: bool = False
     log_every: int = 1
     progress: bool = True
+    compile: bool = False
+    dtype: str = "fp32"
+    ac: str = "none"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"TrainConfig.compile must be True or False, got {self.compile!r}.")
+        try:
+            check_dtype(self.dtype)
+            check_ac_mode(self.ac)
+        except ValueError as e:
+            raise ValueError(f"TrainConfig: {e}") from None
         unknown = sorted(set(self.mesh) - set(MESH_AXES))
         if unknown:
             raise ValueError(
@@ -306,7 +329,8 @@ def build_parallel_model(
 
     Steps: build on the meta device → ``model.parallelize(mesh["tp"])`` with the
     spec's ``"tp"`` (or ``"tp_sp"``) sharding function (when ``tp > 1``) →
-    ``fully_shard`` each block of ``model.layers`` and the root over ``mesh["dp"]``
+    ``torch.compile`` per block (``cfg.compile``) → activation checkpointing
+    (``cfg.ac``) → ``fully_shard`` (with ``cfg.dtype``'s mixed precision) each block of ``model.layers`` and the root over ``mesh["dp"]``
     (when ``dp > 1``) → ``to_empty(device)`` → ``torch.manual_seed(cfg.seed)`` and
     ``init_states()``. With ``mesh=None`` the same model is built for one device,
     through the same steps, so it gets the same initial values.
@@ -333,10 +357,17 @@ def build_parallel_model(
         model = config.build()
     if tp > 1:
         model.parallelize(mesh["tp"])
+    # Plan, compile (per block), activation checkpointing around the compiled blocks,
+    # then FSDP (see hyper_parallel.distributed.compile for why AC goes outside).
+    if cfg.compile:
+        apply_compile(model)
+    if cfg.ac != "none":
+        apply_activation_checkpointing(model, cfg.ac)
     if dp > 1:
+        mp_policy = precision.fsdp_policy(cfg.dtype)
         for block in _blocks(model):
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+            fully_shard(block, mesh=mesh["dp"], mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh["dp"], mp_policy=mp_policy)
     model.to_empty(device=device)
     torch.manual_seed(cfg.seed)
     model.init_states()
@@ -532,7 +563,9 @@ class Trainer:
             group["lr"] = lr
         inputs, targets = self.data.next_batch(self.dp_rank, self.dp_size)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        loss = self.loss_fn(self.model(inputs), targets)
+        with precision.autocast(self.cfg.dtype, self.device, sharded=self.dp_size > 1):
+            logits = self.model(inputs)
+        loss = self.loss_fn(precision.loss_logits(logits), targets)
         loss.backward()
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
         grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)

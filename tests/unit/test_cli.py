@@ -52,9 +52,10 @@ def test_plan_json_keys_and_values(capsys):
     assert set(d) >= PLAN_KEYS
     assert d["model"] == "llama3-debug" and d["world_size"] == 4
     assert d["mesh"] == {"dp": 2, "tp": 2}
-    assert set(d["per_rank_bytes"]) == {"params", "grads", "optimizer", "total"}
+    assert set(d["per_rank_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
     rb = d["per_rank_bytes"]
-    assert rb["total"] == rb["params"] + rb["grads"] + rb["optimizer"]
+    assert rb["activations"] > 0
+    assert rb["total"] == rb["params"] + rb["grads"] + rb["optimizer"] + rb["activations"]
     kinds = {(c["kind"], c["axis"], c["phase"]) for c in d["collectives"]}
     assert ("all_gather", "dp", "forward") in kinds and ("all_reduce", "tp", "forward") in kinds
     assert all({"kind", "axis", "phase", "count", "bytes"} <= set(c) for c in d["collectives"])
