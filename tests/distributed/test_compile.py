@@ -8,8 +8,8 @@ compiles) and whole model, with ``aot_eager``.
 Each case: compiled loss and every gradient equal eager to 1e-5 over two
 accumulating steps; no graph break (``fullgraph=True`` raises on one, dynamo's
 counter stays 0); no recompile on a second step of the same shape; at most one
-recompile for new sequence lengths; the blocks share one graph. Compile is slow on
-CPU: two layers of a narrow ``llama3-debug``.
+recompile for new sequence lengths. Compile is slow on CPU: one layer of a narrow
+``llama3-debug``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_compiled_equals_eager_without_breaks_or_recompiles(dist, layout, fast, 
         assert r["grad_diff_two_steps"] <= TOL
         assert r["grad_diff_new_seq"] <= TOL
         graphs = r["graphs"]
-        assert graphs["step0"] == 1  # one graph for both blocks (or the whole model)
+        assert graphs["step0"] == 1  # one compiled unit (one block, or the model)
         assert graphs["step1"] == graphs["step0"]  # same shapes: no recompile
         assert graphs["seq24"] <= graphs["step1"] + 1  # a new length: one dynamic graph
         assert graphs["seq32"] == graphs["seq24"]  # and no more after it
