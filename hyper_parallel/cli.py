@@ -130,7 +130,17 @@ def _parser() -> argparse.ArgumentParser:
         help="do not shard states with FSDP2 over fsdp = dp_shard x cp (HSDP with dp_replicate)",
     )
     plan.add_argument(
-        "--dtype", choices=tuple(_DTYPES), default="fp32", help="parameter dtype (default fp32)"
+        "--dtype",
+        choices=tuple(_DTYPES),
+        default="fp32",
+        help="parameter and compute dtype; sets the activations' dtype too (default fp32)",
+    )
+    plan.add_argument(
+        "--ac",
+        choices=("none", "full", "selective"),
+        default="none",
+        help="activation checkpointing for the activation bytes: none (default), full "
+        "(every block), selective (every second block)",
     )
     plan.add_argument(
         "--schedule",
@@ -312,6 +322,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             fsdp=not args.no_fsdp,
             param_dtype=getattr(torch, _DTYPES[args.dtype]),
             loss_fn=subject.loss_fn,
+            ac=args.ac,
+            # fp16 parameters already compute in fp16; no mixed-precision policy on top.
+            dtype="bf16" if args.dtype == "bf16" else "fp32",
         )
     except ParallelizeError as e:
         print(

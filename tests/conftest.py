@@ -16,14 +16,16 @@ def dist(request: pytest.FixtureRequest):
     A module whose test failed on a rank gets a fresh pool for its next test.
     """
     world_size = getattr(request.module, "WORLD_SIZE", 2)
-    holder = {"pool": DistributedPool(world_size)}
+    # A module whose rank functions compile (torch.compile) may allow them longer.
+    timeout = getattr(request.module, "RANK_TIMEOUT_S", 240.0)
+    holder = {"pool": DistributedPool(world_size, timeout=timeout)}
 
     class _Handle:
         world_size = holder["pool"].world_size
 
         def run(self, fn, *args):
             if not holder["pool"]._procs:
-                holder["pool"] = DistributedPool(world_size)
+                holder["pool"] = DistributedPool(world_size, timeout=timeout)
             return holder["pool"].run(fn, *args)
 
     yield _Handle()

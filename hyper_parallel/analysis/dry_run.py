@@ -33,6 +33,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed import precision
+from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
 from hyper_parallel.distributed.axes import (
     axis_support_findings,
     declared_axes,
@@ -54,6 +56,7 @@ from hyper_parallel.distributed.layout import (
     ParallelMesh,
     as_layout,
 )
+from hyper_parallel.distributed.precision import check_dtype
 from hyper_parallel.dmodule._boundary import parallelize_entries
 from hyper_parallel.dmodule._checks import Finding
 from hyper_parallel.dmodule.sharding import ShardingConfig
@@ -76,7 +79,7 @@ from .collectives import (
     summarize,
     wire_bytes,
 )
-from .memory import StateBytes, ddp_num_buckets, state_bytes
+from .memory import SavedActivations, StateBytes, ddp_num_buckets, state_bytes
 
 __all__ = ["ANALYSIS_AXES", "DryRunReport", "ModuleShards", "ParamShard", "dry_run"]
 
@@ -148,6 +151,8 @@ class DryRunReport:
         traced_layers: The depths actually traced (``None``: the full model).
         assumptions: How the numbers were obtained; read them with the numbers.
         elapsed_s: Wall time of the dry run.
+        ac: Activation checkpointing assumed for ``per_rank.activations``.
+        dtype: Compute precision assumed for ``per_rank.activations``.
     """
 
     model: str
@@ -186,6 +191,9 @@ class DryRunReport:
             out["dense"]["total"] = sum(out["dense"][k] for k in ("params", "grads", "optimizer"))
         return out
 
+    ac: str = "none"
+    dtype: str = "fp32"
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (the CLI's ``--format json``)."""
         per_layer = self.collectives_per_layer
@@ -201,6 +209,8 @@ class DryRunReport:
             "fsdp_axes": list(self.fsdp_axes),
             "plan_axes": list(self.plan_axes),
             "placement_axes": list(self.columns),
+            "ac": self.ac,
+            "dtype": self.dtype,
             "per_rank_bytes": self._per_rank_dict(),
             "collectives": [c.to_dict() for c in self.collectives],
             "collectives_per_layer": None
@@ -247,21 +257,20 @@ class DryRunReport:
         out.append(table(["module", "param", "global", *axes, "local", "bytes"], rows, right))
         m = self.per_rank
         memory = self._per_rank_dict()
+        activations_label = f"activations (ac={self.ac}, {self.dtype})"
         if "experts" in memory:
             e, d = memory["experts"], memory["dense"]
-            memory_table = table(
-                ["state", "dense", "experts", "bytes"],
-                [
-                    (label, human_bytes(d[k]), human_bytes(e[k]), human_bytes(memory[k]))
-                    for label, k in (
-                        ("parameters", "params"),
-                        ("gradients", "grads"),
-                        ("AdamW moments", "optimizer"),
-                        ("total", "total"),
-                    )
-                ],
-                right=(1, 2, 3),
-            )
+            rows = [
+                (label, human_bytes(d[k]), human_bytes(e[k]), human_bytes(memory[k]))
+                for label, k in (
+                    ("parameters", "params"),
+                    ("gradients", "grads"),
+                    ("AdamW moments", "optimizer"),
+                )
+            ]
+            rows.append((activations_label, "", "", human_bytes(m.activations)))
+            rows.append(("total", "", "", human_bytes(m.total)))
+            memory_table = table(["state", "dense", "experts", "bytes"], rows, right=(1, 2, 3))
         else:
             memory_table = table(
                 ["state", "bytes"],
@@ -269,13 +278,14 @@ class DryRunReport:
                     ("parameters", human_bytes(m.params)),
                     ("gradients", human_bytes(m.grads)),
                     ("AdamW moments", human_bytes(m.optimizer)),
+                    (f"activations (ac={self.ac}, {self.dtype})", human_bytes(m.activations)),
                     ("total", human_bytes(m.total)),
                 ],
                 right=(1,),
             )
         out += [
             "",
-            "Memory per rank (steady state between steps):",
+            "Memory per rank (training states, plus one micro-batch's activations):",
             memory_table,
             "",
             "Collectives per training step (per rank):",
@@ -289,7 +299,7 @@ class DryRunReport:
         out += [
             "",
             f"Summary: {_count(self.num_params)} parameters on {self.world_size:,} ranks: "
-            f"{human_bytes(m.total)} of training states per rank; {num_calls:,} collectives per "
+            f"{human_bytes(m.total)} per rank with activations; {num_calls:,} collectives per "
             f"step over {human_bytes(moved)} of buffers per rank ({self.elapsed_s:.1f} s).",
         ]
         return "\n".join(out)
@@ -347,6 +357,8 @@ def dry_run(
     param_dtype: torch.dtype = torch.float32,
     inputs: Sequence[torch.Tensor] | None = None,
     loss_fn: LossFn | None = None,
+    ac: str = "none",
+    dtype: str = "fp32",
 ) -> DryRunReport:
     """Trace one training step of the sharded model at full scale, in this process.
 
@@ -371,6 +383,11 @@ def dry_run(
             ids ``(batch_size, seq_len)`` or features, see
             :func:`~hyper_parallel.analysis.validate`.
         loss_fn: ``loss_fn(output, *inputs) -> scalar``; default: sum of the outputs.
+        ac: Activation checkpointing of the blocks (``"none"``, ``"full"``,
+            ``"selective"``; see :mod:`hyper_parallel.distributed.activation_checkpoint`)
+            for the activation bytes.
+        dtype: Compute precision, ``"fp32"`` or ``"bf16"`` (fp32 master weights; FSDP2's
+            mixed-precision policy, or autocast without FSDP): the activations' dtype.
 
     Returns:
         A :class:`DryRunReport`.
@@ -393,6 +410,8 @@ def dry_run(
         print(report.per_rank.total, report.collectives)
     """
     start = time.perf_counter()
+    check_ac_mode(ac)
+    check_dtype(dtype)
     layout = as_layout(mesh)
     _raise_errors(
         [f for f in layout.findings() if f.severity == "error"]
@@ -427,6 +446,8 @@ def dry_run(
                 batch_size=batch_size,
                 seq_len=seq_len,
                 loss_fn=loss,
+                ac=ac,
+                dtype=dtype,
             )
             for depth in depths
         ]
@@ -441,6 +462,8 @@ def dry_run(
         plan_axes=plan_axes,
         columns=_placement_columns(layout, fsdp_axes, plan_axes),
         layout=layout,
+        ac=ac,
+        dtype=dtype,
     )
     report = _combine(target, runs, layout, settings)
     data_axis, data_size = _data_axis(layout, plan_axes)
@@ -469,6 +492,7 @@ class _Run:
     comm_debug_total: int
     plan_axes: tuple[str, ...] = ()
     expert_bytes: tuple[int, int, int] | None = None  # params, grads, trainable numel
+    activation_bytes: int = 0
 
 
 def _trace_step(
@@ -482,6 +506,8 @@ def _trace_step(
     batch_size: int,
     seq_len: int,
     loss_fn: LossFn,
+    ac: str = "none",
+    dtype: str = "fp32",
 ) -> _Run:
     mode = FakeTensorMode()
     model = target.build_fake(mode, depth, param_dtype)
@@ -522,16 +548,22 @@ def _trace_step(
     units: list[str] = []
     if fsdp_mesh is not None:
         efsdp = world["efsdp"]
+        mp_policy = precision.fsdp_policy(dtype)
         for e in experts:  # expert states: FSDP over efsdp, before the blocks take the rest
             placement = expert_shard_placement(e.module, efsdp.size())
-            fully_shard(e.module, mesh=efsdp, shard_placement_fn=placement)
-        units = apply_fsdp(model, fsdp_mesh)
+            fully_shard(e.module, mesh=efsdp, shard_placement_fn=placement, mp_policy=mp_policy)
+        units = apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy)
     modules = _module_shards(model, types)
     recorder = CollectiveRecorder(axis_groups(world))
     comm = CommDebugMode()
+    # The blocks activation checkpointing applies to: the list of identical layers (the
+    # trainer's model.layers).
+    blocks = getattr(model, target.layers_field or "layers", None)
+    saved = SavedActivations(model, list(blocks) if isinstance(blocks, nn.ModuleList) else [])
     with mode, comm, recorder:
-        out = model(*args, **kwargs)
-        loss = loss_fn(out, *args)
+        with saved, precision.autocast(dtype, "cpu", sharded=fsdp_mesh is not None):
+            out = model(*args, **kwargs)
+            loss = loss_fn(out, *args)
         recorder.phase = "backward"
         loss.backward()
     params = _unique_params(model)
@@ -558,6 +590,7 @@ def _trace_step(
         comm_debug_total=comm.get_total_counts(),
         expert_bytes=expert_bytes,
         plan_axes=tuple(a for a in axes if a in DENSE_AXES),
+        activation_bytes=saved.peak_bytes(ac),
     )
 
 
@@ -704,7 +737,9 @@ def _combine(
             **common,
             num_params=last.num_params,
             modules=last.modules,
-            per_rank=state_bytes(last.param_bytes, last.grad_bytes, last.trainable_numel),
+            per_rank=state_bytes(
+                last.param_bytes, last.grad_bytes, last.trainable_numel, last.activation_bytes
+            ),
             collectives=summarize(last.records),
             comm_debug_counts=last.comm_counts,
             per_rank_experts=None if last.expert_bytes is None else state_bytes(*last.expert_bytes),
@@ -762,6 +797,7 @@ def _combine(
             ext(a.param_bytes, b.param_bytes),
             ext(a.grad_bytes, b.grad_bytes),
             ext(a.trainable_numel, b.trainable_numel),
+            ext(a.activation_bytes, b.activation_bytes),
         ),
         collectives=collectives,
         collectives_per_layer=per_layer,

@@ -12,19 +12,33 @@ Formulas (per rank, per parameter element held locally):
   (as mixed-precision training keeps them) for bf16 parameters. The per-parameter
   ``step`` scalar is ignored.
 
-This is the steady state between steps (ZeRO's "model states", Rajbhandari et
-al., 2020): activations and transient buffers are not included.
+These are the steady state between steps (ZeRO's "model states", Rajbhandari et
+al., 2020). Activations — what autograd saves for backward during one micro-batch's
+forward — are measured, not modelled: :class:`SavedActivations` records every saved
+tensor of a traced step (fake tensors in the dry run) through
+``torch.autograd.graph.saved_tensors_hooks`` and accounts for activation
+checkpointing. Transient buffers (a matmul's output before it is saved, collective
+buffers) are not included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
 
 __all__ = [
     "ADAMW_MOMENT_BYTES",
     "DDP_BUCKET_BYTES",
     "DDP_FIRST_BUCKET_BYTES",
     "NUM_ADAMW_MOMENTS",
+    "SavedActivations",
     "StateBytes",
     "ddp_num_buckets",
     "state_bytes",
@@ -46,27 +60,32 @@ class StateBytes:
     params: int
     grads: int
     optimizer: int
+    activations: int = 0  # peak bytes saved for backward of one micro-batch
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.activations
 
     def to_dict(self) -> dict[str, int]:
         return {
             "params": self.params,
             "grads": self.grads,
             "optimizer": self.optimizer,
+            "activations": self.activations,
             "total": self.total,
         }
 
 
-def state_bytes(param_bytes: int, grad_bytes: int, trainable_numel: int) -> StateBytes:
+def state_bytes(
+    param_bytes: int, grad_bytes: int, trainable_numel: int, activation_bytes: int = 0
+) -> StateBytes:
     """Per-rank state bytes from the local parameter and gradient bytes.
 
     Args:
         param_bytes: Sum over local parameter shards of ``numel * element_size``.
         grad_bytes: The same over gradients.
         trainable_numel: Local elements of parameters that require grad.
+        activation_bytes: Peak bytes saved for backward (:class:`SavedActivations`).
 
     Example::
 
@@ -76,6 +95,7 @@ def state_bytes(param_bytes: int, grad_bytes: int, trainable_numel: int) -> Stat
         params=param_bytes,
         grads=grad_bytes,
         optimizer=NUM_ADAMW_MOMENTS * ADAMW_MOMENT_BYTES * trainable_numel,
+        activations=activation_bytes,
     )
 
 
@@ -93,3 +113,116 @@ def ddp_num_buckets(grad_bytes: int) -> int:
         return 0
     rest = max(grad_bytes - DDP_FIRST_BUCKET_BYTES, 0)
     return 1 + -(-rest // DDP_BUCKET_BYTES)
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """``(identity, bytes)`` of the storage behind ``t`` (a DTensor's local shard's)."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    storage = local.untyped_storage()
+    return storage._cdata, storage.nbytes()
+
+
+class SavedActivations:
+    """Bytes autograd saves for backward during one forward, by segment of the model.
+
+    A segment is what runs before the first block of ``blocks``, each block, and what
+    runs after the last (the final layers and the loss). Saved tensors are counted
+    once per storage (views share it) at the local shard's size, and parameters and
+    buffers are left out (they are states, counted elsewhere). Use it as a context
+    manager around the forward and the loss; it works on fake and on real tensors.
+
+    Example::
+
+        with SavedActivations(model, list(model.layers)) as saved:
+            loss = loss_fn(model(tokens), targets)
+        saved.peak_bytes("full")
+    """
+
+    def __init__(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
+        self.model = model
+        self.blocks = list(blocks)
+        num = len(self.blocks)
+        # Segment k + 1 is block k; 0 is before the blocks, num + 1 after them.
+        self.saved: list[dict[int, int]] = [{} for _ in range(num + 2)]
+        self.inputs: list[dict[int, int]] = [{} for _ in range(num + 2)]
+        self._segment = 0
+        self._seen: set[int] = set()
+        self._handles: list[Any] = []
+        self._hooks: Any = None
+
+    # -- recording
+
+    def _states(self) -> set[int]:
+        # Read at each save: FSDP swaps the unsharded parameters in for a block's forward.
+        keys = set()
+        for t in (*self.model.parameters(), *self.model.buffers()):
+            keys.add(_storage(t)[0])
+        return keys
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter):
+            return t
+        key, nbytes = _storage(t)
+        if key not in self._seen and key not in self._states():
+            self._seen.add(key)
+            self.saved[self._segment][key] = nbytes
+        return t
+
+    def _enter(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            self._segment = index + 1
+            states = self._states()
+            for x in (*args, *kwargs.values()):
+                if isinstance(x, torch.Tensor):
+                    key, nbytes = _storage(x)
+                    if key not in states:
+                        self.inputs[index + 1][key] = nbytes
+
+        return hook
+
+    def _leave(self, index: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            self._segment = index + 2 if index + 1 == len(self.blocks) else self._segment
+
+        return hook
+
+    def __enter__(self) -> SavedActivations:
+        for i, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(self._enter(i), with_kwargs=True))
+            self._handles.append(block.register_forward_hook(self._leave(i)))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- results
+
+    def peak_bytes(self, ac: str = "none") -> int:
+        """Peak bytes held for backward when the blocks ``ac`` selects are checkpointed.
+
+        Without checkpointing the peak is at the end of the forward: everything saved.
+        A checkpointed block keeps only its inputs (non-reentrant
+        ``torch.utils.checkpoint``) and saves its activations again when backward
+        recomputes it, while the segments before it still hold theirs; the peak is the
+        larger of the end of the forward and the worst such recomputation.
+        """
+        chosen = {i + 1 for i in checkpointed_blocks(len(self.blocks), ac)}
+        kept: list[int] = []
+        counted: set[int] = set()
+        for segment, saved in enumerate(self.saved):
+            held = self.inputs[segment] if segment in chosen else saved
+            kept.append(sum(n for k, n in held.items() if k not in counted))
+            counted.update(held)
+        peak = sum(kept)
+        for segment in chosen:
+            recomputed = {**self.inputs[segment], **self.saved[segment]}
+            peak = max(peak, sum(kept[:segment]) + sum(recomputed.values()))
+        return peak

@@ -3,7 +3,9 @@
 ``layout`` holds the one mesh every axis plugs into (:class:`MeshLayout`,
 :class:`ParallelMesh`); ``axes`` says which submesh a plan is applied on and
 checks axes against plans and callers; each axis lives in a file of its own
-beside them (``fsdp``: FSDP2 and HSDP over the data axes).
+beside them (``fsdp``: FSDP2 and HSDP over the data axes; ``context_parallel``,
+``expert_parallel``, ``pipeline``; the training switches ``compile``,
+``precision``, ``activation_checkpoint``).
 """
 
 from hyper_parallel.distributed.axes import axis_support_findings as axis_support_findings

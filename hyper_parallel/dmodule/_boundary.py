@@ -10,6 +10,7 @@ argument, a placement comparison and, where needed, one DTensor call.
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from hyper_parallel.dmodule._placements import has_dtensor, normalize_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
-__all__ = ["Boundary", "parallelize_entries"]
+__all__ = ["Boundary", "installed_forward", "parallelize_entries"]
 
 Placements = tuple[Placement, ...]
 
@@ -56,7 +57,8 @@ class _Layout:
         cached = self._by_ndim.get(ndim)
         if cached is None:
             cached = normalize_placements(self.placements, ndim)
-            self._by_ndim[ndim] = cached
+            if not torch.compiler.is_compiling():  # a cache filled while tracing fails a guard
+                self._by_ndim[ndim] = cached
         return cached
 
     def __repr__(self) -> str:
@@ -392,10 +394,29 @@ class Boundary:
         if self.wraps_forward:
             # Where the config fixes the one collective, run on local shards instead
             # (dmodule/_fast.py); this boundary stays as the fallback for other calls.
-            module.forward = self if fast is None else fast.attach(self)  # type: ignore[method-assign]
+            module.__dict__[FORWARD_ATTR] = self if fast is None else fast.attach(self)
+            module.forward = types.MethodType(_parallel_forward, module)  # type: ignore[method-assign]
 
     def __repr__(self) -> str:
         return f"Boundary(path={self.path!r}, config={self.config!r})"
+
+
+FORWARD_ATTR = "_hp_forward"
+
+
+def _parallel_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A parallelized module's ``forward``: its fast path, else its DTensor boundary.
+
+    Installed as a bound method of one shared function (not the callable object
+    itself), so ``torch.compile`` sees the same code in every block and compiles one
+    graph for all of them rather than one per block.
+    """
+    return module.__dict__[FORWARD_ATTR](*args, **kwargs)
+
+
+def installed_forward(module: nn.Module) -> Boundary | _fast.FastPath | None:
+    """What runs a parallelized module's calls: its :class:`FastPath` or :class:`Boundary`."""
+    return module.__dict__.get(FORWARD_ATTR)
 
 
 def _gradient_as_output(x: DTensor) -> DTensor:

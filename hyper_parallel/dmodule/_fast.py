@@ -36,6 +36,12 @@ Scope: configs whose non-``Replicate`` placements are all on one mesh axis (so e
 placements, uneven shards, other module types, transposed (Conv1D) weights, gathered
 column outputs — runs on DTensor.
 
+Under ``torch.compile`` (per block or whole model, ``fullgraph=True``) the same
+patterns trace without a graph break: the collectives become functional collectives
+on the group's name, parameters are viewed with ``DTensor.to_local`` and outputs
+wrapped with ``DTensor.from_local`` (both traceable), and nothing is cached while
+tracing, so a second call of the same shapes meets the same guards.
+
 Choose the path with :func:`set_fast_path`, the :func:`fast_path` context manager or
 ``HYPER_PARALLEL_FAST_PATH=0|1``; the choice is made when a model is parallelized.
 """
@@ -50,6 +56,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -61,7 +68,7 @@ from torch.distributed.tensor._utils import compute_global_tensor_info
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.dmodule._placements import has_dtensor, normalize_placements
+from hyper_parallel.dmodule._placements import ArgumentBinder, has_dtensor, normalize_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
@@ -145,21 +152,36 @@ def _needs_grad(t: torch.Tensor) -> bool:
     return t.requires_grad and torch.is_grad_enabled()
 
 
-def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+# Each collective takes a ``ProcessGroup`` in eager mode (c10d's in-place ops, the
+# fastest eager path) or the group's name under ``torch.compile``: there the functional
+# collectives (``torch.distributed._functional_collectives``) are what dynamo traces,
+# so the same autograd functions compile with ``fullgraph=True``. A group name is a
+# string constant to dynamo, which a ``ProcessGroup`` object is not.
+Group = dist.ProcessGroup | str
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum ``x`` over ranks: in place in eager mode, out of place (functional) under compile."""
+    if isinstance(group, str):
+        return funcol.wait_tensor(funcol.all_reduce(x, "sum", group))
     dist.all_reduce(x, group=group)
     return x
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, group: Group, size: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (one ``all_gather_into_tensor``)."""
+    if isinstance(group, str):
+        return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, group))
     front = x.movedim(dim, 0).contiguous() if dim else x.contiguous()
     out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
     dist.all_gather_into_tensor(out, front, group=group)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Group, size: int) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's chunk of ``dim`` (one ``reduce_scatter``)."""
+    if isinstance(group, str):
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
     front = x.movedim(dim, 0).contiguous() if dim else x.contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
     dist.reduce_scatter_tensor(out, front, group=group)
@@ -170,7 +192,7 @@ class _CopyToGroup(torch.autograd.Function):
     """Megatron's ``f``: identity forward, all-reduce of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
@@ -184,7 +206,9 @@ class _ReduceFromGroup(torch.autograd.Function):
     """Megatron's ``g``: all-reduce forward (in place on a fresh result), identity backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        if isinstance(group, str):  # functional (out of place) under compile
+            return _all_reduce(x, group)
         if x.is_contiguous():
             ctx.mark_dirty(x)  # callers pass a tensor no backward formula saves
             return _all_reduce(x, group)
@@ -199,9 +223,7 @@ class _GatherFromGroup(torch.autograd.Function):
     """All-gather along ``dim`` forward, reduce-scatter of the gradient backward."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group, size: int) -> torch.Tensor:
         ctx.args = (dim, group, size)
         return _all_gather(x, dim, group, size)
 
@@ -214,9 +236,7 @@ class _ScatterToGroup(torch.autograd.Function):
     """Reduce-scatter along ``dim`` forward, all-gather of the gradient backward."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group, size: int) -> torch.Tensor:
         ctx.args = (dim, group, size)
         return _reduce_scatter(x, dim, group, size)
 
@@ -238,7 +258,7 @@ class _ScatterAddBias(torch.autograd.Function):
         x: torch.Tensor,
         bias: torch.Tensor,
         dim: int,
-        group: dist.ProcessGroup,
+        group: Group,
         size: int,
     ) -> torch.Tensor:
         ctx.args = (dim, group, size)
@@ -271,6 +291,11 @@ class _ParamView(torch.autograd.Function):
         return DTensor(grad, ctx.grad_spec, requires_grad=False), None
 
 
+def _placement_key(p: Placement) -> tuple[type, int | None]:
+    """What a parameter's placement is (type and shard dim), without its identity."""
+    return type(p), getattr(p, "dim", None)
+
+
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):
@@ -285,7 +310,9 @@ class _ToDTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
         ctx.spec = spec
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+        # A detached inner tensor, as DTensor ops produce: a compiled consumer then sees
+        # the same inner tensor whichever path made its input.
+        return DTensor(local.detach(), spec, requires_grad=local.requires_grad)
 
     @staticmethod
     def backward(ctx: Any, grad: DTensor) -> tuple[torch.Tensor, None]:
@@ -326,6 +353,7 @@ class FastPath:
         self.mesh = view.mesh
         self.axis = view.axis
         self.group = view.mesh.get_group(view.axis)
+        self.group_name = self.group.group_name
         self.size = view.mesh.size(view.axis)
         self.use_local_output = view.config.use_local_output
         self.fallback: Callable[..., Any] = _unattached
@@ -335,16 +363,26 @@ class FastPath:
         # (parameter name, placements it must have, placements of its gradient or None)
         self._params: list[tuple[str, tuple[Placement, ...], tuple[Placement, ...] | None]] = []
         self._grad_specs: dict[str, tuple[TensorMeta, DTensorSpec]] = {}
+        self._param_keys: dict[str, tuple[tuple[type, int | None], ...]] = {}
 
     def attach(self, fallback: Callable[..., Any]) -> FastPath:
         """Set the DTensor boundary that runs the calls this path declines; returns ``self``."""
         self.fallback = fallback
+        self._param_keys = {
+            name: tuple(_placement_key(x) for x in placements)
+            for name, placements, _ in self._params
+        }
         return self
 
     def __repr__(self) -> str:
         return f"FastPath(kind={self.kind!r}, module={type(self.module).__name__})"
 
     # -- helpers used per call
+
+    @property
+    def comm(self) -> Group:
+        """The group the collectives run on: the object in eager mode, its name under compile."""
+        return self.group_name if torch.compiler.is_compiling() else self.group
 
     def _with_axis(self, on_axis: Placement) -> tuple[Placement, ...]:
         """Full mesh placements: ``on_axis`` on the sharded axis, ``Replicate()`` elsewhere."""
@@ -354,7 +392,8 @@ class FastPath:
         cached = self._placements_by_dim.get(dim)
         if cached is None:
             cached = self._with_axis(Replicate() if dim is None else Shard(dim))
-            self._placements_by_dim[dim] = cached
+            if not torch.compiler.is_compiling():  # a cache filled while tracing fails a guard
+                self._placements_by_dim[dim] = cached
         return cached
 
     def _local_params(self) -> list[torch.Tensor] | None:
@@ -365,14 +404,20 @@ class FastPath:
         """
         store = self.module._parameters
         mesh = self.mesh
+        compiling = torch.compiler.is_compiling()
         out = []
         for name, placements, grad_placements in self._params:
             p = store[name]
-            if (
-                not isinstance(p, DTensor)
-                or p.placements != placements
-                or (p.device_mesh is not mesh and p.device_mesh != mesh)
-            ):
+            if not isinstance(p, DTensor):
+                return None
+            if compiling:
+                # Compared by type and dim: reading this path's own placement objects next
+                # to the parameter's makes dynamo guard on whether they are the same
+                # objects, which differs from block to block (a recompile per block).
+                same = tuple(_placement_key(a) for a in p.placements) == self._param_keys[name]
+            else:
+                same = p.placements == placements
+            if not same or (p.device_mesh is not mesh and p.device_mesh != mesh):
                 return None
             out.append(self._param_view(name, p, grad_placements))
         return out
@@ -380,6 +425,10 @@ class FastPath:
     def _param_view(
         self, name: str, p: DTensor, grad_placements: tuple[Placement, ...] | None
     ) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # DTensor's own to_local traces; the cached spec below is an object dynamo
+            # cannot pass to an autograd.Function.
+            return p.to_local(grad_placements=grad_placements)
         if not _needs_grad(p):
             return p._local_tensor
         meta = p._spec.tensor_meta
@@ -414,6 +463,10 @@ class FastPath:
         if self.use_local_output:
             return y
         placements = self._placements(dim)
+        if torch.compiler.is_compiling():
+            # Every fast-path output is evenly sharded (uneven calls fall back), which is
+            # the global shape from_local infers.
+            return DTensor.from_local(y, self.mesh, placements, run_check=False)
         key = (y.shape, y.stride(), y.dtype, dim)
         spec = self._specs.get(key)
         if spec is None:
@@ -462,22 +515,20 @@ def _entry_to_replicate(
     if layout is None:
         if as_dtensor:
             return x.to_local(grad_placements=path._partial_grad)
-        return _CopyToGroup.apply(x, path.group) if _needs_grad(x) else x
+        return _CopyToGroup.apply(x, path.comm) if _needs_grad(x) else x
     local = x.to_local() if as_dtensor else x
     if _needs_grad(local):
-        return _GatherFromGroup.apply(local, layout, path.group, path.size)
-    return _all_gather(local, layout, path.group, path.size)
+        return _GatherFromGroup.apply(local, layout, path.comm, path.size)
+    return _all_gather(local, layout, path.comm, path.size)
 
 
 def _exit_reduce(path: FastPath, y: torch.Tensor, scatter: Shard1D) -> torch.Tensor:
     """Sum partial results: all-reduce (``scatter is None``) or reduce-scatter along a dim."""
     if scatter is None:
-        return (
-            _ReduceFromGroup.apply(y, path.group) if _needs_grad(y) else _all_reduce(y, path.group)
-        )
+        return _ReduceFromGroup.apply(y, path.comm) if _needs_grad(y) else _all_reduce(y, path.comm)
     if _needs_grad(y):
-        return _ScatterToGroup.apply(y, scatter, path.group, path.size)
-    return _reduce_scatter(y, scatter, path.group, path.size)
+        return _ScatterToGroup.apply(y, scatter, path.comm, path.size)
+    return _reduce_scatter(y, scatter, path.comm, path.size)
 
 
 def _norm_dim(dim: Shard1D, ndim: int) -> Shard1D:
@@ -549,7 +600,7 @@ class _RowwiseLinear(_LinearPath):
         if bias.dtype != y.dtype:  # autocast: F.linear would cast its bias like the matmul
             bias = bias.to(y.dtype)
         if scatter is not None and (_needs_grad(y) or _needs_grad(bias)):
-            y = _ScatterAddBias.apply(y, bias, scatter, self.group, self.size)
+            y = _ScatterAddBias.apply(y, bias, scatter, self.comm, self.size)
         else:
             y = _exit_reduce(self, y, scatter) + bias
         return self._output(y, scatter)
@@ -631,6 +682,8 @@ class _TokenwiseNorm(FastPath):
         finally:
             for name, p in saved:
                 store[name] = p
+        if as_dtensor and torch.compiler.is_compiling():
+            return self._compiled_output(x, y)
         local_in = x._local_tensor if as_dtensor else None
         if local_in is not None and not self.use_local_output and y.shape == local_in.shape:
             # Same layout as the input DTensor: keep its global shape, which may be
@@ -646,6 +699,22 @@ class _TokenwiseNorm(FastPath):
             return DTensor(y, spec, requires_grad=False)
         return self._output(y, layout)
 
+    def _compiled_output(self, x: DTensor, y: torch.Tensor) -> torch.Tensor:
+        """The norm's output under compile: ``x``'s layout and global shape, through from_local."""
+        if self.use_local_output:
+            return y
+        y = y.contiguous()
+        return DTensor.from_local(
+            y, self.mesh, x.placements, run_check=False, shape=x.shape, stride=_global_stride(x)
+        )
+
+
+def _global_stride(x: DTensor) -> tuple[int, ...]:
+    """Contiguous strides of ``x``'s global shape (works on symbolic sizes)."""
+    if x.is_contiguous():
+        return x.stride()
+    return _contiguous_stride(x.shape)
+
 
 class _LocalMapRegion(FastPath):
     """A ``local_map`` region called with local tensors: run the body directly."""
@@ -658,6 +727,7 @@ class _LocalMapRegion(FastPath):
         assert config.local_map is not None
         self._forward_fn = module.forward
         self._signature = inspect.signature(module.forward)
+        self._binder = ArgumentBinder(self._signature)
         names = [n for n in self._signature.parameters if n in view.in_dst]
         extra = [n for n in view.in_dst if n not in names]
         if extra:
@@ -706,11 +776,9 @@ class _LocalMapRegion(FastPath):
         ]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError:
+        arguments = self._binder.bind(args, kwargs)
+        if arguments is None:  # a signature or call that needs Python's full binding rules
             return self.fallback(*args, **kwargs)
-        arguments = bound.arguments
         for name, value in arguments.items():
             if name not in self._declared and has_dtensor(value):
                 return self.fallback(*args, **kwargs)  # which names the undeclared argument
@@ -736,14 +804,14 @@ class _LocalMapRegion(FastPath):
             if isinstance(x, DTensor):
                 arguments[name] = x.to_local(grad_placements=normalize_placements(grad, x.ndim))
             elif reduce and _needs_grad(x):
-                arguments[name] = _CopyToGroup.apply(x, self.group)
+                arguments[name] = _CopyToGroup.apply(x, self.comm)
         saved = []
         try:
             for i, ((owner, leaf, is_param, _), value) in enumerate(zip(self._states, states)):
                 store = owner._parameters if is_param else owner._buffers
                 saved.append((store, leaf, value))
                 store[leaf] = self._param_view(str(i), value, self._state_grads[i])
-            out = self._forward_fn(*bound.args, **bound.kwargs)
+            out = self._forward_fn(**arguments)
         finally:
             for store, leaf, value in saved:
                 store[leaf] = value

@@ -138,6 +138,23 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--log-every", type=int, help="log every N steps (0: never)")
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile each transformer block (fullgraph, after TP, before FSDP)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        help="fp32, or bf16 mixed precision with fp32 master weights (default fp32)",
+    )
+    parser.add_argument(
+        "--ac",
+        choices=("none", "full", "selective"),
+        help="activation checkpointing: none (default), full (every block), "
+        "selective (every second block)",
+    )
+    parser.add_argument(
         "--no-progress",
         dest="progress",
         action="store_false",
@@ -168,6 +185,9 @@ _FIELDS_FROM_ARGS = (
     "schedule",
     "num_microbatches",
     "pipeline_split",
+    "compile",
+    "dtype",
+    "ac",
 )
 
 

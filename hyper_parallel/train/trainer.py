@@ -43,8 +43,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed import precision
+from hyper_parallel.distributed.activation_checkpoint import apply_activation_checkpointing
+from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
 from hyper_parallel.distributed.axes import (
     MODEL_AXES,
     apply_model_axes,
@@ -53,6 +57,7 @@ from hyper_parallel.distributed.axes import (
     plan_axis_findings,
     plan_mesh,
 )
+from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.distributed.expert_parallel import (
     ep_findings,
     ep_layout_findings,
@@ -71,6 +76,7 @@ from hyper_parallel.distributed.pipeline import (
     pipeline_step,
     plan_pipeline,
 )
+from hyper_parallel.distributed.precision import check_dtype
 from hyper_parallel.dmodule._checks import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.dmodule.module import Module
@@ -138,6 +144,14 @@ class TrainConfig:
             sequence per micro-batch (the data-parallel rank's batch size).
         pipeline_split: The stage split (``{"units_per_stage": n}`` or
             ``{"stages": [[unit, ...], ...]}``); ``None`` balances stages by parameters.
+        compile: ``torch.compile`` each transformer block (``fullgraph=True``), after
+            the tensor-parallel plan and before FSDP2
+            (:mod:`hyper_parallel.distributed.compile`).
+        dtype: ``"fp32"``, or ``"bf16"`` mixed precision with fp32 master weights
+            (:mod:`hyper_parallel.distributed.precision`).
+        ac: Activation checkpointing: ``"none"``, ``"full"`` (every block) or
+            ``"selective"`` (every second block;
+            :mod:`hyper_parallel.distributed.activation_checkpoint`).
     """
 
     model: str = "llama3-debug"
@@ -161,8 +175,18 @@ class TrainConfig:
     schedule: str = "1F1B"
     num_microbatches: int | None = None
     pipeline_split: dict[str, Any] | None = None
+    compile: bool = False
+    dtype: str = "fp32"
+    ac: str = "none"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"TrainConfig.compile must be True or False, got {self.compile!r}.")
+        try:
+            check_dtype(self.dtype)
+            check_ac_mode(self.ac)
+        except ValueError as e:
+            raise ValueError(f"TrainConfig: {e}") from None
         if not isinstance(self.mesh, Mapping):
             raise ValueError(
                 f"TrainConfig.mesh must be a dict of axis sizes such as "
@@ -391,6 +415,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Findin
         findings += context_parallel.cp_findings(config, layout, cfg.seq_len)
     if layout.pp > 1:
         findings += _pipeline_findings(cfg, layout)
+    findings += _switch_findings(cfg, layout)
     return findings
 
 
@@ -433,6 +458,50 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
     )
 
 
+def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
+    """Training switches that a layout does not run, refused rather than ignored.
+
+    Pipeline stages are built and run by torch's schedule, outside the per-block
+    compile / activation-checkpointing / mixed-precision wiring; the routed-experts
+    dispatch exchanges data-dependent token counts, which a ``fullgraph`` block cannot
+    trace.
+    """
+    findings = []
+    if layout.pp > 1:
+        used = [
+            flag
+            for flag, on in (
+                ("--compile", cfg.compile),
+                (f"--dtype {cfg.dtype}", cfg.dtype != "fp32"),
+                (f"--ac {cfg.ac}", cfg.ac != "none"),
+            )
+            if on
+        ]
+        if used:
+            findings.append(
+                Finding(
+                    "error",
+                    "mesh",
+                    "pp",
+                    f"pp={layout.pp}: pipeline stages run eagerly in fp32 without "
+                    f"activation checkpointing, so {', '.join(used)} would be ignored.",
+                    f"drop {', '.join(used)}, or train without pp.",
+                )
+            )
+    if layout.ep > 1 and cfg.compile:
+        findings.append(
+            Finding(
+                "error",
+                "mesh",
+                "ep",
+                f"ep={layout.ep}: the routed-experts dispatch has data-dependent split sizes, "
+                "which torch.compile(fullgraph=True) of a whole block cannot trace.",
+                "drop --compile, or train without ep.",
+            )
+        )
+    return findings
+
+
 def _raise_findings(findings: list[Finding], where: str) -> None:
     if findings:
         lines = "\n".join(f"  {f}" for f in findings)
@@ -447,7 +516,9 @@ def build_parallel_model(
     Steps: build on the meta device with the sharding of every active model axis
     (:func:`model_config`) → ``model.parallelize`` on the submesh of the axes that
     sharding declares (:func:`~hyper_parallel.distributed.plan_mesh`) →
-    ``fully_shard`` each block of ``model.layers`` and the root over
+    ``torch.compile`` per block (``cfg.compile``) → activation checkpointing
+    (``cfg.ac``) → ``fully_shard`` (with ``cfg.dtype``'s mixed precision) each block of
+    ``model.layers`` and the root over
     :func:`~hyper_parallel.distributed.fsdp.fsdp_mesh_for` (FSDP on ``fsdp`` = dp_shard
     x cp, HSDP with dp_replicate; dp_shard alone when the plan keeps states on cp)
     → ``to_empty(device)`` → ``torch.manual_seed(cfg.seed)`` and ``init_states()``.
@@ -474,6 +545,7 @@ def build_parallel_model(
     config = _model_config(cfg, layout)
     with torch.device("meta"):
         model = config.build()
+    fsdp_mesh = None
     if mesh is not None:
         axes = config_axes(config)
         sub = plan_mesh(mesh, axes)
@@ -485,15 +557,21 @@ def build_parallel_model(
         fsdp_mesh = fsdp_mesh_for(mesh, axes)
         if layout.ep > 1 and fsdp_mesh is not None:
             shard_experts(model, mesh)  # over efsdp, before the blocks take the rest
-        if fsdp_mesh is not None:
-            units = fsdp_units(model)
-            if not units:
-                raise ValueError(
-                    f"build_parallel_model: {type(model).__name__} has no `layers` ModuleList "
-                    "of transformer blocks to wrap with fully_shard; the trainer shards each "
-                    "block of model.layers and then the root."
-                )
-            apply_fsdp(model, fsdp_mesh, units)
+    # Plan, compile (per block), activation checkpointing around the compiled blocks,
+    # then FSDP (see hyper_parallel.distributed.compile for why AC goes outside).
+    if cfg.compile:
+        apply_compile(model)
+    if cfg.ac != "none":
+        apply_activation_checkpointing(model, cfg.ac)
+    if fsdp_mesh is not None:
+        units = fsdp_units(model)
+        if not units:
+            raise ValueError(
+                f"build_parallel_model: {type(model).__name__} has no `layers` ModuleList "
+                "of transformer blocks to wrap with fully_shard; the trainer shards each "
+                "block of model.layers and then the root."
+            )
+        apply_fsdp(model, fsdp_mesh, units, mp_policy=precision.fsdp_policy(cfg.dtype))
     model.to_empty(device=device)
     _init_states(model, cfg)
     return model
@@ -806,7 +884,10 @@ class Trainer:
             params = [p for m in self.model_parts for p in m.parameters()]
             grad_norm = clip_grad_norm_(params, max_norm, group=self.mesh["pp"].get_group())
         else:
-            loss = self.loss_fn(self.model(batch.inputs, **batch.model_kwargs), batch.targets)
+            sharded = isinstance(self.model, FSDPModule)  # FSDP2 casts; else autocast
+            with precision.autocast(self.cfg.dtype, self.device, sharded=sharded):
+                logits = self.model(batch.inputs, **batch.model_kwargs)
+            loss = self.loss_fn(precision.loss_logits(logits), batch.targets)
             self.backward(loss)
             if self.mesh is not None and self.mesh.layout.ep > 1:
                 rescale_expert_grads(self.model, self.mesh.layout)

@@ -17,6 +17,7 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed import MeshLayout
 from hyper_parallel.distributed import context_parallel as cp
 from hyper_parallel.dmodule import fast_path
+from hyper_parallel.dmodule._boundary import installed_forward
 from hyper_parallel.dmodule._fast import FastPath
 from hyper_parallel.models.llama import (
     apply_cp,
@@ -158,7 +159,7 @@ def compare_with_one_device(
 
     # Which runtime path each configured module took: a fast-path pattern, or DTensor.
     paths = {
-        path: m.forward.kind if isinstance(m.forward, FastPath) else "dtensor"
+        path: installed_forward(m).kind if isinstance(installed_forward(m), FastPath) else "dtensor"
         for path, m in model.named_modules()
         if getattr(m, "sharding_config", None) is not None
     }

@@ -24,7 +24,7 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.dmodule import LocalMapConfig, Module, ShardingConfig, fast_path
-from hyper_parallel.dmodule._boundary import Boundary
+from hyper_parallel.dmodule._boundary import Boundary, installed_forward
 from hyper_parallel.dmodule._fast import FastPath
 from hyper_parallel.dmodule.types import NamedPlacement
 
@@ -611,7 +611,7 @@ def on_both_paths(case: Callable[[bool], dict[str, Any]]) -> dict[str, dict[str,
 class PathLog:
     """Which path each call of each parallelized module of ``model`` actually ran.
 
-    A module whose ``forward`` is a :class:`FastPath` ran ``"<kind>"`` unless the call
+    A module whose installed forward (``installed_forward``) is a :class:`FastPath` ran ``"<kind>"`` unless the call
     was handed to its DTensor fallback (recorded as ``"dtensor"``); a module whose
     ``forward`` is the DTensor :class:`Boundary` always runs ``"dtensor"``. Installed
     through public hooks only: a forward pre-hook per module and ``FastPath.attach``.
@@ -628,7 +628,7 @@ class PathLog:
         self.installed: dict[str, str] = {}  # module path → the path installed at parallelize
         self._undo: list[Callable[[], Any]] = []
         for path, module in model.named_modules():
-            forward = module.__dict__.get("forward")
+            forward = installed_forward(module)
             if isinstance(forward, FastPath):
                 self._watch(path, module, forward.kind)
                 fallback = forward.fallback

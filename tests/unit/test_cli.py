@@ -56,9 +56,10 @@ def test_plan_json_keys_and_values(capsys):
         "fsdp": 2, "efsdp": 4, "batch": 2, "loss": 2, "world_size": 4,
     }  # fmt: skip
     assert d["fsdp_axes"] == ["fsdp"] and d["plan_axes"] == ["tp"]
-    assert set(d["per_rank_bytes"]) == {"params", "grads", "optimizer", "total"}
+    assert set(d["per_rank_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
     rb = d["per_rank_bytes"]
-    assert rb["total"] == rb["params"] + rb["grads"] + rb["optimizer"]
+    assert rb["activations"] > 0
+    assert rb["total"] == rb["params"] + rb["grads"] + rb["optimizer"] + rb["activations"]
     kinds = {(c["kind"], c["axis"], c["phase"]) for c in d["collectives"]}
     assert ("all_gather", "fsdp", "forward") in kinds and ("all_reduce", "tp", "forward") in kinds
     assert all({"kind", "axis", "phase", "count", "bytes"} <= set(c) for c in d["collectives"])

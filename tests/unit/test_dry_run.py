@@ -119,7 +119,7 @@ def test_parameter_bytes_per_rank(mesh, fsdp):
     assert report.per_rank.params == expected
     assert report.per_rank.grads == expected
     assert report.per_rank.optimizer == 2 * expected  # two fp32 moments per element
-    assert report.per_rank.total == 4 * expected
+    assert report.per_rank.total - report.per_rank.activations == 4 * expected
     assert report.fsdp is (fsdp and "dp" in mesh)
 
 
@@ -302,7 +302,7 @@ def test_report_forms():
     d = report.to_dict()
     assert d["world_size"] == 4 and d["mesh"]["dp_shard"] == 2 and d["mesh"]["tp"] == 2
     assert d["mesh"]["fsdp"] == 2 and d["fsdp_axes"] == ["fsdp"] and d["plan_axes"] == ["tp"]
-    assert set(d["per_rank_bytes"]) == {"params", "grads", "optimizer", "total"}
+    assert set(d["per_rank_bytes"]) == {"params", "grads", "optimizer", "activations", "total"}
     assert {"kind", "axis", "phase", "count", "bytes"} <= set(d["collectives"][0])
     assert d["modules"][0]["params"][0]["placements"] == {"fsdp": "Shard(0)", "tp": "Shard(0)"}
     text = report.to_table()

@@ -1,0 +1,96 @@
+"""Activation checkpointing per transformer block: ``none``, ``full`` or ``selective``.
+
+``full`` recomputes every block's forward in backward: only each block's input is
+kept. ``selective`` is layer-wise: every second block (blocks 1, 3, 5, ...) is
+checkpointed and the others keep their activations, which trades about half the
+activation memory for half the recomputation (torchtitan's layer-wise selective AC
+with frequency 2). Both use PyTorch's non-reentrant ``torch.utils.checkpoint``,
+which composes with DTensor, tensor/sequence parallel boundaries, FSDP2 and
+``torch.compile`` (around the compiled block). The block stays the same module:
+only its ``forward`` is wrapped, so ``model.layers``, parameter names and
+checkpoints are unchanged. Recomputation repeats the forward's collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hyper_parallel.distributed.compile import blocks_of
+
+__all__ = [
+    "AC_MODES",
+    "SELECTIVE_EVERY",
+    "apply_activation_checkpointing",
+    "check_mode",
+    "checkpointed_blocks",
+]
+
+AC_MODES = ("none", "full", "selective")
+SELECTIVE_EVERY = 2
+"""Under ``selective``, every this-many-th block is checkpointed (blocks 1, 3, 5, ...)."""
+
+
+def check_mode(mode: str) -> None:
+    """Raise ``ValueError`` unless ``mode`` is one of :data:`AC_MODES`."""
+    if mode not in AC_MODES:
+        raise ValueError(
+            f"activation checkpointing mode {mode!r} is not one of {list(AC_MODES)}; "
+            "use 'full' (every block) or 'selective' (every second block)."
+        )
+
+
+def checkpointed_blocks(num_blocks: int, mode: str) -> list[int]:
+    """Indices of the blocks that ``mode`` checkpoints, out of ``num_blocks``.
+
+    Example::
+
+        checkpointed_blocks(4, "selective")  # [1, 3]
+    """
+    check_mode(mode)
+    if mode == "none":
+        return []
+    if mode == "full":
+        return list(range(num_blocks))
+    return [i for i in range(num_blocks) if (i + 1) % SELECTIVE_EVERY == 0]
+
+
+class _Checkpointed:
+    """A block's ``forward`` run under non-reentrant activation checkpointing."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> list[int]:
+    """Checkpoint the blocks of ``model.layers`` that ``mode`` selects, in place.
+
+    Apply after the tensor-parallel plan and ``torch.compile`` (it wraps the compiled
+    forward; see :mod:`hyper_parallel.distributed.compile`) and before FSDP2.
+
+    Args:
+        model: A model with a ``layers`` container.
+        mode: ``"none"``, ``"full"`` or ``"selective"`` (see the module docstring).
+
+    Returns:
+        The indices of the checkpointed blocks.
+
+    Raises:
+        ValueError: For an unknown mode, or a model without ``layers``.
+
+    Example::
+
+        apply_activation_checkpointing(model, "full")
+    """
+    check_mode(mode)
+    blocks = blocks_of(model, what="apply_activation_checkpointing")
+    chosen = checkpointed_blocks(len(blocks), mode)
+    for i in chosen:
+        blocks[i].forward = _Checkpointed(blocks[i].forward)  # type: ignore[method-assign]
+    return chosen

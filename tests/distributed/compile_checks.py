@@ -1,0 +1,131 @@
+"""Rank-side checks of a parallelized Llama under ``torch.compile(fullgraph=True)``.
+
+Module-level functions, run on every rank through ``dist.run`` by ``test_compile.py``.
+Each builds the same model twice (same seed), compiles one of them and runs both on
+the same batches: two forward+backward steps (gradients accumulate), a backward run
+twice over one retained graph, then new sequence lengths. Dynamo's own counters say
+how many graphs were compiled; ``fullgraph=True`` turns any graph break into an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch.distributed as c10d
+from torch._dynamo.utils import counters
+
+from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.dmodule import fast_path
+from hyper_parallel.models.llama import apply_tp, apply_tp_sp, cross_entropy_loss, preset_config
+
+LAYOUTS = {"tp": apply_tp, "tp_sp": apply_tp_sp}
+
+
+def _build(layout: str, fast: bool, num_layers: int) -> torch.nn.Module:
+    world = c10d.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    config = preset_config("llama3-debug", num_layers=num_layers, dim=32, ffn_dim=64)
+    model = LAYOUTS[layout](config, tp_size=world).build()
+    with fast_path(fast):
+        model.parallelize(mesh)
+    torch.manual_seed(0)
+    model.init_states()
+    return model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _batch(seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(model: torch.nn.Module, seq_len: int, seed: int) -> torch.Tensor:
+    inputs, targets = _batch(seq_len, seed)
+    return cross_entropy_loss(model(inputs), targets)
+
+
+def _grad_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    grads = dict(b.named_parameters())
+    return max(
+        (_full(p.grad) - _full(grads[n].grad)).abs().max().item() for n, p in a.named_parameters()
+    )
+
+
+def compiled_matches_eager(layout: str, fast: bool, backend: str, scope: str) -> dict[str, Any]:
+    """Compile ``scope`` ("blocks": each block, or "model") and compare with eager.
+
+    Returns:
+        Largest loss and gradient differences per phase, and how many graphs dynamo
+        had compiled after each phase (each compiled unit compiles once per shape
+        class: the first static, then one dynamic graph for new sequence lengths).
+    """
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _build(layout, fast, num_layers=1)
+    compiled = _build(layout, fast, num_layers=1)
+    if scope == "blocks":
+        for block in compiled.layers:
+            block.compile(fullgraph=True, backend=backend)
+    else:
+        compiled.compile(fullgraph=True, backend=backend)
+
+    def graphs() -> int:
+        return counters["stats"]["unique_graphs"]
+
+    out: dict[str, Any] = {"loss_diffs": [], "graphs": {}}
+    # Two forward+backward steps of the same shapes, gradients accumulating.
+    for step in range(2):
+        a, b = _loss(eager, 16, step), _loss(compiled, 16, step)
+        a.backward()
+        b.backward()
+        out["loss_diffs"].append(abs(_full(a).item() - _full(b).item()))
+        out["graphs"][f"step{step}"] = graphs()
+    out["grad_diff_two_steps"] = _grad_diff(eager, compiled)
+    # New sequence lengths: one recompile (dynamic), then none.
+    for seq_len in (24, 32):
+        eager.zero_grad()
+        compiled.zero_grad()
+        a, b = _loss(eager, seq_len, seq_len), _loss(compiled, seq_len, seq_len)
+        a.backward()
+        b.backward()
+        out["loss_diffs"].append(abs(_full(a).item() - _full(b).item()))
+        out["graphs"][f"seq{seq_len}"] = graphs()
+    out["grad_diff_new_seq"] = _grad_diff(eager, compiled)
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    return out
+
+
+def backward_twice(layout: str, fast: bool, backend: str) -> dict[str, Any]:
+    """A compiled block whose graph is run backward twice (``retain_graph=True``).
+
+    AOTAutograd donates saved buffers to the backward by default, which forbids a
+    second backward over the same graph; a user who needs it compiles with
+    ``torch._functorch.config.patch(donated_buffer=False)`` (scoped, as here). The
+    gradients must then equal eager's.
+
+    Returns:
+        The largest gradient difference and the number of graphs compiled.
+    """
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _build(layout, fast, num_layers=1)
+    compiled = _build(layout, fast, num_layers=1)
+    for block in compiled.layers:
+        block.compile(fullgraph=True, backend=backend)
+    with torch._functorch.config.patch(donated_buffer=False):
+        for model in (eager, compiled):
+            # A plain function of the logits: the vocab-parallel loss frees its own
+            # inner graph in backward.
+            loss = model(_batch(16, 7)[0]).float().pow(2).mean()
+            loss.backward(retain_graph=True)
+            loss.backward()
+    out = {"grad_diff": _grad_diff(eager, compiled), "graphs": counters["stats"]["unique_graphs"]}
+    torch._dynamo.reset()
+    return out

@@ -1,0 +1,78 @@
+"""The trainer's bf16 and activation-checkpointing switches on 2 gloo ranks.
+
+bf16 under tensor + sequence parallel runs the fast path (autocast, fp32 master
+weights) and stays within the demo's bf16 tolerance of one process under the same
+policy; checkpointing every block changes nothing (1e-6); bf16 under FSDP2 (its
+MixedPrecisionPolicy) keeps fp32 master weights and the same tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as c10d
+
+from hyper_parallel.dmodule._boundary import installed_forward
+from hyper_parallel.dmodule._fast import FastPath
+from hyper_parallel.train import TrainConfig, Trainer
+from hyper_parallel.train.demo import BF16_TOL
+
+pytestmark = pytest.mark.distributed
+WORLD_SIZE = 2
+SMALL = dict(num_steps=3, global_batch_size=4, seq_len=32, log_every=0, progress=False)
+
+
+def _train(cfg_dict: dict) -> dict:
+    trainer = Trainer(TrainConfig.from_dict(cfg_dict), device="cpu")
+    wq = trainer.model.layers[0].attention.wq
+    logits_dtypes = []
+    hook = trainer.model.output.register_forward_hook(
+        lambda m, a, out: logits_dtypes.append(out.dtype)
+    )
+    losses = trainer.fit().losses
+    hook.remove()
+    return {
+        "losses": losses,
+        "fast_path": isinstance(installed_forward(wq), FastPath),
+        "logits_dtype": str(logits_dtypes[0]),
+        "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+    }
+
+
+def _one_process_on_rank0(cfg_dict: dict) -> list[float] | None:
+    if c10d.get_rank() != 0:
+        return None
+    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sequence_parallel=False)
+    return Trainer(cfg, device="cpu").fit().losses
+
+
+@pytest.fixture(scope="module")
+def runs(dist):
+    tp_sp = dict(SMALL, mesh={"tp": 2}, sequence_parallel=True, dtype="bf16")
+    fsdp = dict(SMALL, mesh={"dp": 2}, dtype="bf16")
+    return {
+        "tp_sp": dist.run(_train, tp_sp)[0],
+        "tp_sp_ac": dist.run(_train, dict(tp_sp, ac="full"))[0],
+        "fsdp": dist.run(_train, fsdp)[0],
+        "one": dist.run(_one_process_on_rank0, tp_sp)[0],
+    }
+
+
+def test_bf16_runs_the_fast_path_in_bf16_with_fp32_master_weights(runs):
+    r = runs["tp_sp"]
+    assert r["fast_path"]
+    assert r["logits_dtype"] == str(torch.bfloat16)
+    assert r["param_dtypes"] == [str(torch.float32)]
+    assert max(abs(a - b) for a, b in zip(r["losses"], runs["one"])) <= BF16_TOL
+
+
+def test_full_checkpointing_equals_none_under_tp_sp(runs):
+    a, b = runs["tp_sp"]["losses"], runs["tp_sp_ac"]["losses"]
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6
+
+
+def test_bf16_under_fsdp_mixed_precision(runs):
+    r = runs["fsdp"]
+    assert r["param_dtypes"] == [str(torch.float32)]  # the fp32 shards are the masters
+    assert r["logits_dtype"] == str(torch.bfloat16)  # FSDP cast the gathered parameters
+    assert max(abs(a - b) for a, b in zip(r["losses"], runs["one"])) <= BF16_TOL

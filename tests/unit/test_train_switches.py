@@ -1,0 +1,99 @@
+"""The trainer's compile, precision and activation-checkpointing switches, in one process."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from torch import nn
+
+from hyper_parallel.distributed.activation_checkpoint import (
+    apply_activation_checkpointing,
+    checkpointed_blocks,
+)
+from hyper_parallel.distributed.compile import apply_compile
+from hyper_parallel.distributed.precision import autocast, fsdp_policy, loss_logits
+from hyper_parallel.train import TrainConfig, Trainer
+from hyper_parallel.train.run import add_train_arguments, config_from_args
+
+TINY = dict(
+    num_steps=2,
+    global_batch_size=2,
+    seq_len=16,
+    log_every=0,
+    progress=False,
+    model_overrides={"num_layers": 2},
+)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("dtype", "fp16", ["dtype 'fp16'", "bf16"]),
+        ("ac", "some", ["'some'", "selective"]),
+        ("compile", "yes", ["compile", "True or False"]),
+    ],
+)
+def test_bad_switch_values_are_refused_with_the_fix(field, value, words):
+    with pytest.raises(ValueError) as e:
+        TrainConfig(**{field: value})
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_selective_checkpoints_every_second_block():
+    assert checkpointed_blocks(5, "selective") == [1, 3]
+    assert checkpointed_blocks(3, "full") == [0, 1, 2]
+    assert checkpointed_blocks(3, "none") == []
+
+
+def test_switches_need_a_model_with_layers_and_a_known_backend():
+    with pytest.raises(ValueError, match="no `layers`"):
+        apply_activation_checkpointing(nn.Linear(2, 2), "full")
+    with pytest.raises(ValueError, match="'inductor'"):
+        apply_compile(nn.Linear(2, 2), backend="xla")
+
+
+def test_precision_policies():
+    policy = fsdp_policy("bf16")
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert fsdp_policy("fp32").param_dtype is None
+    with autocast("bf16", "cpu", sharded=False):
+        y = nn.Linear(4, 4)(torch.randn(2, 4))
+    assert y.dtype == torch.bfloat16
+    assert loss_logits(y).dtype == torch.float32
+    with autocast("bf16", "cpu", sharded=True):  # FSDP casts: no autocast
+        assert nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32
+
+
+def test_command_line_flags_reach_the_config():
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    args = parser.parse_args(["--compile", "--dtype", "bf16", "--ac", "selective"])
+    cfg = config_from_args(args)
+    assert (cfg.compile, cfg.dtype, cfg.ac) == (True, "bf16", "selective")
+    assert (TrainConfig().compile, TrainConfig().dtype, TrainConfig().ac) == (False, "fp32", "none")
+
+
+def _run(**switches):
+    torch.manual_seed(0)
+    trainer = Trainer(TrainConfig(**TINY, **switches), device="cpu")
+    losses = trainer.fit().losses
+    return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def test_activation_checkpointing_equals_no_checkpointing():
+    losses, params = _run()
+    for ac in ("full", "selective"):
+        ac_losses, ac_params = _run(ac=ac)
+        assert max(abs(a - b) for a, b in zip(losses, ac_losses)) <= 1e-6
+        assert max((params[n] - p).abs().max().item() for n, p in ac_params.items()) <= 1e-6
+
+
+def test_bf16_keeps_fp32_master_weights_and_stays_close():
+    losses, _ = _run()
+    bf16_losses, params = _run(dtype="bf16")
+    assert all(p.dtype == torch.float32 for p in params.values())
+    assert bf16_losses != losses  # computed in bf16
+    assert max(abs(a - b) for a, b in zip(losses, bf16_losses)) <= 2e-2
