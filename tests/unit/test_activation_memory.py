@@ -82,7 +82,9 @@ def test_bf16_halves_what_fsdp_mixed_precision_saves():
     args = dict(batch_size=BATCH, seq_len=SEQ)
     fp32 = dry_run(spec.config(), {"dp": 2}, dtype="fp32", **args).per_rank.activations
     bf16 = dry_run(spec.config(), {"dp": 2}, dtype="bf16", **args).per_rank.activations
-    assert bf16 == pytest.approx(fp32 / 2, rel=0.05)
+    # Every matmul input and output halves; torch's nn.RMSNorm (the Llama's norms)
+    # computes a bf16 input in fp32 and saves that, so the whole is a bit over half.
+    assert 0.5 * fp32 <= bf16 < 0.7 * fp32
 
 
 def test_plan_reports_activations_in_json_and_full_ac_cuts_8b_at_seq_8192(capsys):
