@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
