@@ -126,7 +126,7 @@ def plan_mesh(mesh: ParallelMesh, axes: Iterable[str]) -> DeviceMesh | None:
 
 
 def axis_support_findings(layout: MeshLayout, supported: Iterable[str], who: str) -> list[Finding]:
-    """An error for each axis of size > 1 that ``who`` cannot run yet (never ignored).
+    """An error for each axis of size > 1 that ``who`` does not run (never ignored).
 
     Args:
         layout: The mesh.
@@ -143,8 +143,8 @@ def axis_support_findings(layout: MeshLayout, supported: Iterable[str], who: str
                 "error",
                 "mesh",
                 axis,
-                f"{axis}={size}: {AXIS_MEANING.get(axis, axis)} is not yet supported by "
-                f"{who} for this model; it runs {', '.join(a for a in USER_AXES if a in allowed)}.",
+                f"{axis}={size}: {AXIS_MEANING.get(axis, axis)} is not run by {who} for this "
+                f"model; it runs {', '.join(a for a in USER_AXES if a in allowed)}.",
                 f"leave {axis} out of the mesh (size 1) and give its ranks to "
                 f"{'dp_shard' if 'dp_shard' in allowed else sorted(allowed)[0]} instead.",
             )
