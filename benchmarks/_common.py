@@ -146,8 +146,9 @@ def torch_llama_plan(sequence_parallel: bool) -> tuple[dict[str, Any], dict[str,
         block["attention_norm"] = SequenceParallel()
         block["ffn_norm"] = SequenceParallel()
         block["attention"] = PrepareModuleInput(
-            input_layouts=(Shard(1), None, None),
-            desired_input_layouts=(Replicate(), None, None),
+            # (x, cos, sin, positions): the block passes positions (None without CP).
+            input_layouts=(Shard(1), None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None),
         )
         block["feed_forward"] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)

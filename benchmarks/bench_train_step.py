@@ -39,7 +39,8 @@ MESH = {"dp": 2, "tp": 2}
 def _build(contender: str, cfg: Any, mesh: Any) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    from hyper_parallel.dmodule import fast_path
+    from hyper_parallel.distributed.pipeline import init_states_by_unit
+    from hyper_parallel.dmodule import fast_path, get_spec
     from hyper_parallel.train.trainer import build_parallel_model, model_config
 
     if contender != "torch styles":
@@ -52,8 +53,8 @@ def _build(contender: str, cfg: Any, mesh: Any) -> torch.nn.Module:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     model.to_empty(device="cpu")
-    torch.manual_seed(cfg.seed)
-    model.init_states()
+    # The trainer's init (per pipeline unit), so every contender starts from the same values.
+    init_states_by_unit(model, get_spec(cfg.model).extras["pipeline"], cfg.seed)
     return model
 
 

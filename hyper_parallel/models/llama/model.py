@@ -291,7 +291,9 @@ class Transformer(BaseModel):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         if positions is None:
-            if h.shape[1] != tokens.shape[1]:
+            # A context-parallel embedding hands on the whole (longer) sequence; a
+            # sequence-parallel one handing local shards on is shorter and fine here.
+            if h.shape[1] > tokens.shape[1]:
                 raise ValueError(
                     f"Transformer: the {tokens.shape[1]} tokens given are part of a "
                     f"{h.shape[1]}-token sequence split across ranks (context parallel), so "
