@@ -282,3 +282,79 @@ def trainer_parity(mesh_text: str) -> dict[str, float]:
     global_loss = _all_reduce(loss.detach(), mesh["batch"]) / mesh["batch"].size()
     diffs["<loss>"] = (global_loss - ref_loss.detach()).abs().item()
     return diffs
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def tp_model_parity(mesh_text: str, sequence_parallel: bool = False) -> dict[str, Any]:
+    """The debug MoE with tensor parallelism (and ``ep`` borrowing tp ranks) vs one device.
+
+    Dense states are DTensors on ``tp`` (their gradients made full with ``full_tensor``,
+    then averaged over the batch ranks); expert states on ``ep`` as in
+    :func:`model_parity`. The model's sharding is the registered one
+    (``apply_model_axes``: tp then ep), parallelized as the trainer does.
+    """
+    from hyper_parallel.distributed.axes import apply_model_axes, plan_mesh
+    from hyper_parallel.distributed.expert_parallel import parallelize_with_experts
+    from hyper_parallel.dmodule import get_spec
+    from hyper_parallel.train.trainer import config_axes
+
+    layout = MeshLayout.parse(mesh_text)
+    mesh = layout.build("cpu")
+    spec = get_spec("qwen3-moe-debug")
+    config = spec.config()
+    torch.manual_seed(0)
+    reference = config.build()
+    reference.init_states()
+    sharded = apply_model_axes(spec, config, layout, sequence_parallel=sequence_parallel)
+    torch.manual_seed(0)
+    model = sharded.build()
+    model.init_states()
+    sub = plan_mesh(mesh, config_axes(sharded))
+    if layout.ep > 1:
+        parallelize_with_experts(model, mesh, sub)
+    else:
+        model.parallelize(sub)
+    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    ref_logits = reference(inputs)
+    ref_loss = cross_entropy_loss(ref_logits, targets)
+    ref_loss.backward()
+
+    rows = _batch_rows(mesh, BATCH)
+    with CommDebugMode() as forward_comms:
+        logits = model(inputs[rows])
+    loss = _full(cross_entropy_loss(logits, targets[rows]))
+    with CommDebugMode() as backward_comms:
+        loss.backward()
+    num_batch = mesh["batch"].size()
+    global_loss = _all_reduce(loss.detach(), mesh["batch"]) / num_batch
+    aux = [_all_reduce(layer.moe.aux_loss, mesh["batch"]) / num_batch for layer in model.layers]
+    ref = dict(reference.named_parameters())
+    grads, placements = {}, {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        if isinstance(p, DTensor):
+            placements[name] = (p.device_mesh.mesh_dim_names, repr(list(p.placements)))
+        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",):
+            grad = _all_reduce(p.grad.to_local(), mesh["efsdp"]) / expert_grad_divisor(num_batch)
+            per = p.to_local().shape[0]
+            start = mesh["ep"].get_local_rank() * per
+            expected = ref[name].grad[start : start + per]
+        else:
+            grad = _all_reduce(_full(p.grad), mesh["batch"]) / num_batch
+            expected = ref[name].grad
+        grads[name] = (grad - expected).abs().max().item()
+    assert set(grads) == set(ref)
+    return {
+        "logits": (_full(logits) - ref_logits[rows]).abs().max().item(),
+        "loss": (global_loss - ref_loss.detach()).abs().item(),
+        "aux": max((a - r.moe.aux_loss).abs().item() for a, r in zip(aux, reference.layers)),
+        "grads": grads,
+        "forward_comms": _counts(forward_comms),
+        "backward_comms": _counts(backward_comms),
+        "placements": placements,
+        "num_layers": len(model.layers),
+    }

@@ -3,7 +3,7 @@
 Importing this package registers one :class:`~hyper_parallel.dmodule.ModelSpec` per
 preset (``qwen3-moe-debug``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``). Each spec's
 ``config(**overrides)`` returns a ``Transformer.Config``; its ``extras`` hold the
-family, the sharding function (``"ep"``), the loss, ``num_params`` and
+family, the sharding functions (``"ep"``, ``"tp"``, ``"tp_sp"``), the loss, ``num_params`` and
 ``num_expert_params``.
 
 Example::
@@ -39,6 +39,8 @@ from hyper_parallel.models.qwen3_moe.model import expert_ffn as expert_ffn
 from hyper_parallel.models.qwen3_moe.model import load_balancing_loss as load_balancing_loss
 from hyper_parallel.models.qwen3_moe.sharding import EXPERT_PARAMS as EXPERT_PARAMS
 from hyper_parallel.models.qwen3_moe.sharding import apply_ep as apply_ep
+from hyper_parallel.models.qwen3_moe.sharding import apply_tp as apply_tp
+from hyper_parallel.models.qwen3_moe.sharding import apply_tp_sp as apply_tp_sp
 from hyper_parallel.models.qwen3_moe.sharding import check_ep as check_ep
 
 __all__ = [
@@ -51,6 +53,8 @@ __all__ = [
     "Transformer",
     "TransformerBlock",
     "apply_ep",
+    "apply_tp",
+    "apply_tp_sp",
     "check_ep",
     "cross_entropy_loss",
     "expert_ffn",
@@ -77,6 +81,8 @@ for _name in PRESETS:
             extras={
                 "family": "qwen3_moe",
                 "ep": apply_ep,
+                "tp": apply_tp,
+                "tp_sp": apply_tp_sp,
                 "loss_fn": cross_entropy_loss,
                 "num_params": num_params,
                 "num_expert_params": num_expert_params,

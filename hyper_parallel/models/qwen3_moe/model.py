@@ -37,6 +37,7 @@ from hyper_parallel.models.llama.model import (
 
 __all__ = [
     "Attention",
+    "BalanceStatistics",
     "Embedding",
     "GroupedExperts",
     "Linear",
@@ -47,6 +48,8 @@ __all__ = [
     "ScaledDotProductAttention",
     "Transformer",
     "TransformerBlock",
+    "balance_loss",
+    "balance_statistics",
     "even_split",
     "expert_counts",
     "expert_ffn",
@@ -227,6 +230,39 @@ class GroupedExperts(Module):
         return torch.zeros_like(x).index_add(0, token_of, y.to(x.dtype))
 
 
+def balance_statistics(
+    probs: torch.Tensor, top_k_index: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Per-sequence routing sums: ``(B, 2, E)`` = router probabilities summed over the
+    sequence, and the number of ``(token, choice)`` assignments of each expert.
+
+    Sums, not means, so that the statistics of pieces of a sequence (tensor-parallel
+    ranks holding sequence slices) add up to those of the whole sequence.
+
+    Args:
+        probs: ``(B, S, E)`` router probabilities.
+        top_k_index: ``(B, S, k)`` chosen experts.
+        num_experts: ``E``.
+    """
+    bsz = probs.shape[0]
+    counts = torch.zeros(bsz, num_experts, device=probs.device, dtype=probs.dtype)
+    counts.scatter_add_(
+        1,
+        top_k_index.reshape(bsz, -1),
+        torch.ones_like(top_k_index.reshape(bsz, -1), dtype=probs.dtype),
+    )
+    return torch.stack((probs.sum(dim=1), counts), dim=1)
+
+
+def balance_loss(statistics: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The balance loss of :func:`load_balancing_loss` from :func:`balance_statistics`."""
+    prob_sums, counts = statistics.unbind(dim=1)
+    assignments = counts.sum(dim=-1, keepdim=True)  # seq_len * top_k per sequence
+    fraction = counts / assignments
+    mean_probs = prob_sums / (assignments / top_k)
+    return (counts.shape[-1] * (fraction * mean_probs).sum(dim=-1)).mean()
+
+
 def load_balancing_loss(
     probs: torch.Tensor, top_k_index: torch.Tensor, num_experts: int
 ) -> torch.Tensor:
@@ -236,9 +272,10 @@ def load_balancing_loss(
     its ``(token, choice)`` assignments that went to expert ``e`` and ``P_e`` its mean
     router probability (Fedus et al., 2021, eq. 4-6; per sequence as DeepSeek-V3's
     sequence-wise balance loss). Per sequence, so that any mesh that keeps whole
-    sequences on a rank (data, tensor and expert parallel) computes exactly the
-    single-device value as the mean of its ranks' values; a value over 1 means
-    imbalance, 1 is perfect balance.
+    sequences on a rank (data and expert parallel) computes exactly the single-device
+    value as the mean of its ranks' values; ranks that hold slices of the same
+    sequences (tensor parallel) add their :func:`balance_statistics` first. A value
+    over 1 means imbalance, 1 is perfect balance.
 
     Args:
         probs: ``(B, S, E)`` router probabilities.
@@ -248,15 +285,28 @@ def load_balancing_loss(
     Returns:
         A scalar: the mean over the ``B`` sequences.
     """
-    bsz, seq_len, top_k = top_k_index.shape
-    counts = torch.zeros(bsz, num_experts, device=probs.device, dtype=probs.dtype)
-    counts.scatter_add_(
-        1,
-        top_k_index.reshape(bsz, -1),
-        torch.ones_like(top_k_index.reshape(bsz, -1), dtype=probs.dtype),
-    )
-    fraction = counts / (seq_len * top_k)
-    return (num_experts * (fraction * probs.mean(dim=1)).sum(dim=-1)).mean()
+    stats = balance_statistics(probs, top_k_index, num_experts)
+    return balance_loss(stats, top_k_index.shape[-1])
+
+
+class BalanceStatistics(Module):
+    """:func:`balance_statistics` as a module: ``(probs, top_k_index) -> (B, 2, E)``.
+
+    A module of its own so that a sharding can say how the sums of ranks holding
+    slices of the same sequences combine (``Partial`` -> ``Replicate``: one
+    all-reduce), without the model knowing any mesh.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        num_experts: int
+
+    def __init__(self, config: BalanceStatistics.Config) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+
+    def forward(self, probs: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+        return balance_statistics(probs, top_k_index, self.num_experts)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -291,6 +341,7 @@ class MoE(Module):
         router: Router.Config
         experts: GroupedExperts.Config
         aux_loss_coef: float = 0.001
+        balance: BalanceStatistics.Config | None = None
 
     def __init__(self, config: MoE.Config) -> None:
         super().__init__()
@@ -298,6 +349,8 @@ class MoE(Module):
         self.num_experts = config.router.num_experts
         self.router = config.router.build()
         self.experts = config.experts.build()
+        balance = config.balance or BalanceStatistics.Config(num_experts=self.num_experts)
+        self.balance = balance.build()
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -306,9 +359,9 @@ class MoE(Module):
         probs, top_index, top_weights = self.router(tokens)
         out = self.experts(tokens, top_index, top_weights).view(bsz, seq_len, dim)
         if self.aux_loss_coef > 0 and torch.is_grad_enabled():
-            aux = load_balancing_loss(
-                probs.view(bsz, seq_len, -1), top_index.view(bsz, seq_len, -1), self.num_experts
-            )
+            top_index = top_index.view(bsz, seq_len, -1)
+            stats = self.balance(probs.view(bsz, seq_len, -1), top_index)
+            aux = balance_loss(stats, top_index.shape[-1])
             self.aux_loss = aux.detach()
             out = _AttachAuxLoss.apply(out, aux, self.aux_loss_coef)
         return out

@@ -1,25 +1,62 @@
-"""Where the Qwen3-MoE decoder's states live: sharding configs only.
+"""Where the Qwen3-MoE decoder's states and activations live: sharding configs only.
 
-:func:`apply_ep` returns a copy of a ``Transformer.Config`` whose routed experts are
-split over the expert-parallel axis: each ``GroupedExperts`` gets
+Expert parallelism (:func:`apply_ep`): each ``GroupedExperts`` gets
 :func:`~hyper_parallel.distributed.expert_parallel.expert_parallel` (``w1, w2, w3``
-``Shard(0)`` on ``ep``, tokens dispatched to the rank holding their expert). Every
-other state stays an ordinary (data-parallel) tensor; ``model.parallelize(mesh)`` on
-a mesh with an ``ep`` axis applies it.
+``Shard(0)`` on ``ep``, tokens dispatched to the rank holding their expert); a mesh
+with an ``ep`` axis applies it on ``mesh["ep"]``.
+
+Tensor parallelism (:func:`apply_tp`, :func:`apply_tp_sp`): the attention is the
+Llama's Megatron layout (``wq, wk, wv`` column-parallel, ``wo`` row-parallel, the
+attention core a ``local_map`` region on each rank's heads, embedding vocab-parallel,
+logits sharded on the vocabulary); ``q_norm`` and ``k_norm`` normalize each head over
+``head_dim``, so they run on head-sharded activations unchanged (their replicated
+scale's gradient is ``Partial`` over ``tp`` and reduced like any other). The mixture of
+experts runs sequence-parallel: tensor-parallel ranks hold the same tokens, so the
+block takes its input ``Shard(seq)`` on ``tp`` (a local slice, no communication, from
+a replicated residual stream) and every rank routes only its slice. The block is a
+``local_map`` region: the router (and, without expert parallelism, the experts,
+replicated on ``tp``) run on local tensors and their gradients are declared
+``Partial`` on ``tp`` — reduced over the ranks whose tokens produced them. The
+per-sequence balance statistics are sums over a rank's slice, declared ``Partial``
+and reduced to ``Replicate`` (one all-reduce of ``2 x batch x num_experts`` values),
+so the balance loss equals one device's. The block's output goes back to the
+residual layout: an all-gather on the sequence under plain TP, nothing under SP.
+
+With ``ep`` and ``tp`` together, ``ep`` borrows the ``tp`` ranks (the layout puts
+``ep`` innermost): each rank dispatches its own slice of the sequence, so no token
+is sent twice.
 """
 
 from __future__ import annotations
 
 import copy
 
+from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
 from hyper_parallel.distributed.expert_parallel import expert_parallel
-from hyper_parallel.dmodule.types import MeshAxisName
-from hyper_parallel.models.qwen3_moe.model import Transformer
+from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
+from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
+from hyper_parallel.models.llama.sharding import (
+    _check_heads,
+    _check_not_applied,
+    _colwise,
+    _norm,
+    _put,
+    _rowwise,
+)
+from hyper_parallel.models.qwen3_moe.model import (
+    BalanceStatistics,
+    Transformer,
+    TransformerBlock,
+)
 
-__all__ = ["EXPERT_PARAMS", "apply_ep", "check_ep"]
+__all__ = ["EXPERT_PARAMS", "apply_ep", "apply_tp", "apply_tp_sp", "check_ep"]
 
 EXPERT_PARAMS = ("w1", "w2", "w3")
 """The stacked weights of one layer's experts."""
+
+# Activation layouts: (batch, seq, dim) and, inside attention, (batch, seq, heads, head_dim).
+_SEQ_DIM = 1
+_HEADS_DIM = 2
 
 
 def apply_ep(
@@ -28,6 +65,9 @@ def apply_ep(
     axis: MeshAxisName | str = MeshAxisName.EP,
 ) -> Transformer.Config:
     """Expert parallelism on mesh axis ``axis``: each rank holds ``num_experts / ep`` experts.
+
+    Composes with :func:`apply_tp` in either order: the experts leave the tensor-parallel
+    block's replicated states and move to ``axis``.
 
     Args:
         config: The model config; it is not changed.
@@ -45,8 +85,192 @@ def apply_ep(
     """
     new = copy.deepcopy(config)
     for layer in new.layers:
+        # Replaces the tensor-parallel layout's replicated experts, if any.
         layer.moe.experts.sharding_config = expert_parallel(EXPERT_PARAMS, axis=axis)
     return new
+
+
+def apply_tp(
+    config: Transformer.Config,
+    *,
+    axis: MeshAxisName | str = MeshAxisName.TP,
+    tp_size: int | None = None,
+) -> Transformer.Config:
+    """Tensor parallelism on ``axis``: Megatron attention, sequence-parallel experts.
+
+    The residual stream is replicated on ``axis``; see the module docstring for the
+    layout of each part.
+
+    Args:
+        config: The model config; it is not changed.
+        axis: Name of the tensor-parallel mesh axis.
+        tp_size: When given, checked to divide the head counts (a head is never split).
+
+    Returns:
+        A new config with sharding configs attached.
+
+    Raises:
+        ValueError: If ``tp_size`` does not divide the query or key/value head count,
+            or the config already places ``axis``.
+
+    Example:
+        >>> from hyper_parallel.models.qwen3_moe import preset_config
+        >>> model = apply_tp(preset_config("qwen3-moe-debug")).build()
+        >>> # model.parallelize(mesh)  # a DeviceMesh with an axis named "tp"
+    """
+    return _tensor_parallel(config, axis, tp_size, sequence_parallel=False)
+
+
+def apply_tp_sp(
+    config: Transformer.Config,
+    *,
+    axis: MeshAxisName | str = MeshAxisName.TP,
+    tp_size: int | None = None,
+) -> Transformer.Config:
+    """Tensor plus sequence parallelism: as :func:`apply_tp`, residual stream ``Shard(1)``.
+
+    The mixture of experts then needs no communication on ``axis`` at its boundary.
+
+    Example:
+        >>> from hyper_parallel.models.qwen3_moe import preset_config
+        >>> model = apply_tp_sp(preset_config("qwen3-moe-debug")).build()
+    """
+    return _tensor_parallel(config, axis, tp_size, sequence_parallel=True)
+
+
+def _tensor_parallel(
+    config: Transformer.Config,
+    axis: MeshAxisName | str,
+    tp_size: int | None,
+    *,
+    sequence_parallel: bool,
+) -> Transformer.Config:
+    if tp_size is not None:
+        _check_heads(config, tp_size)  # type: ignore[arg-type]  # same attention fields
+    _check_not_applied(config, axis, "apply_tp_sp" if sequence_parallel else "apply_tp")  # type: ignore[arg-type]
+    replicated: NamedPlacement = {axis: Replicate()}
+    seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
+    residual = seq if sequence_parallel else replicated
+    hand_off = not sequence_parallel
+    new = copy.deepcopy(config)
+    _put(
+        new.tok_embeddings,
+        ShardingConfig(
+            state_shardings={"weight": {axis: Shard(0)}},
+            in_dst_shardings={"input": replicated},
+            out_dst_shardings=residual,
+        ),
+        "tok_embeddings",
+    )
+    _put(new.rope, ShardingConfig(state_shardings={"cos": replicated, "sin": replicated}), "rope")
+    heads: NamedPlacement = {axis: Shard(_HEADS_DIM)}
+    for i, layer in enumerate(new.layers):
+        p = f"layers.{i}"
+        attention = layer.attention
+        _put(layer.attention_norm, _norm(residual, replicated, hand_off), f"{p}.attention_norm")
+        _put(
+            attention,
+            ShardingConfig(in_src_shardings={"x": residual}, in_dst_shardings={"x": replicated}),
+            f"{p}.attention",
+        )
+        for name in ("wq", "wk", "wv"):
+            _put(
+                getattr(attention, name),
+                _colwise(getattr(attention, name), axis),
+                f"{p}.attention.{name}",
+            )
+        _put(attention.wo, _rowwise(axis, residual), f"{p}.attention.wo")
+        for name in ("q_norm", "k_norm"):  # per head: runs on this rank's heads
+            _put(
+                getattr(attention, name),
+                ShardingConfig(
+                    state_shardings={"weight": replicated}, in_dst_shardings={"x": heads}
+                ),
+                f"{p}.attention.{name}",
+            )
+        _put(
+            attention.inner_attention,
+            ShardingConfig(
+                in_dst_shardings={"q": heads, "k": heads, "v": heads},
+                out_src_shardings=heads,
+                local_map=LocalMapConfig(in_grad_placements=(heads, heads, heads)),
+            ),
+            f"{p}.attention.inner_attention",
+        )
+        _moe_tensor_parallel(layer, axis, residual, seq, p)
+    _put(new.norm, _norm(residual, replicated, hand_off), "norm")
+    _put(new.output, _colwise(new.output, axis, in_src={"input": residual}), "output")
+    return new
+
+
+def _moe_tensor_parallel(
+    layer: TransformerBlock.Config,
+    axis: MeshAxisName | str,
+    residual: NamedPlacement,
+    seq: NamedPlacement,
+    path: str,
+) -> None:
+    """The mixture of experts on this rank's slice of the sequence (see the module docstring).
+
+    ``ffn_norm`` hands the block its slice as a local tensor (``Shard(seq)``, then
+    ``use_local_output``: a local slice from a replicated stream, nothing under SP; in
+    backward the slices' gradients are all-gathered). The router re-enters DTensor on
+    its tokens (``Shard(0)``) with a replicated weight, so its weight gradient is
+    ``Partial`` on ``axis``; the experts, when not dispatched over ``ep``, are a
+    ``local_map`` region with replicated weights, whose gradients are declared
+    ``Partial`` the same way. The balance statistics are declared ``Partial`` and
+    reduced. The block's local output re-enters as ``Shard(seq)`` and goes back to the
+    residual layout.
+    """
+    moe = layer.moe
+    tokens: NamedPlacement = {axis: Shard(0)}
+    replicated: NamedPlacement = {axis: Replicate()}
+    _put(
+        layer.ffn_norm,
+        ShardingConfig(
+            state_shardings={"weight": replicated},
+            in_dst_shardings={"x": residual},
+            out_dst_shardings=seq,
+            use_local_output=True,
+        ),
+        f"{path}.ffn_norm",
+    )
+    _put(
+        moe.router,
+        ShardingConfig(
+            state_shardings={"weight": replicated},
+            in_src_shardings={"x": tokens},
+            use_local_output=True,
+        ),
+        f"{path}.moe.router",
+    )
+    if moe.experts.sharding_config is None:  # not (yet) dispatched over ep: replicated
+        moe.experts.sharding_config = _replicated_experts(axis)
+    moe.balance = BalanceStatistics.Config(
+        num_experts=moe.router.num_experts,
+        sharding_config=ShardingConfig(
+            out_src_shardings={axis: Partial()},
+            out_dst_shardings=replicated,
+            use_local_output=True,
+        ),
+    )
+    _put(
+        moe,
+        ShardingConfig(out_src_shardings=seq, out_dst_shardings=residual),
+        f"{path}.moe",
+    )
+
+
+def _replicated_experts(axis: MeshAxisName | str) -> ShardingConfig:
+    """Every expert on every ``axis`` rank, run on the rank's own tokens (``Shard(0)``)."""
+    tokens: NamedPlacement = {axis: Shard(0)}
+    return ShardingConfig(
+        state_shardings={w: {axis: Replicate()} for w in EXPERT_PARAMS},
+        in_src_shardings={"x": tokens, "top_k_index": tokens, "top_k_weights": tokens},
+        out_src_shardings=tokens,
+        use_local_output=True,
+        local_map=LocalMapConfig(in_grad_placements=(tokens, tokens, tokens)),
+    )
 
 
 def check_ep(config: Transformer.Config, ep_size: int) -> None:
