@@ -569,12 +569,58 @@ def rescale_expert_grads(model: nn.Module, layout: MeshLayout) -> None:
                 p.grad.div_(factor)
 
 
+_REFUSED_WITH_EP = {
+    "cp": (
+        "the routed tokens of a context-parallel rank are a head-tail slice of each "
+        "sequence, and the per-sequence balance statistics and the expert gradients "
+        "would have to be reduced over cp as well (not implemented)",
+        "give the cp ranks to dp_shard (e.g. dp_shard={dp_shard_cp},ep={ep}), or use cp without ep",
+    ),
+    "dp_replicate": (
+        "the expert states are sharded over efsdp only; their gradients would not be "
+        "all-reduced over the replicas (HSDP for experts needs a (dp_replicate, efsdp) "
+        "mesh, not built)",
+        "give the replicas to dp_shard (e.g. dp_shard={dp_shard_rep},ep={ep}): FSDP "
+        "over all data ranks",
+    ),
+    "pp": (
+        "pipeline stages are built without the routed-experts dispatch",
+        "leave pp out of the mesh and give its ranks to dp_shard",
+    ),
+}
+
+
 def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
-    """Mesh combinations expert parallelism does not run, each refused with the alternative."""
+    """Mesh combinations expert parallelism does not run, each refused with the alternative.
+
+    ``ep`` with ``dp_shard`` and ``tp`` runs when ``ep`` takes whole tensor-parallel
+    groups (``ep`` a multiple of ``tp``): each tp rank routes its own slice of the
+    sequence, and the expert replicas are the efsdp ranks, which FSDP2 reduces.
+    """
     if layout.ep == 1:
         return []
     out = []
-    for axis in ("tp", "cp", "dp_replicate", "pp"):
+    if layout.tp > 1 and layout.ep % layout.tp:
+        out.append(
+            Finding(
+                "error",
+                "mesh",
+                "ep",
+                f"ep={layout.ep} with tp={layout.tp}: expert parallelism borrows whole "
+                "tensor-parallel groups (each tp rank routes its own slice of the sequence); "
+                "an ep group that splits a tp group leaves ranks of one tp group holding the "
+                "same experts, whose gradients the trainer does not reduce or scale (not "
+                "implemented).",
+                f"use an ep that is a multiple of tp={layout.tp} and divides dp_shard x tp = "
+                f"{layout.dp_shard * layout.tp} (e.g. ep={layout.tp}).",
+            )
+        )
+    sizes = {
+        "ep": layout.ep,
+        "dp_shard_cp": layout.dp_shard * layout.cp,
+        "dp_shard_rep": layout.dp_shard * layout.dp_replicate,
+    }
+    for axis, (reason, fix) in _REFUSED_WITH_EP.items():
         size = layout.size(axis)
         if size > 1:
             out.append(
@@ -582,11 +628,8 @@ def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
                     "error",
                     "mesh",
                     "ep",
-                    f"ep={layout.ep} with {axis}={size}: expert parallelism runs with dp_shard "
-                    f"only (ep borrowing from dp_shard); with {axis} > 1 the routed tokens would "
-                    "be duplicated or their experts' gradients left unreduced.",
-                    f"leave {axis} out of the mesh and give its ranks to dp_shard "
-                    f"(e.g. dp_shard={layout.dp_shard * size},ep={layout.ep}).",
+                    f"ep={layout.ep} with {axis}={size}: {reason}.",
+                    fix.format(**sizes) + ".",
                 )
             )
     return out
