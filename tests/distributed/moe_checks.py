@@ -288,7 +288,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def tp_model_parity(mesh_text: str, sequence_parallel: bool = False) -> dict[str, Any]:
+def tp_model_parity(
+    mesh_text: str, sequence_parallel: bool = False, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The debug MoE with tensor parallelism (and ``ep`` borrowing tp ranks) vs one device.
 
     Dense states are DTensors on ``tp`` (their gradients made full with ``full_tensor``,
@@ -304,7 +306,7 @@ def tp_model_parity(mesh_text: str, sequence_parallel: bool = False) -> dict[str
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
     spec = get_spec("qwen3-moe-debug")
-    config = spec.config()
+    config = spec.config(**(overrides or {}))
     torch.manual_seed(0)
     reference = config.build()
     reference.init_states()

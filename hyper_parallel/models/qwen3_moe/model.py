@@ -58,7 +58,13 @@ __all__ = [
 
 
 class Attention(Module):
-    """Grouped-query self-attention with per-head RMSNorm on queries and keys, then RoPE."""
+    """Grouped-query self-attention with per-head RMSNorm on queries and keys, then RoPE.
+
+    With ``repeat_kv`` each key/value head is materialized once per query head it
+    serves before the attention core (grouped-query attention written as multi-head
+    attention: the same numbers); a tensor-parallel layout with more ranks than
+    key/value heads needs it, so that every rank's query heads find their keys.
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -70,10 +76,12 @@ class Attention(Module):
         q_norm: RMSNorm.Config
         k_norm: RMSNorm.Config
         inner_attention: ScaledDotProductAttention.Config
+        repeat_kv: bool = False
 
     def __init__(self, config: Attention.Config) -> None:
         super().__init__()
         self.head_dim = config.head_dim
+        self.repeat_kv = config.repeat_kv
         self.wq, self.wk, self.wv, self.wo = (
             c.build() for c in (config.wq, config.wk, config.wv, config.wo)
         )
@@ -85,7 +93,18 @@ class Attention(Module):
         q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        if self.repeat_kv:
+            k, v = _repeat_heads(k, q.shape[2]), _repeat_heads(v, q.shape[2])
         return self.wo(self.inner_attention(q, k, v).flatten(-2))
+
+
+def _repeat_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, S, H_kv, D) -> (B, S, num_heads, D)``: head ``h`` serves query heads
+    ``h * g .. (h + 1) * g - 1`` with ``g = num_heads / H_kv`` (grouped-query order)."""
+    bsz, seq_len, kv_heads, head_dim = x.shape
+    groups = num_heads // kv_heads
+    x = x.unsqueeze(3).expand(bsz, seq_len, kv_heads, groups, head_dim)
+    return x.reshape(bsz, seq_len, num_heads, head_dim)
 
 
 class Router(Module):

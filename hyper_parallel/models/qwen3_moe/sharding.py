@@ -36,7 +36,6 @@ from hyper_parallel.distributed.expert_parallel import expert_parallel
 from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
 from hyper_parallel.models.llama.sharding import (
-    _check_heads,
     _check_not_applied,
     _colwise,
     _norm,
@@ -145,8 +144,7 @@ def _tensor_parallel(
     *,
     sequence_parallel: bool,
 ) -> Transformer.Config:
-    if tp_size is not None:
-        _check_heads(config, tp_size)  # type: ignore[arg-type]  # same attention fields
+    split_kv = tp_size is None or _check_heads(config, tp_size)
     _check_not_applied(config, axis, "apply_tp_sp" if sequence_parallel else "apply_tp")  # type: ignore[arg-type]
     replicated: NamedPlacement = {axis: Replicate()}
     seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
@@ -173,18 +171,19 @@ def _tensor_parallel(
             ShardingConfig(in_src_shardings={"x": residual}, in_dst_shardings={"x": replicated}),
             f"{p}.attention",
         )
-        for name in ("wq", "wk", "wv"):
-            _put(
-                getattr(attention, name),
-                _colwise(getattr(attention, name), axis),
-                f"{p}.attention.{name}",
-            )
+        _put(attention.wq, _colwise(attention.wq, axis), f"{p}.attention.wq")
+        for name in ("wk", "wv"):
+            linear = getattr(attention, name)
+            kv = _colwise(linear, axis) if split_kv else _replicated_linear(axis)
+            _put(linear, kv, f"{p}.attention.{name}")
+        attention.repeat_kv = attention.repeat_kv or not split_kv
         _put(attention.wo, _rowwise(axis, residual), f"{p}.attention.wo")
-        for name in ("q_norm", "k_norm"):  # per head: runs on this rank's heads
+        # Per head, so each runs on this rank's heads (keys replicated when not split).
+        for name, layout in (("q_norm", heads), ("k_norm", heads if split_kv else replicated)):
             _put(
                 getattr(attention, name),
                 ShardingConfig(
-                    state_shardings={"weight": replicated}, in_dst_shardings={"x": heads}
+                    state_shardings={"weight": replicated}, in_dst_shardings={"x": layout}
                 ),
                 f"{p}.attention.{name}",
             )
@@ -201,6 +200,35 @@ def _tensor_parallel(
     _put(new.norm, _norm(residual, replicated, hand_off), "norm")
     _put(new.output, _colwise(new.output, axis, in_src={"input": residual}), "output")
     return new
+
+
+def _check_heads(config: Transformer.Config, tp_size: int) -> bool:
+    """Raise unless ``tp_size`` divides the query heads; return whether it divides the
+    key/value heads too (else every rank computes all keys and values and repeats them
+    per query head, as Megatron-LM does with fewer key/value heads than ranks)."""
+    split_kv = True
+    for i, layer in enumerate(config.layers):
+        attention = layer.attention
+        num_heads = attention.wq.out_features // attention.head_dim
+        num_kv_heads = attention.wk.out_features // attention.head_dim
+        if num_heads % tp_size:
+            raise ValueError(
+                f"layers.{i}.attention: {num_heads} query heads cannot be split over "
+                f"tp_size={tp_size} ranks (each rank holds whole heads); use a tp size that "
+                f"divides {num_heads}."
+            )
+        split_kv = split_kv and num_kv_heads % tp_size == 0
+    return split_kv
+
+
+def _replicated_linear(axis: MeshAxisName | str) -> ShardingConfig:
+    """A projection every ``axis`` rank computes whole (key/value heads fewer than ranks)."""
+    replicated: NamedPlacement = {axis: Replicate()}
+    return ShardingConfig(
+        state_shardings={"weight": replicated},
+        in_dst_shardings={"input": replicated},
+        out_dst_shardings=replicated,
+    )
 
 
 def _moe_tensor_parallel(
