@@ -271,7 +271,7 @@ def trainer_parity(mesh_text: str) -> dict[str, float]:
     ref_loss = cross_entropy_loss(reference(tokens[:, :-1]), tokens[:, 1:])
     ref_loss.backward()
     rows = _batch_rows(mesh, BATCH)
-    loss = cross_entropy_loss(model(tokens[rows, :-1]), tokens[rows, 1:])
+    loss = _full(cross_entropy_loss(model(tokens[rows, :-1]), tokens[rows, 1:]))
     loss.backward()
     rescale_expert_grads(model, layout)
     ref = dict(reference.named_parameters())

@@ -83,3 +83,36 @@ def test_trainer_build_at_dp_shard2_ep2_equals_one_device(dist) -> None:
     for diffs in dist.run(moe_checks.trainer_parity, "dp_shard=2,ep=2"):
         worst = max(diffs.items(), key=lambda kv: kv[1])
         assert worst[1] < TOL, worst
+
+
+def _assert_tp_layout(r: dict, ep: bool) -> None:
+    layers = r["num_layers"]
+    for i in range(layers):
+        for w in ("w1", "w2", "w3"):
+            # Dispatched over ep, else replicated on tp (each rank runs its own tokens).
+            expected = (("ep",), "[Shard(dim=0)]") if ep else (("tp",), "[Replicate()]")
+            assert r["placements"][f"layers.{i}.moe.experts.{w}"] == expected
+        assert r["placements"][f"layers.{i}.moe.router.weight"] == (("tp",), "[Replicate()]")
+        assert r["placements"][f"layers.{i}.attention.wq.weight"] == (("tp",), "[Shard(dim=0)]")
+    a2a = ({"all_to_all_single": 3 * layers}, {"all_to_all_single": 2 * layers}) if ep else ({}, {})
+    forward = {k: v for k, v in r["forward_comms"].items() if k == "all_to_all_single"}
+    backward = {k: v for k, v in r["backward_comms"].items() if k == "all_to_all_single"}
+    assert (forward, backward) == a2a
+
+
+@pytest.mark.parametrize(
+    ("mesh", "sequence_parallel", "overrides"),
+    [
+        ("tp=2,ep=2", False, None),
+        ("tp=2,ep=2", True, None),
+        ("tp=2", False, {"num_kv_heads": 1}),  # experts replicated; keys/values repeated
+    ],
+    ids=["tp2_ep2", "tp2_ep2_sp", "tp2_one_kv_head"],
+)
+def test_tensor_parallel_moe_with_ep_borrowing_tp_equals_one_device(
+    dist, mesh, sequence_parallel, overrides
+) -> None:
+    results = dist.run(moe_checks.tp_model_parity, mesh, sequence_parallel, overrides)
+    for r in results:
+        _assert_close(r, ("logits", "loss", "aux"))
+        _assert_tp_layout(r, ep="ep" in mesh)

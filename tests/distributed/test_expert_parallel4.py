@@ -1,4 +1,5 @@
-"""Expert parallelism on 4 gloo ranks, against one device: ep=4, and ep=2 with efsdp=2.
+"""Expert parallelism on 4 gloo ranks, against one device: ep=4, ep=2 with efsdp=2, and
+dp_shard=2 x tp=2 with ep borrowing the tp ranks (ep=2) or tp and dp_shard ranks (ep=4).
 
 At ``dp_shard=4,ep=2`` each expert lives on two ranks (the efsdp group, here reduced
 by hand as FSDP2 would); every rank reads its own rows of the batch.
@@ -26,6 +27,21 @@ def test_debug_moe_equals_one_device(dist, mesh: str) -> None:
         layers = r["num_layers"]
         assert r["forward_comms"] == {"all_to_all_single": 3 * layers}
         assert r["backward_comms"] == {"all_to_all_single": 2 * layers}
+
+
+@pytest.mark.parametrize("mesh", ["dp_shard=2,tp=2,ep=2", "dp_shard=2,tp=2,ep=4"])
+def test_tensor_parallel_moe_with_ep_borrowing_tp_equals_one_device(dist, mesh: str) -> None:
+    # ep=2: the ep groups are the tp groups; ep=4: one ep group spans tp and dp_shard.
+    for r in dist.run(moe_checks.tp_model_parity, mesh):
+        for key in ("logits", "loss", "aux"):
+            assert r[key] < TOL, (key, r[key])
+        worst = max(r["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst
+        layers = r["num_layers"]
+        assert r["forward_comms"]["all_to_all_single"] == 3 * layers
+        assert r["backward_comms"]["all_to_all_single"] == 2 * layers
+        assert r["placements"]["layers.0.moe.experts.w1"] == (("ep",), "[Shard(dim=0)]")
+        assert r["placements"]["layers.0.attention.wo.weight"] == (("tp",), "[Shard(dim=1)]")
 
 
 def test_ep4_zero_tokens_for_whole_ranks(dist) -> None:
@@ -62,7 +78,7 @@ def test_checkpoint_saved_at_ep4_loads_at_ep2_and_in_one_process_bitwise(dist, t
         assert torch.equal(state[name], value), name
 
 
-@pytest.mark.parametrize("mesh", ["dp_shard=4,ep=2", "dp_shard=4,ep=4"])
+@pytest.mark.parametrize("mesh", ["dp_shard=4,ep=2", "dp_shard=4,ep=4", "dp_shard=2,tp=2,ep=2"])
 def test_trainer_build_with_fsdp_over_efsdp_equals_one_device(dist, mesh: str) -> None:
     for diffs in dist.run(moe_checks.trainer_parity, mesh):
         worst = max(diffs.items(), key=lambda kv: kv[1])

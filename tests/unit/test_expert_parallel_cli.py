@@ -46,8 +46,9 @@ def test_plan_json_lists_experts_apart_and_the_all_to_alls(capsys) -> None:
     ("mesh", "message"),
     [
         ("dp_shard=3,ep=3", "8 experts cannot be split over ep=3 ranks"),
-        ("dp_shard=2,tp=2,ep=2", "ep=2 with tp=2: expert parallelism runs with dp_shard only"),
-        ("dp_replicate=2,dp_shard=2,ep=2", "ep=2 with dp_replicate=2"),
+        ("dp_shard=2,tp=4,ep=2", "ep=2 with tp=4: expert parallelism borrows whole"),
+        ("dp_shard=2,tp=2,ep=4,cp=2", "ep=4 with cp=2: the routed tokens"),
+        ("dp_replicate=2,dp_shard=2,ep=2", "ep=2 with dp_replicate=2: the expert states are"),
     ],
 )
 def test_trainer_gate_refuses_what_expert_parallelism_does_not_run(mesh, message) -> None:
@@ -62,7 +63,14 @@ def test_trainer_gate_refuses_what_expert_parallelism_does_not_run(mesh, message
 
 
 def test_trainer_gate_accepts_expert_parallel_meshes() -> None:
-    for mesh in ({"dp_shard": 2, "ep": 2}, {"dp_shard": 4, "ep": 2}, {"dp_shard": 8, "ep": 8}):
+    for mesh in (
+        {"dp_shard": 2, "ep": 2},
+        {"dp_shard": 4, "ep": 2},
+        {"dp_shard": 8, "ep": 8},
+        {"dp_shard": 2, "tp": 2, "ep": 2},
+        {"dp_shard": 2, "tp": 2, "ep": 4},
+        {"tp": 2},
+    ):
         assert check_config(TrainConfig(model="qwen3-moe-debug", mesh=mesh)) == []
 
 
@@ -73,3 +81,26 @@ def test_validate_cli_reports_the_expert_split(capsys) -> None:
     assert code == 1
     assert "8 experts cannot be split over ep=3 ranks" in out
     assert "use an ep size that divides 8 (1, 2, 4, 8)" in out
+
+
+def test_plan_json_with_tp_and_ep_borrowing_tp(capsys) -> None:
+    code, out, _ = _run(
+        capsys,
+        ["plan", "--model", "qwen3-moe-debug", "--mesh", "dp_shard=2,tp=2,ep=2", "--batch", "2",
+         "--seq", "16", "--format", "json"],
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    config = preset_config("qwen3-moe-debug")
+    assert report["num_params"] == num_params(config)
+    assert report["plan_axes"] == ["tp"]
+    memory = report["per_rank_bytes"]
+    # Experts: Shard(0) over ep=2 (the tp ranks), FSDP2 over efsdp=2 (dp_shard).
+    assert memory["experts"]["params"] == num_expert_params(config) * 4 // 4
+    a2a = {c["phase"]: c for c in report["collectives"] if c["kind"] == "all_to_all"}
+    assert (a2a["forward"]["count"], a2a["backward"]["count"]) == (6, 4)
+    # Each tp rank dispatches its half of the sequence: half the routed bytes of tp=1.
+    routed = 2 * 8 * 2 * 64 * 4  # batch x seq per tp rank x top_k x dim, fp32
+    assert a2a["backward"]["bytes"] == 2 * 2 * routed
+    tp = {(c["kind"], c["phase"]) for c in report["collectives"] if c["axis"] == "tp"}
+    assert ("all_reduce", "forward") in tp  # row-parallel outputs and balance statistics
