@@ -8,7 +8,9 @@ a. framework overhead per call, fake process group, tp=8 (``bench_boundary.py``)
 b. the same MLP on real gloo ranks, tp=2 and tp=4, small and medium activations;
 c. a training step of the debug Llama at dp=2 x tp=2 (``bench_train_step.py``);
 d. collectives and bytes per step, TP and TP+SP, vs the minimum (``bench_comms.py``);
-e. peak memory to initialize a model larger than a rank's share (``bench_init_memory.py``).
+e. peak memory to initialize a model larger than a rank's share (``bench_init_memory.py``);
+m. mixture of experts: the MoE layer at ep=2/4 vs a hand-written dispatch, and tokens/s of
+   the debug MoE training step (``bench_moe.py``).
 
 Each comparison interleaves its contenders in one run and reports medians, min-max
 and ratios. Nothing here is a test: numbers depend on the machine and its load.
@@ -210,6 +212,46 @@ def section_memory(result: dict[str, Any], charts: list[str]) -> str:
 # --------------------------------------------------------------------------- charts
 
 
+def section_moe(result: dict[str, Any], charts: list[str]) -> str:
+    """(m) mixture of experts."""
+    shape = result["shape"]
+    lines = [
+        "## m. Mixture of experts — expert-parallel dispatch on gloo (`bench_moe.py`)",
+        "",
+        f"One MoE layer ({shape['num_experts']} experts, top-{shape['top_k']}, dim "
+        f"{shape['dim']}, expert hidden {shape['hidden_dim']}; {shape['batch']} x "
+        f"{shape['seq']} tokens per rank), forward + backward, on ep gloo ranks. Ours: the "
+        "Qwen3-MoE `MoE` with its experts parallelized by `expert_parallel(...)`; "
+        "hand-written: plain tensors, `torch.distributed.all_to_all_single` for counts, "
+        "dispatch and combine, the same router and expert maths. us per call (slowest "
+        "rank); the outputs and expert gradients of both are compared once.",
+        "",
+        "| ep | ours | hand-written | ours/hand | max abs diff (out / w1 grad) |",
+        "| ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in result["layer"]:
+        t = r["times_us"]
+        ratio = statistics.median(t["ours"]) / statistics.median(t["hand-written"])
+        lines.append(
+            f"| {r['ep']} | {_fmt(t['ours'])} | {_fmt(t['hand-written'])} | **{ratio:.2f}** | "
+            f"{r['max_out_diff']:.1e} / {r['w1_grad_diff']:.1e} |"
+        )
+    lines += [
+        "",
+        "Training step of `qwen3-moe-debug` through the trainer's build (experts on ep, "
+        "FSDP2 on fsdp / efsdp, AdamW):",
+        "",
+        "| mesh | ms per step (median, min-max) | tokens/s |",
+        "| --- | ---: | ---: |",
+    ]
+    for s in result["step"]:
+        lines.append(
+            f"| {s['mesh']} (batch {s['global_batch']} x {s['seq']}) | "
+            f"{_fmt(s['step_ms'], 1)} | {s['tokens_per_s']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _plt() -> Any:
     import matplotlib
 
@@ -355,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
-        "--only", nargs="+", choices=list("abcde"), default=list("abcde"), help="sections"
+        "--only", nargs="+", choices=list("abcdem"), default=list("abcdem"), help="sections"
     )
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -391,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "d": ("bench_comms.py", ["--tp", "4"], 240, section_comms),
         "e": ("bench_init_memory.py", ["--tp", "8"], 300, section_memory),
+        "m": (
+            "bench_moe.py",
+            ["--reps", gloo_reps, "--step-reps", "3" if args.quick else "6"],
+            600,
+            section_moe,
+        ),
     }
     print(f"benchmarks on {header}", flush=True)
     with tempfile.TemporaryDirectory(prefix="hp_bench_") as tmp:

@@ -13,9 +13,10 @@ which replaces the module's forward at parallelize time with:
 2. exchange the counts (one ``all_to_all_single`` of ``num_experts`` integers);
 3. send each token to the rank holding its expert (``all_to_all_single`` with uneven
    splits, autograd-aware: torch's functional collectives);
-4. run the module's own ``forward`` on the local expert weights, tokens in
-   local-expert-major blocks, each routed once with weight one (the experts' maths is
-   the module's, grouped GEMM or loop alike);
+4. run the module's own ``forward`` on the local expert weights, each received token
+   routed once with weight one to its local expert (the module sorts them
+   expert-major and returns them in the order given; the experts' maths is the
+   module's, grouped GEMM or loop alike);
 5. send the results back (the transposed ``all_to_all_single``) and combine them with
    the router weights, in the order the single-device module uses.
 
@@ -411,12 +412,11 @@ class RoutedExpertsDispatch:
         local_ids = torch.repeat_interleave(
             self._local_expert_ids(x.device), recv_counts, output_size=sum(recv_splits)
         )
-        perm = torch.argsort(local_ids, stable=True)  # -> local-expert-major blocks
-        y = self._run_local(received[perm], local_ids[perm])
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        # The module sorts its tokens expert-major itself and returns them in the order
+        # given, so the received blocks go in and come back as they are.
+        y = self._run_local(received, local_ids)
         # (3) combine: results back to the ranks the tokens came from.
-        back = funcol.all_to_all_single_autograd(y[inverse], send_splits, recv_splits, self.group)
+        back = funcol.all_to_all_single_autograd(y, send_splits, recv_splits, self.group)
         back = funcol.wait_tensor(back)
         weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, token_of, weighted.to(x.dtype))

@@ -8,19 +8,24 @@ with an ``ep`` axis applies it on ``mesh["ep"]``.
 Tensor parallelism (:func:`apply_tp`, :func:`apply_tp_sp`): the attention is the
 Llama's Megatron layout (``wq, wk, wv`` column-parallel, ``wo`` row-parallel, the
 attention core a ``local_map`` region on each rank's heads, embedding vocab-parallel,
-logits sharded on the vocabulary); ``q_norm`` and ``k_norm`` normalize each head over
-``head_dim``, so they run on head-sharded activations unchanged (their replicated
-scale's gradient is ``Partial`` over ``tp`` and reduced like any other). The mixture of
-experts runs sequence-parallel: tensor-parallel ranks hold the same tokens, so the
-block takes its input ``Shard(seq)`` on ``tp`` (a local slice, no communication, from
-a replicated residual stream) and every rank routes only its slice. The block is a
-``local_map`` region: the router (and, without expert parallelism, the experts,
-replicated on ``tp``) run on local tensors and their gradients are declared
-``Partial`` on ``tp`` — reduced over the ranks whose tokens produced them. The
-per-sequence balance statistics are sums over a rank's slice, declared ``Partial``
-and reduced to ``Replicate`` (one all-reduce of ``2 x batch x num_experts`` values),
-so the balance loss equals one device's. The block's output goes back to the
-residual layout: an all-gather on the sequence under plain TP, nothing under SP.
+logits sharded on the vocabulary; with fewer key/value heads than ranks, ``wk`` and
+``wv`` are replicated and their heads repeated per query head). ``q_norm`` and
+``k_norm`` normalize each head over ``head_dim``, so they run on head-sharded
+activations unchanged (their replicated scale's gradient is ``Partial`` on ``tp`` and
+reduced like any other).
+
+The mixture of experts runs sequence-parallel: tensor-parallel ranks hold the same
+tokens, so ``ffn_norm`` hands the block its ``Shard(seq)`` slice as a local tensor (a
+local slice of a replicated residual stream: no communication; under SP the stream is
+already split) and every rank routes only its slice. The router re-enters DTensor on
+its tokens with a replicated weight, so its weight gradient is ``Partial`` on ``tp``
+(reduced over the ranks whose tokens produced it); without expert parallelism the
+experts are a ``local_map`` region with replicated weights and ``Partial`` gradients
+the same way. The per-sequence balance statistics are sums over a rank's slice,
+declared ``Partial`` and reduced to ``Replicate`` (one all-reduce of ``2 x batch x
+num_experts`` values), so the balance loss equals one device's. The block's output
+re-enters as ``Shard(seq)`` and goes back to the residual layout: an all-gather under
+plain TP, nothing under SP.
 
 With ``ep`` and ``tp`` together, ``ep`` borrows the ``tp`` ranks (the layout puts
 ``ep`` innermost): each rank dispatches its own slice of the sequence, so no token
@@ -103,14 +108,16 @@ def apply_tp(
     Args:
         config: The model config; it is not changed.
         axis: Name of the tensor-parallel mesh axis.
-        tp_size: When given, checked to divide the head counts (a head is never split).
+        tp_size: When given, checked to divide the query heads (a head is never
+            split); when it does not divide the key/value heads, keys and values are
+            computed whole on every rank and repeated per query head.
 
     Returns:
         A new config with sharding configs attached.
 
     Raises:
-        ValueError: If ``tp_size`` does not divide the query or key/value head count,
-            or the config already places ``axis``.
+        ValueError: If ``tp_size`` does not divide the query heads, or the config
+            already places ``axis``.
 
     Example:
         >>> from hyper_parallel.models.qwen3_moe import preset_config
