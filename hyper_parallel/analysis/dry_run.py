@@ -549,9 +549,12 @@ def _trace_step(
     if fsdp_mesh is not None:
         efsdp = world["efsdp"]
         mp_policy = precision.fsdp_policy(dtype)
+        expert_mesh = world.expert_fsdp_mesh()  # efsdp; HSDP (edp_replicate, efsdp) with replicas
         for e in experts:  # expert states: FSDP over efsdp, before the blocks take the rest
             placement = expert_shard_placement(e.module, efsdp.size())
-            fully_shard(e.module, mesh=efsdp, shard_placement_fn=placement, mp_policy=mp_policy)
+            fully_shard(
+                e.module, mesh=expert_mesh, shard_placement_fn=placement, mp_policy=mp_policy
+            )
         units = apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy)
     modules = _module_shards(model, types)
     recorder = CollectiveRecorder(axis_groups(world))

@@ -515,12 +515,12 @@ def shard_experts(model: nn.Module, mesh: ParallelMesh, **fully_shard_kwargs: An
     from torch.distributed.fsdp import fully_shard
 
     _, experts = expert_entries(model)
-    efsdp = mesh["efsdp"]
+    fsdp_mesh = mesh.expert_fsdp_mesh()  # efsdp, or (edp_replicate, efsdp) with replicas
     for entry in experts:
         fully_shard(
             entry.module,
-            mesh=efsdp,
-            shard_placement_fn=expert_shard_placement(entry.module, efsdp.size()),
+            mesh=fsdp_mesh,
+            shard_placement_fn=expert_shard_placement(entry.module, mesh["efsdp"].size()),
             **fully_shard_kwargs,
         )
     return [e.path for e in experts]
@@ -558,7 +558,10 @@ def rescale_expert_grads(model: nn.Module, layout: MeshLayout) -> None:
     A rank's expert gradient sums the losses of the ``ep`` ranks that sent it tokens;
     FSDP2 then averages over ``efsdp`` only. Dense gradients are averaged over all
     ``dp_shard`` ranks, so expert gradients are divided by the remaining factor,
-    ``dp_shard / efsdp`` = ``ep`` (with cp = tp = 1). Call after ``backward()``.
+    ``dp_shard / efsdp`` = ``ep / tp`` (cp = 1; ``ep`` takes whole tp groups). With
+    ``dp_replicate`` the expert states are HSDP over ``(edp_replicate, efsdp)``, which
+    averages over the replicas as the dense HSDP does, so the factor is the same. Call
+    after ``backward()``.
     """
     factor = layout.dp_shard // layout.efsdp
     if factor == 1:
@@ -576,13 +579,6 @@ _REFUSED_WITH_EP = {
         "would have to be reduced over cp as well (not implemented)",
         "give the cp ranks to dp_shard (e.g. dp_shard={dp_shard_cp},ep={ep}), or use cp without ep",
     ),
-    "dp_replicate": (
-        "the expert states are sharded over efsdp only; their gradients would not be "
-        "all-reduced over the replicas (HSDP for experts needs a (dp_replicate, efsdp) "
-        "mesh, not built)",
-        "give the replicas to dp_shard (e.g. dp_shard={dp_shard_rep},ep={ep}): FSDP "
-        "over all data ranks",
-    ),
     "pp": (
         "pipeline stages are built without the routed-experts dispatch",
         "leave pp out of the mesh and give its ranks to dp_shard",
@@ -595,7 +591,8 @@ def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
 
     ``ep`` with ``dp_shard`` and ``tp`` runs when ``ep`` takes whole tensor-parallel
     groups (``ep`` a multiple of ``tp``): each tp rank routes its own slice of the
-    sequence, and the expert replicas are the efsdp ranks, which FSDP2 reduces.
+    sequence, and the expert replicas are the efsdp ranks, which FSDP2 reduces. With
+    ``dp_replicate`` the expert states are HSDP over ``(edp_replicate, efsdp)``.
     """
     if layout.ep == 1:
         return []
@@ -618,7 +615,6 @@ def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
     sizes = {
         "ep": layout.ep,
         "dp_shard_cp": layout.dp_shard * layout.cp,
-        "dp_shard_rep": layout.dp_shard * layout.dp_replicate,
     }
     for axis, (reason, fix) in _REFUSED_WITH_EP.items():
         size = layout.size(axis)

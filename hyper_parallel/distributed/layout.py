@@ -8,7 +8,9 @@ torchtitan does), so the world size is ``pp * dp_replicate * dp_shard * cp * tp`
 so from tp before cp before dp_shard) and must divide that product. Derived axes:
 
 - ``fsdp`` = dp_shard x cp: what FSDP2 shards dense states over;
-- ``efsdp`` = dp_shard x cp x tp / ep: what FSDP2 shards expert states over;
+- ``efsdp`` = dp_shard x cp x tp / ep: what FSDP2 shards expert states over (with
+  ``dp_replicate``, HSDP over ``(edp_replicate, efsdp)``, ``edp_replicate`` being the
+  replica ranks on the experts' own mesh: :meth:`ParallelMesh.expert_fsdp_mesh`);
 - ``batch`` = dp_replicate x dp_shard: ranks that read different rows of the batch;
 - ``loss`` = dp_replicate x dp_shard x cp: ranks whose partial losses make the mean.
 
@@ -326,9 +328,23 @@ class ParallelMesh:
             "batch": self.dense["dp_replicate", "dp_shard"]._flatten("batch"),
             "loss": self.dense["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
         }
-        borrowed = self.dense["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
-        # ep takes the innermost ranks of dp_shard x cp x tp; efsdp the outer ones.
-        self.sparse: DeviceMesh = borrowed._unflatten(0, (layout.efsdp, layout.ep), ("efsdp", "ep"))
+        # ep takes the innermost ranks of dp_shard x cp x tp; efsdp the outer ones. With
+        # replicas, expert states are HSDP over (edp_replicate, efsdp): the same ranks as
+        # dp_replicate, named apart so that one mesh holds all three expert axes.
+        self._expert_hsdp: DeviceMesh | None = None
+        if layout.dp_replicate > 1 and layout.ep > 1:
+            borrowed = self.dense["dp_replicate", "dp_shard", "cp", "tp"]._flatten(
+                "dp_replicate_dp_shard_cp_tp"
+            )
+            self.sparse: DeviceMesh = borrowed._unflatten(
+                0,
+                (layout.dp_replicate, layout.efsdp, layout.ep),
+                ("edp_replicate", "efsdp", "ep"),
+            )
+            self._expert_hsdp = self.sparse["edp_replicate", "efsdp"]
+        else:
+            borrowed = self.dense["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
+            self.sparse = borrowed._unflatten(0, (layout.efsdp, layout.ep), ("efsdp", "ep"))
         self._views["efsdp"] = self.sparse["efsdp"]
         self._views["ep"] = self.sparse["ep"]
         self._hsdp: DeviceMesh | None = None
@@ -364,6 +380,11 @@ class ParallelMesh:
             return self._views["fsdp"]
         return None
 
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """What ``fully_shard`` takes for routed-expert states: the 1-D ``efsdp`` mesh, or
+        with ``dp_replicate`` the 2-D ``(edp_replicate, efsdp)`` mesh (HSDP)."""
+        return self._expert_hsdp if self._expert_hsdp is not None else self._views["efsdp"]
+
     def local_rank(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
         return self[axis].get_local_rank()
@@ -381,6 +402,8 @@ class ParallelMesh:
         out.append(("fsdp", self._views["fsdp"]))
         if self._hsdp is not None:
             out += [(a, self._hsdp[a]) for a in ("dp_replicate", "fsdp")]
+        if self._expert_hsdp is not None:  # the replicas of the expert states
+            out.append(("edp_replicate", self._expert_hsdp["edp_replicate"]))
         return out
 
 

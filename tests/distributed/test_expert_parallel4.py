@@ -78,7 +78,16 @@ def test_checkpoint_saved_at_ep4_loads_at_ep2_and_in_one_process_bitwise(dist, t
         assert torch.equal(state[name], value), name
 
 
-@pytest.mark.parametrize("mesh", ["dp_shard=4,ep=2", "dp_shard=4,ep=4", "dp_shard=2,tp=2,ep=2"])
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        "dp_shard=4,ep=2",
+        "dp_shard=4,ep=4",
+        "dp_shard=2,tp=2,ep=2",
+        "dp_replicate=2,dp_shard=2,ep=2",  # experts HSDP over (edp_replicate, efsdp)
+        "dp_replicate=2,tp=2,ep=2",
+    ],
+)
 def test_trainer_build_with_fsdp_over_efsdp_equals_one_device(dist, mesh: str) -> None:
     for diffs in dist.run(moe_checks.trainer_parity, mesh):
         worst = max(diffs.items(), key=lambda kv: kv[1])

@@ -48,7 +48,7 @@ def test_plan_json_lists_experts_apart_and_the_all_to_alls(capsys) -> None:
         ("dp_shard=3,ep=3", "8 experts cannot be split over ep=3 ranks"),
         ("dp_shard=2,tp=4,ep=2", "ep=2 with tp=4: expert parallelism borrows whole"),
         ("dp_shard=2,tp=2,ep=4,cp=2", "ep=4 with cp=2: the routed tokens"),
-        ("dp_replicate=2,dp_shard=2,ep=2", "ep=2 with dp_replicate=2: the expert states are"),
+        ("pp=2,dp_shard=2,ep=2", "ep=2 with pp=2: pipeline stages"),
     ],
 )
 def test_trainer_gate_refuses_what_expert_parallelism_does_not_run(mesh, message) -> None:
@@ -70,6 +70,7 @@ def test_trainer_gate_accepts_expert_parallel_meshes() -> None:
         {"dp_shard": 2, "tp": 2, "ep": 2},
         {"dp_shard": 2, "tp": 2, "ep": 4},
         {"tp": 2},
+        {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
     ):
         assert check_config(TrainConfig(model="qwen3-moe-debug", mesh=mesh)) == []
 
@@ -104,3 +105,20 @@ def test_plan_json_with_tp_and_ep_borrowing_tp(capsys) -> None:
     assert a2a["backward"]["bytes"] == 2 * 2 * routed
     tp = {(c["kind"], c["phase"]) for c in report["collectives"] if c["axis"] == "tp"}
     assert ("all_reduce", "forward") in tp  # row-parallel outputs and balance statistics
+
+
+def test_plan_with_replicas_all_reduces_expert_gradients_over_them(capsys) -> None:
+    code, out, _ = _run(
+        capsys,
+        ["plan", "--model", "qwen3-moe-debug", "--mesh", "dp_replicate=2,dp_shard=2,ep=2",
+         "--batch", "2", "--seq", "16", "--format", "json"],
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out)
+    reduce = {c["axis"]: c for c in report["collectives"] if c["kind"] == "all_reduce"}
+    # Expert gradients (HSDP over edp_replicate x efsdp): one all-reduce per MoE layer of
+    # its local experts' gradients; dense ones over dp_replicate (HSDP of the blocks).
+    config = preset_config("qwen3-moe-debug")
+    assert reduce["edp_replicate"]["count"] == len(config.layers)
+    assert reduce["edp_replicate"]["bytes"] == num_expert_params(config) * 4 // 2
+    assert "dp_replicate" in reduce
