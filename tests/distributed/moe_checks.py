@@ -46,24 +46,65 @@ def _all_reduce(t: torch.Tensor, mesh_1d: Any) -> torch.Tensor:
     return t
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _max_diffs(model: torch.nn.Module, reference: torch.nn.Module, mesh: Any) -> dict[str, float]:
-    """Largest |grad - reference grad| per parameter, after the data-parallel reduction."""
+    """Largest |grad - reference grad| per parameter, after the data-parallel reduction.
+
+    Expert weights (DTensors on ``ep``) are this rank's experts; dense DTensors (on
+    ``tp``) are made full with ``full_tensor`` (which reduces ``Partial`` gradients).
+    """
     ref = dict(reference.named_parameters())
     num_batch = mesh["batch"].size()
     diffs = {}
     for name, p in model.named_parameters():
         assert p.grad is not None, name
-        if isinstance(p, DTensor):  # an expert weight: this rank's experts
+        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",):
             grad = _all_reduce(p.grad.to_local(), mesh["efsdp"]) / expert_grad_divisor(num_batch)
             per = p.to_local().shape[0]
             start = mesh["ep"].get_local_rank() * per
             expected = ref[name].grad[start : start + per]
         else:
-            grad = _all_reduce(p.grad, mesh["batch"]) / num_batch
+            grad = _all_reduce(_full(p.grad), mesh["batch"]) / num_batch
             expected = ref[name].grad
         diffs[name] = (grad - expected).abs().max().item()
     assert set(diffs) == set(ref)
     return diffs
+
+
+def _compare(model: torch.nn.Module, reference: torch.nn.Module, mesh: Any) -> dict[str, Any]:
+    """One step of ``model`` on the rank's rows against ``reference`` on the whole batch."""
+    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    ref_logits = reference(inputs)
+    ref_loss = cross_entropy_loss(ref_logits, targets)
+    ref_loss.backward()
+
+    rows = _batch_rows(mesh, BATCH)
+    with CommDebugMode() as forward_comms:
+        logits = model(inputs[rows])
+    loss = _full(cross_entropy_loss(logits, targets[rows]))
+    with CommDebugMode() as backward_comms:
+        loss.backward()
+    num_batch = mesh["batch"].size()
+    global_loss = _all_reduce(loss.detach(), mesh["batch"]) / num_batch
+    aux = [_all_reduce(layer.moe.aux_loss, mesh["batch"]) / num_batch for layer in model.layers]
+    return {
+        "logits": (_full(logits) - ref_logits[rows]).abs().max().item(),
+        "loss": (global_loss - ref_loss.detach()).abs().item(),
+        "aux": max((a - r.moe.aux_loss).abs().item() for a, r in zip(aux, reference.layers)),
+        "grads": _max_diffs(model, reference, mesh),
+        "forward_comms": _counts(forward_comms),
+        "backward_comms": _counts(backward_comms),
+        "placements": {
+            n: (p.device_mesh.mesh_dim_names, repr(list(p.placements)))
+            for n, p in model.named_parameters()
+            if isinstance(p, DTensor)
+        },
+        "num_layers": len(model.layers),
+    }
 
 
 def model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -77,36 +118,7 @@ def model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> dic
     model = apply_ep(config).build()
     model.init_states()
     model.parallelize(mesh["ep"])
-    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    ref_logits = reference(inputs)
-    ref_loss = cross_entropy_loss(ref_logits, targets)
-    ref_loss.backward()
-
-    rows = _batch_rows(mesh, BATCH)
-    with CommDebugMode() as forward_comms:
-        logits = model(inputs[rows])
-    loss = cross_entropy_loss(logits, targets[rows])
-    with CommDebugMode() as backward_comms:
-        loss.backward()
-    global_loss = _all_reduce(loss.detach(), mesh["batch"]) / mesh["batch"].size()
-    aux = [layer.moe.aux_loss for layer in model.layers]
-    ref_aux = [layer.moe.aux_loss for layer in reference.layers]
-    global_aux = [_all_reduce(a, mesh["batch"]) / mesh["batch"].size() for a in aux]
-    return {
-        "logits": (logits - ref_logits[rows]).abs().max().item(),
-        "loss": (global_loss - ref_loss.detach()).abs().item(),
-        "aux": max((a - r).abs().item() for a, r in zip(global_aux, ref_aux)),
-        "grads": _max_diffs(model, reference, mesh),
-        "forward_comms": _counts(forward_comms),
-        "backward_comms": _counts(backward_comms),
-        "placements": {
-            n: repr(list(p.placements))
-            for n, p in model.named_parameters()
-            if isinstance(p, DTensor)
-        },
-        "num_layers": len(model.layers),
-    }
+    return _compare(model, reference, mesh)
 
 
 def _counts(mode: CommDebugMode) -> dict[str, int]:
@@ -284,10 +296,6 @@ def trainer_parity(mesh_text: str) -> dict[str, float]:
     return diffs
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def tp_model_parity(
     mesh_text: str, sequence_parallel: bool = False, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -319,44 +327,4 @@ def tp_model_parity(
         parallelize_with_experts(model, mesh, sub)
     else:
         model.parallelize(sub)
-    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    ref_logits = reference(inputs)
-    ref_loss = cross_entropy_loss(ref_logits, targets)
-    ref_loss.backward()
-
-    rows = _batch_rows(mesh, BATCH)
-    with CommDebugMode() as forward_comms:
-        logits = model(inputs[rows])
-    loss = _full(cross_entropy_loss(logits, targets[rows]))
-    with CommDebugMode() as backward_comms:
-        loss.backward()
-    num_batch = mesh["batch"].size()
-    global_loss = _all_reduce(loss.detach(), mesh["batch"]) / num_batch
-    aux = [_all_reduce(layer.moe.aux_loss, mesh["batch"]) / num_batch for layer in model.layers]
-    ref = dict(reference.named_parameters())
-    grads, placements = {}, {}
-    for name, p in model.named_parameters():
-        assert p.grad is not None, name
-        if isinstance(p, DTensor):
-            placements[name] = (p.device_mesh.mesh_dim_names, repr(list(p.placements)))
-        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",):
-            grad = _all_reduce(p.grad.to_local(), mesh["efsdp"]) / expert_grad_divisor(num_batch)
-            per = p.to_local().shape[0]
-            start = mesh["ep"].get_local_rank() * per
-            expected = ref[name].grad[start : start + per]
-        else:
-            grad = _all_reduce(_full(p.grad), mesh["batch"]) / num_batch
-            expected = ref[name].grad
-        grads[name] = (grad - expected).abs().max().item()
-    assert set(grads) == set(ref)
-    return {
-        "logits": (_full(logits) - ref_logits[rows]).abs().max().item(),
-        "loss": (global_loss - ref_loss.detach()).abs().item(),
-        "aux": max((a - r.moe.aux_loss).abs().item() for a, r in zip(aux, reference.layers)),
-        "grads": grads,
-        "forward_comms": _counts(forward_comms),
-        "backward_comms": _counts(backward_comms),
-        "placements": placements,
-        "num_layers": len(model.layers),
-    }
+    return _compare(model, reference, mesh)

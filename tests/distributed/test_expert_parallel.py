@@ -36,7 +36,7 @@ def test_debug_moe_at_ep2_equals_one_device(dist) -> None:
         assert expert_params == {
             f"layers.{i}.moe.experts.{w}" for i in range(layers) for w in ("w1", "w2", "w3")
         }
-        assert set(r["placements"].values()) == {"[Shard(dim=0)]"}
+        assert set(r["placements"].values()) == {(("ep",), "[Shard(dim=0)]")}
 
 
 def test_loop_experts_at_ep2_equal_one_device(dist) -> None:

@@ -18,14 +18,18 @@ def _run(capsys, argv):
     return code, captured.out, captured.err
 
 
-def test_plan_json_lists_experts_apart_and_the_all_to_alls(capsys) -> None:
+def _plan_json(capsys, mesh: str) -> dict:
     code, out, _ = _run(
         capsys,
-        ["plan", "--model", "qwen3-moe-debug", "--mesh", "dp_shard=4,ep=2", "--batch", "2",
-         "--seq", "16", "--format", "json"],
+        ["plan", "--model", "qwen3-moe-debug", "--mesh", mesh, "--batch", "2", "--seq", "16",
+         "--format", "json"],
     )  # fmt: skip
     assert code == 0
-    report = json.loads(out)
+    return json.loads(out)
+
+
+def test_plan_json_lists_experts_apart_and_the_all_to_alls(capsys) -> None:
+    report = _plan_json(capsys, "dp_shard=4,ep=2")
     config = preset_config("qwen3-moe-debug")
     assert report["num_params"] == num_params(config)
     memory = report["per_rank_bytes"]
@@ -85,13 +89,7 @@ def test_validate_cli_reports_the_expert_split(capsys) -> None:
 
 
 def test_plan_json_with_tp_and_ep_borrowing_tp(capsys) -> None:
-    code, out, _ = _run(
-        capsys,
-        ["plan", "--model", "qwen3-moe-debug", "--mesh", "dp_shard=2,tp=2,ep=2", "--batch", "2",
-         "--seq", "16", "--format", "json"],
-    )  # fmt: skip
-    assert code == 0
-    report = json.loads(out)
+    report = _plan_json(capsys, "dp_shard=2,tp=2,ep=2")
     config = preset_config("qwen3-moe-debug")
     assert report["num_params"] == num_params(config)
     assert report["plan_axes"] == ["tp"]
@@ -108,13 +106,7 @@ def test_plan_json_with_tp_and_ep_borrowing_tp(capsys) -> None:
 
 
 def test_plan_with_replicas_all_reduces_expert_gradients_over_them(capsys) -> None:
-    code, out, _ = _run(
-        capsys,
-        ["plan", "--model", "qwen3-moe-debug", "--mesh", "dp_replicate=2,dp_shard=2,ep=2",
-         "--batch", "2", "--seq", "16", "--format", "json"],
-    )  # fmt: skip
-    assert code == 0
-    report = json.loads(out)
+    report = _plan_json(capsys, "dp_replicate=2,dp_shard=2,ep=2")
     reduce = {c["axis"]: c for c in report["collectives"] if c["kind"] == "all_reduce"}
     # Expert gradients (HSDP over edp_replicate x efsdp): one all-reduce per MoE layer of
     # its local experts' gradients; dense ones over dp_replicate (HSDP of the blocks).

@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import nn
 
+# Truncated normal at three standard deviations, as the Llama presets (torchtitan's init).
+from hyper_parallel.models.llama.config import _normal
 from hyper_parallel.models.qwen3_moe.model import (
     Attention,
     Embedding,
@@ -49,11 +51,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts=128, top_k=8, moe_hidden_dim=1536,
     ),
 }  # fmt: skip
-
-
-def _normal(std: float) -> functools.partial:
-    # Truncated at three standard deviations, as the Llama presets (torchtitan's init).
-    return functools.partial(nn.init.trunc_normal_, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 def qwen3_moe_config(
