@@ -214,3 +214,44 @@ def test_dry_run_traces_the_dispatch_under_uniform_routing() -> None:
     assert backward.bytes == layers * 2 * routed
     expert_bytes = num_expert_params(config) * 4
     assert report.per_rank.params == (num_params(config) * 4 - expert_bytes) + expert_bytes // ep
+
+
+def test_repeated_key_value_heads_equal_grouped_query_attention() -> None:
+    # repeat_kv (what tp > num_kv_heads uses) is the same maths written out.
+    config = preset_config("qwen3-moe-debug", num_layers=1)
+    torch.manual_seed(0)
+    grouped = config.build()
+    grouped.init_states()
+    config.layers[0].attention.repeat_kv = True
+    torch.manual_seed(0)
+    repeated = config.build()
+    repeated.init_states()  # the same values (and the rotary tables, which are not saved)
+    for (name, a), b in zip(repeated.named_parameters(), grouped.parameters()):
+        assert torch.equal(a, b), name
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(repeated(tokens), grouped(tokens), rtol=0, atol=1e-6)
+
+
+def test_tensor_parallel_layout_of_attention_and_experts() -> None:
+    from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
+    from hyper_parallel.models.qwen3_moe import apply_tp
+
+    config = preset_config("qwen3-moe-debug")  # 8 query heads, 4 key/value heads
+    with pytest.raises(ValueError, match="8 query heads cannot be split over tp_size=3"):
+        apply_tp(config, tp_size=3)
+    split = apply_tp(config, tp_size=4).layers[0]
+    assert split.attention.wk.sharding_config.state_shardings["weight"] == {"tp": Shard(0)}
+    assert not split.attention.repeat_kv
+    # More ranks than key/value heads: keys and values whole on every rank, repeated.
+    whole = apply_tp(config, tp_size=8).layers[0]
+    assert whole.attention.wk.sharding_config.state_shardings["weight"] == {"tp": Replicate()}
+    assert whole.attention.repeat_kv
+    # The MoE block: a sequence slice in, the balance sums reduced over tp.
+    assert whole.ffn_norm.sharding_config.out_dst_shardings == {"tp": Shard(1)}
+    assert whole.moe.balance.sharding_config.out_src_shardings == {"tp": Partial()}
+    # Without ep the experts are replicated on tp; ep (either order) dispatches them.
+    assert whole.moe.experts.sharding_config.dispatch is None
+    for both in (apply_ep(apply_tp(config)), apply_tp(apply_ep(config))):
+        experts = both.layers[0].moe.experts.sharding_config
+        assert experts.dispatch.kind == "routed_experts"
+        assert experts.state_shardings["w1"] == {"ep": Shard(0)}
