@@ -109,6 +109,20 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format")
 
 
+def _add_pipeline_arguments(p: argparse.ArgumentParser, batch_meaning: str) -> None:
+    p.add_argument(
+        "--schedule",
+        default="1F1B",
+        help="pipeline schedule with a pp axis (torch's names; default 1F1B)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=_positive_int,
+        default=None,
+        help=f"pipeline micro-batches per step (default: the number of stages); {batch_meaning}",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyper-parallel",
@@ -142,18 +156,7 @@ def _parser() -> argparse.ArgumentParser:
         help="activation checkpointing for the activation bytes: none (default), full "
         "(every block), selective (every second block)",
     )
-    plan.add_argument(
-        "--schedule",
-        default="1F1B",
-        help="pipeline schedule with a pp axis (torch's names; default 1F1B)",
-    )
-    plan.add_argument(
-        "--microbatches",
-        type=_positive_int,
-        default=None,
-        help="pipeline micro-batches per step (default: the number of stages); --batch is "
-        "then the micro-batch size",
-    )
+    _add_pipeline_arguments(plan, "--batch is then the micro-batch size")
     plan.set_defaults(func=_cmd_plan)
 
     validate = sub.add_parser(
@@ -166,7 +169,13 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument(
         "--verbose", action="store_true", help="also list info findings and every redistribution"
     )
-    validate.set_defaults(func=_cmd_validate)
+    _add_pipeline_arguments(
+        validate,
+        "--batch is then the sequences per data-parallel rank, split into micro-batches "
+        "(default: one per micro-batch)",
+    )
+    # None: one sequence (per micro-batch under pp); see _cmd_validate.
+    validate.set_defaults(func=_cmd_validate, batch=None)
 
     demo = sub.add_parser(
         "demo", help="train on local ranks and in one process; show the losses agree"
@@ -428,6 +437,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             subject.plan,
             batch_size=args.batch,
             seq_len=args.seq,
+            schedule=args.schedule,
+            num_microbatches=args.microbatches,
         )
     except (ValueError, TypeError) as e:
         raise _UsageError(str(e)) from None

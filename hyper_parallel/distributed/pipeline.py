@@ -57,6 +57,7 @@ __all__ = [
     "build_schedule",
     "build_stage_modules",
     "init_states_by_unit",
+    "pipeline_axis_findings",
     "pipeline_findings",
     "pipeline_step",
     "plan_pipeline",
@@ -148,18 +149,38 @@ class PipelineLayout:
 
     def units(self, config: Any) -> list[PipelineUnit]:
         """The model's units in order, with their parameter counts (built on meta)."""
-        units = [self._unit(self.first_name, self.first, [getattr(config, f) for f in self.first])]
-        for i, block in enumerate(getattr(config, self.layers)):
-            name = f"{self.layers}.{i}"
-            units.append(self._unit(name, (name,), [block]))
-        units.append(self._unit(self.last_name, self.last, [getattr(config, f) for f in self.last]))
-        return units
 
-    @staticmethod
-    def _unit(name: str, modules: tuple[str, ...], configs: list[Any]) -> PipelineUnit:
-        with torch.device("meta"):
-            count = sum(p.numel() for c in configs for p in c.build().parameters())
-        return PipelineUnit(name, modules, count)
+        def built(configs: list[Any]) -> list[nn.Module]:
+            with torch.device("meta"):
+                return [c.build() for c in configs]
+
+        return self._units(
+            built([getattr(config, f) for f in self.first]),
+            [built([b])[0] for b in getattr(config, self.layers)],
+            built([getattr(config, f) for f in self.last]),
+        )
+
+    def units_of_model(self, model: nn.Module) -> list[PipelineUnit]:
+        """The units of an already built model (any device, meta included), in order."""
+        blocks = getattr(model, self.layers)
+        return self._units(
+            [getattr(model, f) for f in self.first],
+            list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks),
+            [getattr(model, f) for f in self.last],
+        )
+
+    def _units(
+        self, first: list[nn.Module], blocks: list[nn.Module], last: list[nn.Module]
+    ) -> list[PipelineUnit]:
+        def count(modules: list[nn.Module]) -> int:
+            return sum(p.numel() for m in modules for p in m.parameters())
+
+        units = [PipelineUnit(self.first_name, self.first, count(first))]
+        for i, block in enumerate(blocks):
+            name = f"{self.layers}.{i}"
+            units.append(PipelineUnit(name, (name,), count([block])))
+        units.append(PipelineUnit(self.last_name, self.last, count(last)))
+        return units
 
     def stage_config(self, config: Any, unit_names: Sequence[str]) -> Any:
         """The config of the stage holding ``unit_names``, sub-configs taken from ``config``.
@@ -465,33 +486,30 @@ def _explicit_stages(
     return (None if findings else out), findings
 
 
-def pipeline_findings(
-    units: Sequence[PipelineUnit],
-    *,
-    pp: int,
-    schedule: str,
-    num_microbatches: int,
-    split: PipelineSplit | None = None,
-    stages_per_rank: int | None = None,
-    batch_size: int | None = None,
-    model: nn.Module | None = None,
-) -> list[Finding]:
+def pipeline_findings(units: Sequence[PipelineUnit], **options: Any) -> list[Finding]:
     """Every problem of a pipeline plan, each with its fix (no process group needed).
 
-    Checks: the schedule name; stages per rank for the schedule (one for single-stage
-    schedules, two or more for interleaved ones, exactly two for ZBV); the split
-    (a layer count it cannot place, an empty stage, a unit placed twice or not at
-    all, a stage count that is not a multiple of pp); micro-batches fewer than the
-    schedule needs (torch's own rule, by building the schedule on stand-in stages);
-    a batch not divisible into micro-batches; with ``model`` (meta is enough), a
-    weight tied across stages (:func:`tied_parameter_findings`).
+    Takes :func:`plan_pipeline`'s arguments. Checks: the schedule name; stages per
+    rank for the schedule (one for single-stage schedules, two or more for
+    interleaved ones, exactly two for ZBV); the split (a layer count it cannot place,
+    an empty stage, a unit placed twice or not at all, a stage count that is not a
+    multiple of pp); micro-batches fewer than the schedule needs (torch's own rule,
+    by building the schedule on stand-in stages); a batch not divisible into
+    micro-batches; with ``model`` (meta is enough), a weight tied across stages
+    (:func:`tied_parameter_findings`).
 
     Returns:
         The findings (empty when the plan is good).
+
+    Example:
+        >>> from hyper_parallel.dmodule import get_spec
+        >>> spec = get_spec("llama3-debug")
+        >>> units = spec.extras["pipeline"].units(spec.config())
+        >>> [f.field for f in pipeline_findings(units, pp=2, schedule="1F1B",
+        ...                                      num_microbatches=1)]
+        ['num_microbatches']
     """
-    return _plan(units, pp, schedule, num_microbatches, split, stages_per_rank, batch_size, model)[
-        1
-    ]
+    return _plan(units, **options)[1]
 
 
 def plan_pipeline(
@@ -507,6 +525,16 @@ def plan_pipeline(
 ) -> PipelinePlan:
     """Check and resolve a pipeline plan (see :func:`pipeline_findings` for the checks).
 
+    Args:
+        units: The model's units (:meth:`PipelineLayout.units`).
+        pp: Size of the pp axis.
+        schedule: Torch's schedule name (:data:`SCHEDULES`).
+        num_microbatches: Micro-batches per step.
+        split: The stage split; ``None`` balances by parameter count.
+        stages_per_rank: Stages per rank (interleaved schedules; default 2).
+        batch_size: Sequences per data-parallel rank per step, when known.
+        model: The model (meta is enough), to find weights tied across stages.
+
     Raises:
         PipelineError: Every error at once.
 
@@ -518,7 +546,14 @@ def plan_pipeline(
         (0, 1, 0, 1)
     """
     plan, findings = _plan(
-        units, pp, schedule, num_microbatches, split, stages_per_rank, batch_size, model
+        units,
+        pp=pp,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        split=split,
+        stages_per_rank=stages_per_rank,
+        batch_size=batch_size,
+        model=model,
     )
     errors = [f for f in findings if f.severity == "error"]
     if errors:
@@ -529,12 +564,13 @@ def plan_pipeline(
 
 def _plan(
     units: Sequence[PipelineUnit],
+    *,
     pp: int,
     schedule: str,
     num_microbatches: int,
-    split: PipelineSplit | None,
-    stages_per_rank: int | None,
-    batch_size: int | None,
+    split: PipelineSplit | None = None,
+    stages_per_rank: int | None = None,
+    batch_size: int | None = None,
     model: nn.Module | None = None,
 ) -> tuple[PipelinePlan | None, list[Finding]]:
     findings = _schedule_findings(schedule)
@@ -625,6 +661,28 @@ def _plan(
             )
         )
     return plan, findings
+
+
+def pipeline_axis_findings(layout: Any) -> list[Finding]:
+    """Mesh axes a pipeline does not run with, as errors (``layout``: a ``MeshLayout``).
+
+    ``cp``: a context-parallel block needs every token's position (the model's
+    ``positions`` input) at every stage, but torch's ``PipelineStage`` hands the
+    step's inputs to the first stage only; later stages receive nothing but the
+    previous stage's output.
+    """
+    if layout.pp > 1 and layout.cp > 1:
+        return [
+            _error(
+                "pp",
+                f"pp={layout.pp} with cp={layout.cp}: context-parallel blocks need each "
+                "token's position at every stage, and torch's pipeline stages receive only "
+                "the previous stage's output (the step's inputs reach the first stage alone).",
+                "use pp with dp_replicate, dp_shard and tp, or cp without pp.",
+                path="mesh",
+            )
+        ]
+    return []
 
 
 def _microbatch_findings(plan: PipelinePlan) -> list[Finding]:
