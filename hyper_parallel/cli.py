@@ -320,7 +320,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     layout = args.mesh
     pipeline = None
     if layout.pp > 1:
-        pipeline = _pipeline_part(args, layout)
+        pipeline = _pipeline_part(args, layout, subject.model)
     try:
         report = dry_run(
             subject.model,
@@ -370,8 +370,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pipeline_part(args: argparse.Namespace, layout: Any) -> dict[str, Any]:
-    """Stages, per-rank bytes, bubble and P2P bytes of the pipeline (``pp > 1``)."""
+def _pipeline_part(args: argparse.Namespace, layout: Any, sharded: Any) -> dict[str, Any]:
+    """Stages (with their collectives), per-rank bytes, bubble and P2P bytes (``pp > 1``)."""
     import torch
 
     from hyper_parallel.analysis.pipeline_cost import pipeline_report
@@ -399,6 +399,11 @@ def _pipeline_part(args: argparse.Namespace, layout: Any) -> dict[str, Any]:
             seq_len=args.seq or _SEQ_LEN,
             element_bytes=element_bytes,
             sequence_parallel=args.sp,
+            sharded_config=sharded,
+            fsdp=not args.no_fsdp,
+            param_dtype=getattr(torch, _DTYPES[args.dtype]),
+            ac=args.ac,
+            dtype="bf16" if args.dtype == "bf16" else "fp32",
         )
     except PipelineError as e:
         raise _PlanError(str(e), e.findings) from None
@@ -409,14 +414,16 @@ def _pipeline_table(pipeline: dict[str, Any]) -> str:
         f"pipeline: {pipeline['pipeline']['schedule']}, "
         f"{pipeline['pipeline']['num_microbatches']} micro-batches, bubble "
         f"{pipeline['bubble_fraction']:.3f}",
-        "stage  rank  units                          params/rank  in-flight  total bytes/rank",
+        "stage  rank  units                          params/rank  in-flight  total bytes/rank"
+        "  collective bytes/step",
     ]
     for s in pipeline["stages"]:
         units = s["units"]
         label = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
+        moved = sum(c["bytes"] for c in s.get("collectives", ()))
         lines.append(
             f"{s['stage']:>5}  {s['rank']:>4}  {label:<30} {s['params']:>11,}  "
-            f"{s['in_flight_microbatches']:>9}  {s['total']:>16,}"
+            f"{s['in_flight_microbatches']:>9}  {s['total']:>16,}  {moved:>21,}"
         )
     return "\n".join(lines)
 

@@ -48,6 +48,7 @@ from hyper_parallel.dmodule._checks import Finding
 __all__ = [
     "MULTI_STAGE_SCHEDULES",
     "SCHEDULES",
+    "SPLIT_BACKWARD_SCHEDULES",
     "PipelineError",
     "PipelineLayout",
     "PipelinePlan",
@@ -74,8 +75,8 @@ MULTI_STAGE_SCHEDULES = frozenset({"Interleaved1F1B", "InterleavedZeroBubble", "
 """Schedules that run several stages per rank (the others run exactly one)."""
 
 _V_SHAPE = frozenset({"ZBVZeroBubble"})
-# Schedules that split the backward into input- and weight-gradient steps.
-_SPLIT_BACKWARD = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
+SPLIT_BACKWARD_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
+"""Schedules that split the backward into input- and weight-gradient steps."""
 _DEFAULT_STAGES_PER_RANK = 2
 
 
@@ -838,7 +839,7 @@ def build_stage_modules(
         if tp_mesh is not None:
             module.parallelize(tp_mesh)
         if fsdp_mesh is not None:
-            if plan.schedule not in _SPLIT_BACKWARD:
+            if plan.schedule not in SPLIT_BACKWARD_SCHEDULES:
                 for block in getattr(module, layout.layers).values():
                     fully_shard(block, mesh=fsdp_mesh)
             fully_shard(module, mesh=fsdp_mesh)
