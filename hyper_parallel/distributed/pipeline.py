@@ -812,13 +812,18 @@ def build_stage_modules(
     seed: int,
     tp_mesh: Any = None,
     fsdp_mesh: Any = None,
+    compile_backend: str | None = None,
+    ac: str = "none",
+    dtype: str = "fp32",
 ) -> list[nn.Module]:
     """Build, shard, materialize and initialize the stages ``pp_rank`` runs.
 
     Each stage is built on the meta device from ``config`` (already carrying the
     model's sharding configs when ``tp_mesh`` is given), parallelized on
-    ``tp_mesh``, wrapped block by block and then whole with FSDP2 over
-    ``fsdp_mesh``, moved to ``device`` and initialized per unit.
+    ``tp_mesh``, its blocks compiled (``compile_backend``) and checkpointed (``ac``),
+    wrapped block by block and then whole with FSDP2 over ``fsdp_mesh`` (with
+    ``dtype``'s mixed-precision policy), moved to ``device`` and initialized per
+    unit — the order the trainer applies at pp=1.
 
     Under the zero-bubble schedules (backward split into input- and weight-gradient
     steps) a stage is one FSDP2 unit: per-block units reduce-scatter their
@@ -827,26 +832,89 @@ def build_stage_modules(
     one device on the 2-layer model with torch 2.13); the whole-stage unit is
     reduced once, after both (torch's ``REDUCE_GRAD`` action).
 
+    Args:
+        config: The model config, with its sharding.
+        layout: The model's pipeline description.
+        plan: The checked plan.
+        pp_rank: This rank's coordinate on the pp axis.
+        device: Where the stages live.
+        seed: The run's seed (:func:`init_states_by_unit`).
+        tp_mesh: The submesh the model's sharding is applied on, or ``None``.
+        fsdp_mesh: The FSDP2 mesh, or ``None``.
+        compile_backend: ``torch.compile`` each block with this backend
+            (``fullgraph=True``); ``None``: eager.
+        ac: Activation checkpointing of the blocks: ``"none"``, ``"full"`` or
+            ``"selective"`` (the model's blocks 1, 3, 5, ... by their index in the
+            model, as at pp=1).
+        dtype: ``"fp32"`` or ``"bf16"``: FSDP2's mixed-precision policy, or without
+            FSDP the stage's forward under bf16 autocast (fp32 master weights).
+
     Returns:
         One module per local stage, in pipeline order.
     """
     from torch.distributed.fsdp import fully_shard
 
+    from hyper_parallel.distributed import precision
+    from hyper_parallel.distributed.activation_checkpoint import (
+        _Checkpointed,
+        checkpointed_blocks,
+    )
+    from hyper_parallel.distributed.compile import apply_compile
+
+    precision.check_dtype(dtype)
+    checkpointed = set(checkpointed_blocks(len(getattr(config, layout.layers)), ac))
     modules = []
     for s in plan.stages_of_rank(pp_rank):
         with torch.device("meta"):
             module = layout.stage_config(config, plan.stages[s]).build()
         if tp_mesh is not None:
             module.parallelize(tp_mesh)
+        blocks = getattr(module, layout.layers)
+        if compile_backend is not None and len(blocks):
+            apply_compile(module, backend=compile_backend)
+            if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+                _compile_without_donated_buffers()
+        for key, block in blocks.items():
+            if int(key) in checkpointed:
+                block.forward = _Checkpointed(block.forward)
         if fsdp_mesh is not None:
+            policy = precision.fsdp_policy(dtype)
             if plan.schedule not in SPLIT_BACKWARD_SCHEDULES:
-                for block in getattr(module, layout.layers).values():
-                    fully_shard(block, mesh=fsdp_mesh)
-            fully_shard(module, mesh=fsdp_mesh)
+                for block in blocks.values():
+                    fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
+            fully_shard(module, mesh=fsdp_mesh, mp_policy=policy)
+        elif dtype != "fp32":
+            module.forward = _Autocast(module.forward, torch.device(device).type)
         module.to_empty(device=device)
         init_states_by_unit(module, layout, seed)
         modules.append(module)
     return modules
+
+
+def _compile_without_donated_buffers() -> None:
+    """Turn off AOTAutograd's donated buffers (process-wide) for split-backward schedules.
+
+    The zero-bubble schedules run a block's backward in two steps (input, then
+    weight gradients) over one retained graph; a compiled backward with donated
+    buffers allows one backward only and refuses the second (``donated_buffer``
+    needs ``retain_graph=False``). Torch reads the flag when it compiles the
+    backward, lazily, inside the schedule's step, so it is set for the process;
+    donated buffers only save memory.
+    """
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
+
+
+class _Autocast:
+    """A stage's ``forward`` under bf16 autocast (the stage is not FSDP-sharded)."""
+
+    def __init__(self, forward: Callable[..., Any], device_type: str) -> None:
+        self.forward, self.device_type = forward, device_type
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.forward(*args, **kwargs)
 
 
 def build_schedule(
@@ -875,7 +943,19 @@ def build_schedule(
     ]
     cls = get_schedule_class(plan.schedule)
     target = stages if plan.schedule in MULTI_STAGE_SCHEDULES else stages[0]
-    return cls(target, plan.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(target, plan.num_microbatches, loss_fn=_FloatLoss(loss_fn), scale_grads=True)
+
+
+class _FloatLoss:
+    """The loss from float32 logits (bf16 stages hand on bf16 logits), as at pp=1."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        from hyper_parallel.distributed.precision import loss_logits
+
+        return self.loss_fn(loss_logits(logits), target)
 
 
 def _own_storage(module: nn.Module, args: Any, output: Any) -> Any:

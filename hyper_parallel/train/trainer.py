@@ -454,33 +454,11 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
 def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
     """Training switches that a layout does not run, refused rather than ignored.
 
-    Pipeline stages are built and run by torch's schedule, outside the per-block
-    compile / activation-checkpointing / mixed-precision wiring; the routed-experts
-    dispatch exchanges data-dependent token counts, which a ``fullgraph`` block cannot
-    trace.
+    The routed-experts dispatch exchanges data-dependent token counts, which a
+    ``fullgraph`` block cannot trace. (Pipeline stages take compile, activation
+    checkpointing and bf16 per block, inside each stage.)
     """
     findings = []
-    if layout.pp > 1:
-        used = [
-            flag
-            for flag, on in (
-                ("--compile", cfg.compile),
-                (f"--dtype {cfg.dtype}", cfg.dtype != "fp32"),
-                (f"--ac {cfg.ac}", cfg.ac != "none"),
-            )
-            if on
-        ]
-        if used:
-            findings.append(
-                Finding(
-                    "error",
-                    "mesh",
-                    "pp",
-                    f"pp={layout.pp}: pipeline stages run eagerly in fp32 without "
-                    f"activation checkpointing, so {', '.join(used)} would be ignored.",
-                    f"drop {', '.join(used)}, or train without pp.",
-                )
-            )
     if layout.ep > 1 and cfg.compile:
         findings.append(
             Finding(
@@ -587,8 +565,9 @@ def build_pipeline_stages(
     """This rank's pipeline stages of ``cfg.model`` and their plan (``pp > 1``).
 
     Each stage is built on meta from the model's sharded config, tensor parallel on
-    the plan's submesh, FSDP2 over the same FSDP mesh as :func:`build_parallel_model`,
-    materialized and initialized per unit.
+    the plan's submesh, its blocks compiled and checkpointed as ``cfg`` says, FSDP2
+    (with ``cfg.dtype``'s policy; bf16 autocast without FSDP) over the same FSDP mesh
+    as :func:`build_parallel_model`, materialized and initialized per unit.
     """
     device = torch.device(device if device is not None else default_device())
     spec = get_spec(cfg.model)
@@ -613,6 +592,9 @@ def build_pipeline_stages(
         seed=cfg.seed,
         tp_mesh=plan_mesh(mesh, axes),
         fsdp_mesh=fsdp_mesh_for(mesh, axes),
+        compile_backend="inductor" if cfg.compile else None,
+        ac=cfg.ac,
+        dtype=cfg.dtype,
     )
     return modules, plan
 
