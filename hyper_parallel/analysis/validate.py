@@ -79,6 +79,7 @@ from hyper_parallel.distributed.pipeline import (
     MULTI_STAGE_SCHEDULES,
     PipelineLayout,
     PipelineSplit,
+    count_unit_flops,
     pipeline_axis_findings,
 )
 from hyper_parallel.distributed.pipeline import pipeline_findings as _plan_findings
@@ -385,6 +386,7 @@ def validate(
             split=pipeline_split,
             stages_per_rank=stages_per_rank,
             batch_size=batch_size,
+            seq_len=seq_len if seq_len is not None else _default_seq_len(layout),
         )
         # The rest is one pipeline's model-parallel group, as the trainer builds each stage.
         layout = dataclasses.replace(layout, pp=1)
@@ -424,8 +426,7 @@ def validate(
         report.notes.append("boundary analysis skipped: the pipeline plan has errors.")
     elif trace:
         if seq_len is None:
-            others = math.prod(layout.size(a) for a in ("cp", "tp"))
-            seq_len = max(16, 2 * others)
+            seq_len = _default_seq_len(layout)
         findings += _trace(target, layout, findings, report, inputs, batch_size, seq_len)
     order = {"error": 0, "warning": 1, "info": 2}
     report.findings = sorted(findings, key=lambda f: order.get(f.severity, 3))
@@ -442,6 +443,7 @@ def _pipeline_part(
     split: PipelineSplit | Mapping[str, Any] | None,
     stages_per_rank: int | None,
     batch_size: int | None,
+    seq_len: int,
 ) -> tuple[list[Finding], int | None]:
     """The pipeline plan's findings (the trainer's checks) and the micro-batch size.
 
@@ -474,7 +476,10 @@ def _pipeline_part(
             )
             return findings, batch_size
     try:
-        units = pipeline.units_of_model(model)
+        if split is not None and split.balance == "flops":
+            units = count_unit_flops(pipeline, model, seq_len)
+        else:
+            units = pipeline.units_of_model(model)
     except AttributeError as e:
         findings.append(
             Finding(
@@ -518,6 +523,11 @@ def _registered_pipeline(model: nn.Module) -> PipelineLayout | None:
         if layout is not None and config_type is type(spec.config()):
             return layout
     return None
+
+
+def _default_seq_len(layout: MeshLayout) -> int:
+    """Twice the product of the sequence-sharding axes (at least 16): every split divides."""
+    return max(16, 2 * math.prod(layout.size(a) for a in ("cp", "tp")))
 
 
 def _user_mesh_findings(mesh: Any) -> list[Finding]:

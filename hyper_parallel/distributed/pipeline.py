@@ -46,6 +46,7 @@ from torch import nn
 from hyper_parallel.dmodule._checks import Finding
 
 __all__ = [
+    "BALANCE",
     "MULTI_STAGE_SCHEDULES",
     "SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
@@ -57,6 +58,7 @@ __all__ = [
     "balanced_split",
     "build_schedule",
     "build_stage_modules",
+    "count_unit_flops",
     "init_states_by_unit",
     "pipeline_axis_findings",
     "pipeline_findings",
@@ -78,6 +80,8 @@ _V_SHAPE = frozenset({"ZBVZeroBubble"})
 SPLIT_BACKWARD_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
 """Schedules that split the backward into input- and weight-gradient steps."""
 _DEFAULT_STAGES_PER_RANK = 2
+BALANCE = ("params", "flops")
+"""What an automatic split balances: parameter count, or forward FLOPs per unit."""
 
 
 class PipelineError(ValueError):
@@ -104,11 +108,14 @@ class PipelineUnit:
         name: ``"tok_embeddings"``, ``"layers.3"``, ``"norm+output"``.
         modules: Module paths in the model that make up the unit.
         num_params: Parameters of the unit.
+        num_flops: Forward FLOPs of the unit for one sequence, when counted
+            (:func:`count_unit_flops`); ``None`` otherwise.
     """
 
     name: str
     modules: tuple[str, ...]
     num_params: int
+    num_flops: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,8 +155,15 @@ class PipelineLayout:
         """The last unit's name."""
         return "+".join(self.last)
 
-    def units(self, config: Any) -> list[PipelineUnit]:
-        """The model's units in order, with their parameter counts (built on meta)."""
+    def units(self, config: Any, seq_len: int | None = None) -> list[PipelineUnit]:
+        """The model's units in order, with their parameter counts (built on meta).
+
+        With ``seq_len``, each unit also carries its forward FLOPs for one sequence of
+        that length (:func:`count_unit_flops`, on the meta device).
+        """
+        if seq_len is not None:
+            with torch.device("meta"):
+                return count_unit_flops(self, config.build(), seq_len)
 
         def built(configs: list[Any]) -> list[nn.Module]:
             with torch.device("meta"):
@@ -162,7 +176,13 @@ class PipelineLayout:
         )
 
     def units_of_model(self, model: nn.Module) -> list[PipelineUnit]:
-        """The units of an already built model (any device, meta included), in order."""
+        """The units of an already built model (any device, meta included), in order.
+
+        Example:
+            >>> from hyper_parallel.models.llama import PIPELINE, preset_config
+            >>> [u.name for u in PIPELINE.units_of_model(preset_config("llama3-debug").build())]
+            ['tok_embeddings', 'layers.0', 'layers.1', 'norm+output']
+        """
         blocks = getattr(model, self.layers)
         return self._units(
             [getattr(model, f) for f in self.first],
@@ -217,6 +237,45 @@ class PipelineLayout:
         return self.stage.Config(**fields)
 
 
+def count_unit_flops(layout: PipelineLayout, model: nn.Module, seq_len: int) -> list[PipelineUnit]:
+    """The units of ``model`` with their forward FLOPs for one sequence of ``seq_len`` tokens.
+
+    Counted by ``torch.utils.flop_counter.FlopCounterMode`` over one forward pass of
+    token ids ``(1, seq_len)`` — on the meta device when ``model`` lives there, so
+    nothing is computed — and summed over each unit's modules. Matmuls count
+    ``2 m n k``, attention its two batched matmuls over the full (not causal) score
+    matrix; lookups and elementwise ops count nothing, so the embedding weighs 0.
+    Backward costs about twice the forward for each matmul, so the forward's
+    proportions are the step's.
+
+    Args:
+        layout: The model's pipeline description.
+        model: A model whose first unit takes token ids.
+        seq_len: Tokens per sequence.
+
+    Returns:
+        :meth:`PipelineLayout.units_of_model` with ``num_flops`` set.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = next((p.device for p in model.parameters()), torch.device("meta"))
+    tokens = torch.zeros((1, seq_len), dtype=torch.long, device=device)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(tokens)
+    # Keys are the module paths under the root's class name ("Transformer.layers.0").
+    root = type(model).__name__
+    totals = {
+        key[len(root) + 1 :]: sum(v.values())
+        for key, v in counter.get_flop_counts().items()
+        if key.startswith(root + ".")
+    }
+    return [
+        dataclasses.replace(u, num_flops=sum(totals.get(m, 0) for m in u.modules))
+        for u in layout.units_of_model(model)
+    ]
+
+
 # ---------------------------------------------------------------------------- split
 
 
@@ -232,24 +291,30 @@ class PipelineSplit:
             ``(("tok_embeddings", "layers.0"), ("layers.1", "norm+output"))``; a
             module name of a unit (``"norm"``, ``"output"``) stands for its unit.
 
-    With neither, stages are balanced by parameter count (:func:`balanced_split`).
+    With neither, stages are balanced (:func:`balanced_split`) by ``balance``:
+    ``"params"`` (parameter count, the default) or ``"flops"`` (each unit's forward
+    FLOPs, :func:`count_unit_flops`: attention's cost grows with the sequence, the
+    embedding costs none).
     """
 
     units_per_stage: int | None = None
     stages: tuple[tuple[str, ...], ...] | None = None
+    balance: str = "params"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PipelineSplit:
         """Read ``{"units_per_stage": 2}`` or ``{"stages": [["tok_embeddings", ...], ...]}``."""
-        unknown = sorted(set(values) - {"units_per_stage", "stages"})
+        unknown = sorted(set(values) - {"units_per_stage", "stages", "balance"})
         if unknown:
             raise ValueError(
-                f"PipelineSplit: unknown key(s) {unknown}; use 'units_per_stage' or 'stages'."
+                f"PipelineSplit: unknown key(s) {unknown}; use 'units_per_stage', 'stages' "
+                "or 'balance'."
             )
         stages = values.get("stages")
         return cls(
             units_per_stage=values.get("units_per_stage"),
             stages=None if stages is None else tuple(tuple(s) for s in stages),
+            balance=values.get("balance", "params"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -257,6 +322,7 @@ class PipelineSplit:
         return {
             "units_per_stage": self.units_per_stage,
             "stages": None if self.stages is None else [list(s) for s in self.stages],
+            "balance": self.balance,
         }
 
 
@@ -410,7 +476,25 @@ def _resolve_split(
                 "a model with more layers (--model-overrides '{\"num_layers\": N}').",
             )
         ]
-    sizes = balanced_split([u.num_params for u in units], num_stages)
+    if split.balance not in BALANCE:
+        return None, [
+            _error(
+                "split.balance",
+                f"is {split.balance!r}; stages are balanced by one of {list(BALANCE)}.",
+                "use 'params' (parameter count) or 'flops' (forward FLOPs per unit).",
+            )
+        ]
+    if split.balance == "flops" and any(u.num_flops is None for u in units):
+        return None, [
+            _error(
+                "split.balance",
+                "is 'flops', but the units carry no FLOP counts.",
+                "build the units with PipelineLayout.units(config, seq_len=...) (the "
+                "trainer does), or balance by 'params'.",
+            )
+        ]
+    weights = [u.num_params if split.balance == "params" else u.num_flops for u in units]
+    sizes = balanced_split(weights, num_stages)
     out, start = [], 0
     for size in sizes:
         out.append(names[start : start + size])

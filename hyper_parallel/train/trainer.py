@@ -440,9 +440,8 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
         split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
     except ValueError as e:
         return [Finding("error", "pipeline_split", "", str(e), "fix the split.")]
-    config = spec.config(**cfg.model_overrides)
     return pipeline_findings(
-        stages.units(config),
+        _pipeline_units(cfg, split),
         pp=layout.pp,
         schedule=cfg.schedule,
         num_microbatches=cfg.microbatches,
@@ -559,6 +558,13 @@ def _init_states(model: nn.Module, cfg: TrainConfig) -> None:
         model.init_states()
 
 
+def _pipeline_units(cfg: TrainConfig, split: PipelineSplit | None) -> list[Any]:
+    """The model's pipeline units; with their FLOPs at ``cfg.seq_len`` to balance by FLOPs."""
+    spec = get_spec(cfg.model)
+    seq_len = cfg.seq_len if split is not None and split.balance == "flops" else None
+    return spec.extras["pipeline"].units(spec.config(**cfg.model_overrides), seq_len=seq_len)
+
+
 def build_pipeline_stages(
     cfg: TrainConfig, mesh: ParallelMesh, device: torch.device | str | None = None
 ) -> tuple[list[nn.Module], Any]:
@@ -575,7 +581,7 @@ def build_pipeline_stages(
     config = _model_config(cfg, mesh.layout)
     split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
     plan = plan_pipeline(
-        stages.units(spec.config(**cfg.model_overrides)),
+        _pipeline_units(cfg, split),
         pp=mesh.layout.pp,
         schedule=cfg.schedule,
         num_microbatches=cfg.microbatches,

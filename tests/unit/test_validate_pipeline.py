@@ -30,6 +30,10 @@ def test_a_good_pipeline_plan_validates_and_traces_one_pipeline_group(config):
     assert report.mesh == {"pp": 2, "dp_shard": 2}
     # The trace runs one pipeline's group (the mesh without pp), micro-batch inputs.
     assert "fake process group of 2 ranks" in " ".join(report.notes)
+    by_flops = validate(config, {"pp": 2}, pipeline_split={"balance": "flops"}, seq_len=32)
+    assert by_flops.ok, by_flops.to_table()
+    bad = validate(config, {"pp": 2}, pipeline_split={"balance": "time"})
+    assert _errors(bad) == [("pipeline", "split.balance")]
 
 
 def test_too_few_microbatches_for_the_schedule(config):
