@@ -8,12 +8,14 @@ contiguous run of units. As in torchtitan, the embedding and the head each count
 a unit a stage may hold alone, so a 2-layer model runs 4 stages.
 
 The split is data (:class:`PipelineSplit`): units per stage, explicit lists, or —
-when neither is given — a split that balances stages by parameter count.
+when neither is given — a split that balances stages by parameter count or by
+forward FLOPs (:func:`count_unit_flops`).
 :func:`plan_pipeline` checks everything before a process group exists and returns a
 :class:`PipelinePlan` (stages, the rank of each stage, the schedule);
 :func:`build_stage_modules` builds this rank's stages on the meta device from the
-model's own (already sharded) config, applies tensor parallelism and FSDP2 inside
-each stage, materializes and initializes them unit by unit; :func:`build_schedule`
+model's own (already sharded) config, applies tensor parallelism, compile,
+activation checkpointing and FSDP2 (with bf16 mixed precision) inside each stage,
+materializes and initializes them unit by unit; :func:`build_schedule`
 wraps them in torch's ``PipelineStage`` and schedule.
 
 Initialization is per unit: each unit is initialized under its own seed derived
@@ -43,6 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyper_parallel.distributed import precision
+from hyper_parallel.distributed.activation_checkpoint import _Checkpointed, checkpointed_blocks
+from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.dmodule._checks import Finding
 
 __all__ = [
@@ -938,13 +943,6 @@ def build_stage_modules(
     """
     from torch.distributed.fsdp import fully_shard
 
-    from hyper_parallel.distributed import precision
-    from hyper_parallel.distributed.activation_checkpoint import (
-        _Checkpointed,
-        checkpointed_blocks,
-    )
-    from hyper_parallel.distributed.compile import apply_compile
-
     precision.check_dtype(dtype)
     checkpointed = set(checkpointed_blocks(len(getattr(config, layout.layers)), ac))
     modules = []
@@ -1037,9 +1035,7 @@ class _FloatLoss:
         self.loss_fn = loss_fn
 
     def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        from hyper_parallel.distributed.precision import loss_logits
-
-        return self.loss_fn(loss_logits(logits), target)
+        return self.loss_fn(precision.loss_logits(logits), target)
 
 
 def _own_storage(module: nn.Module, args: Any, output: Any) -> Any:

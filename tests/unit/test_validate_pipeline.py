@@ -88,7 +88,10 @@ def test_a_batch_that_does_not_split_into_microbatches(config):
 def test_pp_with_cp_is_refused_with_the_reason(config):
     report = validate(config, {"pp": 2, "cp": 2}, num_microbatches=2)
     assert ("mesh", "pp") in _errors(report)
-    assert "position" in next(f.message for f in report.errors if f.field == "pp")
+    message = next(f.message for f in report.errors if f.field == "pp")
+    assert "position" in message
+    trainer = check_config(TrainConfig(mesh={"pp": 2, "cp": 2}, num_microbatches=2), 4)
+    assert message in {f.message for f in trainer}
 
 
 def test_validate_and_the_trainer_share_the_pipeline_findings(config):
