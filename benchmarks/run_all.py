@@ -11,6 +11,8 @@ d. collectives and bytes per step, TP and TP+SP, vs the minimum (``bench_comms.p
 e. peak memory to initialize a model larger than a rank's share (``bench_init_memory.py``);
 m. mixture of experts: the MoE layer at ep=2/4 vs a hand-written dispatch, and tokens/s of
    the debug MoE training step (``bench_moe.py``).
+p. pipeline parallelism: step time per schedule vs pp=1, measured vs predicted bubble
+   (``bench_pp.py``).
 
 Each comparison interleaves its contenders in one run and reports medians, min-max
 and ratios. Nothing here is a test: numbers depend on the machine and its load.
@@ -250,6 +252,32 @@ def section_moe(result: dict[str, Any], charts: list[str]) -> str:
             f"{_fmt(s['step_ms'], 1)} | {s['tokens_per_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+def section_pp(rows: list[dict[str, Any]], charts: list[str]) -> str:
+    """(p) pipeline parallelism."""
+    lines = [
+        "## p. Pipeline parallelism — each schedule vs pp=1 on the same gloo ranks",
+        "",
+        "`llama3-debug` with 8 blocks of width 256, global batch 16 x 128 tokens, 8 "
+        "micro-batches; a step is the trainer's (`Trainer.train_step`); pp=1 is FSDP2 "
+        "over the same ranks (dp_shard = pp). Bubble: measured = per rank, the share of "
+        "the schedule's step spent outside torch's stage actions (waiting, "
+        "communication included), averaged over ranks; predicted = `bubble_fraction` "
+        "from the schedule's action list (backward = 2 x forward, free communication).",
+        "",
+        "| pp | contender | step ms | vs pp=1 | bubble measured | bubble predicted |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    base = {r["pp"]: r["step_ms"]["median"] for r in rows if r["contender"] == "pp=1"}
+    for r in rows:
+        s = r["step_ms"]
+        step = f"{s['median']:,.1f} ({s['min']:,.1f}-{s['max']:,.1f})"
+        measured = f"{r['measured_bubble']:.3f}" if "measured_bubble" in r else "-"
+        predicted = f"{r['predicted_bubble']:.3f}" if "predicted_bubble" in r else "-"
+        lines.append(
+            f"| {r['pp']} | {r['contender']} | {step} | "
+            f"{s['median'] / base[r['pp']]:.2f} | {measured} | {predicted} |"
+        )
+    return "\n".join([*lines, ""])
 
 
 def _plt() -> Any:
@@ -397,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
-        "--only", nargs="+", choices=list("abcdem"), default=list("abcdem"), help="sections"
+        "--only", nargs="+", choices=list("abcdemp"), default=list("abcdemp"), help="sections"
     )
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -438,6 +466,12 @@ def main(argv: list[str] | None = None) -> int:
             ["--reps", gloo_reps, "--step-reps", "3" if args.quick else "6"],
             600,
             section_moe,
+        ),
+        "p": (
+            "bench_pp.py",
+            ["--pp", "2", "--reps", "4" if args.quick else "10"],
+            600,
+            section_pp,
         ),
     }
     print(f"benchmarks on {header}", flush=True)

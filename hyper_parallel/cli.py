@@ -109,6 +109,20 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format")
 
 
+def _add_pipeline_arguments(p: argparse.ArgumentParser, batch_meaning: str) -> None:
+    p.add_argument(
+        "--schedule",
+        default="1F1B",
+        help="pipeline schedule with a pp axis (torch's names; default 1F1B)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=_positive_int,
+        default=None,
+        help=f"pipeline micro-batches per step (default: the number of stages); {batch_meaning}",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyper-parallel",
@@ -142,18 +156,7 @@ def _parser() -> argparse.ArgumentParser:
         help="activation checkpointing for the activation bytes: none (default), full "
         "(every block), selective (every second block)",
     )
-    plan.add_argument(
-        "--schedule",
-        default="1F1B",
-        help="pipeline schedule with a pp axis (torch's names; default 1F1B)",
-    )
-    plan.add_argument(
-        "--microbatches",
-        type=_positive_int,
-        default=None,
-        help="pipeline micro-batches per step (default: the number of stages); --batch is "
-        "then the micro-batch size",
-    )
+    _add_pipeline_arguments(plan, "--batch is then the micro-batch size")
     plan.set_defaults(func=_cmd_plan)
 
     validate = sub.add_parser(
@@ -166,7 +169,13 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument(
         "--verbose", action="store_true", help="also list info findings and every redistribution"
     )
-    validate.set_defaults(func=_cmd_validate)
+    _add_pipeline_arguments(
+        validate,
+        "--batch is then the sequences per data-parallel rank, split into micro-batches "
+        "(default: one per micro-batch)",
+    )
+    # None: one sequence (per micro-batch under pp); see _cmd_validate.
+    validate.set_defaults(func=_cmd_validate, batch=None)
 
     demo = sub.add_parser(
         "demo", help="train on local ranks and in one process; show the losses agree"
@@ -311,7 +320,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     layout = args.mesh
     pipeline = None
     if layout.pp > 1:
-        pipeline = _pipeline_part(args, layout)
+        pipeline = _pipeline_part(args, layout, subject.model)
     try:
         report = dry_run(
             subject.model,
@@ -361,8 +370,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pipeline_part(args: argparse.Namespace, layout: Any) -> dict[str, Any]:
-    """Stages, per-rank bytes, bubble and P2P bytes of the pipeline (``pp > 1``)."""
+def _pipeline_part(args: argparse.Namespace, layout: Any, sharded: Any) -> dict[str, Any]:
+    """Stages (with their collectives), per-rank bytes, bubble and P2P bytes (``pp > 1``)."""
     import torch
 
     from hyper_parallel.analysis.pipeline_cost import pipeline_report
@@ -390,6 +399,11 @@ def _pipeline_part(args: argparse.Namespace, layout: Any) -> dict[str, Any]:
             seq_len=args.seq or _SEQ_LEN,
             element_bytes=element_bytes,
             sequence_parallel=args.sp,
+            sharded_config=sharded,
+            fsdp=not args.no_fsdp,
+            param_dtype=getattr(torch, _DTYPES[args.dtype]),
+            ac=args.ac,
+            dtype="bf16" if args.dtype == "bf16" else "fp32",
         )
     except PipelineError as e:
         raise _PlanError(str(e), e.findings) from None
@@ -400,14 +414,16 @@ def _pipeline_table(pipeline: dict[str, Any]) -> str:
         f"pipeline: {pipeline['pipeline']['schedule']}, "
         f"{pipeline['pipeline']['num_microbatches']} micro-batches, bubble "
         f"{pipeline['bubble_fraction']:.3f}",
-        "stage  rank  units                          params/rank  in-flight  total bytes/rank",
+        "stage  rank  units                          params/rank  in-flight  total bytes/rank"
+        "  collective bytes/step",
     ]
     for s in pipeline["stages"]:
         units = s["units"]
         label = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
+        moved = sum(c["bytes"] for c in s.get("collectives", ()))
         lines.append(
             f"{s['stage']:>5}  {s['rank']:>4}  {label:<30} {s['params']:>11,}  "
-            f"{s['in_flight_microbatches']:>9}  {s['total']:>16,}"
+            f"{s['in_flight_microbatches']:>9}  {s['total']:>16,}  {moved:>21,}"
         )
     return "\n".join(lines)
 
@@ -428,6 +444,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             subject.plan,
             batch_size=args.batch,
             seq_len=args.seq,
+            schedule=args.schedule,
+            num_microbatches=args.microbatches,
         )
     except (ValueError, TypeError) as e:
         raise _UsageError(str(e)) from None

@@ -23,6 +23,7 @@ from typing import Any
 
 from hyper_parallel.distributed.pipeline import (
     MULTI_STAGE_SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
     PipelinePlan,
     PipelineUnit,
     schedule_actions,
@@ -38,6 +39,7 @@ __all__ = [
     "pipeline_report",
     "rank_ops",
     "simulate",
+    "stage_collectives",
     "stage_costs",
 ]
 
@@ -343,6 +345,11 @@ def pipeline_report(
     seq_len: int,
     element_bytes: int,
     sequence_parallel: bool = False,
+    sharded_config: Any = None,
+    fsdp: bool = True,
+    param_dtype: Any = None,
+    ac: str = "none",
+    dtype: str = "fp32",
 ) -> dict[str, Any]:
     """The pipeline part of a dry run: stages, per-rank bytes, bubble and P2P traffic.
 
@@ -356,9 +363,14 @@ def pipeline_report(
         element_bytes: Bytes of a parameter, gradient and activation element; the
             optimizer keeps two fp32 states per parameter (AdamW).
         sequence_parallel: Activations between and inside blocks split over tp.
+        sharded_config: The config with its sharding as the trainer applies it; when
+            given, each stage also lists its own collectives per micro-batch and per
+            step (:func:`stage_collectives`), traced with ``fsdp``, ``param_dtype``,
+            ``ac`` and ``dtype``.
 
     Returns:
-        ``stages`` (per stage: units, parameters, per-rank bytes), ``per_rank_bytes``
+        ``stages`` (per stage: units, parameters, per-rank bytes, and with
+        ``sharded_config`` its collectives), ``per_rank_bytes``
         (the heaviest pp rank), ``bubble_fraction``, ``p2p_bytes`` and the plan.
     """
     from hyper_parallel.distributed.pipeline import plan_pipeline
@@ -391,11 +403,28 @@ def pipeline_report(
             into[key] += getattr(c, key)
     heaviest = max(per_rank.values(), key=lambda d: sum(d.values()))
     dim = config.norm.dim
+    rows = [
+        c.to_dict() | {"total": c.params + c.grads + c.optimizer + c.activations} for c in costs
+    ]
+    if sharded_config is not None:
+        traced = stage_collectives(
+            plan,
+            stages,
+            sharded_config,
+            layout,
+            microbatch_size=microbatch_size,
+            seq_len=seq_len,
+            fsdp=fsdp,
+            param_dtype=param_dtype,
+            ac=ac,
+            dtype=dtype,
+        )
+        for row, t in zip(rows, traced, strict=True):
+            row["collectives_per_microbatch"] = t["collectives_per_microbatch"]
+            row["collectives"] = t["collectives"]
     return {
         "pipeline": plan.to_dict(),
-        "stages": [
-            c.to_dict() | {"total": c.params + c.grads + c.optimizer + c.activations} for c in costs
-        ],
+        "stages": rows,
         "per_rank_bytes": heaviest | {"total": sum(heaviest.values())},
         "bubble_fraction": bubble_fraction(
             schedule, layout.pp, num_microbatches, plan.stages_per_rank
@@ -407,3 +436,190 @@ def pipeline_report(
             sequence_parallel=sequence_parallel,
         ),
     }
+
+
+# ---------------------------------------------------------------------------- collectives
+
+_Key = tuple[str, str, str]  # (kind, axis, phase)
+
+
+def _by_key(collectives: Sequence[Any]) -> dict[_Key, dict[str, int]]:
+    """The dry run's collective rows (``to_dict`` form) summed per (kind, axis, phase)."""
+    out: dict[_Key, dict[str, int]] = {}
+    for c in collectives:
+        row = c if isinstance(c, Mapping) else c.to_dict()
+        into = out.setdefault((row["kind"], row["axis"], row["phase"]), {"count": 0, "bytes": 0})
+        into["count"] += row["count"]
+        into["bytes"] += row["bytes"]
+    return out
+
+
+def _combine(
+    parts: Sequence[tuple[dict[_Key, dict[str, int]], int]],
+) -> dict[_Key, dict[str, int]]:
+    """``sum(weight * part)`` per key; entries that end at zero count are dropped."""
+    out: dict[_Key, dict[str, int]] = {}
+    for part, weight in parts:
+        for key, v in part.items():
+            into = out.setdefault(key, {"count": 0, "bytes": 0})
+            into["count"] += weight * v["count"]
+            into["bytes"] += weight * v["bytes"]
+    return {k: v for k, v in out.items() if v["count"] > 0}
+
+
+def _block_gathers(ops: Sequence[Op], stage: int) -> tuple[int, int]:
+    """How often a block's FSDP2 unit all-gathers in forward and in backward in one step.
+
+    Replays the stage's actions against torch's FSDP2 settings under a pipeline
+    schedule (``PipelineStage``: blocks reshard after each forward; backward keeps
+    them gathered, ``set_reshard_after_backward(False)``, until the step's
+    ``REDUCE_GRAD``): a forward or backward that finds the block sharded gathers it.
+    """
+    gathered = False
+    forward = backward = 0
+    for op in ops:
+        if op.stage != stage:
+            continue
+        if op.kind == "F":
+            forward += not gathered
+            gathered = False
+        elif op.kind in ("B", "I"):
+            backward += not gathered
+            gathered = True
+    return forward, backward
+
+
+def stage_collectives(
+    plan: PipelinePlan,
+    stages: Any,
+    config: Any,
+    layout: Any,
+    *,
+    microbatch_size: int,
+    seq_len: int,
+    fsdp: bool = True,
+    param_dtype: Any = None,
+    ac: str = "none",
+    dtype: str = "fp32",
+) -> list[dict[str, Any]]:
+    """Each stage's own collectives (tp, cp, FSDP inside the stage) per step, traced.
+
+    Each kind of stage (with the first unit, the last unit, or neither) is built as
+    the trainer builds it (``stages.stage_config`` of the sharded ``config``) and
+    traced by :func:`~hyper_parallel.analysis.dry_run` for one micro-batch, with no
+    block and with one block: the difference is one block's collectives (the blocks
+    are identical), the rest the stage's own units. Per step, collectives of the
+    activations (``tp``, ``cp``) repeat per micro-batch; FSDP2's reduce-scatter (and
+    HSDP's all-reduce) runs once, at torch's ``REDUCE_GRAD``; the stage root is
+    gathered once, each block as often as :func:`_block_gathers` finds it sharded
+    (under the zero-bubble schedules the stage is one FSDP2 unit: gathered once).
+    A stage's loss is the sum of its outputs (the last stage's cross-entropy is
+    not traced).
+
+    Args:
+        plan: The checked pipeline plan.
+        stages: The model's ``PipelineLayout``.
+        config: The model config with its sharding (as the trainer shards it).
+        layout: The mesh layout; traced without ``pp`` (one pipeline's group).
+        microbatch_size: Sequences per micro-batch.
+        seq_len: Tokens per sequence.
+        fsdp, param_dtype, ac, dtype: As :func:`~hyper_parallel.analysis.dry_run`.
+
+    Returns:
+        Per stage: ``stage``, ``collectives_per_microbatch`` and ``collectives`` (per
+        step), each a list of ``{kind, axis, phase, count, bytes}`` per rank.
+    """
+    import torch
+
+    from hyper_parallel.analysis.dry_run import dry_run
+
+    flat = dataclasses.replace(layout, pp=1)
+    dim = config.norm.dim
+    first, last = stages.first_name, stages.last_name
+    traces: dict[tuple[bool, bool, int], tuple[dict[_Key, dict[str, int]], tuple[str, ...]]] = {}
+    block = f"{stages.layers}.0"
+
+    def trace(has_first: bool, has_last: bool, num_blocks: int) -> Any:
+        key = (has_first, has_last, num_blocks)
+        if key not in traces:
+            if not (has_first or has_last or num_blocks):
+                traces[key] = ({}, ())
+                return traces[key]
+            names = [first] * has_first + [block] * num_blocks + [last] * has_last
+            stage_config = stages.stage_config(config, names)
+            tokens = (microbatch_size, seq_len)
+            example = (
+                torch.zeros(tokens, dtype=torch.long)
+                if has_first
+                else torch.zeros((*tokens, dim), dtype=param_dtype or torch.float32)
+            )
+            report = dry_run(
+                stage_config,
+                flat,
+                batch_size=microbatch_size,
+                seq_len=seq_len,
+                fsdp=fsdp,
+                param_dtype=param_dtype or torch.float32,
+                inputs=[example],
+                ac=ac,
+                dtype=dtype,
+            )
+            traces[key] = (_by_key(report.collectives), tuple(report.fsdp_axes))
+        return traces[key]
+
+    ops = rank_ops(plan.schedule, plan.pp, plan.num_microbatches, plan.stages_per_rank)
+    m = plan.num_microbatches
+    out = []
+    for s, names in enumerate(plan.stages):
+        has_first, has_last = first in names, last in names
+        num_blocks = len(names) - has_first - has_last
+        root, fsdp_axes = trace(has_first, has_last, 0)
+        with_one, fsdp_axes = trace(has_first, has_last, 1) if num_blocks else (root, fsdp_axes)
+        one_block = _combine([(with_one, 1), (root, -1)])
+        per_mb = _combine([(root, 1), (one_block, num_blocks)])
+        forward, backward = _block_gathers(ops[plan.ranks[s]], s)
+        if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+            forward, backward = 1, 0
+        data = set(fsdp_axes) | {"dp_replicate"}
+        block_weights = {"forward": forward, "backward": backward}
+        blocks = _combine([(one_block, num_blocks)])
+        total = _combine(_per_step(root, data, m, None) + _per_step(blocks, data, m, block_weights))
+        out.append(
+            {
+                "stage": s,
+                "collectives_per_microbatch": _as_list(per_mb),
+                "collectives": _as_list(total),
+            }
+        )
+    return out
+
+
+def _per_step(
+    part: dict[_Key, dict[str, int]],
+    data_axes: set[str],
+    num_microbatches: int,
+    gathers: Mapping[str, int] | None,
+) -> list[tuple[dict[_Key, dict[str, int]], int]]:
+    """Weights that turn one micro-batch's collectives into one step's.
+
+    Collectives on a model axis move activations: once per micro-batch. On a data
+    axis, gradients are reduced once per step; parameters are gathered once for the
+    stage root (``gathers=None``), per ``gathers[phase]`` for the blocks.
+    """
+    scaled = []
+    for (kind, axis, phase), v in part.items():
+        if axis not in data_axes:
+            weight = num_microbatches
+        elif kind == "all_gather":
+            weight = 1 if gathers is None else gathers[phase]
+        else:
+            weight = 1
+        scaled.append(({(kind, axis, phase): v}, weight))
+    return scaled
+
+
+def _as_list(part: dict[_Key, dict[str, int]]) -> list[dict[str, Any]]:
+    return [
+        {"kind": k, "axis": a, "phase": p, "count": v["count"], "bytes": v["bytes"]}
+        for (k, a, p), v in sorted(part.items())
+    ]

@@ -13,8 +13,12 @@
   undeclared ones (the arriving layout is not the module's ``in_src``) are
   warnings, as is a *local* tensor read back under a different layout;
 - a forward pass that fails once the plan is applied;
-- the mesh: every problem of its layout, axes the analysis cannot trace yet
-  (``pp``, ``ep``), a ``cp`` axis the plan does not declare, and the HSDP trap
+- with a ``pp`` axis, the pipeline plan, by the trainer's own checks: micro-batches
+  fewer than the schedule needs, a layer count the split cannot place, an empty
+  stage, weights tied across stages, a batch that does not split into micro-batches
+  (then the rest is checked on one pipeline's ranks: the mesh without ``pp``);
+- the mesh: every problem of its layout, a ``cp`` axis the plan does not declare,
+  and the HSDP trap
   (a plan or a DeviceMesh that puts a data axis beside a model axis: a 2-D mesh
   handed to ``fully_shard`` silently becomes HSDP).
 
@@ -29,6 +33,7 @@ tensor from the module that produced it to the module that reads it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -70,6 +75,14 @@ from hyper_parallel.distributed.layout import (
     ParallelMesh,
     as_layout,
 )
+from hyper_parallel.distributed.pipeline import (
+    MULTI_STAGE_SCHEDULES,
+    PipelineLayout,
+    PipelineSplit,
+    count_unit_flops,
+    pipeline_axis_findings,
+)
+from hyper_parallel.distributed.pipeline import pipeline_findings as _plan_findings
 from hyper_parallel.dmodule._checks import (
     BOUNDARY_ATTR,
     Finding,
@@ -93,7 +106,7 @@ __all__ = ["Redistribution", "ValidationReport", "validate"]
 # Axes over which a batch is split by the data loader, not by a plan.
 _DATA_AXES = frozenset({"dp", *DATA_AXES})
 # User axes validate traces (the dry run's); others of size > 1 are refused by name.
-_ANALYSIS_AXES = ("dp_replicate", "dp_shard", "cp", "tp", "ep")
+_ANALYSIS_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
 @dataclass(frozen=True)
@@ -288,10 +301,15 @@ def validate(
     plan: Mapping[str, ShardingConfig] | str | Path | None = None,
     *,
     inputs: Sequence[torch.Tensor] | None = None,
-    batch_size: int = 1,
+    batch_size: int | None = None,
     seq_len: int | None = None,
     trace: bool = True,
     world_size: int | None = None,
+    schedule: str = "1F1B",
+    num_microbatches: int | None = None,
+    pipeline_split: PipelineSplit | Mapping[str, Any] | None = None,
+    stages_per_rank: int | None = None,
+    pipeline: PipelineLayout | None = None,
 ) -> ValidationReport:
     """Check a model + plan + mesh shape and report every problem at once.
 
@@ -312,11 +330,22 @@ def validate(
         inputs: Example inputs for the traced forward; by default token ids
             ``(batch_size, seq_len)`` for a model that starts with an embedding, or
             features for one that starts with a linear layer.
-        batch_size: Batch size of the default inputs.
+        batch_size: Batch size of the default inputs (default 1); with a ``pp`` axis,
+            the sequences per data-parallel rank per step, split into micro-batches
+            (default: ``num_microbatches``, one sequence each).
         seq_len: Sequence length of the default inputs; default twice the product of
             the non-data-parallel axis sizes (at least 16), so sequence sharding divides.
         trace: Run the boundary analysis (a forward pass on fake tensors).
         world_size: Ranks the job will have; an error when the mesh's size differs.
+        schedule: With ``pp > 1``: the pipeline schedule (torch's name).
+        num_microbatches: With ``pp > 1``: micro-batches per step (default: the
+            number of stages).
+        pipeline_split: With ``pp > 1``: the stage split (a
+            :class:`~hyper_parallel.distributed.pipeline.PipelineSplit` or its dict
+            form); ``None`` balances stages by parameter count.
+        stages_per_rank: With ``pp > 1``: stages per rank (interleaved schedules).
+        pipeline: With ``pp > 1``: how the model is cut into stages; by default the
+            ``extras["pipeline"]`` of the registered model of the same class.
 
     Returns:
         A :class:`ValidationReport`; ``report.ok`` is ``False`` when there are errors.
@@ -346,14 +375,34 @@ def validate(
         )
     target = resolve_target(model_or_config, plan)
     model = target.build_meta()
+    pipeline_findings: list[Finding] = []
+    if layout.pp > 1:
+        pipeline_findings, batch_size = _pipeline_part(
+            model,
+            layout,
+            pipeline,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            split=pipeline_split,
+            stages_per_rank=stages_per_rank,
+            batch_size=batch_size,
+            seq_len=seq_len if seq_len is not None else _default_seq_len(layout),
+        )
+        # The rest is one pipeline's model-parallel group, as the trainer builds each stage.
+        layout = dataclasses.replace(layout, pp=1)
+    batch_size = 1 if batch_size is None else batch_size
     entries, plan_findings = target.entries(model)
     declared = declared_axes(entries)
     plan_axes = tuple(a for a in declared if a in DENSE_AXES)
     report = ValidationReport(
-        model=target.name, mesh=layout.active(), layout=layout, plan_axes=plan_axes
+        model=target.name,
+        mesh=as_layout(mesh).active(),
+        layout=as_layout(mesh),
+        plan_axes=plan_axes,
     )
     sizes = {a: layout.size(a) for a in DENSE_AXES}
-    findings = [*mesh_findings, *axis_support_findings(layout, _ANALYSIS_AXES, "validate")]
+    findings = [*mesh_findings, *pipeline_findings]
+    findings += axis_support_findings(layout, _ANALYSIS_AXES, "validate")
     findings += plan_axis_findings(
         layout, declared, fsdp=True, states_on_data=states_on_axes(entries, _DATA_AXES)
     )
@@ -373,14 +422,112 @@ def validate(
         # The plan's dispatch check reports expert divisibility too, in the same words.
         findings += [f for f in ep_findings(model, layout) if f not in findings]
     findings += _coverage(model, entries, plan_axes or tuple(layout.active()) or ("tp",))
-    if trace:
+    if trace and any(f.severity == "error" for f in pipeline_findings):
+        report.notes.append("boundary analysis skipped: the pipeline plan has errors.")
+    elif trace:
         if seq_len is None:
-            others = math.prod(layout.size(a) for a in ("cp", "tp"))
-            seq_len = max(16, 2 * others)
+            seq_len = _default_seq_len(layout)
         findings += _trace(target, layout, findings, report, inputs, batch_size, seq_len)
     order = {"error": 0, "warning": 1, "info": 2}
     report.findings = sorted(findings, key=lambda f: order.get(f.severity, 3))
     return report
+
+
+def _pipeline_part(
+    model: nn.Module,
+    layout: MeshLayout,
+    pipeline: PipelineLayout | None,
+    *,
+    schedule: str,
+    num_microbatches: int | None,
+    split: PipelineSplit | Mapping[str, Any] | None,
+    stages_per_rank: int | None,
+    batch_size: int | None,
+    seq_len: int,
+) -> tuple[list[Finding], int | None]:
+    """The pipeline plan's findings (the trainer's checks) and the micro-batch size.
+
+    Returns:
+        The findings, and the batch of one micro-batch (what one stage's forward
+        sees, traced by the rest of :func:`validate`), ``None`` when unknown.
+    """
+    findings = pipeline_axis_findings(layout)
+    if pipeline is None:
+        pipeline = _registered_pipeline(model)
+    if pipeline is None:
+        findings.append(
+            Finding(
+                "error",
+                "mesh",
+                "pp",
+                f"pp={layout.pp}, but {type(model).__name__} declares no pipeline stages "
+                "(no registered ModelSpec of this class has extras['pipeline']).",
+                "pass validate(..., pipeline=PipelineLayout(...)) describing its units, or "
+                "leave pp out of the mesh.",
+            )
+        )
+        return findings, batch_size
+    if isinstance(split, Mapping):
+        try:
+            split = PipelineSplit.from_dict(dict(split))
+        except ValueError as e:
+            findings.append(
+                Finding("error", "pipeline", "pipeline_split", str(e), "fix the split.")
+            )
+            return findings, batch_size
+    try:
+        if split is not None and split.balance == "flops":
+            units = count_unit_flops(pipeline, model, seq_len)
+        else:
+            units = pipeline.units_of_model(model)
+    except AttributeError as e:
+        findings.append(
+            Finding(
+                "error",
+                "pipeline",
+                "layout",
+                f"the pipeline description does not fit {type(model).__name__}: {e}",
+                "pass the PipelineLayout of this model family.",
+            )
+        )
+        return findings, batch_size
+    if num_microbatches is None:
+        per_rank = stages_per_rank or (2 if schedule in MULTI_STAGE_SCHEDULES else 1)
+        num_microbatches = layout.pp * per_rank
+    if batch_size is None:
+        batch_size = num_microbatches
+    found = _plan_findings(
+        units,
+        pp=layout.pp,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        split=split,
+        stages_per_rank=stages_per_rank,
+        batch_size=batch_size,
+        model=model,
+    )
+    findings += [dataclasses.replace(f, path=f.path or "pipeline") for f in found]
+    if num_microbatches >= 1 and batch_size % num_microbatches == 0:
+        return findings, batch_size // num_microbatches
+    return findings, batch_size
+
+
+def _registered_pipeline(model: nn.Module) -> PipelineLayout | None:
+    """The ``extras["pipeline"]`` of a registered model of ``model``'s class."""
+    from hyper_parallel.dmodule.model_spec import get_spec, list_specs
+
+    config_type = getattr(type(model), "Config", None)
+    for name in list_specs():
+        spec = get_spec(name)
+        layout = spec.extras.get("pipeline")
+        if layout is not None and config_type is type(spec.config()):
+            return layout
+    return None
+
+
+def _default_seq_len(layout: MeshLayout) -> int:
+    """Twice the product of the sequence-sharding axes (at least 16): every split divides."""
+    return max(16, 2 * math.prod(layout.size(a) for a in ("cp", "tp")))
 
 
 def _user_mesh_findings(mesh: Any) -> list[Finding]:

@@ -8,12 +8,14 @@ contiguous run of units. As in torchtitan, the embedding and the head each count
 a unit a stage may hold alone, so a 2-layer model runs 4 stages.
 
 The split is data (:class:`PipelineSplit`): units per stage, explicit lists, or —
-when neither is given — a split that balances stages by parameter count.
+when neither is given — a split that balances stages by parameter count or by
+forward FLOPs (:func:`count_unit_flops`).
 :func:`plan_pipeline` checks everything before a process group exists and returns a
 :class:`PipelinePlan` (stages, the rank of each stage, the schedule);
 :func:`build_stage_modules` builds this rank's stages on the meta device from the
-model's own (already sharded) config, applies tensor parallelism and FSDP2 inside
-each stage, materializes and initializes them unit by unit; :func:`build_schedule`
+model's own (already sharded) config, applies tensor parallelism, compile,
+activation checkpointing and FSDP2 (with bf16 mixed precision) inside each stage,
+materializes and initializes them unit by unit; :func:`build_schedule`
 wraps them in torch's ``PipelineStage`` and schedule.
 
 Initialization is per unit: each unit is initialized under its own seed derived
@@ -43,11 +45,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyper_parallel.distributed import precision
+from hyper_parallel.distributed.activation_checkpoint import _Checkpointed, checkpointed_blocks
+from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.dmodule._checks import Finding
 
 __all__ = [
+    "BALANCE",
     "MULTI_STAGE_SCHEDULES",
     "SCHEDULES",
+    "SPLIT_BACKWARD_SCHEDULES",
     "PipelineError",
     "PipelineLayout",
     "PipelinePlan",
@@ -56,7 +63,9 @@ __all__ = [
     "balanced_split",
     "build_schedule",
     "build_stage_modules",
+    "count_unit_flops",
     "init_states_by_unit",
+    "pipeline_axis_findings",
     "pipeline_findings",
     "pipeline_step",
     "plan_pipeline",
@@ -73,9 +82,11 @@ MULTI_STAGE_SCHEDULES = frozenset({"Interleaved1F1B", "InterleavedZeroBubble", "
 """Schedules that run several stages per rank (the others run exactly one)."""
 
 _V_SHAPE = frozenset({"ZBVZeroBubble"})
-# Schedules that split the backward into input- and weight-gradient steps.
-_SPLIT_BACKWARD = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
+SPLIT_BACKWARD_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
+"""Schedules that split the backward into input- and weight-gradient steps."""
 _DEFAULT_STAGES_PER_RANK = 2
+BALANCE = ("params", "flops")
+"""What an automatic split balances: parameter count, or forward FLOPs per unit."""
 
 
 class PipelineError(ValueError):
@@ -102,11 +113,14 @@ class PipelineUnit:
         name: ``"tok_embeddings"``, ``"layers.3"``, ``"norm+output"``.
         modules: Module paths in the model that make up the unit.
         num_params: Parameters of the unit.
+        num_flops: Forward FLOPs of the unit for one sequence, when counted
+            (:func:`count_unit_flops`); ``None`` otherwise.
     """
 
     name: str
     modules: tuple[str, ...]
     num_params: int
+    num_flops: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,20 +160,53 @@ class PipelineLayout:
         """The last unit's name."""
         return "+".join(self.last)
 
-    def units(self, config: Any) -> list[PipelineUnit]:
-        """The model's units in order, with their parameter counts (built on meta)."""
-        units = [self._unit(self.first_name, self.first, [getattr(config, f) for f in self.first])]
-        for i, block in enumerate(getattr(config, self.layers)):
-            name = f"{self.layers}.{i}"
-            units.append(self._unit(name, (name,), [block]))
-        units.append(self._unit(self.last_name, self.last, [getattr(config, f) for f in self.last]))
-        return units
+    def units(self, config: Any, seq_len: int | None = None) -> list[PipelineUnit]:
+        """The model's units in order, with their parameter counts (built on meta).
 
-    @staticmethod
-    def _unit(name: str, modules: tuple[str, ...], configs: list[Any]) -> PipelineUnit:
-        with torch.device("meta"):
-            count = sum(p.numel() for c in configs for p in c.build().parameters())
-        return PipelineUnit(name, modules, count)
+        With ``seq_len``, each unit also carries its forward FLOPs for one sequence of
+        that length (:func:`count_unit_flops`, on the meta device).
+        """
+        if seq_len is not None:
+            with torch.device("meta"):
+                return count_unit_flops(self, config.build(), seq_len)
+
+        def built(configs: list[Any]) -> list[nn.Module]:
+            with torch.device("meta"):
+                return [c.build() for c in configs]
+
+        return self._units(
+            built([getattr(config, f) for f in self.first]),
+            [built([b])[0] for b in getattr(config, self.layers)],
+            built([getattr(config, f) for f in self.last]),
+        )
+
+    def units_of_model(self, model: nn.Module) -> list[PipelineUnit]:
+        """The units of an already built model (any device, meta included), in order.
+
+        Example:
+            >>> from hyper_parallel.models.llama import PIPELINE, preset_config
+            >>> [u.name for u in PIPELINE.units_of_model(preset_config("llama3-debug").build())]
+            ['tok_embeddings', 'layers.0', 'layers.1', 'norm+output']
+        """
+        blocks = getattr(model, self.layers)
+        return self._units(
+            [getattr(model, f) for f in self.first],
+            list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks),
+            [getattr(model, f) for f in self.last],
+        )
+
+    def _units(
+        self, first: list[nn.Module], blocks: list[nn.Module], last: list[nn.Module]
+    ) -> list[PipelineUnit]:
+        def count(modules: list[nn.Module]) -> int:
+            return sum(p.numel() for m in modules for p in m.parameters())
+
+        units = [PipelineUnit(self.first_name, self.first, count(first))]
+        for i, block in enumerate(blocks):
+            name = f"{self.layers}.{i}"
+            units.append(PipelineUnit(name, (name,), count([block])))
+        units.append(PipelineUnit(self.last_name, self.last, count(last)))
+        return units
 
     def stage_config(self, config: Any, unit_names: Sequence[str]) -> Any:
         """The config of the stage holding ``unit_names``, sub-configs taken from ``config``.
@@ -195,6 +242,45 @@ class PipelineLayout:
         return self.stage.Config(**fields)
 
 
+def count_unit_flops(layout: PipelineLayout, model: nn.Module, seq_len: int) -> list[PipelineUnit]:
+    """The units of ``model`` with their forward FLOPs for one sequence of ``seq_len`` tokens.
+
+    Counted by ``torch.utils.flop_counter.FlopCounterMode`` over one forward pass of
+    token ids ``(1, seq_len)`` — on the meta device when ``model`` lives there, so
+    nothing is computed — and summed over each unit's modules. Matmuls count
+    ``2 m n k``, attention its two batched matmuls over the full (not causal) score
+    matrix; lookups and elementwise ops count nothing, so the embedding weighs 0.
+    Backward costs about twice the forward for each matmul, so the forward's
+    proportions are the step's.
+
+    Args:
+        layout: The model's pipeline description.
+        model: A model whose first unit takes token ids.
+        seq_len: Tokens per sequence.
+
+    Returns:
+        :meth:`PipelineLayout.units_of_model` with ``num_flops`` set.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = next((p.device for p in model.parameters()), torch.device("meta"))
+    tokens = torch.zeros((1, seq_len), dtype=torch.long, device=device)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(tokens)
+    # Keys are the module paths under the root's class name ("Transformer.layers.0").
+    root = type(model).__name__
+    totals = {
+        key[len(root) + 1 :]: sum(v.values())
+        for key, v in counter.get_flop_counts().items()
+        if key.startswith(root + ".")
+    }
+    return [
+        dataclasses.replace(u, num_flops=sum(totals.get(m, 0) for m in u.modules))
+        for u in layout.units_of_model(model)
+    ]
+
+
 # ---------------------------------------------------------------------------- split
 
 
@@ -210,24 +296,30 @@ class PipelineSplit:
             ``(("tok_embeddings", "layers.0"), ("layers.1", "norm+output"))``; a
             module name of a unit (``"norm"``, ``"output"``) stands for its unit.
 
-    With neither, stages are balanced by parameter count (:func:`balanced_split`).
+    With neither, stages are balanced (:func:`balanced_split`) by ``balance``:
+    ``"params"`` (parameter count, the default) or ``"flops"`` (each unit's forward
+    FLOPs, :func:`count_unit_flops`: attention's cost grows with the sequence, the
+    embedding costs none).
     """
 
     units_per_stage: int | None = None
     stages: tuple[tuple[str, ...], ...] | None = None
+    balance: str = "params"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PipelineSplit:
         """Read ``{"units_per_stage": 2}`` or ``{"stages": [["tok_embeddings", ...], ...]}``."""
-        unknown = sorted(set(values) - {"units_per_stage", "stages"})
+        unknown = sorted(set(values) - {"units_per_stage", "stages", "balance"})
         if unknown:
             raise ValueError(
-                f"PipelineSplit: unknown key(s) {unknown}; use 'units_per_stage' or 'stages'."
+                f"PipelineSplit: unknown key(s) {unknown}; use 'units_per_stage', 'stages' "
+                "or 'balance'."
             )
         stages = values.get("stages")
         return cls(
             units_per_stage=values.get("units_per_stage"),
             stages=None if stages is None else tuple(tuple(s) for s in stages),
+            balance=values.get("balance", "params"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -235,6 +327,7 @@ class PipelineSplit:
         return {
             "units_per_stage": self.units_per_stage,
             "stages": None if self.stages is None else [list(s) for s in self.stages],
+            "balance": self.balance,
         }
 
 
@@ -388,7 +481,25 @@ def _resolve_split(
                 "a model with more layers (--model-overrides '{\"num_layers\": N}').",
             )
         ]
-    sizes = balanced_split([u.num_params for u in units], num_stages)
+    if split.balance not in BALANCE:
+        return None, [
+            _error(
+                "split.balance",
+                f"is {split.balance!r}; stages are balanced by one of {list(BALANCE)}.",
+                "use 'params' (parameter count) or 'flops' (forward FLOPs per unit).",
+            )
+        ]
+    if split.balance == "flops" and any(u.num_flops is None for u in units):
+        return None, [
+            _error(
+                "split.balance",
+                "is 'flops', but the units carry no FLOP counts.",
+                "build the units with PipelineLayout.units(config, seq_len=...) (the "
+                "trainer does), or balance by 'params'.",
+            )
+        ]
+    weights = [u.num_params if split.balance == "params" else u.num_flops for u in units]
+    sizes = balanced_split(weights, num_stages)
     out, start = [], 0
     for size in sizes:
         out.append(names[start : start + size])
@@ -465,33 +576,30 @@ def _explicit_stages(
     return (None if findings else out), findings
 
 
-def pipeline_findings(
-    units: Sequence[PipelineUnit],
-    *,
-    pp: int,
-    schedule: str,
-    num_microbatches: int,
-    split: PipelineSplit | None = None,
-    stages_per_rank: int | None = None,
-    batch_size: int | None = None,
-    model: nn.Module | None = None,
-) -> list[Finding]:
+def pipeline_findings(units: Sequence[PipelineUnit], **options: Any) -> list[Finding]:
     """Every problem of a pipeline plan, each with its fix (no process group needed).
 
-    Checks: the schedule name; stages per rank for the schedule (one for single-stage
-    schedules, two or more for interleaved ones, exactly two for ZBV); the split
-    (a layer count it cannot place, an empty stage, a unit placed twice or not at
-    all, a stage count that is not a multiple of pp); micro-batches fewer than the
-    schedule needs (torch's own rule, by building the schedule on stand-in stages);
-    a batch not divisible into micro-batches; with ``model`` (meta is enough), a
-    weight tied across stages (:func:`tied_parameter_findings`).
+    Takes :func:`plan_pipeline`'s arguments. Checks: the schedule name; stages per
+    rank for the schedule (one for single-stage schedules, two or more for
+    interleaved ones, exactly two for ZBV); the split (a layer count it cannot place,
+    an empty stage, a unit placed twice or not at all, a stage count that is not a
+    multiple of pp); micro-batches fewer than the schedule needs (torch's own rule,
+    by building the schedule on stand-in stages); a batch not divisible into
+    micro-batches; with ``model`` (meta is enough), a weight tied across stages
+    (:func:`tied_parameter_findings`).
 
     Returns:
         The findings (empty when the plan is good).
+
+    Example:
+        >>> from hyper_parallel.dmodule import get_spec
+        >>> spec = get_spec("llama3-debug")
+        >>> units = spec.extras["pipeline"].units(spec.config())
+        >>> [f.field for f in pipeline_findings(units, pp=2, schedule="1F1B",
+        ...                                      num_microbatches=1)]
+        ['num_microbatches']
     """
-    return _plan(units, pp, schedule, num_microbatches, split, stages_per_rank, batch_size, model)[
-        1
-    ]
+    return _plan(units, **options)[1]
 
 
 def plan_pipeline(
@@ -507,6 +615,16 @@ def plan_pipeline(
 ) -> PipelinePlan:
     """Check and resolve a pipeline plan (see :func:`pipeline_findings` for the checks).
 
+    Args:
+        units: The model's units (:meth:`PipelineLayout.units`).
+        pp: Size of the pp axis.
+        schedule: Torch's schedule name (:data:`SCHEDULES`).
+        num_microbatches: Micro-batches per step.
+        split: The stage split; ``None`` balances by parameter count.
+        stages_per_rank: Stages per rank (interleaved schedules; default 2).
+        batch_size: Sequences per data-parallel rank per step, when known.
+        model: The model (meta is enough), to find weights tied across stages.
+
     Raises:
         PipelineError: Every error at once.
 
@@ -518,7 +636,14 @@ def plan_pipeline(
         (0, 1, 0, 1)
     """
     plan, findings = _plan(
-        units, pp, schedule, num_microbatches, split, stages_per_rank, batch_size, model
+        units,
+        pp=pp,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        split=split,
+        stages_per_rank=stages_per_rank,
+        batch_size=batch_size,
+        model=model,
     )
     errors = [f for f in findings if f.severity == "error"]
     if errors:
@@ -529,12 +654,13 @@ def plan_pipeline(
 
 def _plan(
     units: Sequence[PipelineUnit],
+    *,
     pp: int,
     schedule: str,
     num_microbatches: int,
-    split: PipelineSplit | None,
-    stages_per_rank: int | None,
-    batch_size: int | None,
+    split: PipelineSplit | None = None,
+    stages_per_rank: int | None = None,
+    batch_size: int | None = None,
     model: nn.Module | None = None,
 ) -> tuple[PipelinePlan | None, list[Finding]]:
     findings = _schedule_findings(schedule)
@@ -625,6 +751,28 @@ def _plan(
             )
         )
     return plan, findings
+
+
+def pipeline_axis_findings(layout: Any) -> list[Finding]:
+    """Mesh axes a pipeline does not run with, as errors (``layout``: a ``MeshLayout``).
+
+    ``cp``: a context-parallel block needs every token's position (the model's
+    ``positions`` input) at every stage, but torch's ``PipelineStage`` hands the
+    step's inputs to the first stage only; later stages receive nothing but the
+    previous stage's output.
+    """
+    if layout.pp > 1 and layout.cp > 1:
+        return [
+            _error(
+                "pp",
+                f"pp={layout.pp} with cp={layout.cp}: context-parallel blocks need each "
+                "token's position at every stage, and torch's pipeline stages receive only "
+                "the previous stage's output (the step's inputs reach the first stage alone).",
+                "use pp with dp_replicate, dp_shard and tp, or cp without pp.",
+                path="mesh",
+            )
+        ]
+    return []
 
 
 def _microbatch_findings(plan: PipelinePlan) -> list[Finding]:
@@ -753,13 +901,18 @@ def build_stage_modules(
     seed: int,
     tp_mesh: Any = None,
     fsdp_mesh: Any = None,
+    compile_backend: str | None = None,
+    ac: str = "none",
+    dtype: str = "fp32",
 ) -> list[nn.Module]:
     """Build, shard, materialize and initialize the stages ``pp_rank`` runs.
 
     Each stage is built on the meta device from ``config`` (already carrying the
     model's sharding configs when ``tp_mesh`` is given), parallelized on
-    ``tp_mesh``, wrapped block by block and then whole with FSDP2 over
-    ``fsdp_mesh``, moved to ``device`` and initialized per unit.
+    ``tp_mesh``, its blocks compiled (``compile_backend``) and checkpointed (``ac``),
+    wrapped block by block and then whole with FSDP2 over ``fsdp_mesh`` (with
+    ``dtype``'s mixed-precision policy), moved to ``device`` and initialized per
+    unit — the order the trainer applies at pp=1.
 
     Under the zero-bubble schedules (backward split into input- and weight-gradient
     steps) a stage is one FSDP2 unit: per-block units reduce-scatter their
@@ -768,26 +921,82 @@ def build_stage_modules(
     one device on the 2-layer model with torch 2.13); the whole-stage unit is
     reduced once, after both (torch's ``REDUCE_GRAD`` action).
 
+    Args:
+        config: The model config, with its sharding.
+        layout: The model's pipeline description.
+        plan: The checked plan.
+        pp_rank: This rank's coordinate on the pp axis.
+        device: Where the stages live.
+        seed: The run's seed (:func:`init_states_by_unit`).
+        tp_mesh: The submesh the model's sharding is applied on, or ``None``.
+        fsdp_mesh: The FSDP2 mesh, or ``None``.
+        compile_backend: ``torch.compile`` each block with this backend
+            (``fullgraph=True``); ``None``: eager.
+        ac: Activation checkpointing of the blocks: ``"none"``, ``"full"`` or
+            ``"selective"`` (the model's blocks 1, 3, 5, ... by their index in the
+            model, as at pp=1).
+        dtype: ``"fp32"`` or ``"bf16"``: FSDP2's mixed-precision policy, or without
+            FSDP the stage's forward under bf16 autocast (fp32 master weights).
+
     Returns:
         One module per local stage, in pipeline order.
     """
     from torch.distributed.fsdp import fully_shard
 
+    precision.check_dtype(dtype)
+    checkpointed = set(checkpointed_blocks(len(getattr(config, layout.layers)), ac))
     modules = []
     for s in plan.stages_of_rank(pp_rank):
         with torch.device("meta"):
             module = layout.stage_config(config, plan.stages[s]).build()
         if tp_mesh is not None:
             module.parallelize(tp_mesh)
+        blocks = getattr(module, layout.layers)
+        if compile_backend is not None and len(blocks):
+            apply_compile(module, backend=compile_backend)
+            if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+                _compile_without_donated_buffers()
+        for key, block in blocks.items():
+            if int(key) in checkpointed:
+                block.forward = _Checkpointed(block.forward)
         if fsdp_mesh is not None:
-            if plan.schedule not in _SPLIT_BACKWARD:
-                for block in getattr(module, layout.layers).values():
-                    fully_shard(block, mesh=fsdp_mesh)
-            fully_shard(module, mesh=fsdp_mesh)
+            policy = precision.fsdp_policy(dtype)
+            if plan.schedule not in SPLIT_BACKWARD_SCHEDULES:
+                for block in blocks.values():
+                    fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
+            fully_shard(module, mesh=fsdp_mesh, mp_policy=policy)
+        elif dtype != "fp32":
+            module.forward = _Autocast(module.forward, torch.device(device).type)
         module.to_empty(device=device)
         init_states_by_unit(module, layout, seed)
         modules.append(module)
     return modules
+
+
+def _compile_without_donated_buffers() -> None:
+    """Turn off AOTAutograd's donated buffers (process-wide) for split-backward schedules.
+
+    The zero-bubble schedules run a block's backward in two steps (input, then
+    weight gradients) over one retained graph; a compiled backward with donated
+    buffers allows one backward only and refuses the second (``donated_buffer``
+    needs ``retain_graph=False``). Torch reads the flag when it compiles the
+    backward, lazily, inside the schedule's step, so it is set for the process;
+    donated buffers only save memory.
+    """
+    import torch._functorch.config as functorch_config
+
+    functorch_config.donated_buffer = False
+
+
+class _Autocast:
+    """A stage's ``forward`` under bf16 autocast (the stage is not FSDP-sharded)."""
+
+    def __init__(self, forward: Callable[..., Any], device_type: str) -> None:
+        self.forward, self.device_type = forward, device_type
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.forward(*args, **kwargs)
 
 
 def build_schedule(
@@ -816,7 +1025,17 @@ def build_schedule(
     ]
     cls = get_schedule_class(plan.schedule)
     target = stages if plan.schedule in MULTI_STAGE_SCHEDULES else stages[0]
-    return cls(target, plan.num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(target, plan.num_microbatches, loss_fn=_FloatLoss(loss_fn), scale_grads=True)
+
+
+class _FloatLoss:
+    """The loss from float32 logits (bf16 stages hand on bf16 logits), as at pp=1."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(precision.loss_logits(logits), target)
 
 
 def _own_storage(module: nn.Module, args: Any, output: Any) -> Any:

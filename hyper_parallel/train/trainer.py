@@ -72,6 +72,7 @@ from hyper_parallel.distributed.pipeline import (
     build_schedule,
     build_stage_modules,
     init_states_by_unit,
+    pipeline_axis_findings,
     pipeline_findings,
     pipeline_step,
     plan_pipeline,
@@ -432,24 +433,15 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
                 "leave pp out of the mesh, or register the model's PipelineLayout.",
             )
         ]
-    if layout.cp > 1:
-        return [
-            Finding(
-                "error",
-                "mesh",
-                "pp",
-                f"pp={layout.pp} with cp={layout.cp}: pipeline stages do not pass token "
-                "positions between stages yet.",
-                "use pp with dp_replicate, dp_shard and tp, or cp without pp.",
-            )
-        ]
+    axis_findings = pipeline_axis_findings(layout)
+    if axis_findings:
+        return axis_findings
     try:
         split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
     except ValueError as e:
         return [Finding("error", "pipeline_split", "", str(e), "fix the split.")]
-    config = spec.config(**cfg.model_overrides)
     return pipeline_findings(
-        stages.units(config),
+        _pipeline_units(cfg, split),
         pp=layout.pp,
         schedule=cfg.schedule,
         num_microbatches=cfg.microbatches,
@@ -461,33 +453,11 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
 def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
     """Training switches that a layout does not run, refused rather than ignored.
 
-    Pipeline stages are built and run by torch's schedule, outside the per-block
-    compile / activation-checkpointing / mixed-precision wiring; the routed-experts
-    dispatch exchanges data-dependent token counts, which a ``fullgraph`` block cannot
-    trace.
+    The routed-experts dispatch exchanges data-dependent token counts, which a
+    ``fullgraph`` block cannot trace. (Pipeline stages take compile, activation
+    checkpointing and bf16 per block, inside each stage.)
     """
     findings = []
-    if layout.pp > 1:
-        used = [
-            flag
-            for flag, on in (
-                ("--compile", cfg.compile),
-                (f"--dtype {cfg.dtype}", cfg.dtype != "fp32"),
-                (f"--ac {cfg.ac}", cfg.ac != "none"),
-            )
-            if on
-        ]
-        if used:
-            findings.append(
-                Finding(
-                    "error",
-                    "mesh",
-                    "pp",
-                    f"pp={layout.pp}: pipeline stages run eagerly in fp32 without "
-                    f"activation checkpointing, so {', '.join(used)} would be ignored.",
-                    f"drop {', '.join(used)}, or train without pp.",
-                )
-            )
     if layout.ep > 1 and cfg.compile:
         findings.append(
             Finding(
@@ -588,14 +558,22 @@ def _init_states(model: nn.Module, cfg: TrainConfig) -> None:
         model.init_states()
 
 
+def _pipeline_units(cfg: TrainConfig, split: PipelineSplit | None) -> list[Any]:
+    """The model's pipeline units; with their FLOPs at ``cfg.seq_len`` to balance by FLOPs."""
+    spec = get_spec(cfg.model)
+    seq_len = cfg.seq_len if split is not None and split.balance == "flops" else None
+    return spec.extras["pipeline"].units(spec.config(**cfg.model_overrides), seq_len=seq_len)
+
+
 def build_pipeline_stages(
     cfg: TrainConfig, mesh: ParallelMesh, device: torch.device | str | None = None
 ) -> tuple[list[nn.Module], Any]:
     """This rank's pipeline stages of ``cfg.model`` and their plan (``pp > 1``).
 
     Each stage is built on meta from the model's sharded config, tensor parallel on
-    the plan's submesh, FSDP2 over the same FSDP mesh as :func:`build_parallel_model`,
-    materialized and initialized per unit.
+    the plan's submesh, its blocks compiled and checkpointed as ``cfg`` says, FSDP2
+    (with ``cfg.dtype``'s policy; bf16 autocast without FSDP) over the same FSDP mesh
+    as :func:`build_parallel_model`, materialized and initialized per unit.
     """
     device = torch.device(device if device is not None else default_device())
     spec = get_spec(cfg.model)
@@ -603,7 +581,7 @@ def build_pipeline_stages(
     config = _model_config(cfg, mesh.layout)
     split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
     plan = plan_pipeline(
-        stages.units(spec.config(**cfg.model_overrides)),
+        _pipeline_units(cfg, split),
         pp=mesh.layout.pp,
         schedule=cfg.schedule,
         num_microbatches=cfg.microbatches,
@@ -620,6 +598,9 @@ def build_pipeline_stages(
         seed=cfg.seed,
         tp_mesh=plan_mesh(mesh, axes),
         fsdp_mesh=fsdp_mesh_for(mesh, axes),
+        compile_backend="inductor" if cfg.compile else None,
+        ac=cfg.ac,
+        dtype=cfg.dtype,
     )
     return modules, plan
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as c10d
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed import precision
 from hyper_parallel.distributed.layout import MeshLayout
 from hyper_parallel.distributed.pipeline import (
     PipelineSplit,
@@ -53,6 +54,7 @@ def _setup(
     split: dict | None,
     overrides: dict,
     sequence_parallel: bool = False,
+    switches: dict | None = None,
 ):
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
@@ -79,6 +81,7 @@ def _setup(
         seed=0,
         tp_mesh=mesh["tp"] if layout.tp > 1 else None,
         fsdp_mesh=mesh.fsdp_mesh(),
+        **(switches or {}),
     )
     sched = build_schedule(modules, plan, mesh["pp"], "cpu", cross_entropy_loss)
     return layout, mesh, config, plan, modules, sched
@@ -102,8 +105,13 @@ def train_vs_one_device(
     split: dict | None = None,
     overrides: dict | None = None,
     sequence_parallel: bool = False,
+    switches: dict | None = None,
 ) -> dict[str, Any]:
     """Train ``num_steps`` AdamW steps pipelined and on one device; compare losses and grads.
+
+    ``switches`` (``compile_backend``, ``ac``, ``dtype``) go to the stages; the one
+    device reference runs eagerly without checkpointing, in the same precision
+    (bf16 autocast from fp32 weights, as the trainer's one-process run).
 
     Returns:
         Per-step losses of both, the largest init difference, and the largest
@@ -111,8 +119,9 @@ def train_vs_one_device(
     """
     overrides = overrides or {}
     layout, mesh, config, plan, modules, sched = _setup(
-        mesh_text, schedule, num_microbatches, split, overrides, sequence_parallel
+        mesh_text, schedule, num_microbatches, split, overrides, sequence_parallel, switches
     )
+    dtype = (switches or {}).get("dtype", "fp32")
     reference = config.build()
     init_states_by_unit(reference, PIPELINE, 0)
     ref_params = dict(reference.named_parameters())
@@ -123,7 +132,13 @@ def train_vs_one_device(
 
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=LR)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    losses, ref_losses, grad_diffs = [], [], {}
+    losses, ref_losses, grad_diffs, grad_scales = [], [], {}, {}
+    # The dtype every linear layer of the stages computes in.
+    linear_dtypes: set[str] = set()
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, torch.nn.Linear):
+                sub.register_forward_hook(lambda _m, _a, out: linear_dtypes.add(str(out.dtype)))
     for step in range(num_steps):
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -133,7 +148,9 @@ def train_vs_one_device(
             c10d.all_reduce(loss, op=c10d.ReduceOp.AVG, group=mesh["batch"].get_group())
         losses.append(loss.item())
         full_inputs, full_targets = _batch(step)
-        ref_loss = cross_entropy_loss(reference(full_inputs), full_targets)
+        with precision.autocast(dtype, "cpu", sharded=False):
+            logits = reference(full_inputs)
+        ref_loss = cross_entropy_loss(precision.loss_logits(logits), full_targets)
         ref_loss.backward()
         ref_losses.append(ref_loss.item())
         if step == 0:
@@ -141,6 +158,7 @@ def train_vs_one_device(
                 n: (_full(p.grad) - ref_params[n].grad).abs().max().item()
                 for n, p in params.items()
             }
+            grad_scales = {n: ref_params[n].grad.abs().max().item() for n in params}
         opt.step()
         ref_opt.step()
     return {
@@ -153,6 +171,8 @@ def train_vs_one_device(
         "ref_losses": ref_losses,
         "init_diff": init_diff,
         "grad_diffs": grad_diffs,
+        "grad_scales": grad_scales,
+        "linear_dtypes": sorted(linear_dtypes),
     }
 
 
@@ -249,8 +269,13 @@ def checkpoint_across_meshes(path: str) -> dict[str, Any]:
     return result
 
 
-def trainer_parity(mesh: dict, schedule: str, num_microbatches: int) -> dict[str, Any]:
-    """The trainer at ``mesh`` (with pp) and in one process: per-step losses of both."""
+def trainer_parity(
+    mesh: dict, schedule: str, num_microbatches: int, switches: dict | None = None
+) -> dict[str, Any]:
+    """The trainer at ``mesh`` (with pp) and in one process: per-step losses of both.
+
+    ``switches`` (``dtype``, ``ac``) apply to both runs, as the demo runs them.
+    """
     from hyper_parallel.train import TrainConfig, Trainer
 
     cfg = TrainConfig(
@@ -261,8 +286,14 @@ def trainer_parity(mesh: dict, schedule: str, num_microbatches: int) -> dict[str
         seq_len=16,
         log_every=0,
         progress=False,
+        **(switches or {}),
     )
     trainer = Trainer(cfg, device="cpu")
+    linear_dtypes: set[str] = set()
+    for part in trainer.model_parts:
+        for sub in part.modules():
+            if isinstance(sub, torch.nn.Linear):
+                sub.register_forward_hook(lambda _m, _a, out: linear_dtypes.add(str(out.dtype)))
     result = trainer.fit()
     reference = Trainer(cfg.replace(mesh={}), device="cpu").fit()
     return {
@@ -271,4 +302,5 @@ def trainer_parity(mesh: dict, schedule: str, num_microbatches: int) -> dict[str
         "grad_norms": result.grad_norms,
         "ref_grad_norms": reference.grad_norms,
         "parts": [sorted(n for n, _ in m.named_parameters())[:1] for m in trainer.model_parts],
+        "linear_dtypes": sorted(linear_dtypes),
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from hyper_parallel.dmodule import get_spec
+from hyper_parallel.train.demo import BF16_TOL
 from tests.distributed.pipeline_checks import run_back_to_back, train_vs_one_device
 
 pytestmark = pytest.mark.distributed
@@ -82,3 +83,34 @@ def test_twenty_steps_back_to_back_do_not_hang(dist, schedule):
     assert len(losses[0]) == 20 and losses[0] == losses[1]  # broadcast from the last stage
     # No optimizer: the same batch gives the same loss every time it comes back.
     assert losses[0][0:3] == losses[0][3:6]
+
+
+# Activation checkpointing recomputes the same ops; compiled blocks (aot_eager) run the
+# same ops traced; bf16 autocast per stage is the one-process bf16 run's computation.
+SWITCHES = [
+    ("1F1B", {"ac": "full"}, 1e-6),
+    ("Interleaved1F1B", {"ac": "selective"}, 1e-6),
+    ("ZBVZeroBubble", {"ac": "full"}, 1e-6),
+    ("1F1B", {"compile_backend": "aot_eager"}, 1e-5),
+    ("InterleavedZeroBubble", {"compile_backend": "aot_eager"}, 1e-5),
+    ("GPipe", {"dtype": "bf16"}, BF16_TOL),
+]
+
+
+@pytest.mark.parametrize(("schedule", "switches", "tol"), SWITCHES)
+def test_switches_inside_the_stages_match_one_device(dist, schedule, switches, tol):
+    results = dist.run(
+        train_vs_one_device, "pp=2", schedule, 4, NUM_STEPS, None, None, False, switches
+    )
+    for r in results:
+        for loss, ref in zip(r["losses"], r["ref_losses"], strict=True):
+            assert abs(loss - ref) <= tol, (r["losses"], r["ref_losses"])
+        # bf16: relative to each gradient's size (rounding scales with the values).
+        scale = {n: max(1.0, s) if tol == BF16_TOL else 1.0 for n, s in r["grad_scales"].items()}
+        worst = {n: d for n, d in r["grad_diffs"].items() if d > tol * scale[n]}
+        assert not worst, worst
+    assert sum(len(r["grad_diffs"]) for r in results) == len(_param_names({}))
+    bf16 = switches.get("dtype") == "bf16"
+    assert all(
+        r["linear_dtypes"] == [f"torch.{'bfloat16' if bf16 else 'float32'}"] for r in results
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from hyper_parallel.train.demo import BF16_TOL
 from tests.distributed.pipeline_checks import (
     checkpoint_across_meshes,
     train_vs_one_device,
@@ -102,3 +103,15 @@ def test_trainer_with_pp_matches_one_process(dist):
         for a, b in zip(r["grad_norms"], r["ref_grad_norms"], strict=True):
             assert abs(a - b) <= 1e-5 * max(1.0, b)
         assert len(r["parts"]) == 2
+
+
+def test_trainer_with_pp_bf16_and_ac_matches_the_bf16_one_process_run(dist):
+    # FSDP2's bf16 policy in each stage (fp32 master weights and reduction) against the
+    # one-process bf16 run (autocast), with selective checkpointing inside the stages.
+    switches = {"dtype": "bf16", "ac": "selective"}
+    results = dist.run(trainer_parity, {"pp": 2, "dp_shard": 2}, "1F1B", 2, switches)
+    for r in results:
+        assert len(r["losses"]) == 3
+        for a, b in zip(r["losses"], r["ref_losses"], strict=True):
+            assert abs(a - b) <= BF16_TOL
+        assert r["linear_dtypes"] == ["torch.bfloat16"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -41,3 +42,37 @@ def test_init_memory_bench_names_the_largest_module():
     }
     assert size == max(sizes.values()) and sizes[name] == size
     assert name in ("tok_embeddings", "output")
+
+
+def test_pp_bench_times_stage_actions_and_renders_rows(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its _common
+    bench = _load("bench_pp")
+
+    class Stage:
+        def forward_one_chunk(self):
+            time.sleep(0.01)
+
+    class Schedule:
+        def __init__(self):
+            self._stage = Stage()
+
+        def step(self):
+            self._stage.forward_one_chunk()
+            time.sleep(0.01)
+
+    schedule = Schedule()
+    meter = bench._Busy(schedule)
+    schedule.step()
+    assert 0.0 < meter.busy < meter.window  # the step's idle part is outside the action
+    rows = [
+        {"pp": 2, "contender": "pp=1", "step_ms": {"median": 10.0, "min": 9.0, "max": 11.0}},
+        {
+            "pp": 2,
+            "contender": "1F1B",
+            "step_ms": {"median": 15.0, "min": 14.0, "max": 16.0},
+            "measured_bubble": 0.2,
+            "predicted_bubble": 0.111,
+        },
+    ]
+    table = bench.format_result(rows)
+    assert "1.50x" in table and "0.200" in table and "0.111" in table

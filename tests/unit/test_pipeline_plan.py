@@ -217,3 +217,76 @@ def test_stage_refuses_norm_without_output():
     stage.output = None
     with pytest.raises(ValueError, match="norm and output are one unit"):
         stage.build()
+
+
+def test_unit_flops_are_the_matmul_and_attention_flops():
+    seq = 64
+    config = preset_config("llama3-debug")
+    units = PIPELINE.units(config, seq_len=seq)
+    block = config.layers[0]
+    linears = [
+        block.attention.wq,
+        block.attention.wk,
+        block.attention.wv,
+        block.attention.wo,
+        block.feed_forward.w1,
+        block.feed_forward.w2,
+        block.feed_forward.w3,
+    ]
+    dim = config.norm.dim
+    # 2 m n k per matmul; attention: q k^T and scores x v, each 2 S S dim (full, not causal).
+    expected_block = 2 * seq * sum(c.in_features * c.out_features for c in linears)
+    expected_block += 2 * 2 * seq * seq * dim
+    assert [u.num_flops for u in units] == [
+        0,
+        expected_block,
+        expected_block,
+        2 * seq * dim * config.output.out_features,
+    ]
+    assert [u.num_params for u in units] == [u.num_params for u in PIPELINE.units(config)]
+
+
+def test_balance_by_flops_beats_params_where_they_disagree():
+    # A large vocabulary: by parameters the embedding weighs as much as the head, so
+    # the split is [emb, L0] | [L1, head]; by FLOPs the embedding costs nothing and
+    # the head's matmul is larger than a block's.
+    config = preset_config("llama3-debug", num_layers=2, vocab_size=1024)
+    units = PIPELINE.units(config, seq_len=16)
+    flops = {u.name: u.num_flops for u in units}
+
+    def heaviest(balance):
+        plan = plan_pipeline(
+            units,
+            pp=2,
+            schedule="GPipe",
+            num_microbatches=2,
+            split=PipelineSplit(balance=balance),
+        )
+        return plan.stages, max(sum(flops[n] for n in s) for s in plan.stages)
+
+    by_params, worst_params = heaviest("params")
+    by_flops, worst_flops = heaviest("flops")
+    assert by_params == (("tok_embeddings", "layers.0"), ("layers.1", "norm+output"))
+    assert by_flops == (("tok_embeddings", "layers.0", "layers.1"), ("norm+output",))
+    assert worst_flops < worst_params
+    assert PipelineSplit.from_dict({"balance": "flops"}) == PipelineSplit(balance="flops")
+
+
+def test_balance_errors(units):
+    bad = pipeline_findings(
+        units, pp=2, schedule="GPipe", num_microbatches=2, split=PipelineSplit(balance="time")
+    )
+    assert _fields(bad) == ["split.balance"] and "'flops'" in bad[0].fix
+    uncounted = pipeline_findings(
+        units, pp=2, schedule="GPipe", num_microbatches=2, split=PipelineSplit(balance="flops")
+    )
+    assert _fields(uncounted) == ["split.balance"] and "seq_len" in uncounted[0].fix
+
+
+def test_the_trainer_balances_by_flops_when_asked():
+    from hyper_parallel.train.trainer import TrainConfig, _pipeline_units
+
+    cfg = TrainConfig(mesh={"pp": 2}, model_overrides={"num_layers": 3}, seq_len=64)
+    units = _pipeline_units(cfg, PipelineSplit(balance="flops"))
+    assert units == PIPELINE.units(preset_config("llama3-debug", num_layers=3), seq_len=64)
+    assert _pipeline_units(cfg, None)[1].num_flops is None

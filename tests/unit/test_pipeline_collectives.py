@@ -1,0 +1,130 @@
+"""Each pipeline stage's own collectives, traced on a fake process group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hyper_parallel.analysis import dry_run
+from hyper_parallel.analysis.pipeline_cost import (
+    _block_gathers,
+    _by_key,
+    rank_ops,
+    stage_collectives,
+)
+from hyper_parallel.distributed import MeshLayout
+from hyper_parallel.distributed.axes import apply_model_axes
+from hyper_parallel.distributed.pipeline import plan_pipeline
+from hyper_parallel.dmodule import get_spec
+from hyper_parallel.models.llama import PIPELINE
+
+LAYOUT = MeshLayout.from_sizes({"pp": 2, "dp_shard": 2, "tp": 2})
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    """A 4-layer debug Llama, tensor parallel as the trainer shards it."""
+    spec = get_spec("llama3-debug")
+    return apply_model_axes(spec, spec.config(num_layers=4), LAYOUT)
+
+
+M = 4
+
+
+@pytest.fixture(scope="module")
+def plan(sharded):
+    return plan_pipeline(PIPELINE.units(sharded), pp=2, schedule="GPipe", num_microbatches=M)
+
+
+@pytest.fixture(scope="module")
+def traced(sharded, plan):
+    return stage_collectives(plan, PIPELINE, sharded, LAYOUT, microbatch_size=1, seq_len=16)
+
+
+def _keyed(rows):
+    return {(r["kind"], r["axis"], r["phase"]): (r["count"], r["bytes"]) for r in rows}
+
+
+def test_per_microbatch_equals_tracing_the_whole_stage(sharded, plan, traced):
+    # 6 units over 2 stages: the embedding + 2 blocks, and 2 blocks + the head; the
+    # blocks are extrapolated from tracing the stage with none and with one.
+    assert [len(s) for s in plan.stages] == [3, 3]
+    for s, names in enumerate(plan.stages):
+        # The stage itself, all of its blocks traced (no extrapolation from one block).
+        first = s == 0
+        example = None if first else [_hidden(sharded)]
+        report = dry_run(
+            PIPELINE.stage_config(sharded, names),
+            dataclasses.replace(LAYOUT, pp=1),
+            batch_size=1,
+            seq_len=16,
+            inputs=example,
+        )
+        direct = {k: (v["count"], v["bytes"]) for k, v in _by_key(report.collectives).items()}
+        assert _keyed(traced[s]["collectives_per_microbatch"]) == direct
+        assert {axis for _, axis, _ in direct} == {"tp", "fsdp"}
+
+
+def _hidden(config):
+    import torch
+
+    return torch.zeros(1, 16, config.norm.dim)
+
+
+def test_per_step_scales_activation_collectives_and_reduces_gradients_once(plan, traced):
+    m = M
+    for s, row in enumerate(traced):
+        mb, step = _keyed(row["collectives_per_microbatch"]), _keyed(row["collectives"])
+        for key in ("forward", "backward"):
+            count, size = mb[("all_reduce", "tp", key)]
+            assert step[("all_reduce", "tp", key)] == (m * count, m * size)
+        assert (
+            step[("reduce_scatter", "fsdp", "backward")]
+            == mb[("reduce_scatter", "fsdp", "backward")]
+        )
+        # GPipe: every forward finds the blocks resharded (m gathers each), the first
+        # backward gathers them and they stay gathered; the stage root is gathered once.
+        blocks = len(plan.stages[s]) - 1
+        fwd_count, _ = step[("all_gather", "fsdp", "forward")]
+        bwd_count, _ = step[("all_gather", "fsdp", "backward")]
+        assert fwd_count == 1 + blocks * m
+        assert bwd_count == blocks
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stage", "expected"),
+    [
+        ("GPipe", 0, (4, 1)),
+        # 1F1B, last stage: F B F B ...: each forward follows a backward that kept the
+        # block gathered, except the first.
+        ("1F1B", 1, (1, 4)),
+        # 1F1B, stage 0 of 2 with 4 micro-batches: F0 F1 B0 F2 B1 F3 B2 B3.
+        ("1F1B", 0, (2, 3)),
+    ],
+)
+def test_block_gathers_follow_the_schedule(schedule, stage, expected):
+    ops = rank_ops(schedule, 2, 4)
+    assert _block_gathers(ops[stage], stage) == expected
+
+
+def test_plan_lists_each_stages_collectives(capsys):
+    import json
+
+    from hyper_parallel.cli import _pipeline_table, main
+
+    argv = ["plan", "--model", "llama3-debug", "--mesh", "pp=2,dp_shard=2,tp=2", "--seq", "16"]
+    assert main([*argv, "--microbatches", "4", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["stages"]) == 2
+    for stage in out["stages"]:
+        mb, step = _keyed(stage["collectives_per_microbatch"]), _keyed(stage["collectives"])
+        # One block per stage: two tp all-reduces forward on top of the stage's own unit.
+        assert mb[("all_reduce", "tp", "forward")][0] >= 2
+        assert (
+            step[("all_reduce", "tp", "forward")][0] == 4 * mb[("all_reduce", "tp", "forward")][0]
+        )
+    table = _pipeline_table(out)
+    assert "collective bytes/step" in table
+    moved = sum(c["bytes"] for c in out["stages"][0]["collectives"])
+    assert f"{moved:,}" in table.splitlines()[2]

@@ -1,0 +1,134 @@
+"""``validate`` with a pp axis: the trainer's pipeline checks, before anything is traced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hyper_parallel.analysis import validate
+from hyper_parallel.cli import main
+from hyper_parallel.dmodule import get_spec
+from hyper_parallel.models.llama import PIPELINE
+from hyper_parallel.train.trainer import TrainConfig, check_config
+
+
+@pytest.fixture(scope="module")
+def config():
+    return get_spec("llama3-debug").config()
+
+
+def _errors(report):
+    return [(f.path, f.field) for f in report.errors]
+
+
+def test_a_good_pipeline_plan_validates_and_traces_one_pipeline_group(config):
+    report = validate(config, {"pp": 2, "dp_shard": 2}, schedule="GPipe", num_microbatches=4)
+    assert report.ok, report.to_table()
+    assert report.traced
+    assert report.mesh == {"pp": 2, "dp_shard": 2}
+    # The trace runs one pipeline's group (the mesh without pp), micro-batch inputs.
+    assert "fake process group of 2 ranks" in " ".join(report.notes)
+    by_flops = validate(config, {"pp": 2}, pipeline_split={"balance": "flops"}, seq_len=32)
+    assert by_flops.ok, by_flops.to_table()
+    bad = validate(config, {"pp": 2}, pipeline_split={"balance": "time"})
+    assert _errors(bad) == [("pipeline", "split.balance")]
+
+
+def test_too_few_microbatches_for_the_schedule(config):
+    report = validate(config, {"pp": 2}, schedule="1F1B", num_microbatches=1)
+    assert _errors(report) == [("pipeline", "num_microbatches")]
+    (error,) = report.errors
+    assert "refuses 1 micro-batches" in error.message and "at least 2" in error.fix
+    # Refused before anything runs: no forward pass was traced.
+    assert not report.traced
+    assert any("pipeline plan has errors" in n for n in report.notes)
+
+
+def test_a_layer_count_the_split_cannot_place(config):
+    report = validate(config, {"pp": 2}, pipeline_split={"units_per_stage": 1})
+    assert _errors(report) == [("pipeline", "split")]
+    assert "cannot place this layer count" in report.errors[0].message
+    more = validate(config, {"pp": 4}, schedule="Interleaved1F1B")  # 8 stages, 4 units
+    assert _errors(more) == [("pipeline", "split")]
+    assert "num_layers" in more.errors[0].fix
+
+
+def test_a_stage_with_nothing_in_it(config):
+    split = {"stages": [["tok_embeddings", "layers.0", "layers.1", "norm", "output"], []]}
+    report = validate(config, {"pp": 2}, pipeline_split=split)
+    assert ("pipeline", "split.stages[1]") in _errors(report)
+    assert "is empty" in next(f.message for f in report.errors if f.field == "split.stages[1]")
+
+
+def test_weights_tied_across_stages(config):
+    with torch.device("meta"):
+        model = config.build()
+    model.output.weight = model.tok_embeddings.weight
+    report = validate(model, {"pp": 2}, num_microbatches=2)
+    (error,) = report.errors
+    assert error.field == "split" and "tied" in error.message
+    assert "tok_embeddings.weight (stage 0)" in error.message
+    assert "output.weight (stage 1)" in error.message
+    assert "tie_word_embeddings=False" in error.fix or "same stage" in error.fix
+    assert not report.traced
+    with torch.device("meta"):
+        untied = config.build()
+    assert validate(untied, {"pp": 2}, num_microbatches=2).ok
+
+
+def test_a_batch_that_does_not_split_into_microbatches(config):
+    report = validate(config, {"pp": 2}, num_microbatches=2, batch_size=3)
+    assert _errors(report) == [("pipeline", "num_microbatches")]
+    assert "3 sequences" in report.errors[0].message
+    assert validate(config, {"pp": 2}, num_microbatches=2, batch_size=4).ok
+
+
+def test_pp_with_cp_is_refused_with_the_reason(config):
+    report = validate(config, {"pp": 2, "cp": 2}, num_microbatches=2)
+    assert ("mesh", "pp") in _errors(report)
+    message = next(f.message for f in report.errors if f.field == "pp")
+    assert "position" in message
+    trainer = check_config(TrainConfig(mesh={"pp": 2, "cp": 2}, num_microbatches=2), 4)
+    assert message in {f.message for f in trainer}
+
+
+def test_validate_and_the_trainer_share_the_pipeline_findings(config):
+    cfg = TrainConfig(mesh={"pp": 2}, num_microbatches=3, global_batch_size=4)
+    trainer = {f.message for f in check_config(cfg, world_size=2)}
+    report = validate(config, {"pp": 2}, num_microbatches=3, batch_size=4)
+    assert trainer and trainer == {f.message for f in report.errors}
+
+
+def test_a_model_without_pipeline_stages_is_refused():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    report = validate(model, {"pp": 2}, plan={}, inputs=[torch.zeros(1, 4)])
+    assert ("mesh", "pp") in _errors(report)
+    assert "pipeline=PipelineLayout" in report.errors[0].fix
+    assert PIPELINE.units_of_model(get_spec("llama3-debug").build())  # the description fits
+
+
+def test_cli_validate_with_pp(capsys):
+    assert main(["validate", "--model", "llama3-debug", "--mesh", "pp=2,tp=2"]) == 0
+    capsys.readouterr()
+    code = main(
+        [
+            "validate",
+            "--model",
+            "llama3-debug",
+            "--mesh",
+            "pp=2,tp=2",
+            "--microbatches",
+            "2",
+            "--batch",
+            "3",
+            "--format",
+            "json",
+        ]
+    )
+    assert code == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["mesh"]["pp"] == 2 and out["num_errors"] == 1
+    assert out["findings"][0]["field"] == "num_microbatches"
