@@ -15,7 +15,7 @@ per repetition, the order rotated every repetition):
 Both of ours hand plain local tensors between the two layers and back to the caller
 (``use_local_output=True``), exactly as torch's styles do by default.
 
-With ``--compile``, gloo adds forward+backward cases where each contender is the
+With ``--compile-tp N``, gloo at tp=N adds forward+backward cases where each contender is the
 same module compiled whole (``torch.compile(fullgraph=True, dynamic=False)``,
 inductor: the MLP is the block); the hand-written one (a c10d all-reduce in an ``autograd.Function``) is
 left out there.
@@ -30,7 +30,7 @@ Run::
     .venv/bin/python benchmarks/bench_boundary.py                 # fake tp=8 and gloo tp=2
     .venv/bin/python benchmarks/bench_boundary.py --backend fake --tp 8 --reps 40
     .venv/bin/python benchmarks/bench_boundary.py --backend gloo --tp 2 4 --size small medium
-    .venv/bin/python benchmarks/bench_boundary.py --backend gloo --tp 2 --mode fwd+bwd --compile
+    .venv/bin/python benchmarks/bench_boundary.py --backend gloo --tp 2 --mode fwd+bwd --compile-tp 2
 
 This is a measurement, not a test: it prints, and writes JSON with ``--json``.
 """
@@ -342,9 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         help="ours hands DTensors between the layers (use_local_output=False)",
     )
     parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="on gloo, also forward+backward with every contender compiled (inductor)",
+        "--compile-tp",
+        type=int,
+        nargs="*",
+        default=[],
+        help="on gloo at these tp sizes, also forward+backward with every contender "
+        "compiled (inductor)",
     )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
@@ -368,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                 for size in args.size
                 for backward in modes
             ]
-            if args.compile and backend == "gloo":
+            if backend == "gloo" and tp in args.compile_tp:
                 cases += [
                     dataclasses.replace(c, compiled=True)
                     for c in cases
