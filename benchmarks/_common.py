@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = [
+    "compile_torch_blocks",
     "gloo_ranks",
     "interleaved",
     "slowest_rank",
@@ -141,18 +142,22 @@ def torch_llama_plan(sequence_parallel: bool) -> tuple[dict[str, Any], dict[str,
         "feed_forward.w2": RowwiseParallel(output_layouts=residual),
         "feed_forward.w3": ColwiseParallel(),
     }
+    # Each block's attention and feed-forward take their input once, as a Replicate
+    # DTensor (Shard(1) under SP): the column projections inside share it, so their input
+    # gradients add up locally into one Partial and one collective runs per sub-block in
+    # backward (torchtitan's plan). Without it each column projection reduces its own.
     if sequence_parallel:
         root["norm"] = SequenceParallel()
         block["attention_norm"] = SequenceParallel()
         block["ffn_norm"] = SequenceParallel()
-        block["attention"] = PrepareModuleInput(
-            # (x, cos, sin, positions): the block passes positions (None without CP).
-            input_layouts=(Shard(1), None, None, None),
-            desired_input_layouts=(Replicate(), None, None, None),
-        )
-        block["feed_forward"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        )
+    block["attention"] = PrepareModuleInput(
+        # (x, cos, sin, positions): the block passes positions (None without CP).
+        input_layouts=(residual, None, None, None),
+        desired_input_layouts=(Replicate(), None, None, None),
+    )
+    block["feed_forward"] = PrepareModuleInput(
+        input_layouts=(residual,), desired_input_layouts=(Replicate(),)
+    )
     return root, block
 
 
@@ -164,3 +169,23 @@ def apply_torch_llama_plan(model: torch.nn.Module, tp_mesh: Any, sequence_parall
     parallelize_module(model, tp_mesh, root)
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, block)
+
+
+def compile_torch_blocks(model: torch.nn.Module, backend: str = "inductor") -> None:
+    """``torch.compile(fullgraph=True)`` each block of a torch-styles Llama, in place.
+
+    torch's ``RowwiseParallel`` hands the embedding's output to the first block as an
+    ``AsyncCollectiveTensor`` (its all-reduce still in flight). Fed to a compiled
+    region, that input makes the backward hand a plain tensor to ``Redistribute``'s
+    backward, which fails (``'Tensor' object has no attribute '_local_tensor'``; torch
+    2.13, aot_eager and inductor alike). A forward hook waits for it first (one copy of
+    the embedding output per step, the same work its first consumer does eagerly).
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    def wait_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
+
+    model.tok_embeddings.register_forward_hook(wait_output)
+    for block in model.layers:
+        block.compile(fullgraph=True, backend=backend)

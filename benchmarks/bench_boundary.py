@@ -15,6 +15,11 @@ per repetition, the order rotated every repetition):
 Both of ours hand plain local tensors between the two layers and back to the caller
 (``use_local_output=True``), exactly as torch's styles do by default.
 
+With ``--compile-tp N``, gloo at tp=N adds forward+backward cases where each contender is the
+same module compiled whole (``torch.compile(fullgraph=True, dynamic=False)``,
+inductor: the MLP is the block); the hand-written one (a c10d all-reduce in an ``autograd.Function``) is
+left out there.
+
 On the fake process group (``--backend fake``, one process, tp=8) collectives cost
 nothing, so the times are pure framework overhead; on gloo (``--backend gloo``) the
 ranks are real processes and the all-reduce is real. Reports the median, min and max
@@ -25,6 +30,7 @@ Run::
     .venv/bin/python benchmarks/bench_boundary.py                 # fake tp=8 and gloo tp=2
     .venv/bin/python benchmarks/bench_boundary.py --backend fake --tp 8 --reps 40
     .venv/bin/python benchmarks/bench_boundary.py --backend gloo --tp 2 4 --size small medium
+    .venv/bin/python benchmarks/bench_boundary.py --backend gloo --tp 2 --mode fwd+bwd --compile-tp 2
 
 This is a measurement, not a test: it prints, and writes JSON with ``--json``.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -64,14 +71,19 @@ class Case:
     reps: int
     inner: int
     dtensor_activations: bool = False
+    compiled: bool = False
 
     @property
     def label(self) -> str:
         mode = "fwd+bwd" if self.backward else "fwd"
         return (
             f"{self.backend} tp={self.tp} x=({self.batch},{self.seq},{self.dim}) "
-            f"hidden={4 * self.dim} {mode}"
+            f"hidden={4 * self.dim} {mode}{' compiled' if self.compiled else ''}"
         )
+
+    @property
+    def contenders(self) -> tuple[str, ...]:
+        return CONTENDERS[:-1] if self.compiled else CONTENDERS
 
 
 @dataclass
@@ -191,7 +203,13 @@ def build_contenders(case: Case, mesh: Any, rank: int) -> dict[str, nn.Module]:
     models["torch styles"] = torch_parallelize(
         copy.deepcopy(base), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()}
     )
-    models["hand-written"] = HandWritten(base, rank, case.tp)
+    if case.compiled:
+        # One static graph per case: a second shape's recompile with dynamic shapes
+        # fails in inductor for both DTensor contenders (RecursionError, torch 2.13).
+        for model in models.values():
+            model.compile(fullgraph=True, backend="inductor", dynamic=False)
+    else:
+        models["hand-written"] = HandWritten(base, rank, case.tp)
     return models
 
 
@@ -227,7 +245,7 @@ def measure(case: Case, rank: int, mesh: Any, barrier: Callable[[], None]) -> Re
     """Run the contenders interleaved; per repetition, time ``inner`` calls of each."""
     models = build_contenders(case, mesh, rank)
     x = torch.randn(case.batch, case.seq, case.dim)
-    steps = {name: _step(models[name], x, case.backward) for name in CONTENDERS}
+    steps = {name: _step(models[name], x, case.backward) for name in case.contenders}
     times = interleaved(
         steps, reps=case.reps, inner=case.inner, warmup=max(3, case.inner // 4), barrier=barrier
     )
@@ -278,20 +296,22 @@ def format_result(result: Result) -> str:
         result.case.label,
         f"  {'contender':<16} {'median µs':>10} {'min-max µs':>19} {'ours/this':>10}",
     ]
-    for name in CONTENDERS:
+    for name in result.case.contenders:
         ts = result.times_us[name]
         med = result.median(name)
         lines.append(
             f"  {name:<16} {med:>10.1f} {min(ts):>9.1f}-{max(ts):<9.1f} {ours / med:>10.2f}"
         )
     torch_med = result.median("torch styles")
-    hand_med = result.median("hand-written")
     dtensor_med = result.median("ours (DTensor)")
-    lines.append(
-        f"  ratios: ours(fast)/torch = {ours / torch_med:.2f}, ours(fast)/hand = "
-        f"{ours / hand_med:.2f}, ours(DTensor)/torch = {dtensor_med / torch_med:.2f}, "
-        f"torch/hand = {torch_med / hand_med:.2f}"
-    )
+    ratios = [f"ours(fast)/torch = {ours / torch_med:.2f}"]
+    if "hand-written" in result.times_us:
+        hand_med = result.median("hand-written")
+        ratios.append(f"ours(fast)/hand = {ours / hand_med:.2f}")
+    ratios.append(f"ours(DTensor)/torch = {dtensor_med / torch_med:.2f}")
+    if "hand-written" in result.times_us:
+        ratios.append(f"torch/hand = {torch_med / hand_med:.2f}")
+    lines.append("  ratios: " + ", ".join(ratios))
     return "\n".join(lines)
 
 
@@ -321,6 +341,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="ours hands DTensors between the layers (use_local_output=False)",
     )
+    parser.add_argument(
+        "--compile-tp",
+        type=int,
+        nargs="*",
+        default=[],
+        help="on gloo at these tp sizes, also forward+backward with every contender "
+        "compiled (inductor)",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
 
@@ -343,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
                 for size in args.size
                 for backward in modes
             ]
+            if backend == "gloo" and tp in args.compile_tp:
+                cases += [
+                    dataclasses.replace(c, compiled=True)
+                    for c in cases
+                    if c.backward and not c.dtensor_activations
+                ]
             done = [run_fake(c) for c in cases] if backend == "fake" else run_gloo(cases)
             for result in done:
                 print(format_result(result), flush=True)

@@ -11,6 +11,12 @@ from the same weights):
 - ``torch styles``: torch's ``parallelize_module`` with torchtitan's plan
   (``benchmarks/_common.py``).
 
+With ``--compile inductor`` every contender also compiles each block
+(``torch.compile(fullgraph=True)``, per block, after the TP plan and before
+``fully_shard``, as torchtitan does): ours through the trainer's ``compile`` switch,
+torch's styles with :func:`_common.compile_torch_blocks`. Compilation happens in the
+first (untimed) step.
+
 A step is ``zero_grad`` → forward → vocab-parallel cross entropy → backward →
 global-norm clipping → AdamW, each contender on its own copy; contenders are
 interleaved, a repetition is as slow as its slowest rank. The first-step losses are
@@ -19,6 +25,7 @@ printed to show all three compute the same thing.
 Run::
 
     .venv/bin/python benchmarks/bench_train_step.py --reps 8 --json train.json
+    .venv/bin/python benchmarks/bench_train_step.py --compile none inductor --layout tp
 """
 
 from __future__ import annotations
@@ -30,13 +37,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import apply_torch_llama_plan, gloo_ranks, interleaved, slowest_rank, summary
+from _common import (
+    apply_torch_llama_plan,
+    compile_torch_blocks,
+    gloo_ranks,
+    interleaved,
+    slowest_rank,
+    summary,
+)
 
 CONTENDERS = ("ours (fast)", "ours (DTensor)", "torch styles")
 MESH = {"dp": 2, "tp": 2}
 
 
-def _build(contender: str, cfg: Any, mesh: Any) -> torch.nn.Module:
+def _build(contender: str, cfg: Any, mesh: Any, backend: str) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     from hyper_parallel.distributed.pipeline import init_states_by_unit
@@ -45,10 +59,12 @@ def _build(contender: str, cfg: Any, mesh: Any) -> torch.nn.Module:
 
     if contender != "torch styles":
         with fast_path(contender == "ours (fast)"):
-            return build_parallel_model(cfg, mesh, "cpu")
+            return build_parallel_model(cfg, mesh, "cpu")  # compiles per cfg.compile
     with torch.device("meta"):
         model = model_config(cfg, tp=1).build()  # no sharding configs attached
     apply_torch_llama_plan(model, mesh["tp"], cfg.sequence_parallel)
+    if backend != "none":
+        compile_torch_blocks(model, backend)
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -58,11 +74,24 @@ def _build(contender: str, cfg: Any, mesh: Any) -> torch.nn.Module:
     return model
 
 
-def _rank(rank: int, sequence_parallel: bool, reps: int, inner: int, seq: int) -> dict[str, Any]:
+def _rank(
+    rank: int, sequence_parallel: bool, reps: int, inner: int, seq: int, backend: str
+) -> dict[str, Any]:
+    import torch._dynamo
+
     from hyper_parallel.models.llama import cross_entropy_loss
     from hyper_parallel.train.trainer import TrainConfig, build_mesh, clip_grad_norm_
 
-    cfg = TrainConfig(mesh=dict(MESH), sequence_parallel=sequence_parallel, seq_len=seq)
+    if backend not in ("none", "inductor"):
+        # The trainer compiles with inductor; other backends only for torch's contender
+        # would compare different things.
+        raise ValueError(f"bench_train_step: --compile {backend!r}: use 'none' or 'inductor'.")
+    cfg = TrainConfig(
+        mesh=dict(MESH),
+        sequence_parallel=sequence_parallel,
+        seq_len=seq,
+        compile=backend != "none",
+    )
     mesh = build_mesh(cfg.mesh, "cpu")
     assert mesh is not None
     dp_rank = mesh["dp"].get_local_rank()
@@ -74,7 +103,7 @@ def _rank(rank: int, sequence_parallel: bool, reps: int, inner: int, seq: int) -
     first_losses: dict[str, float] = {}
     steps = {}
     for name in CONTENDERS:
-        model = _build(name, cfg, mesh)
+        model = _build(name, cfg, mesh, backend)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
         def step(model: Any = model, optimizer: Any = optimizer) -> torch.Tensor:
@@ -89,12 +118,17 @@ def _rank(rank: int, sequence_parallel: bool, reps: int, inner: int, seq: int) -
         first_losses[name] = float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
         steps[name] = step
     times = interleaved(steps, reps=reps, inner=inner, warmup=1, barrier=dist.barrier, scale=1e3)
-    return {"times_ms": slowest_rank(times), "first_step_loss": first_losses}
+    out = {"times_ms": slowest_rank(times), "first_step_loss": first_losses}
+    out["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return out
 
 
-def run(sequence_parallel: bool, reps: int, inner: int, seq: int) -> dict[str, Any]:
-    result = gloo_ranks(_rank, MESH["dp"] * MESH["tp"], sequence_parallel, reps, inner, seq)
+def run(sequence_parallel: bool, reps: int, inner: int, seq: int, backend: str) -> dict[str, Any]:
+    result = gloo_ranks(
+        _rank, MESH["dp"] * MESH["tp"], sequence_parallel, reps, inner, seq, backend
+    )
     result["layout"] = "TP+SP" if sequence_parallel else "TP"
+    result["compile"] = backend
     result["mesh"] = dict(MESH)
     result["seq"] = seq
     return result
@@ -104,9 +138,10 @@ def format_result(result: dict[str, Any]) -> str:
     times = result["times_ms"]
     ours = summary(times["ours (fast)"])["median"]
     torch_median = summary(times["torch styles"])["median"]
+    compiled = "" if result["compile"] == "none" else f", compiled per block ({result['compile']})"
     lines = [
-        f"llama3-debug training step, dp=2 x tp=2 ({result['layout']}), gloo, global batch 8 "
-        f"x seq {result['seq']}",
+        f"llama3-debug training step, dp=2 x tp=2 ({result['layout']}{compiled}), gloo, "
+        f"global batch 8 x seq {result['seq']}",
         f"  {'contender':<16} {'median ms':>10} {'min-max ms':>17} {'vs torch':>9} {'1st loss':>9}",
     ]
     for name in CONTENDERS:
@@ -125,14 +160,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner", type=int, default=2, help="steps per timed block")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--layout", choices=("tp", "tp_sp", "both"), default="both")
+    parser.add_argument(
+        "--compile",
+        nargs="+",
+        choices=("none", "inductor"),
+        default=["none"],
+        help="eager ('none') and/or every block compiled with inductor, for every contender",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     layouts = {"tp": (False,), "tp_sp": (True,), "both": (False, True)}[args.layout]
     results = []
-    for sp in layouts:
-        result = run(sp, args.reps, args.inner, args.seq)
-        results.append(result)
-        print(format_result(result), flush=True)
+    for backend in args.compile:
+        for sp in layouts:
+            result = run(sp, args.reps, args.inner, args.seq, backend)
+            results.append(result)
+            print(format_result(result), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -5,8 +5,10 @@ group: fake, or spawned gloo ranks) and hands back JSON; this script renders the
 tables and charts. Sections:
 
 a. framework overhead per call, fake process group, tp=8 (``bench_boundary.py``);
-b. the same MLP on real gloo ranks, tp=2 and tp=4, small and medium activations;
-c. a training step of the debug Llama at dp=2 x tp=2 (``bench_train_step.py``);
+b. the same MLP on real gloo ranks, tp=2 and tp=4, small and medium activations, and
+   compiled with inductor at tp=2;
+c. a training step of the debug Llama at dp=2 x tp=2 (``bench_train_step.py``), eager
+   and with every block compiled (inductor);
 d. collectives and bytes per step, TP and TP+SP, vs the minimum (``bench_comms.py``);
 e. peak memory to initialize a model larger than a rank's share (``bench_init_memory.py``);
 m. mixture of experts: the MoE layer at ep=2/4 vs a hand-written dispatch, and tokens/s of
@@ -19,7 +21,7 @@ and ratios. Nothing here is a test: numbers depend on the machine and its load.
 
 Run::
 
-    .venv/bin/python benchmarks/run_all.py            # everything (~6-10 minutes)
+    .venv/bin/python benchmarks/run_all.py            # everything (~15-20 minutes)
     .venv/bin/python benchmarks/run_all.py --quick    # fewer repetitions
     .venv/bin/python benchmarks/run_all.py --only a d
 """
@@ -100,10 +102,14 @@ def _boundary_table(rows: list[dict[str, Any]]) -> list[str]:
     ]
     for r in rows:
         t = r["times_us"]
-        ours, torch_, hand = (statistics.median(t[k]) for k in (OURS, TORCH, HAND))
+        ours, torch_ = (statistics.median(t[k]) for k in (OURS, TORCH))
+        # Compiled cases have no hand-written contender (see bench_boundary.py).
+        hand, vs_hand = (
+            (_fmt(t[HAND]), f"{ours / statistics.median(t[HAND]):.2f}") if HAND in t else ("—", "—")
+        )
         out.append(
             f"| {r['label']} | {_fmt(t[OURS])} | {_fmt(t[OURS_DT])} | {_fmt(t[TORCH])} | "
-            f"{_fmt(t[HAND])} | **{ours / torch_:.2f}** | {ours / hand:.2f} |"
+            f"{hand} | **{ours / torch_:.2f}** | {vs_hand} |"
         )
     return out
 
@@ -114,7 +120,10 @@ def section_gloo(rows: list[dict[str, Any]], charts: list[str]) -> str:
         "## b. The same MLP on real gloo ranks — tp=2 and tp=4, small and medium activations",
         "",
         "Spawned gloo processes on this machine's CPUs; a repetition counts as its "
-        "slowest rank. Small: x = (2, 16, 256); medium: x = (4, 64, 512). µs per call.",
+        "slowest rank. Small: x = (2, 16, 256); medium: x = (4, 64, 512). µs per call. "
+        "*compiled*: each contender is the same module under "
+        "`torch.compile(fullgraph=True, dynamic=False)` with inductor (the MLP is the "
+        "block; no hand-written contender there).",
         "",
     ]
     lines += _boundary_table(rows)
@@ -130,8 +139,10 @@ def section_train(results: list[dict[str, Any]], charts: list[str]) -> str:
         "`llama3-debug`, global batch 8 x 64 tokens; a step is zero_grad, forward, "
         "vocab-parallel cross entropy, backward, clipping, AdamW. Ours: the model's own "
         "TP / TP+SP configs (`build_parallel_model`); torch: torchtitan's plan with "
-        "torch's styles + `fully_shard`. ms per step; the first-step loss shows the "
-        "contenders compute the same step.",
+        "torch's styles + `fully_shard`. *compiled*: every contender compiles each block "
+        "(`torch.compile(fullgraph=True)`, inductor, after the TP plan and before "
+        "`fully_shard`, as torchtitan does); compilation is in the untimed first step. "
+        "ms per step; the first-step loss shows the contenders compute the same step.",
         "",
         "| layout | ours (fast) | ours (DTensor) | torch styles | ours/torch | "
         "first-step loss (ours / torch) |",
@@ -142,11 +153,16 @@ def section_train(results: list[dict[str, Any]], charts: list[str]) -> str:
         ratio = statistics.median(t[OURS]) / statistics.median(t[TORCH])
         loss = r["first_step_loss"]
         lines.append(
-            f"| {r['layout']} | {_fmt(t[OURS], 1)} | {_fmt(t[OURS_DT], 1)} | "
+            f"| {_train_label(r)} | {_fmt(t[OURS], 1)} | {_fmt(t[OURS_DT], 1)} | "
             f"{_fmt(t[TORCH], 1)} | **{ratio:.2f}** | {loss[OURS]:.6f} / {loss[TORCH]:.6f} |"
         )
     lines += ["", f"![train step]({_chart_train(results, charts)})", ""]
     return "\n".join(lines)
+
+
+def _train_label(result: dict[str, Any]) -> str:
+    backend = result.get("compile", "none")
+    return result["layout"] if backend == "none" else f"{result['layout']} compiled ({backend})"
 
 
 def section_comms(result: dict[str, Any], charts: list[str]) -> str:
@@ -341,6 +357,7 @@ def _chart_overhead(rows: list[dict[str, Any]], charts: list[str]) -> str:
 
 
 def _chart_gloo(rows: list[dict[str, Any]], charts: list[str]) -> str:
+    rows = [r for r in rows if not r["case"].get("compiled")]  # every contender ran
     return _bars(
         "mlp_gloo",
         [_short(r["label"]) for r in rows],
@@ -356,7 +373,7 @@ def _chart_train(results: list[dict[str, Any]], charts: list[str]) -> str:
     series = {c: [_stats(r["times_ms"][c]) for r in results] for c in (OURS, OURS_DT, TORCH)}
     return _bars(
         "train_step_dp2_tp2",
-        [r["layout"] for r in results],
+        [_train_label(r).replace(" compiled", "\ncompiled") for r in results],
         series,
         "ms per step (median, min-max)",
         "llama3-debug training step, dp=2 x tp=2",
@@ -448,15 +465,15 @@ def main(argv: list[str] | None = None) -> int:
             "bench_boundary.py",
             [
                 *("--backend", "gloo", "--tp", "2", "4", "--size", "small", "medium"),
-                *("--reps", gloo_reps, "--inner", "10"),
+                *("--reps", gloo_reps, "--inner", "10", "--compile-tp", "2"),
             ],
-            420,
+            900,
             section_gloo,
         ),
         "c": (
             "bench_train_step.py",
-            ["--reps", "3" if args.quick else "8"],
-            480,
+            ["--reps", "3" if args.quick else "8", "--compile", "none", "inductor"],
+            1200,
             section_train,
         ),
         "d": ("bench_comms.py", ["--tp", "4"], 240, section_comms),

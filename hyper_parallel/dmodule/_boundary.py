@@ -127,6 +127,15 @@ class Boundary:
                 self._var_positional = spec
             if p.kind not in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL, p.VAR_KEYWORD) and spec:
                 self._by_keyword[p.name] = spec
+        # Where each argument binds, for the local_map region (resolved here so a call
+        # does not run inspect's binding, which torch.compile cannot trace).
+        params = list(self.signature.parameters.values())
+        self._positional_names = [
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        self._var_positional_name = next(
+            (p.name for p in params if p.kind is p.VAR_POSITIONAL), None
+        )
         has_var_kw = any(p.kind is p.VAR_KEYWORD for p in self.signature.parameters.values())
         if has_var_kw:  # names that are not parameters bind into **kwargs
             for name, spec in self._inputs.items():
@@ -306,24 +315,34 @@ class Boundary:
         return x
 
     def _run_local_map(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        bound = self.signature.bind(*args, **kwargs)
+        # Each argument's name and place: (True, index in args) or (False, keyword).
+        where: dict[str, tuple[bool, Any]] = {}
+        num_named = len(self._positional_names)
+        for i, value in enumerate(args):
+            name = self._positional_names[i] if i < num_named else self._var_positional_name
+            if name is None:
+                self._raise(
+                    f"forward takes {num_named} positional argument(s) but {len(args)} were "
+                    "given; pass the extra ones by keyword or drop them."
+                )
+            if i < num_named:
+                where[name] = (True, i)
+            self._check_region_argument(name, value)
+        for key, value in kwargs.items():
+            where[key] = (False, key)
+            self._check_region_argument(key, value)
         inputs = []
+        locations = []
         for name in self._local_map_inputs:
-            value = bound.arguments.get(name)
+            loc = where.get(name)
+            value = None if loc is None else args[loc[1]] if loc[0] else kwargs[loc[1]]
             if not isinstance(value, DTensor):
                 self._raise(
                     f"local_map input {name!r} is {describe(value)}; every input named in "
                     "in_dst/in_src_shardings must be a tensor when the region runs."
                 )
             inputs.append(value)
-        for name, value in bound.arguments.items():
-            if name not in self._inputs and has_dtensor(value):
-                # The region runs on local tensors; a DTensor would meet them there.
-                self._raise(
-                    f"local_map argument {name!r} is a DTensor but has no in_dst/in_src "
-                    f"entry, so it cannot be made local; add in_dst_shardings[{name!r}] "
-                    "(and its in_grad_placements entry), or pass a plain tensor."
-                )
+            locations.append(loc)
         slots = self._local_map_slots
         # States are read on every call: FSDP and checkpoint loading swap them.
         values = [
@@ -341,15 +360,19 @@ class Boundary:
         names = self._local_map_inputs
 
         def region(*local: torch.Tensor) -> Any:
-            for name, value in zip(names, local):
-                bound.arguments[name] = value
+            call_args, call_kwargs = list(args), dict(kwargs)
+            for (positional, key), value in zip(locations, local):
+                if positional:
+                    call_args[key] = value
+                else:
+                    call_kwargs[key] = value
             saved = []
             for (owner, leaf, is_param), value in zip(slots, local[len(names) :]):
                 store = owner._parameters if is_param else owner._buffers
                 saved.append((store, leaf, store[leaf]))
                 store[leaf] = value
             try:
-                return self.original_forward(*bound.args, **bound.kwargs)
+                return self.original_forward(*call_args, **call_kwargs)
             finally:
                 for store, leaf, value in saved:
                     store[leaf] = value
@@ -362,6 +385,15 @@ class Boundary:
             device_mesh=self.mesh,
         )
         return fn(*inputs, *values)
+
+    def _check_region_argument(self, name: str | None, value: Any) -> None:
+        if name not in self._inputs and has_dtensor(value):
+            # The region runs on local tensors; a DTensor would meet them there.
+            self._raise(
+                f"local_map argument {name!r} is a DTensor but has no in_dst/in_src "
+                f"entry, so it cannot be made local; add in_dst_shardings[{name!r}] "
+                "(and its in_grad_placements entry), or pass a plain tensor."
+            )
 
     def _raise(self, message: str) -> None:
         raise ValueError(f"{self.path or '<root>'}: {message}")

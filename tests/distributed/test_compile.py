@@ -1,51 +1,76 @@
 """A parallelized Llama under ``torch.compile(fullgraph=True)`` on 2 gloo ranks.
 
 Covered: the fast path (local shards, functional collectives) and the DTensor
-boundaries it keeps (the blocks' sequence-parallel entry), TP and TP+SP, every
-boundary kind (column/row-wise, sequence-parallel entry and exit, vocab-parallel
-embedding, norms, the attention ``local_map`` region), per block (as torchtitan
-compiles) and whole model, with ``aot_eager``.
+boundaries it keeps (the blocks' sequence-parallel entry), the DTensor path
+(``fast_path(False)``), TP and TP+SP, context parallel (positions as a graph input,
+the attention core's ``local_map`` region), every boundary kind (column/row-wise,
+sequence-parallel entry and exit, vocab-parallel embedding, norms, the attention
+``local_map`` region), per block (as torchtitan compiles) and whole model, with
+``aot_eager``, and TP+SP per block with ``inductor``.
 Each case: compiled loss and every gradient equal eager to 1e-5 over two
 accumulating steps; no graph break (``fullgraph=True`` raises on one, dynamo's
-counter stays 0); no recompile on a second step of the same shape; at most one
-recompile for new sequence lengths. Compile is slow on CPU: one layer of a narrow
-``llama3-debug``.
+counter stays 0); no recompile on a second step of the same shape; where new
+sequence lengths run, at most one recompile for them. Compile is slow on CPU: one
+layer of a narrow ``llama3-debug``.
+
+New sequence lengths run on the fast path only: on the DTensor path the recompile
+with dynamic shapes fails inside torch 2.13's AOTAutograd (an infinite recursion in
+``proxy_tensor.get_proxy_slot`` while tracing DTensor's symbolic shapes; torch's own
+styles fail the same way, pytorch/pytorch#152954). Inductor runs one shape: code
+generation for a second, dynamic graph doubles a test that already takes ~30 s here.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.compile_checks import backward_twice, compiled_matches_eager
+from tests.distributed.compile_checks import (
+    backward_twice,
+    compiled_cp_matches_eager,
+    compiled_matches_eager,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORLD_SIZE = 2
 RANK_TIMEOUT_S = 600.0  # compiling on a busy 2-core machine takes minutes
 TOL = 1e-5
 
-# (layout, fast path, backend, scope). Inductor is exercised by the demo
-# (``--compile``) rather than here: its C++ kernels take minutes on this machine.
+# (layout, fast path, backend, scope, new sequence lengths).
 CASES = [
-    ("tp_sp", True, "aot_eager", "blocks"),
-    ("tp", True, "aot_eager", "model"),
+    ("tp_sp", True, "aot_eager", "blocks", True),
+    ("tp", True, "aot_eager", "model", True),
+    ("tp", False, "aot_eager", "blocks", False),
+    ("tp_sp", True, "inductor", "blocks", False),
 ]
 
 
-@pytest.mark.parametrize(("layout", "fast", "backend", "scope"), CASES)
-def test_compiled_equals_eager_without_breaks_or_recompiles(dist, layout, fast, backend, scope):
-    for r in dist.run(compiled_matches_eager, layout, fast, backend, scope):
+@pytest.mark.parametrize(("layout", "fast", "backend", "scope", "new_lengths"), CASES)
+def test_compiled_equals_eager_without_breaks_or_recompiles(
+    dist, layout, fast, backend, scope, new_lengths
+):
+    for r in dist.run(compiled_matches_eager, layout, fast, backend, scope, new_lengths):
         assert r["graph_breaks"] == 0
         assert max(r["loss_diffs"]) <= TOL, r["loss_diffs"]
+        assert len(r["loss_diffs"]) == (4 if new_lengths else 2)
         assert r["grad_diff_two_steps"] <= TOL
-        assert r["grad_diff_new_seq"] <= TOL
         graphs = r["graphs"]
         assert graphs["step0"] == 1  # one compiled unit (one block, or the model)
         assert graphs["step1"] == graphs["step0"]  # same shapes: no recompile
-        assert graphs["seq24"] <= graphs["step1"] + 1  # a new length: one dynamic graph
-        assert graphs["seq32"] == graphs["seq24"]  # and no more after it
+        if new_lengths:
+            assert r["grad_diff_new_seq"] <= TOL
+            assert graphs["seq24"] <= graphs["step1"] + 1  # a new length: one dynamic graph
+            assert graphs["seq32"] == graphs["seq24"]  # and no more after it
 
 
 def test_compiled_block_backward_twice(dist):
     for r in dist.run(backward_twice, "tp_sp", True, "aot_eager"):
         assert r["graphs"] == 1
+        assert r["grad_diff"] <= TOL
+
+
+def test_compiled_context_parallel_block_equals_eager(dist):
+    for r in dist.run(compiled_cp_matches_eager, "aot_eager"):
+        assert r["graph_breaks"] == 0
+        assert r["graphs"] == [1, 1]  # compiled once, not again on the second step
+        assert max(r["loss_diffs"]) <= TOL, r["loss_diffs"]
         assert r["grad_diff"] <= TOL

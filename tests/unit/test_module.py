@@ -518,3 +518,19 @@ def test_subclass_without_config_builds_itself():
     assert type(built) is Doubled and built.width == 3
     assert issubclass(Doubled.Config, Base.Config) and Doubled.Config is not Base.Config
     assert type(Base.Config().build()) is Base
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_local_map_region_binds_keywords_and_refuses_extra_positionals(mesh, fast):
+    """Inputs given by keyword reach the region as positionally given ones do; a call
+    with more positional arguments than forward takes is refused by name."""
+    core = _qk_only_attention()
+    with fast_path(fast):
+        core.parallelize(mesh)
+    q = torch.arange(24.0).reshape(1, 4, 3, 2)
+    v = torch.ones(1, 1, 3, 2)
+    expected = core(q, q, v).to_local()
+    by_keyword = core(q, k=q, v=v, is_causal=True).to_local()
+    assert torch.equal(by_keyword, expected)
+    with pytest.raises(ValueError, match=r"<root>: forward takes 3 positional argument\(s\) but 4"):
+        core(q, q, v, v)
