@@ -268,6 +268,8 @@ def section_moe(result: dict[str, Any], charts: list[str]) -> str:
             f"{_fmt(s['step_ms'], 1)} | {s['tokens_per_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
 def section_pp(rows: list[dict[str, Any]], charts: list[str]) -> str:
     """(p) pipeline parallelism."""
     lines = [
