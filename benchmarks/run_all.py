@@ -8,7 +8,8 @@ a. framework overhead per call, fake process group, tp=8 (``bench_boundary.py``)
 b. the same MLP on real gloo ranks, tp=2 and tp=4, small and medium activations;
 c. a training step of the debug Llama at dp=2 x tp=2 (``bench_train_step.py``);
 d. collectives and bytes per step, TP and TP+SP, vs the minimum (``bench_comms.py``);
-e. peak memory to initialize a model larger than a rank's share (``bench_init_memory.py``).
+e. peak memory to initialize a model larger than a rank's share (``bench_init_memory.py``);
+f. context parallelism, cp = 1/2/4 at one global sequence on gloo (``bench_cp.py``).
 
 Each comparison interleaves its contenders in one run and reports medians, min-max
 and ratios. Nothing here is a test: numbers depend on the machine and its load.
@@ -207,6 +208,41 @@ def section_memory(result: dict[str, Any], charts: list[str]) -> str:
     return "\n".join(lines)
 
 
+def section_cp(result: dict[str, Any], charts: list[str]) -> str:
+    """(f) context parallelism."""
+    rows = result["results"]
+    base = rows[0]["activation_bytes"]
+    lines = [
+        f"## f. Context parallelism — llama3-debug, cp = "
+        f"{'/'.join(str(r['cp']) for r in rows)}, global sequence {result['seq']}",
+        "",
+        f"Batch {result['batch']} x {result['seq']} tokens, fp32, spawned gloo ranks "
+        "(`bench_cp.py`); cp = 1 is the model in one process. *Step*: forward + loss + "
+        f"backward, median (min-max) of {result['reps']}, slowest rank. *Activations*: "
+        "bytes the forward saves for backward on one rank (saved-tensor hooks, each "
+        "storage once). *Minimum*: all-gather context parallelism gathers each layer's "
+        "keys and values once in forward and reduce-scatters their gradients once in "
+        "backward; *total* adds the one gather of the positions (for the causal mask).",
+        "",
+        "| cp | step ms | activations KiB / rank | vs cp=1 | bytes on cp KiB | "
+        "k/v / minimum | total / minimum |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        t = r["step_ms"]
+        on_cp = sum(c["bytes"] for c in r["comms"] if c["axis"] == "cp")
+        minimum = sum(r["minimum"].values()) if r["cp"] > 1 else 0
+        kv = on_cp - r["positions_bytes"] if on_cp else 0
+        lines.append(
+            f"| {r['cp']} | {t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) | "
+            f"{r['activation_bytes'] / 1024:,.1f} | {r['activation_bytes'] / base:.2f} | "
+            f"{on_cp / 1024:,.1f} | {f'{kv / minimum:.2f}' if minimum else '-'} | "
+            f"{f'{on_cp / minimum:.3f}' if minimum else '-'} |"
+        )
+    lines.append("")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- charts
 
 
@@ -355,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
-        "--only", nargs="+", choices=list("abcde"), default=list("abcde"), help="sections"
+        "--only", nargs="+", choices=list("abcdef"), default=list("abcdef"), help="sections"
     )
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -391,6 +427,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "d": ("bench_comms.py", ["--tp", "4"], 240, section_comms),
         "e": ("bench_init_memory.py", ["--tp", "8"], 300, section_memory),
+        "f": (
+            "bench_cp.py",
+            ["--seq", "512", "--reps", "3" if args.quick else "8"],
+            420,
+            section_cp,
+        ),
     }
     print(f"benchmarks on {header}", flush=True)
     with tempfile.TemporaryDirectory(prefix="hp_bench_") as tmp:
