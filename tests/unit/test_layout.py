@@ -245,3 +245,29 @@ def test_fsdp_leaves_cp_to_the_plan_on_a_mesh_of_three_dims_or_more():
     # Without cp in the plan: the plain fsdp mesh.
     *_, plain = _fsdp_meshes("dp_replicate=2,dp_shard=2,tp=2", ("tp",))
     assert plain
+
+
+def test_fsdp_over_cp_refuses_a_plain_parameter_and_a_foreign_mesh_dim():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hyper_parallel.distributed import apply_fsdp, fsdp_mesh_findings
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = MeshLayout.parse("dp_shard=2,cp=2").build("cpu")
+        plain = torch.nn.Linear(2, 2)
+        with pytest.raises(ValueError, match="every parameter must be a DTensor on it") as e:
+            apply_fsdp(plain, mesh.submesh(("dp_shard", "cp")))
+        assert "Linear.weight is on a plain tensor" in str(e.value)
+        assert "plan_mesh(mesh, axes)" in str(e.value)
+        assert not hasattr(plain, "reshard")  # not wrapped
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = MeshLayout.parse("pp=2,cp=2").build("cpu")
+        (error,) = fsdp_mesh_findings(mesh.submesh(("pp", "cp")))
+        assert error.severity == "error" and "unexpected: ['pp']" in error.message
+        assert "fsdp_mesh_for(mesh, plan_axes)" in error.fix
+    finally:
+        dist.destroy_process_group()
