@@ -151,7 +151,7 @@ def torch_llama_plan(sequence_parallel: bool) -> tuple[dict[str, Any], dict[str,
         block["attention_norm"] = SequenceParallel()
         block["ffn_norm"] = SequenceParallel()
     block["attention"] = PrepareModuleInput(
-        # (x, cos, sin, positions): the block passes positions (None without CP).
+        # (x, cos, sin, mask): the block passes the causal mask (None without CP).
         input_layouts=(residual, None, None, None),
         desired_input_layouts=(Replicate(), None, None, None),
     )

@@ -11,6 +11,7 @@ c. a training step of the debug Llama at dp=2 x tp=2 (``bench_train_step.py``), 
    and with every block compiled (inductor);
 d. collectives and bytes per step, TP and TP+SP, vs the minimum (``bench_comms.py``);
 e. peak memory to initialize a model larger than a rank's share (``bench_init_memory.py``);
+f. context parallelism, cp = 1/2/4 at one global sequence on gloo (``bench_cp.py``).
 m. mixture of experts: the MoE layer at ep=2/4 vs a hand-written dispatch, and tokens/s of
    the debug MoE training step (``bench_moe.py``).
 p. pipeline parallelism: step time per schedule vs pp=1, measured vs predicted bubble
@@ -224,6 +225,41 @@ def section_memory(result: dict[str, Any], charts: list[str]) -> str:
             f"{row['rank_param_bytes'] / mib:,.0f} | {row['peak_bytes'] / whole:.2f} |"
         )
     lines += ["", f"![init memory]({_chart_memory(result, charts)})", ""]
+    return "\n".join(lines)
+
+
+def section_cp(result: dict[str, Any], charts: list[str]) -> str:
+    """(f) context parallelism."""
+    rows = result["results"]
+    base = rows[0]["activation_bytes"]
+    lines = [
+        f"## f. Context parallelism — llama3-debug, cp = "
+        f"{'/'.join(str(r['cp']) for r in rows)}, global sequence {result['seq']}",
+        "",
+        f"Batch {result['batch']} x {result['seq']} tokens, fp32, spawned gloo ranks "
+        "(`bench_cp.py`); cp = 1 is the model in one process. *Step*: forward + loss + "
+        f"backward, median (min-max) of {result['reps']}, slowest rank. *Activations*: "
+        "bytes the forward saves for backward on one rank (saved-tensor hooks, each "
+        "storage once). *Minimum*: all-gather context parallelism gathers each layer's "
+        "keys and values once in forward and reduce-scatters their gradients once in "
+        "backward; *total* adds the one gather of the positions (for the causal mask).",
+        "",
+        "| cp | step ms | activations KiB / rank | vs cp=1 | bytes on cp KiB | "
+        "k/v / minimum | total / minimum |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        t = r["step_ms"]
+        on_cp = sum(c["bytes"] for c in r["comms"] if c["axis"] == "cp")
+        minimum = sum(r["minimum"].values()) if r["cp"] > 1 else 0
+        kv = on_cp - r["positions_bytes"] if on_cp else 0
+        lines.append(
+            f"| {r['cp']} | {t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) | "
+            f"{r['activation_bytes'] / 1024:,.1f} | {r['activation_bytes'] / base:.2f} | "
+            f"{on_cp / 1024:,.1f} | {f'{kv / minimum:.2f}' if minimum else '-'} | "
+            f"{f'{on_cp / minimum:.3f}' if minimum else '-'} |"
+        )
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -444,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
-        "--only", nargs="+", choices=list("abcdemp"), default=list("abcdemp"), help="sections"
+        "--only", nargs="+", choices=list("abcdefmp"), default=list("abcdefmp"), help="sections"
     )
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -480,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "d": ("bench_comms.py", ["--tp", "4"], 240, section_comms),
         "e": ("bench_init_memory.py", ["--tp", "8"], 300, section_memory),
+        "f": (
+            "bench_cp.py",
+            ["--seq", "512", "--reps", "3" if args.quick else "8"],
+            420,
+            section_cp,
+        ),
         "m": (
             "bench_moe.py",
             ["--reps", gloo_reps, "--step-reps", "3" if args.quick else "6"],

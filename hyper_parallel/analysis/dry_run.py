@@ -47,7 +47,7 @@ from hyper_parallel.distributed.expert_parallel import (
     ep_plan_findings,
     expert_shard_placement,
 )
-from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for
+from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_dims, fsdp_mesh_for
 from hyper_parallel.distributed.layout import (
     DATA_AXES,
     DENSE_AXES,
@@ -451,7 +451,7 @@ def dry_run(
             )
             for depth in depths
         ]
-        fsdp_axes = tuple(fsdp_mesh.mesh_dim_names or ()) if fsdp_mesh is not None else ()
+        fsdp_axes = _fsdp_axes(fsdp_mesh)
     plan_axes = runs[-1].plan_axes
     settings = dict(
         batch_size=batch_size,
@@ -556,8 +556,8 @@ def _trace_step(
                 e.module, mesh=expert_mesh, shard_placement_fn=placement, mp_policy=mp_policy
             )
         units = apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy)
-    modules = _module_shards(model, types)
-    recorder = CollectiveRecorder(axis_groups(world))
+    modules = _module_shards(model, types, _fsdp_dim_names(fsdp_mesh))
+    recorder = CollectiveRecorder({**axis_groups(world), **_fsdp_group_names(fsdp_mesh)})
     comm = CommDebugMode()
     # The blocks activation checkpointing applies to: the list of identical layers (the
     # trainer's model.layers).
@@ -606,7 +606,7 @@ def _placement_columns(
     layout: MeshLayout, fsdp_axes: Sequence[str], plan_axes: Sequence[str]
 ) -> tuple[str, ...]:
     """One column per active axis, named as the states' meshes name it: FSDP's shard
-    dim (``fsdp`` = dp_shard x cp, or ``dp_shard`` when the plan keeps cp) and the plan's."""
+    dim (``fsdp`` = dp_shard x cp) and the plan's."""
     cols = []
     if layout.dp_replicate > 1:
         cols.append("dp_replicate")
@@ -685,7 +685,48 @@ def _unique_params(model: nn.Module) -> list[torch.Tensor]:
     return list({id(p): p for p in model.parameters()}.values())
 
 
-def _module_shards(model: nn.Module, types: Mapping[str, str]) -> list[ModuleShards]:
+def _fsdp_axes(fsdp_mesh: DeviceMesh | None) -> tuple[str, ...]:
+    """The dims FSDP2 shards and replicates over, as the report names them."""
+    if fsdp_mesh is None:
+        return ()
+    dims = fsdp_mesh_dims(fsdp_mesh)
+    if dims is None:
+        return tuple(fsdp_mesh.mesh_dim_names or ())
+    # The SPMD form on the model's mesh: shard over dp_shard x cp (= fsdp).
+    return ("dp_replicate", "fsdp") if dims.replicate else ("fsdp",)
+
+
+def _fsdp_flat_name(fsdp_mesh: DeviceMesh | None) -> str | None:
+    """The dim name FSDP2's SPMD form gives its shard dim on the sharded states' mesh."""
+    dims = fsdp_mesh_dims(fsdp_mesh) if fsdp_mesh is not None else None
+    return None if dims is None else "_".join(dims.shard_names)
+
+
+def _fsdp_dim_names(fsdp_mesh: DeviceMesh | None) -> dict[str, str]:
+    """Sharded states' mesh dim → report column: FSDP2's flattened shard dim is ``fsdp``."""
+    flat = _fsdp_flat_name(fsdp_mesh)
+    return {} if flat is None else {flat: "fsdp"}
+
+
+def _fsdp_group_names(fsdp_mesh: DeviceMesh | None) -> dict[str, str]:
+    """Process-group name → ``fsdp`` for the shard group FSDP2's SPMD form flattens.
+
+    torch flattens ``(dp_shard, cp)`` into a group of its own (the same ranks as the
+    ``fsdp`` view of the mesh), named here so its collectives are reported on ``fsdp``.
+    """
+    dims = fsdp_mesh_dims(fsdp_mesh) if fsdp_mesh is not None else None
+    if fsdp_mesh is None or dims is None:
+        return {}
+    names = dims.shard_names
+    flat = fsdp_mesh[names[0]] if len(names) == 1 else fsdp_mesh[names]._flatten("_".join(names))
+    return {flat.get_group().group_name: "fsdp"}
+
+
+def _module_shards(
+    model: nn.Module, types: Mapping[str, str], rename: Mapping[str, str] | None = None
+) -> list[ModuleShards]:
+    """Each module's parameters: shapes, bytes, and placements by mesh dim (``rename``d)."""
+    rename = rename or {}
     seen: set[int] = set()
     modules = []
     for path, m in model.named_modules():
@@ -699,7 +740,9 @@ def _module_shards(model: nn.Module, types: Mapping[str, str]) -> list[ModuleSha
             placements = {}
             if isinstance(p, DTensor):
                 names = p.device_mesh.mesh_dim_names or ()
-                placements = {a: placement_text(q) for a, q in zip(names, p.placements)}
+                placements = {
+                    rename.get(a, a): placement_text(q) for a, q in zip(names, p.placements)
+                }
             local = _local(p)
             params.append(
                 ParamShard(
@@ -915,10 +958,17 @@ def _assumptions(
             "reshard_after_forward (the root keeps its parameters gathered between forward and "
             "backward); gradients are reduce-scattered in backward. Traced, not computed."
         )
+        if layout.cp > 1 and "fsdp" not in fsdp_axes:
+            notes.append(
+                f"States are replicated over cp={layout.cp}: FSDP2 shards over cp as well "
+                "only when the model's mesh (the plan's axes plus the data axes) has at most "
+                "two dims (torch 2.13's DTensor plans a larger one too slowly); see "
+                "hyper_parallel.distributed.axes.fsdp_shards_over_cp."
+            )
     elif data_size == 1:
         notes.append(
             f"FSDP off: the mesh ({layout.describe()}) has no data axis FSDP can shard "
-            "over (dp_replicate, dp_shard, and cp unless the plan keeps states on cp)."
+            "over (dp_replicate, dp_shard, cp)."
         )
     else:
         notes.append(

@@ -46,6 +46,7 @@ __all__ = [
     "apply_model_axes",
     "axis_support_findings",
     "declared_axes",
+    "fsdp_shards_over_cp",
     "plan_axis_findings",
     "plan_mesh",
     "states_on_axes",
@@ -119,10 +120,35 @@ def plan_mesh(mesh: ParallelMesh, axes: Iterable[str]) -> DeviceMesh | None:
     """The submesh a plan declaring ``axes`` is applied on (``None`` when it declares none).
 
     Only dense axes are kept (:func:`plan_axis_findings` reports the others); the
-    submesh keeps size-1 axes, so a plan's every placement resolves.
+    submesh keeps size-1 axes, so a plan's every placement resolves. When FSDP2 shards
+    over ``cp`` too (:func:`fsdp_shards_over_cp`), the data axes of size > 1 join it
+    (the plan's tensors are ``Replicate`` on them): FSDP2's SPMD form takes states on
+    one mesh holding every data axis it uses
+    (:func:`~hyper_parallel.distributed.fsdp.fsdp_mesh_for`).
     """
     dense = [a for a in axes if a in DENSE_AXES]
+    if fsdp_shards_over_cp(mesh.layout, dense):
+        dense += [a for a in ("dp_replicate", "dp_shard") if mesh.layout.size(a) > 1]
     return mesh.submesh(dense) if dense else None
+
+
+def fsdp_shards_over_cp(layout: MeshLayout, axes: Iterable[str]) -> bool:
+    """Whether FSDP2 shards dense states over ``cp`` as well as the data axes.
+
+    It does when the plan runs on ``cp`` (size > 1) and the model's mesh — the plan's
+    axes plus the data axes of size > 1 — has at most two dims (``cp`` alone, or with
+    one of ``dp_shard``, ``dp_replicate``, ``tp``). On a mesh of three or more dims,
+    DTensor's sharding propagation in torch 2.13 searches every placement combination
+    of each op whose input is sequence-sharded with a batch of more than one row (the
+    ``_StridedShard`` of a flattened ``(batch, seq)``): the first step takes minutes
+    per op. There FSDP2 shards over dp_shard (HSDP: ``(dp_replicate, dp_shard)``) and
+    the plan, on ``(cp, tp)``, keeps the states replicated over ``cp``.
+    """
+    dense = {a for a in axes if a in DENSE_AXES}
+    if "cp" not in dense or layout.cp < 2:
+        return False
+    data = {a for a in ("dp_replicate", "dp_shard") if layout.size(a) > 1}
+    return len(dense | data) <= 2
 
 
 def axis_support_findings(layout: MeshLayout, supported: Iterable[str], who: str) -> list[Finding]:

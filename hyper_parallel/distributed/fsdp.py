@@ -2,11 +2,26 @@
 
 :func:`apply_fsdp` wraps each unit (every element of the model's top-level
 ``ModuleList``\\ s: the transformer blocks) and then the root with torch's
-``fully_shard`` on :meth:`ParallelMesh.fsdp_mesh`: a 1-D ``fsdp`` mesh (placement
-``Shard(0)``), or for HSDP the 2-D ``(dp_replicate, fsdp)`` mesh (placements
-``(Replicate(), Shard(0))``: states sharded within a replica group, gradients
-reduce-scattered there and all-reduced across replicas). Either way FSDP2 averages
-gradients over every data rank, which is the gradient of the global-batch mean.
+``fully_shard`` on the mesh :func:`fsdp_mesh_for` gives:
+
+- without context parallelism, :meth:`ParallelMesh.fsdp_mesh`: a 1-D ``fsdp`` mesh
+  (placement ``Shard(0)``), or for HSDP the 2-D ``(dp_replicate, fsdp)`` mesh
+  (placements ``(Replicate(), Shard(0))``: states sharded within a replica group,
+  gradients reduce-scattered there and all-reduced across replicas);
+- with ``cp`` > 1, the model's own mesh (the plan's axes plus the data axes, see
+  :func:`~hyper_parallel.distributed.plan_mesh`) in FSDP2's SPMD form
+  (``DataParallelMeshDims``): states are sharded over dp_shard x cp (flattened) and,
+  for HSDP, replicated over ``dp_replicate``. The plan already keeps every state a
+  DTensor on ``cp`` (replicated there), and torch refuses to add a separate data mesh
+  that overlaps it; the SPMD form shards over ``cp`` on the states' own mesh instead.
+  This holds while that mesh has at most two dims
+  (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`: ``cp`` with one of
+  dp_shard, dp_replicate, tp); on a larger one FSDP2 shards over the data axes only
+  and the states stay replicated over ``cp`` (torch 2.13's DTensor is too slow there).
+
+Either way FSDP2 averages gradients over every data rank (dp_replicate x dp_shard x
+cp), which, with each rank's loss the mean over its own tokens, is the gradient of the
+global mean.
 
 :func:`fsdp_mesh_findings` is the check for a mesh someone is about to hand to
 ``fully_shard``: FSDP2 reads any 2-D mesh as HSDP (dim 0 replicated, dim 1 sharded),
@@ -23,36 +38,62 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed.axes import fsdp_shards_over_cp, plan_mesh
 from hyper_parallel.distributed.layout import ParallelMesh
 from hyper_parallel.dmodule._checks import Finding
 
-__all__ = ["apply_fsdp", "fsdp_mesh_findings", "fsdp_mesh_for", "fsdp_units"]
+__all__ = ["apply_fsdp", "fsdp_mesh_dims", "fsdp_mesh_findings", "fsdp_mesh_for", "fsdp_units"]
 
 _SHARD_DIMS = ("fsdp", "dp_shard", "dp")
+# The dims of a model mesh FSDP2's SPMD form may find there: data axes and model axes.
+_SPMD_DATA = ("dp_replicate", "dp_shard", "cp")
+_SPMD_DIMS = (*_SPMD_DATA, "tp")
 
 
 def fsdp_mesh_for(mesh: ParallelMesh, plan_axes: tuple[str, ...] | list[str]) -> DeviceMesh | None:
-    """The mesh FSDP2 shards dense states over, given the axes the plan declares.
+    """The mesh ``fully_shard`` takes for dense states, given the axes the plan declares.
 
-    Normally :meth:`ParallelMesh.fsdp_mesh`: ``fsdp`` = dp_shard x cp (2-D with
-    ``dp_replicate`` for HSDP). When the plan itself places states on ``cp`` (a
-    context-parallel layout keeps every state a DTensor on its ``(cp, tp)`` submesh),
-    FSDP2 cannot shard over ``cp`` as well (torch refuses overlapping meshes), so it
-    shards over ``dp_shard`` alone (``(dp_replicate, dp_shard)`` for HSDP); the states
-    stay replicated over ``cp`` and their ``cp``-partial gradients are reduced by DTensor.
+    Without ``cp`` in the plan: :meth:`ParallelMesh.fsdp_mesh` (1-D ``fsdp`` =
+    dp_shard x cp, or 2-D ``(dp_replicate, fsdp)`` for HSDP). With ``cp`` > 1 in the
+    plan and a model mesh of at most two dims
+    (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`): the model's mesh,
+    :func:`~hyper_parallel.distributed.plan_mesh` (e.g. ``(dp_shard, cp)`` or
+    ``(cp, tp)``), on which :func:`apply_fsdp` runs FSDP2's SPMD form
+    (:func:`fsdp_mesh_dims`): shard over dp_shard x cp, replicate over dp_replicate.
+    On a larger mesh (e.g. dp_shard x cp x tp) FSDP2 shards over ``dp_shard``
+    (``(dp_replicate, dp_shard)`` for HSDP) and the states stay replicated over ``cp``.
 
     Returns:
         The mesh, or ``None`` when there is no data axis to shard over.
     """
     layout = mesh.layout
-    if "cp" not in plan_axes:
+    if "cp" not in plan_axes or layout.cp < 2:
         return mesh.fsdp_mesh()
+    if fsdp_shards_over_cp(layout, plan_axes):
+        return plan_mesh(mesh, plan_axes)
     if layout.dp_replicate > 1:
         return mesh.submesh(("dp_replicate", "dp_shard"))
     return mesh["dp_shard"] if layout.dp_shard > 1 else None
+
+
+def fsdp_mesh_dims(mesh: DeviceMesh) -> DataParallelMeshDims | None:
+    """FSDP2's SPMD form for a model mesh holding ``cp``; ``None`` for a plain FSDP mesh.
+
+    On a mesh whose dims include ``cp`` (the model's mesh under context parallelism)
+    FSDP2 shards over its ``dp_shard`` and ``cp`` dims (flattened, in that order) and
+    replicates over ``dp_replicate`` (HSDP); ``tp`` stays the plan's.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if "cp" not in names:
+        return None
+    shard = tuple(a for a in ("dp_shard", "cp") if a in names)
+    replicate = "dp_replicate" if "dp_replicate" in names else None
+    return DataParallelMeshDims(shard=shard if len(shard) > 1 else shard[0], replicate=replicate)
 
 
 def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -86,7 +127,8 @@ def apply_fsdp(
 
     Args:
         model: The model, already parallelized on its model-parallel axes.
-        mesh: :meth:`ParallelMesh.fsdp_mesh` (1-D ``fsdp`` or 2-D ``(dp_replicate, fsdp)``).
+        mesh: :func:`fsdp_mesh_for`: 1-D ``fsdp``, 2-D ``(dp_replicate, fsdp)``, or under
+            context parallelism the model's mesh (FSDP2's SPMD form, :func:`fsdp_mesh_dims`).
         units: The units to wrap; default :func:`fsdp_units`.
         fully_shard_kwargs: Passed on to every ``fully_shard`` call.
 
@@ -96,11 +138,49 @@ def apply_fsdp(
     errors = [f for f in fsdp_mesh_findings(mesh) if f.severity == "error"]
     if errors:
         raise ValueError(" ".join(str(f) for f in errors))
+    dims = fsdp_mesh_dims(mesh)
+    if dims is not None:
+        mesh = _states_on_one_mesh(model, mesh)
+        fully_shard_kwargs = {**fully_shard_kwargs, "dp_mesh_dims": dims}
     units = fsdp_units(model) if units is None else units
     for _, unit in units:
         fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
     return [p for p, _ in units]
+
+
+def _states_on_one_mesh(model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
+    """The one mesh object, equal to ``mesh``, that every parameter of ``model`` carries.
+
+    FSDP2's SPMD form compares the parameters' mesh with the one it is given by
+    identity. DTensor caches sharding decisions by mesh *equality*, so the parameters
+    may carry an equal object built earlier in the process rather than ``mesh``
+    itself: the first parameter's object is used, and any parameter on another (equal)
+    object is re-wrapped on it (same local data, placements and shape).
+
+    Raises:
+        ValueError: A parameter is not a DTensor on a mesh equal to ``mesh``.
+    """
+    target: DeviceMesh | None = None
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor) or p.device_mesh != mesh:
+                where = f"{type(module).__name__}.{name}"
+                got = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else "a plain tensor"
+                raise ValueError(
+                    f"apply_fsdp: FSDP2 shards over cp on the model's mesh "
+                    f"{mesh.mesh_dim_names}, so every parameter must be a DTensor on it; "
+                    f"{where} is on {got}. Parallelize the whole model on "
+                    "plan_mesh(mesh, axes) (the trainer does) before apply_fsdp."
+                )
+            if target is None:
+                target = p.device_mesh
+            if p.device_mesh is target:
+                continue
+            spec = DTensorSpec(target, p.placements, tensor_meta=p._spec.tensor_meta)
+            same = DTensor(p._local_tensor, spec, requires_grad=p.requires_grad)
+            module.register_parameter(name, nn.Parameter(same, requires_grad=p.requires_grad))
+    return target if target is not None else mesh
 
 
 def fsdp_mesh_findings(mesh: DeviceMesh, path: str = "") -> list[Finding]:
@@ -123,6 +203,8 @@ def fsdp_mesh_findings(mesh: DeviceMesh, path: str = "") -> list[Finding]:
                 "use ParallelMesh.fsdp_mesh() (named 'fsdp', or ('dp_replicate', 'fsdp')).",
             )
         ]
+    if "cp" in names:
+        return _spmd_mesh_findings(names, path)
     if mesh.ndim > 2:
         return [
             Finding(
@@ -147,3 +229,20 @@ def fsdp_mesh_findings(mesh: DeviceMesh, path: str = "") -> list[Finding]:
             )
         ]
     return []
+
+
+def _spmd_mesh_findings(names: tuple[str, ...], path: str) -> list[Finding]:
+    """A model mesh holding ``cp``: only data axes and ``tp`` (FSDP2's SPMD form)."""
+    other = [n for n in names if n not in _SPMD_DIMS]
+    if not other:
+        return []
+    return [
+        Finding(
+            "error",
+            path,
+            "fsdp mesh",
+            f"under context parallelism fully_shard takes the model's mesh, with dims among "
+            f"{_SPMD_DIMS}; got {names} (unexpected: {other}).",
+            "use fsdp_mesh_for(mesh, plan_axes), the model's plan_mesh(mesh, plan_axes).",
+        )
+    ]

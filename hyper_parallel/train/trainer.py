@@ -54,6 +54,7 @@ from hyper_parallel.distributed.axes import (
     apply_model_axes,
     axis_support_findings,
     declared_axes,
+    fsdp_shards_over_cp,
     plan_axis_findings,
     plan_mesh,
 )
@@ -490,7 +491,8 @@ def build_parallel_model(
     (``cfg.ac``) → ``fully_shard`` (with ``cfg.dtype``'s mixed precision) each block of
     ``model.layers`` and the root over
     :func:`~hyper_parallel.distributed.fsdp.fsdp_mesh_for` (FSDP on ``fsdp`` = dp_shard
-    x cp, HSDP with dp_replicate; dp_shard alone when the plan keeps states on cp)
+    x cp, HSDP with dp_replicate; on the model's own mesh under cp, see
+    :func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`)
     → ``to_empty(device)`` → ``torch.manual_seed(cfg.seed)`` and ``init_states()``.
     With ``mesh=None`` the same model is built for one device, through the same
     steps, so it gets the same initial values.
@@ -761,6 +763,7 @@ class Trainer:
         # Context parallelism: each rank holds chunks of every sequence (head-tail).
         self.cp_size = layout.cp
         self.cp_rank = 0 if self.mesh is None else self.mesh.local_rank("cp")
+        self._fsdp_over_cp = fsdp_shards_over_cp(layout, config_axes(_model_config(cfg, layout)))
         spec = get_spec(cfg.model)
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = spec.extras.get(
             "loss_fn", _cross_entropy
@@ -909,12 +912,14 @@ class Trainer:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate this rank's mean ``loss`` so every gradient is the global-batch one.
 
-        FSDP2 averages over the data ranks. Under context parallelism the states are
-        replicated over ``cp`` and their gradients come back ``Partial`` (a sum over the
-        ``cp`` ranks' tokens): the loss is scaled by ``1 / cp`` so that sum is the mean,
-        and gradients FSDP does not own are reduced here, once.
+        FSDP2 averages over the data ranks, ``cp`` included where it shards over
+        dp_shard x cp (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`).
+        Elsewhere under context parallelism the states are replicated over ``cp`` and
+        their gradients come back ``Partial`` (a sum over the ``cp`` ranks' tokens): the
+        loss is scaled by ``1 / cp`` so that sum is the mean, and gradients FSDP does not
+        own are reduced here, once.
         """
-        if self.cp_size == 1:
+        if self.cp_size == 1 or self._fsdp_over_cp:
             loss.backward()
             return
         (loss / self.cp_size).backward()

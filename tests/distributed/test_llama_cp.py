@@ -71,10 +71,12 @@ def test_placements_and_runtime_path(results, case):
     norms = {p for p in paths if p.endswith("norm")}
     assert len(norms) == 2 * NUM_LAYERS + 1
     if case == "fast":
-        # Token-wise norms on sequence shards are the one pattern the fast path knows
-        # on cp; everything else (replicated weights, the k/v gather) runs on DTensor.
+        # Token-wise norms on sequence shards and the mask (a local region without
+        # states or collectives) are the patterns the fast path knows on cp; everything
+        # else (replicated weights, the k/v gather) runs on DTensor.
         assert all(paths[p] == "sequence_parallel_norm" for p in norms)
-        assert all(v == "dtensor" for p, v in paths.items() if p not in norms)
+        assert paths["mask"] == "local_map"
+        assert all(v == "dtensor" for p, v in paths.items() if p not in {*norms, "mask"})
     else:
         assert set(paths.values()) == {"dtensor"}
 

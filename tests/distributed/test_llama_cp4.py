@@ -80,12 +80,15 @@ def test_placements_on_the_2d_mesh(results, case):
     grads = r["grad_placements"]
     assert grads["layers.0.attention.wq.weight"] == ["P(sum)", "S(0)"]
     # Placements on both axes: the fast path steps aside except for token-wise norms
-    # whose only split is the cp sequence (plain TP); those give the same numbers.
+    # whose only split is the cp sequence (plain TP) and the mask (a local region
+    # without states or collectives); those give the same numbers.
     paths = r["fast_paths"]
     sp = CASES[case][1] == "tp_sp"
     for path, kind in paths.items():
         if path.endswith("norm") and not sp:
             assert kind == "sequence_parallel_norm", path
+        elif path == "mask":
+            assert kind == "local_map", (path, kind)
         else:
             assert kind == "dtensor", (path, kind)
 

@@ -3,6 +3,8 @@ work balance, the model's positions path, the cp layout's configs, and the findi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from hyper_parallel.models.llama import (
     causal_mask,
     preset_config,
 )
-from hyper_parallel.models.llama.model import Linear
+from hyper_parallel.models.llama.model import CausalMask, Linear
 
 # --------------------------------------------------------------------------- the split
 
@@ -123,12 +125,29 @@ def test_queries_against_a_longer_key_sequence_use_global_positions():
     core = ScaledDotProductAttention.Config().build()
     full = core(q, k, v)
     mine = cp.positions(8, 1, 2)  # [2, 3, 4, 5]: this rank's queries, every key
-    local = core(q[:, mine], k, v, mine, torch.arange(8))
+    mask = CausalMask.Config().build()(mine, torch.arange(8))
+    assert mask.shape == (4, 8) and mask.dtype == torch.float32
+    # Additive: 0 where key position <= query position, -inf elsewhere.
+    assert torch.equal(mask == 0, mine.unsqueeze(-1) >= torch.arange(8))
+    local = core(q[:, mine], k, v, mask)
     torch.testing.assert_close(local, full[:, mine], atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="only one of q_positions and kv_positions"):
-        core(q, k, v, mine)
     with pytest.raises(ValueError, match="4 queries and 8 keys cannot be masked causally"):
         core(q[:, mine], k, v)
+
+
+def test_one_mask_is_saved_for_every_layer():
+    """The causal mask is built once per forward: backward holds one copy, not one per layer."""
+    model, tokens = _model(), _tokens(seq_len=16)
+    masks = []
+
+    def pack(t):
+        if t.ndim == 2 and t.shape == (16, 16) and t.dtype == torch.float32:
+            masks.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, positions=torch.arange(16)).sum()
+    assert len(masks) == len(model.layers) and len(set(masks)) == 1
 
 
 def test_rope_reads_the_tables_at_global_positions_exactly():
@@ -160,12 +179,15 @@ def test_cp_layout_gathers_keys_and_values_and_declares_their_gradients_partial(
         "q": seq,
         "k": gathered,
         "v": gathered,
-        "q_positions": {"cp": Shard(-1)},
-        "kv_positions": gathered,
+        "mask": {"cp": Shard(-2)},  # this rank's query rows, every key
     }
     assert core.in_src_shardings == {"k": seq, "v": seq}
     grads = core.local_map.in_grad_placements
     assert grads[:3] == (seq, {"cp": Partial()}, {"cp": Partial()})
+    # The mask is built once per forward from the local and the gathered positions.
+    mask = config.mask.sharding_config
+    assert mask.in_dst_shardings == {"q_positions": {"cp": Shard(-1)}, "kv_positions": gathered}
+    assert mask.out_src_shardings == {"cp": Shard(-2)}
     # Positions are gathered once, at the root; the rest of the model stays on its tokens.
     assert config.sharding_config.in_dst_shardings == {"positions": gathered}
     assert config.output.sharding_config.out_dst_shardings == seq
@@ -178,14 +200,15 @@ def test_cp_and_tp_layouts_compose_in_either_order(tp_layout):
     cp_last = apply_cp(tp_layout(base, tp_size=2), cp_size=2)
     cp_first = tp_layout(apply_cp(base, cp_size=2), tp_size=2)
     a, b = _configs(cp_last), _configs(cp_first)
-    # root, embedding, rope, final norm, output; per layer 2 norms, 2 blocks, 7 linears, core
-    assert a.keys() == b.keys() and len(a) == 5 + 2 * 12
+    # root, embedding, rope, mask, final norm, output; per layer 2 norms, 2 blocks, 7
+    # linears, core
+    assert a.keys() == b.keys() and len(a) == 6 + 2 * 12
     for path in a:
         assert a[path].to_dict() == b[path].to_dict(), path
     core = cp_last.layers[0].attention.inner_attention.sharding_config
     assert core.in_dst_shardings["k"] == {"tp": Shard(2), "cp": Replicate()}
     assert core.local_map.in_grad_placements[1] == {"tp": Shard(2), "cp": Partial()}
-    assert core.local_map.in_grad_placements[3] == {"cp": Shard(-1)}  # q_positions
+    assert core.local_map.in_grad_placements[3] == {"cp": Shard(-2)}  # the mask's rows
     assert base.sharding_config is None  # the input config is not changed
 
 
@@ -271,3 +294,28 @@ def test_parallelize_on_a_mesh_without_cp_is_refused_and_changes_nothing(mesh):
     assert "layers.0.attention.inner_attention" in str(e.value)
     assert {n: p for n, p in model.named_parameters()} == before
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def test_plan_at_cp2_halves_the_states_and_the_activations_of_cp1(capsys):
+    """llama3-8b, tp=8, one global sequence of 8192: cp=2 against cp=1, per rank.
+
+    FSDP2 shards the states over cp (fsdp = dp_shard x cp); each rank saves its own
+    tokens' activations, and the one causal mask every layer shares.
+    """
+    from hyper_parallel.cli import main
+
+    per_rank = {}
+    for mesh in ("tp=8", "tp=8,cp=2"):
+        args = ["plan", "--model", "llama3-8b", "--mesh", mesh, "--seq", "8192"]
+        assert main([*args, "--format", "json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        per_rank[mesh] = report["per_rank_bytes"]
+        if "cp" in mesh:
+            assert report["fsdp_axes"] == ["fsdp"]
+    one, two = per_rank["tp=8"], per_rank["tp=8,cp=2"]
+    for kind in ("params", "grads", "optimizer"):
+        assert 2 * two[kind] == one[kind], kind  # every dim divides by 2: exact
+    assert 0.45 < two["activations"] / one["activations"] < 0.55

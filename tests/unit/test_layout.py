@@ -196,22 +196,78 @@ def test_validate_warns_about_the_hsdp_trap():
     assert report.layout == MeshLayout(dp_shard=2, tp=2)
 
 
-def test_fsdp_leaves_cp_to_a_plan_that_keeps_states_on_it():
+def _fsdp_meshes(text: str, axes: tuple[str, ...]):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hyper_parallel.distributed.fsdp import fsdp_mesh_for
+    from hyper_parallel.distributed import plan_mesh
+    from hyper_parallel.distributed.fsdp import fsdp_mesh_dims, fsdp_mesh_findings, fsdp_mesh_for
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=16)
+    layout = MeshLayout.parse(text)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
     try:
-        mesh = MeshLayout.parse("dp_replicate=2,dp_shard=2,cp=2,tp=2").build("cpu")
-        assert fsdp_mesh_for(mesh, ("tp",)) is mesh.fsdp_mesh()
-        assert fsdp_mesh_for(mesh, ("cp", "tp")).mesh_dim_names == ("dp_replicate", "dp_shard")
+        mesh = layout.build("cpu")
+        model, fsdp = plan_mesh(mesh, axes), fsdp_mesh_for(mesh, axes)
+        dims = fsdp_mesh_dims(fsdp) if fsdp is not None else None
+        return (
+            model.mesh_dim_names,
+            None if fsdp is None else fsdp.mesh_dim_names,
+            None if dims is None else (dims.shard_names, dims.replicate_names),
+            [] if fsdp is None else fsdp_mesh_findings(fsdp),
+            mesh.fsdp_mesh() is fsdp,
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("text", "axes", "model_mesh", "shard", "replicate"),
+    [
+        ("cp=2,tp=2", ("cp", "tp"), ("cp", "tp"), ("cp",), ()),
+        ("dp_shard=2,cp=2", ("cp",), ("dp_shard", "cp"), ("dp_shard", "cp"), ()),
+        ("dp_replicate=2,cp=2", ("cp",), ("dp_replicate", "cp"), ("cp",), ("dp_replicate",)),
+    ],
+)
+def test_fsdp_shards_over_cp_on_the_model_mesh(text, axes, model_mesh, shard, replicate):
+    # The plan runs on a mesh holding the data axes (Replicate there); FSDP2's SPMD form
+    # shards over dp_shard x cp on it and replicates over dp_replicate.
+    got_model, got_fsdp, dims, findings, _ = _fsdp_meshes(text, axes)
+    assert got_model == got_fsdp == model_mesh
+    assert dims == (shard, replicate) and findings == []
+
+
+def test_fsdp_leaves_cp_to_the_plan_on_a_mesh_of_three_dims_or_more():
+    # dp_replicate x dp_shard x cp x tp: DTensor is too slow on such a model mesh, so
+    # FSDP2 shards over the data axes and the plan keeps its (cp, tp) mesh.
+    model, fsdp, dims, _, _ = _fsdp_meshes("dp_replicate=2,dp_shard=2,cp=2,tp=2", ("cp", "tp"))
+    assert model == ("cp", "tp") and fsdp == ("dp_replicate", "dp_shard") and dims is None
+    model, fsdp, dims, _, _ = _fsdp_meshes("dp_shard=2,cp=2,tp=2", ("cp", "tp"))
+    assert model == ("cp", "tp") and fsdp == ("dp_shard",) and dims is None
+    # Without cp in the plan: the plain fsdp mesh.
+    *_, plain = _fsdp_meshes("dp_replicate=2,dp_shard=2,tp=2", ("tp",))
+    assert plain
+
+
+def test_fsdp_over_cp_refuses_a_plain_parameter_and_a_foreign_mesh_dim():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hyper_parallel.distributed import apply_fsdp, fsdp_mesh_findings
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = MeshLayout.parse("dp_shard=2,cp=2").build("cpu")
+        plain = torch.nn.Linear(2, 2)
+        with pytest.raises(ValueError, match="every parameter must be a DTensor on it") as e:
+            apply_fsdp(plain, mesh.submesh(("dp_shard", "cp")))
+        assert "Linear.weight is on a plain tensor" in str(e.value)
+        assert "plan_mesh(mesh, axes)" in str(e.value)
+        assert not hasattr(plain, "reshard")  # not wrapped
     finally:
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
-        mesh = MeshLayout.parse("cp=2,tp=2").build("cpu")
-        assert fsdp_mesh_for(mesh, ("tp",)).mesh_dim_names == ("fsdp",)
-        assert fsdp_mesh_for(mesh, ("cp", "tp")) is None  # no data axis left to shard over
+        mesh = MeshLayout.parse("pp=2,cp=2").build("cpu")
+        (error,) = fsdp_mesh_findings(mesh.submesh(("pp", "cp")))
+        assert error.severity == "error" and "unexpected: ['pp']" in error.message
+        assert "fsdp_mesh_for(mesh, plan_axes)" in error.fix
     finally:
         dist.destroy_process_group()

@@ -13,11 +13,14 @@ tokens are the whole sequence ``0..S-1`` and attention is causal by index. With
 split across ranks by context parallelism) the rotary tables are read at those
 positions and the causal mask compares query positions with key positions, so the
 tokens may arrive in any order and keys may come from a longer (gathered) sequence.
+That mask is built once per forward (:class:`CausalMask`, additive, in the
+activations' dtype) and shared by every layer, so backward holds one copy of it, not
+one per layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,7 @@ from hyper_parallel.dmodule.module import Module, ModuleList
 
 __all__ = [
     "Attention",
+    "CausalMask",
     "Embedding",
     "FeedForward",
     "Linear",
@@ -127,10 +131,11 @@ class ScaledDotProductAttention(Module):
     """Causal attention over ``(B, S, H, D)`` inputs; keys/values may have fewer heads (GQA).
 
     Head counts come from the inputs, so the same code runs on a rank's local heads.
-    Without positions, query ``i`` attends to keys ``0..i`` (``is_causal``). With
-    ``q_positions`` ``[..., Sq]`` and ``kv_positions`` ``[..., Sk]`` a query attends to
-    every key whose position is not after its own (an explicit mask), so the queries
-    may be a subset of the keys, in any order.
+    Without a mask, query ``i`` attends to keys ``0..i`` (``is_causal``). With ``mask``
+    (additive, ``[Sq, Sk]`` or ``[B, 1, Sq, Sk]``, from :class:`CausalMask`) a query
+    attends where the mask is 0, so the queries may be a subset of the keys, in any
+    order. The mask is used as given (it is the one tensor every layer shares); one of
+    another dtype than the queries is cast, which makes a copy per layer.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -145,24 +150,20 @@ class ScaledDotProductAttention(Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        q_positions: torch.Tensor | None = None,
-        kv_positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if (q_positions is None) != (kv_positions is None):
-            raise ValueError(
-                "ScaledDotProductAttention: got only one of q_positions and kv_positions; "
-                "pass both (the mask compares them) or neither (causal by index)."
-            )
-        if q_positions is None and q.shape[1] != k.shape[1]:
+        if mask is None and q.shape[1] != k.shape[1]:
             raise ValueError(
                 f"ScaledDotProductAttention: {q.shape[1]} queries and {k.shape[1]} keys "
-                "cannot be masked causally by index; pass q_positions and kv_positions."
+                "cannot be masked causally by index; pass a mask (CausalMask of their "
+                "positions)."
             )
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if q_positions is None:
+        if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            mask = causal_mask(q_positions, kv_positions)  # type: ignore[arg-type]
+            if mask.dtype != q.dtype:
+                mask = mask.to(q.dtype)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2).contiguous()
 
@@ -179,6 +180,33 @@ def causal_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.
     """
     mask = q_positions.unsqueeze(-1) >= kv_positions.unsqueeze(-2)
     return mask if mask.ndim == 2 else mask.unsqueeze(-3)
+
+
+class CausalMask(Module):
+    """The additive causal mask of a forward: 0 where a query may attend, ``-inf`` elsewhere.
+
+    Built once per forward from the token positions and handed to every layer's
+    attention core: autograd saves that one tensor for all layers' backward (a mask
+    built inside each core, or a boolean one that attention converts, would be saved
+    once per layer). ``[Sq, Sk]`` for 1-D positions, ``[B, 1, Sq, Sk]`` for 2-D.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        pass
+
+    def __init__(self, config: CausalMask.Config) -> None:
+        super().__init__()
+
+    def forward(
+        self,
+        q_positions: torch.Tensor,
+        kv_positions: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        allowed = causal_mask(q_positions, kv_positions)
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return additive.masked_fill_(allowed.logical_not(), float("-inf"))
 
 
 class Attention(Module):
@@ -206,15 +234,12 @@ class Attention(Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        if positions is None:
-            out = self.inner_attention(q, k, v)
-        else:
-            out = self.inner_attention(q, k, v, positions, positions)
+        out = self.inner_attention(q, k, v) if mask is None else self.inner_attention(q, k, v, mask)
         return self.wo(out.flatten(-2))
 
 
@@ -257,9 +282,9 @@ class TransformerBlock(Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, positions)
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -279,11 +304,13 @@ class Transformer(BaseModel):
         layers: list[TransformerBlock.Config]
         norm: RMSNorm.Config
         output: Linear.Config
+        mask: CausalMask.Config = field(default_factory=CausalMask.Config)
 
     def __init__(self, config: Transformer.Config) -> None:
         super().__init__()
         self.tok_embeddings = config.tok_embeddings.build()
         self.rope = config.rope.build()
+        self.mask = config.mask.build()
         self.layers = ModuleList([c.build() for c in config.layers])
         self.norm = config.norm.build()
         self.output = config.output.build()
@@ -306,6 +333,7 @@ class Transformer(BaseModel):
                 h = layer(h, cos, sin)
         else:
             cos, sin = self.rope(h.shape[1], positions)
+            mask = self.mask(positions, positions, h.dtype)
             for layer in self.layers:
-                h = layer(h, cos, sin, positions)
+                h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))

@@ -24,8 +24,10 @@ over ``cp`` (a head-tail split, see
 local while keys and values are all-gathered over ``cp`` on the way in, and its
 ``in_grad_placements`` declare their gradients ``Partial`` on ``cp``, so backward
 reduce-scatters them. The causal mask compares global positions: the model's root
-gathers ``positions`` once per forward, the rotary tables and the queries read their
-local slice of it (no communication), the keys the whole.
+gathers ``positions`` once per forward; the rotary tables read their local slice of
+it (no communication), and the mask module builds, once per forward, the rows of this
+rank's queries against every key (``Shard`` on the query dim), which every layer's
+attention core takes as it is.
 
 The layouts compose: each writes placements for its own axis and joins the configs a
 module already has (:func:`~hyper_parallel.distributed.compose.merge_sharding_configs`),
@@ -247,7 +249,8 @@ def apply_cp(
     the way into the attention core (a ``local_map`` region) — ``2 x num_layers``
     all-gathers per forward, and their gradients reduce-scattered in backward (declared
     ``Partial`` by ``in_grad_placements``). Positions are gathered once per forward for
-    the causal mask. Combine with :func:`apply_tp` / :func:`apply_tp_sp` in either order
+    the causal mask, which is built once (this rank's query rows) and shared by every
+    layer. Combine with :func:`apply_tp` / :func:`apply_tp_sp` in either order
     and parallelize on the 2-D ``(cp, tp)`` mesh.
 
     The model must then be called as ``model(tokens, positions=positions)`` with each
@@ -322,6 +325,17 @@ def apply_cp(
         ),
         "rope",
     )
+    # The mask's rows are this rank's queries (local positions), its columns every key.
+    mask_rows: NamedPlacement = {axis: Shard(-2)}
+    _put(
+        new.mask,
+        ShardingConfig(
+            in_dst_shardings={"q_positions": local_positions, "kv_positions": replicated},
+            out_src_shardings=mask_rows,
+            local_map=LocalMapConfig(in_grad_placements=(local_positions, replicated)),
+        ),
+        "mask",
+    )
     for i, layer in enumerate(new.layers):
         p = f"layers.{i}"
         attention, ffn = layer.attention, layer.feed_forward
@@ -345,17 +359,9 @@ def apply_cp(
             attention.inner_attention,
             ShardingConfig(
                 in_src_shardings={"k": seq, "v": seq},
-                in_dst_shardings={
-                    "q": seq,
-                    "k": gathered,
-                    "v": gathered,
-                    "q_positions": local_positions,
-                    "kv_positions": gathered,
-                },
+                in_dst_shardings={"q": seq, "k": gathered, "v": gathered, "mask": mask_rows},
                 out_src_shardings=seq,
-                local_map=LocalMapConfig(
-                    in_grad_placements=(seq, partial, partial, local_positions, gathered)
-                ),
+                local_map=LocalMapConfig(in_grad_placements=(seq, partial, partial, mask_rows)),
             ),
             f"{p}.attention.inner_attention",
         )
