@@ -304,3 +304,38 @@ def trainer_parity(
         "parts": [sorted(n for n, _ in m.named_parameters())[:1] for m in trainer.model_parts],
         "linear_dtypes": sorted(linear_dtypes),
     }
+
+
+def fsdp_collectives_per_step(schedules: list[str]) -> dict[str, dict[str, int]]:
+    """FSDP2 all-gathers and gradient reductions of one pipeline step, counted per schedule.
+
+    Counts the calls of FSDP2's own ``foreach_all_gather`` / ``foreach_reduce`` (one
+    per FSDP unit gathered or reduced) during the second step (the first infers the
+    stages' shapes), at pp=2 x dp_shard=2 with 4 micro-batches.
+    """
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+
+    def counted(fn: Any, key: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[key] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    gather, reduce = param_group.foreach_all_gather, param_group.foreach_reduce
+    param_group.foreach_all_gather = counted(gather, "all_gather")
+    param_group.foreach_reduce = counted(reduce, "reduce_scatter")
+    out = {}
+    try:
+        for schedule in schedules:
+            layout, mesh, _, plan, _, sched = _setup("pp=2,dp_shard=2", schedule, 4, None, {})
+            inputs, targets = _local_batch(layout, mesh, 0)
+            pipeline_step(sched, plan, mesh["pp"], inputs, targets)
+            counts.update(all_gather=0, reduce_scatter=0)
+            pipeline_step(sched, plan, mesh["pp"], inputs, targets)
+            out[schedule] = dict(counts, pp_rank=mesh["pp"].get_local_rank())
+    finally:
+        param_group.foreach_all_gather, param_group.foreach_reduce = gather, reduce
+    return out

@@ -14,6 +14,7 @@ import pytest
 from hyper_parallel.train.demo import BF16_TOL
 from tests.distributed.pipeline_checks import (
     checkpoint_across_meshes,
+    fsdp_collectives_per_step,
     train_vs_one_device,
     trainer_parity,
 )
@@ -115,3 +116,26 @@ def test_trainer_with_pp_bf16_and_ac_matches_the_bf16_one_process_run(dist):
         for a, b in zip(r["losses"], r["ref_losses"], strict=True):
             assert abs(a - b) <= BF16_TOL
         assert r["linear_dtypes"] == ["torch.bfloat16"]
+
+
+def test_plan_predicts_each_stages_fsdp_collectives(dist):
+    # The dry run's per-stage collectives per step (traced per stage kind, FSDP2's
+    # gathers replayed against the schedule's actions) against FSDP2's own calls.
+    from hyper_parallel.analysis.pipeline_cost import stage_collectives
+    from hyper_parallel.distributed import MeshLayout
+    from hyper_parallel.distributed.pipeline import plan_pipeline
+    from hyper_parallel.models.llama import PIPELINE, preset_config
+
+    schedules = ["GPipe", "1F1B"]
+    results = dist.run(fsdp_collectives_per_step, schedules)
+    config = preset_config("llama3-debug")
+    layout = MeshLayout.from_sizes({"pp": 2, "dp_shard": 2})
+    for schedule in schedules:
+        plan = plan_pipeline(PIPELINE.units(config), pp=2, schedule=schedule, num_microbatches=4)
+        predicted = stage_collectives(plan, PIPELINE, config, layout, microbatch_size=1, seq_len=16)
+        for r in results:
+            counted = r[schedule]
+            stage = predicted[counted["pp_rank"]]["collectives"]
+            for kind in ("all_gather", "reduce_scatter"):
+                want = sum(c["count"] for c in stage if c["kind"] == kind and c["axis"] == "fsdp")
+                assert counted[kind] == want, (schedule, counted, stage)

@@ -184,6 +184,16 @@ def test_plan_with_pp_reports_stages_and_the_bubble(capsys):
     ]
     assert report["bubble_fraction"] == bubble_fraction("1F1B", 2, 2)
     assert report["per_rank_bytes"]["total"] == max(s["total"] for s in report["stages"])
+    for stage in report["stages"]:  # each stage's own tp collectives, per micro-batch x 2
+        mb = {(c["kind"], c["phase"]): c["count"] for c in stage["collectives_per_microbatch"]}
+        step = {(c["kind"], c["phase"]): c["count"] for c in stage["collectives"]}
+        assert mb[("all_reduce", "forward")] >= 2  # the stage's block: attention and MLP
+        assert step == {k: 2 * v for k, v in mb.items()}
+    from hyper_parallel.cli import _pipeline_table
+
+    table = _pipeline_table(report)
+    moved = sum(c["bytes"] for c in report["stages"][0]["collectives"])
+    assert "collective bytes/step" in table and f"{moved:,}" in table.splitlines()[2]
     code, _, err = _run(
         capsys,
         ["plan", "--model", "llama3-debug", "--mesh", "pp=8", "--format", "json"],
