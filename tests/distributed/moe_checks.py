@@ -330,7 +330,7 @@ def tp_model_parity(
     return _compare(model, reference, mesh)
 
 
-def cp_model_parity(mesh_text: str) -> dict[str, Any]:
+def cp_model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The debug MoE with context parallelism (and ``ep`` borrowing cp ranks) vs one device.
 
     Each rank runs its batch rows' head-tail part of the sequence with global positions.
@@ -350,7 +350,7 @@ def cp_model_parity(mesh_text: str) -> dict[str, Any]:
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
     spec = get_spec("qwen3-moe-debug")
-    config = spec.config()
+    config = spec.config(**(overrides or {}))
     torch.manual_seed(0)
     reference = config.build()
     reference.init_states()

@@ -113,3 +113,16 @@ def test_trainer_build_at_cp4_ep2_equals_one_device(dist) -> None:
     for diffs in dist.run(moe_checks.trainer_cp_parity, "cp=4,ep=2", 16):
         worst = max(diffs.items(), key=lambda kv: kv[1])
         assert worst[1] < TOL, worst
+
+
+def test_context_and_tensor_parallel_moe_with_one_kv_head_equals_one_device(dist) -> None:
+    # cp=2 x tp=2, keys/values repeated per query head (1 kv head), ep=4 over cp and tp.
+    for r in dist.run(moe_checks.cp_model_parity, "cp=2,tp=2,ep=4", {"num_kv_heads": 1}):
+        for key in ("logits", "loss", "aux"):
+            assert r[key] < TOL, (key, r[key])
+        worst = max(r["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst
+        assert r["placements"]["layers.0.attention.wq.weight"] == (
+            ("cp", "tp"),
+            "[Replicate(), Shard(dim=0)]",
+        )
