@@ -591,10 +591,11 @@ _REFUSED_WITH_EP = {
 def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
     """Mesh combinations expert parallelism does not run, each refused with the alternative.
 
-    ``ep`` with ``dp_shard`` and ``tp`` runs when ``ep`` takes whole tensor-parallel
-    groups (``ep`` a multiple of ``tp``): each tp rank routes its own slice of the
-    sequence, and the expert replicas are the efsdp ranks, which FSDP2 reduces. With
-    ``dp_replicate`` the expert states are HSDP over ``(edp_replicate, efsdp)``.
+    ``ep`` with ``dp_shard``, ``cp`` and ``tp`` runs when ``ep`` takes whole
+    tensor-parallel groups (``ep`` a multiple of ``tp``): each tp rank routes its own
+    slice of the sequence, each cp rank its own head-tail part, and the expert replicas
+    are the efsdp ranks, which FSDP2 reduces. With ``dp_replicate`` the expert states
+    are HSDP over ``(edp_replicate, efsdp)``. ``ep`` with ``pp`` is refused.
     """
     if layout.ep == 1:
         return []
@@ -610,8 +611,8 @@ def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
                 "an ep group that splits a tp group leaves ranks of one tp group holding the "
                 "same experts, whose gradients the trainer does not reduce or scale (not "
                 "implemented).",
-                f"use an ep that is a multiple of tp={layout.tp} and divides dp_shard x tp = "
-                f"{layout.dp_shard * layout.tp} (e.g. ep={layout.tp}).",
+                f"use an ep that is a multiple of tp={layout.tp} and divides dp_shard x cp x "
+                f"tp = {layout.dp_shard * layout.cp * layout.tp} (e.g. ep={layout.tp}).",
             )
         )
     for axis, (reason, fix) in _REFUSED_WITH_EP.items():
