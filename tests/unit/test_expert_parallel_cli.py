@@ -46,6 +46,18 @@ def test_plan_json_lists_experts_apart_and_the_all_to_alls(capsys) -> None:
     assert any("uniform routing" in a for a in report["assumptions"])
 
 
+def test_plan_with_cp_shards_experts_over_efsdp_spanning_cp_ranks(capsys) -> None:
+    # cp=4, ep=2: efsdp=2 are cp ranks; dense states stay DTensors on cp (no FSDP mesh).
+    report = _plan_json(capsys, "cp=4,ep=2")
+    config = preset_config("qwen3-moe-debug")
+    assert report["mesh"]["efsdp"] == 2
+    assert report["per_rank_bytes"]["experts"]["params"] == num_expert_params(config) * 4 // 4
+    dense = (num_params(config) - num_expert_params(config)) * 4
+    assert report["per_rank_bytes"]["dense"]["params"] == dense
+    a2a = {c["phase"]: c["count"] for c in report["collectives"] if c["kind"] == "all_to_all"}
+    assert a2a == {"forward": 6, "backward": 4}
+
+
 @pytest.mark.parametrize(
     ("mesh", "message"),
     [
