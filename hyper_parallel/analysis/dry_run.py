@@ -441,6 +441,7 @@ def dry_run(
                 world,
                 depth,
                 fsdp_mesh=fsdp_mesh,
+                expert_fsdp=fsdp and layout.efsdp > 1,
                 param_dtype=param_dtype,
                 inputs=inputs,
                 batch_size=batch_size,
@@ -502,6 +503,7 @@ def _trace_step(
     *,
     fsdp_mesh: DeviceMesh | None,
     param_dtype: torch.dtype,
+    expert_fsdp: bool = False,
     inputs: Sequence[torch.Tensor] | None,
     batch_size: int,
     seq_len: int,
@@ -546,7 +548,9 @@ def _trace_step(
     else:
         experts = []
     units: list[str] = []
-    if fsdp_mesh is not None:
+    # Expert states are FSDP'd over efsdp as in the trainer, also when the dense states
+    # have no FSDP mesh (cp on the plan with dp_shard = 1, efsdp spanning cp ranks).
+    if fsdp_mesh is not None or (expert_fsdp and experts):
         efsdp = world["efsdp"]
         mp_policy = precision.fsdp_policy(dtype)
         expert_mesh = world.expert_fsdp_mesh()  # efsdp; HSDP (edp_replicate, efsdp) with replicas
@@ -555,7 +559,8 @@ def _trace_step(
             fully_shard(
                 e.module, mesh=expert_mesh, shard_placement_fn=placement, mp_policy=mp_policy
             )
-        units = apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy)
+        if fsdp_mesh is not None:
+            units = apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy)
     modules = _module_shards(model, types, _fsdp_dim_names(fsdp_mesh))
     recorder = CollectiveRecorder({**axis_groups(world), **_fsdp_group_names(fsdp_mesh)})
     comm = CommDebugMode()

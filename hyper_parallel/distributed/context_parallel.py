@@ -235,7 +235,12 @@ def _handles_positions(model_config: Any) -> bool:
 
 
 def _attention_heads(model_config: Any) -> list[tuple[str, int, int]]:
-    """``(path, query heads, key/value heads)`` of each attention block a config describes."""
+    """``(path, query heads, key/value heads)`` of each attention block a config describes.
+
+    An attention that repeats its key/value heads per query head before the core
+    (``repeat_kv``, e.g. Qwen3-MoE's tensor-parallel layout with fewer key/value heads
+    than ranks) counts as having as many key/value heads as query heads.
+    """
     out = []
     for i, layer in enumerate(getattr(model_config, "layers", None) or []):
         attention = getattr(layer, "attention", None)
@@ -245,9 +250,10 @@ def _attention_heads(model_config: Any) -> list[tuple[str, int, int]]:
         wq, wk = getattr(attention, "wq", None), getattr(attention, "wk", None)
         if wq is None or wk is None:
             continue
-        out.append(
-            (f"layers.{i}.attention", wq.out_features // head_dim, wk.out_features // head_dim)
-        )
+        num_heads = wq.out_features // head_dim
+        repeated = getattr(attention, "repeat_kv", False)
+        num_kv_heads = num_heads if repeated else wk.out_features // head_dim
+        out.append((f"layers.{i}.attention", num_heads, num_kv_heads))
     return out
 
 

@@ -558,27 +558,29 @@ def rescale_expert_grads(model: nn.Module, layout: MeshLayout) -> None:
     A rank's expert gradient sums the losses of the ``ep`` ranks that sent it tokens;
     FSDP2 then averages over ``efsdp`` only. Dense gradients are averaged over all
     ``dp_shard`` ranks, so expert gradients are divided by the remaining factor,
-    ``dp_shard / efsdp`` = ``ep / tp`` (cp = 1; ``ep`` takes whole tp groups). With
-    ``dp_replicate`` the expert states are HSDP over ``(edp_replicate, efsdp)``, which
-    averages over the replicas as the dense HSDP does, so the factor is the same. Call
-    after ``backward()``.
+    ``dp_shard / efsdp`` = ``ep / tp`` (``ep`` takes whole tp groups, whose ranks
+    split one loss's tokens). With ``dp_replicate`` the expert states are HSDP over
+    ``(edp_replicate, efsdp)``, which averages over the replicas as the dense HSDP does,
+    so the factor is the same. With ``cp`` the trainer scales each rank's loss by
+    ``1 / cp`` and sums the dense gradients over ``cp`` (FSDP2 averaging over
+    ``dp_shard`` only), while ``efsdp`` may include cp ranks: the factor is still
+    ``dp_shard / efsdp`` = ``ep / (cp x tp)``, now possibly below one (a multiplication by
+    ``efsdp / dp_shard``). Call after ``backward()``.
     """
-    factor = layout.dp_shard // layout.efsdp
-    if factor == 1:
+    dp_shard, efsdp = layout.dp_shard, layout.efsdp
+    if dp_shard == efsdp:
         return
     with torch.no_grad():
         for p in expert_parameters(model):
-            if p.grad is not None:
-                p.grad.div_(factor)
+            if p.grad is None:
+                continue
+            if dp_shard % efsdp == 0:
+                p.grad.div_(dp_shard // efsdp)
+            else:
+                p.grad.mul_(efsdp / dp_shard)
 
 
 _REFUSED_WITH_EP = {
-    "cp": (
-        "the routed tokens of a context-parallel rank are a head-tail slice of each "
-        "sequence, and the per-sequence balance statistics and the expert gradients "
-        "would have to be reduced over cp as well (not implemented)",
-        "give the cp ranks to dp_shard (e.g. dp_shard={dp_shard_cp},ep={ep}), or use cp without ep",
-    ),
     "pp": (
         "pipeline stages are built without the routed-experts dispatch",
         "leave pp out of the mesh and give its ranks to dp_shard",
@@ -589,10 +591,11 @@ _REFUSED_WITH_EP = {
 def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
     """Mesh combinations expert parallelism does not run, each refused with the alternative.
 
-    ``ep`` with ``dp_shard`` and ``tp`` runs when ``ep`` takes whole tensor-parallel
-    groups (``ep`` a multiple of ``tp``): each tp rank routes its own slice of the
-    sequence, and the expert replicas are the efsdp ranks, which FSDP2 reduces. With
-    ``dp_replicate`` the expert states are HSDP over ``(edp_replicate, efsdp)``.
+    ``ep`` with ``dp_shard``, ``cp`` and ``tp`` runs when ``ep`` takes whole
+    tensor-parallel groups (``ep`` a multiple of ``tp``): each tp rank routes its own
+    slice of the sequence, each cp rank its own head-tail part, and the expert replicas
+    are the efsdp ranks, which FSDP2 reduces. With ``dp_replicate`` the expert states
+    are HSDP over ``(edp_replicate, efsdp)``. ``ep`` with ``pp`` is refused.
     """
     if layout.ep == 1:
         return []
@@ -608,14 +611,10 @@ def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
                 "an ep group that splits a tp group leaves ranks of one tp group holding the "
                 "same experts, whose gradients the trainer does not reduce or scale (not "
                 "implemented).",
-                f"use an ep that is a multiple of tp={layout.tp} and divides dp_shard x tp = "
-                f"{layout.dp_shard * layout.tp} (e.g. ep={layout.tp}).",
+                f"use an ep that is a multiple of tp={layout.tp} and divides dp_shard x cp x "
+                f"tp = {layout.dp_shard * layout.cp * layout.tp} (e.g. ep={layout.tp}).",
             )
         )
-    sizes = {
-        "ep": layout.ep,
-        "dp_shard_cp": layout.dp_shard * layout.cp,
-    }
     for axis, (reason, fix) in _REFUSED_WITH_EP.items():
         size = layout.size(axis)
         if size > 1:
@@ -625,7 +624,7 @@ def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
                     "mesh",
                     "ep",
                     f"ep={layout.ep} with {axis}={size}: {reason}.",
-                    fix.format(**sizes) + ".",
+                    fix + ".",
                 )
             )
     return out

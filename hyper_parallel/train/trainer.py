@@ -527,8 +527,10 @@ def build_parallel_model(
         elif sub is not None:
             model.parallelize(sub)
         fsdp_mesh = fsdp_mesh_for(mesh, axes)
-        if layout.ep > 1 and fsdp_mesh is not None:
-            shard_experts(model, mesh)  # over efsdp, before the blocks take the rest
+        if layout.ep > 1 and (fsdp_mesh is not None or layout.efsdp > 1):
+            # Over efsdp, before the blocks take the rest; also when the dense states
+            # have no FSDP mesh (cp on the plan, dp_shard = 1) but efsdp spans cp ranks.
+            shard_experts(model, mesh)
     # Plan, compile (per block), activation checkpointing around the compiled blocks,
     # then FSDP (see hyper_parallel.distributed.compile for why AC goes outside).
     if cfg.compile:

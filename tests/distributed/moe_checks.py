@@ -328,3 +328,136 @@ def tp_model_parity(
     else:
         model.parallelize(sub)
     return _compare(model, reference, mesh)
+
+
+def cp_model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The debug MoE with context parallelism (and ``ep`` borrowing cp ranks) vs one device.
+
+    Each rank runs its batch rows' head-tail part of the sequence with global positions.
+    Gradients as the trainer takes them: the rank's loss (the mean over its tokens) is
+    scaled by ``1 / cp`` before ``backward()``; dense gradients are summed over ``cp``
+    (``Partial`` ones made full, replicated ones all-reduced) and averaged over the
+    batch ranks; expert gradients (on ``ep``) are summed over ``efsdp`` and divided by
+    the batch ranks. The balance loss is compared per rank: it must be its batch rows'
+    single-device value on every cp rank.
+    """
+    from hyper_parallel.distributed import context_parallel as cp
+    from hyper_parallel.distributed.axes import apply_model_axes, plan_mesh
+    from hyper_parallel.distributed.expert_parallel import parallelize_with_experts
+    from hyper_parallel.dmodule import get_spec
+    from hyper_parallel.train.trainer import config_axes
+
+    layout = MeshLayout.parse(mesh_text)
+    mesh = layout.build("cpu")
+    spec = get_spec("qwen3-moe-debug")
+    config = spec.config(**(overrides or {}))
+    torch.manual_seed(0)
+    reference = config.build()
+    reference.init_states()
+    sharded = apply_model_axes(spec, config, layout)
+    torch.manual_seed(0)
+    model = sharded.build()
+    model.init_states()
+    sub = plan_mesh(mesh, config_axes(sharded))
+    if layout.ep > 1:
+        parallelize_with_experts(model, mesh, sub)
+    else:
+        model.parallelize(sub)
+
+    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    rows = _batch_rows(mesh, BATCH)
+    ref_logits = reference(inputs[rows])
+    ref_aux = [layer.moe.aux_loss for layer in reference.layers]
+    reference.zero_grad()
+    ref_logits_all = reference(inputs)
+    ref_loss = cross_entropy_loss(ref_logits_all, targets)
+    ref_loss.backward()
+
+    cp_mesh, cp_rank, cp_size = mesh["cp"], mesh["cp"].get_local_rank(), layout.cp
+    local_inputs = cp.shard_sequence(inputs[rows], cp_rank, cp_size)
+    local_targets = cp.shard_sequence(targets[rows], cp_rank, cp_size)
+    pos = cp.positions(SEQ, cp_rank, cp_size)
+    with CommDebugMode() as forward_comms:
+        logits = model(local_inputs, positions=pos)
+    loss = cross_entropy_loss(logits, local_targets)
+    loss = loss.to_local() if isinstance(loss, DTensor) else loss
+    with CommDebugMode() as backward_comms:
+        (loss / cp_size).backward()
+    num_batch = mesh["batch"].size()
+    global_loss = _all_reduce(_all_reduce(loss.detach(), mesh["batch"]), cp_mesh)
+    global_loss = global_loss / (num_batch * cp_size)
+
+    ref = dict(reference.named_parameters())
+    grads = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("ep",):
+            grad = _all_reduce(p.grad.to_local(), mesh["efsdp"]) / expert_grad_divisor(num_batch)
+            per = p.to_local().shape[0]
+            start = mesh["ep"].get_local_rank() * per
+            expected = ref[name].grad[start : start + per]
+        else:
+            full = _full(p.grad)
+            if not (isinstance(p.grad, DTensor) and any(x.is_partial() for x in p.grad.placements)):
+                full = _all_reduce(full, cp_mesh)  # replicated per rank: sum the ranks'
+            grad = _all_reduce(full, mesh["batch"]) / num_batch
+            expected = ref[name].grad
+        grads[name] = (grad - expected).abs().max().item()
+    assert set(grads) == set(ref)
+    return {
+        "logits": (cp.unshard_sequence(logits, cp_mesh) - ref_logits).abs().max().item(),
+        "loss": (global_loss - ref_loss.detach()).abs().item(),
+        "aux": max(
+            (layer.moe.aux_loss - r).abs().item() for layer, r in zip(model.layers, ref_aux)
+        ),
+        "grads": grads,
+        "forward_comms": _counts(forward_comms),
+        "backward_comms": _counts(backward_comms),
+        "placements": {
+            n: (p.device_mesh.mesh_dim_names, repr(list(p.placements)))
+            for n, p in model.named_parameters()
+            if isinstance(p, DTensor)
+        },
+        "num_layers": len(model.layers),
+    }
+
+
+def trainer_cp_parity(mesh_text: str, seq: int = SEQ) -> dict[str, float]:
+    """The trainer's build with ``cp`` (FSDP2 over ``dp_shard x cp``, experts on ``ep``)
+    vs its one-device build: each rank runs its rows' head-tail part of the sequence with
+    global positions; gradients after the trainer's expert-gradient rescaling.
+    """
+    from hyper_parallel.distributed import context_parallel as cp
+    from hyper_parallel.distributed.expert_parallel import rescale_expert_grads
+    from hyper_parallel.train import TrainConfig, build_parallel_model
+    from hyper_parallel.train.trainer import build_mesh
+
+    layout = MeshLayout.parse(mesh_text)
+    cfg = TrainConfig(model="qwen3-moe-debug", mesh=layout.active(), seq_len=seq)
+    mesh = build_mesh(layout, device="cpu")
+    model = build_parallel_model(cfg, mesh, device="cpu")
+    reference = build_parallel_model(cfg, None, device="cpu")
+    tokens = torch.randint(0, 256, (BATCH, seq + 1), generator=torch.Generator().manual_seed(5))
+    ref_loss = cross_entropy_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+    ref_loss.backward()
+    rows = _batch_rows(mesh, BATCH)
+    cp_rank, cp_size = mesh["cp"].get_local_rank(), layout.cp
+    inputs = cp.shard_sequence(tokens[rows, :-1], cp_rank, cp_size)
+    targets = cp.shard_sequence(tokens[rows, 1:], cp_rank, cp_size)
+    loss = _full(
+        cross_entropy_loss(model(inputs, positions=cp.positions(seq, cp_rank, cp_size)), targets)
+    )
+    # The trainer's backward: the loss scaled by 1 / cp (the cp-partial gradients then
+    # sum to the mean; full_tensor reduces them), then its expert-gradient rescaling.
+    (loss / cp_size).backward()
+    rescale_expert_grads(model, layout)
+    ref = dict(reference.named_parameters())
+    diffs = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        diffs[name] = (grad - ref[name].grad).abs().max().item()
+    ranks = mesh["batch"].size() * cp_size
+    global_loss = _all_reduce(_all_reduce(loss.detach(), mesh["batch"]), mesh["cp"]) / ranks
+    diffs["<loss>"] = (global_loss - ref_loss.detach()).abs().item()
+    return diffs

@@ -116,3 +116,25 @@ def test_tensor_parallel_moe_with_ep_borrowing_tp_equals_one_device(
     for r in results:
         _assert_close(r, ("logits", "loss", "aux"))
         _assert_tp_layout(r, ep="ep" in mesh)
+
+
+@pytest.mark.parametrize("mesh", ["cp=2", "cp=2,ep=2"], ids=["cp2", "cp2_ep2_borrowing_cp"])
+def test_context_parallel_moe_with_ep_borrowing_cp_equals_one_device(dist, mesh) -> None:
+    results = dist.run(moe_checks.cp_model_parity, mesh)
+    for r in results:
+        _assert_close(r, ("logits", "loss", "aux"))
+        layers = r["num_layers"]
+        for i in range(layers):
+            expected = (("ep",), "[Shard(dim=0)]") if "ep" in mesh else (("cp",), "[Replicate()]")
+            for w in ("w1", "w2", "w3"):
+                assert r["placements"][f"layers.{i}.moe.experts.{w}"] == expected
+            assert r["placements"][f"layers.{i}.moe.router.weight"] == (("cp",), "[Replicate()]")
+        a2a = r["forward_comms"].get("all_to_all_single", 0)
+        assert a2a == (3 * layers if "ep" in mesh else 0)
+
+
+def test_trainer_build_at_cp2_ep2_equals_one_device(dist) -> None:
+    # FSDP2 over dp_shard x cp averages the dense gradients; experts rescaled by ep / tp.
+    for diffs in dist.run(moe_checks.trainer_cp_parity, "cp=2,ep=2"):
+        worst = max(diffs.items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst

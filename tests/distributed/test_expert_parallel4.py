@@ -92,3 +92,37 @@ def test_trainer_build_with_fsdp_over_efsdp_equals_one_device(dist, mesh: str) -
     for diffs in dist.run(moe_checks.trainer_parity, mesh):
         worst = max(diffs.items(), key=lambda kv: kv[1])
         assert worst[1] < TOL, worst
+
+
+@pytest.mark.parametrize("mesh", ["dp_shard=2,cp=2,ep=2", "dp_shard=2,cp=2,ep=4"])
+def test_context_parallel_moe_with_ep_borrowing_cp_equals_one_device(dist, mesh: str) -> None:
+    # ep=2: the ep groups are the cp groups; ep=4: one ep group spans cp and dp_shard.
+    for r in dist.run(moe_checks.cp_model_parity, mesh):
+        for key in ("logits", "loss", "aux"):
+            assert r[key] < TOL, (key, r[key])
+        worst = max(r["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst
+        layers = r["num_layers"]
+        assert r["forward_comms"]["all_to_all_single"] == 3 * layers
+        assert r["backward_comms"]["all_to_all_single"] == 2 * layers
+        assert r["placements"]["layers.0.moe.experts.w1"] == (("ep",), "[Shard(dim=0)]")
+
+
+def test_trainer_build_at_cp4_ep2_equals_one_device(dist) -> None:
+    # efsdp = cp x dp_shard / ep = 2 > dp_shard = 1: expert gradients are scaled up by 2.
+    for diffs in dist.run(moe_checks.trainer_cp_parity, "cp=4,ep=2", 16):
+        worst = max(diffs.items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst
+
+
+def test_context_and_tensor_parallel_moe_with_one_kv_head_equals_one_device(dist) -> None:
+    # cp=2 x tp=2, keys/values repeated per query head (1 kv head), ep=4 over cp and tp.
+    for r in dist.run(moe_checks.cp_model_parity, "cp=2,tp=2,ep=4", {"num_kv_heads": 1}):
+        for key in ("logits", "loss", "aux"):
+            assert r[key] < TOL, (key, r[key])
+        worst = max(r["grads"].items(), key=lambda kv: kv[1])
+        assert worst[1] < TOL, worst
+        assert r["placements"]["layers.0.attention.wq.weight"] == (
+            ("cp", "tp"),
+            "[Replicate(), Shard(dim=0)]",
+        )

@@ -46,12 +46,23 @@ def test_plan_json_lists_experts_apart_and_the_all_to_alls(capsys) -> None:
     assert any("uniform routing" in a for a in report["assumptions"])
 
 
+def test_plan_with_cp_shards_experts_over_efsdp_spanning_cp_ranks(capsys) -> None:
+    # cp=4, ep=2: efsdp=2 are cp ranks; dense states stay DTensors on cp (no FSDP mesh).
+    report = _plan_json(capsys, "cp=4,ep=2")
+    config = preset_config("qwen3-moe-debug")
+    assert report["mesh"]["efsdp"] == 2
+    assert report["per_rank_bytes"]["experts"]["params"] == num_expert_params(config) * 4 // 4
+    dense = (num_params(config) - num_expert_params(config)) * 4
+    assert report["per_rank_bytes"]["dense"]["params"] == dense
+    a2a = {c["phase"]: c["count"] for c in report["collectives"] if c["kind"] == "all_to_all"}
+    assert a2a == {"forward": 6, "backward": 4}
+
+
 @pytest.mark.parametrize(
     ("mesh", "message"),
     [
         ("dp_shard=3,ep=3", "8 experts cannot be split over ep=3 ranks"),
         ("dp_shard=2,tp=4,ep=2", "ep=2 with tp=4: expert parallelism borrows whole"),
-        ("dp_shard=2,tp=2,ep=4,cp=2", "ep=4 with cp=2: the routed tokens"),
         ("pp=2,dp_shard=2,ep=2", "ep=2 with pp=2: pipeline stages"),
     ],
 )
@@ -75,6 +86,8 @@ def test_trainer_gate_accepts_expert_parallel_meshes() -> None:
         {"dp_shard": 2, "tp": 2, "ep": 4},
         {"tp": 2},
         {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
+        {"cp": 2, "ep": 2},
+        {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 4},
     ):
         assert check_config(TrainConfig(model="qwen3-moe-debug", mesh=mesh)) == []
 

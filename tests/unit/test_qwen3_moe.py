@@ -255,3 +255,34 @@ def test_tensor_parallel_layout_of_attention_and_experts() -> None:
         experts = both.layers[0].moe.experts.sharding_config
         assert experts.dispatch.kind == "routed_experts"
         assert experts.state_shardings["w1"] == {"ep": Shard(0)}
+
+
+def test_global_positions_in_order_equal_the_causal_path() -> None:
+    torch.manual_seed(0)
+    model = preset_config("qwen3-moe-debug").build()
+    model.init_states()
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    plain = model(tokens)
+    for positions in (torch.arange(12), torch.arange(12).expand(2, -1)):
+        torch.testing.assert_close(model(tokens, positions=positions), plain)
+    # Positions out of order change the mask and the rotary angles: not the same numbers.
+    assert not torch.allclose(model(tokens, positions=torch.arange(12).flip(0)), plain)
+
+
+def test_apply_cp_is_registered_and_refuses_bad_sizes_and_a_second_application() -> None:
+    from hyper_parallel.models.qwen3_moe import apply_cp
+
+    spec = get_spec("qwen3-moe-debug")
+    assert spec.extras["cp"] is apply_cp
+    config = preset_config("qwen3-moe-debug")
+    before = repr(config)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="cp_size"):
+            apply_cp(config, cp_size=bad)
+    once = apply_cp(config, cp_size=2)
+    with pytest.raises(ValueError, match="already places axis 'cp'"):
+        apply_cp(once, cp_size=2)
+    assert repr(config) == before  # the input config is never changed
+    moe = once.layers[0].moe
+    assert moe.balance.sharding_config.out_src_shardings is not None
+    assert once.layers[0].moe.aux_loss_coef == config.layers[0].moe.aux_loss_coef

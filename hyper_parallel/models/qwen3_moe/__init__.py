@@ -3,7 +3,7 @@
 Importing this package registers one :class:`~hyper_parallel.dmodule.ModelSpec` per
 preset (``qwen3-moe-debug``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``). Each spec's
 ``config(**overrides)`` returns a ``Transformer.Config``; its ``extras`` hold the
-family, the sharding functions (``"ep"``, ``"tp"``, ``"tp_sp"``), the loss, ``num_params`` and
+family, the sharding functions (``"ep"``, ``"tp"``, ``"tp_sp"``, ``"cp"``), the loss, ``num_params`` and
 ``num_expert_params``.
 
 Example::
@@ -38,6 +38,7 @@ from hyper_parallel.models.qwen3_moe.model import TransformerBlock as Transforme
 from hyper_parallel.models.qwen3_moe.model import expert_ffn as expert_ffn
 from hyper_parallel.models.qwen3_moe.model import load_balancing_loss as load_balancing_loss
 from hyper_parallel.models.qwen3_moe.sharding import EXPERT_PARAMS as EXPERT_PARAMS
+from hyper_parallel.models.qwen3_moe.sharding import apply_cp as apply_cp
 from hyper_parallel.models.qwen3_moe.sharding import apply_ep as apply_ep
 from hyper_parallel.models.qwen3_moe.sharding import apply_tp as apply_tp
 from hyper_parallel.models.qwen3_moe.sharding import apply_tp_sp as apply_tp_sp
@@ -52,6 +53,7 @@ __all__ = [
     "Router",
     "Transformer",
     "TransformerBlock",
+    "apply_cp",
     "apply_ep",
     "apply_tp",
     "apply_tp_sp",
@@ -81,6 +83,7 @@ for _name in PRESETS:
             extras={
                 "family": "qwen3_moe",
                 "ep": apply_ep,
+                "cp": apply_cp,
                 "tp": apply_tp,
                 "tp_sp": apply_tp_sp,
                 "loss_fn": cross_entropy_loss,

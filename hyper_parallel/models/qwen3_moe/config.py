@@ -34,7 +34,7 @@ __all__ = ["PRESETS", "num_expert_params", "num_params", "preset_config", "qwen3
 
 # Published shapes: the Qwen3 technical report (Yang et al., 2025), Table 2, and the
 # released configs of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B (head_dim 128,
-# untied embeddings, every layer a mixture of experts).
+# untied embeddings, every layer a mixture of experts, max_position_embeddings 40960).
 PRESETS: dict[str, dict[str, Any]] = {
     # Byte vocabulary; 8 experts (divisible by ep = 1, 2, 4, 8), top-2; heads divisible
     # by 1, 2 and 4 tensor-parallel ranks.
@@ -44,11 +44,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "qwen3-30b-a3b": dict(
         vocab_size=151936, dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
-        num_experts=128, top_k=8, moe_hidden_dim=768,
+        num_experts=128, top_k=8, moe_hidden_dim=768, max_seq_len=40960,
     ),
     "qwen3-235b-a22b": dict(
         vocab_size=151936, dim=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
-        num_experts=128, top_k=8, moe_hidden_dim=1536,
+        num_experts=128, top_k=8, moe_hidden_dim=1536, max_seq_len=40960,
     ),
 }  # fmt: skip
 

@@ -88,14 +88,24 @@ class Attention(Module):
         self.q_norm, self.k_norm = config.q_norm.build(), config.k_norm.build()
         self.inner_attention = config.inner_attention.build()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         if self.repeat_kv:
             k, v = _repeat_heads(k, q.shape[2]), _repeat_heads(v, q.shape[2])
-        return self.wo(self.inner_attention(q, k, v).flatten(-2))
+        if positions is None:
+            out = self.inner_attention(q, k, v)
+        else:
+            out = self.inner_attention(q, k, v, positions, positions)
+        return self.wo(out.flatten(-2))
 
 
 def _repeat_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -403,13 +413,26 @@ class TransformerBlock(Module):
         self.ffn_norm = config.ffn_norm.build()
         self.moe = config.moe.build()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if positions is None:
+            h = x + self.attention(self.attention_norm(x), cos, sin)
+        else:
+            h = x + self.attention(self.attention_norm(x), cos, sin, positions)
         return h + self.moe(self.ffn_norm(h))
 
 
 class Transformer(BaseModel):
     """Decoder-only MoE language model: ``forward(tokens (B, S)) -> logits (B, S, vocab)``.
+
+    ``forward(tokens, positions=positions)`` takes each token's position in the global
+    sequence (``[S]`` or ``[B, S]``) for a sequence split across ranks (context
+    parallel): the rotary tables and the causal mask read them, as in the Llama.
 
     Build one from a preset with :func:`~hyper_parallel.models.qwen3_moe.qwen3_moe_config`.
     """
@@ -430,9 +453,22 @@ class Transformer(BaseModel):
         self.norm = config.norm.build()
         self.output = config.output.build()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
-        cos, sin = self.rope(tokens.shape[1])
-        for layer in self.layers:
-            h = layer(h, cos, sin)
+        if positions is None:
+            if h.shape[1] > tokens.shape[1]:
+                raise ValueError(
+                    f"Transformer: the {tokens.shape[1]} tokens given are part of a "
+                    f"{h.shape[1]}-token sequence split across ranks (context parallel), so "
+                    "their order says nothing about their positions; pass them: "
+                    "model(tokens, positions=context_parallel.positions(seq_len, cp_rank, "
+                    "cp_size))."
+                )
+            cos, sin = self.rope(tokens.shape[1])
+            for layer in self.layers:
+                h = layer(h, cos, sin)
+        else:
+            cos, sin = self.rope(h.shape[1], positions)
+            for layer in self.layers:
+                h = layer(h, cos, sin, positions)
         return self.output(self.norm(h))

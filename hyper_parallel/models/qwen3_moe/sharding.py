@@ -30,6 +30,14 @@ plain TP, nothing under SP.
 With ``ep`` and ``tp`` together, ``ep`` borrows the ``tp`` ranks (the layout puts
 ``ep`` innermost): each rank dispatches its own slice of the sequence, so no token
 is sent twice.
+
+Context parallelism (:func:`apply_cp`): the attention is the Llama's context-parallel
+layout (activations ``Shard(seq)`` on ``cp``, keys and values all-gathered into the
+attention core, the causal mask and rotary tables read global ``positions``). The
+mixture of experts runs on each cp rank's own tokens exactly as on a tensor-parallel
+rank's slice (so ``ep`` may borrow ``cp`` ranks too, each dispatching its own tokens);
+the balance statistics are summed over ``cp`` as well, so every rank's balance loss
+is the whole sequence's.
 """
 
 from __future__ import annotations
@@ -41,8 +49,11 @@ from hyper_parallel.distributed.expert_parallel import expert_parallel
 from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
 from hyper_parallel.models.llama.sharding import (
+    _axis_name,
     _check_not_applied,
     _colwise,
+    _cp_linear,
+    _cp_norm,
     _norm,
     _put,
     _rowwise,
@@ -53,7 +64,7 @@ from hyper_parallel.models.qwen3_moe.model import (
     TransformerBlock,
 )
 
-__all__ = ["EXPERT_PARAMS", "apply_ep", "apply_tp", "apply_tp_sp", "check_ep"]
+__all__ = ["EXPERT_PARAMS", "apply_cp", "apply_ep", "apply_tp", "apply_tp_sp", "check_ep"]
 
 EXPERT_PARAMS = ("w1", "w2", "w3")
 """The stacked weights of one layer's experts."""
@@ -279,15 +290,19 @@ def _moe_tensor_parallel(
         ),
         f"{path}.moe.router",
     )
-    if moe.experts.sharding_config is None:  # not (yet) dispatched over ep: replicated
-        moe.experts.sharding_config = _replicated_experts(axis)
-    moe.balance = BalanceStatistics.Config(
-        num_experts=moe.router.num_experts,
-        sharding_config=ShardingConfig(
+    experts = moe.experts.sharding_config
+    if experts is None or experts.dispatch is None:  # not dispatched over ep: replicated
+        _put(moe.experts, _replicated_experts(axis), f"{path}.moe.experts")
+    if moe.balance is None:
+        moe.balance = BalanceStatistics.Config(num_experts=moe.router.num_experts)
+    _put(
+        moe.balance,
+        ShardingConfig(
             out_src_shardings={axis: Partial()},
             out_dst_shardings=replicated,
             use_local_output=True,
         ),
+        f"{path}.moe.balance",
     )
     _put(
         moe,
@@ -306,6 +321,116 @@ def _replicated_experts(axis: MeshAxisName | str) -> ShardingConfig:
         use_local_output=True,
         local_map=LocalMapConfig(in_grad_placements=(tokens, tokens, tokens)),
     )
+
+
+def apply_cp(
+    config: Transformer.Config,
+    cp_size: int,
+    axis: MeshAxisName | str = MeshAxisName.CP,
+) -> Transformer.Config:
+    """Context parallelism on mesh axis ``axis``: the sequence split over its ranks.
+
+    The attention is the Llama's layout
+    (:func:`hyper_parallel.models.llama.apply_cp`): activations ``Shard(seq)``, states
+    replicated, keys and values all-gathered into the attention core, ``positions``
+    gathered once per forward for the causal mask. The mixture of experts runs on the
+    rank's own tokens (router and replicated experts with ``Partial`` weight gradients,
+    or dispatched over ``ep``), and the per-sequence balance statistics are reduced over
+    ``axis``, so each rank's balance loss equals one device's.
+
+    Gradients follow the trainer's convention
+    (:meth:`~hyper_parallel.train.Trainer.backward`): the rank's loss is the mean over
+    its tokens, scaled by ``1 / cp_size`` before ``backward()``, and the ``cp``-partial
+    gradients are summed. The balance loss, the whole sequence's on every rank, sends
+    its gradient (``aux_loss_coef``, independent of that scaling) into the rank's own
+    tokens' routing, and the ``cp`` sum completes it: exactly one device's gradient.
+    Call the model as ``model(tokens, positions=positions)`` with the rank's part of
+    each sequence (:func:`~hyper_parallel.distributed.context_parallel.shard_sequence`).
+
+    Args:
+        config: The model config; it is not changed.
+        cp_size: The size of the ``axis`` mesh axis.
+        axis: Name of the context-parallel mesh axis.
+
+    Returns:
+        A new config with the ``axis`` placements joined to any it already has.
+
+    Raises:
+        ValueError: ``cp_size`` is not an integer >= 1, or the layout was already applied.
+
+    Example:
+        >>> from hyper_parallel.models.qwen3_moe import preset_config
+        >>> config = apply_cp(apply_ep(preset_config("qwen3-moe-debug")), cp_size=2)
+        >>> # config.build().parallelize(mesh)  # axes "cp" and "ep"
+    """
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+        raise ValueError(
+            f"apply_cp: cp_size={cp_size!r}; it must be an integer >= 1 (the size of the "
+            f"{_axis_name(axis)!r} mesh axis)."
+        )
+    _check_not_applied(config, axis, "apply_cp")  # type: ignore[arg-type]
+    seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
+    replicated: NamedPlacement = {axis: Replicate()}
+    partial: NamedPlacement = {axis: Partial()}
+    local_positions: NamedPlacement = {axis: Shard(-1)}  # [S] or [B, S]
+    new = copy.deepcopy(config)
+    _put(
+        new,
+        ShardingConfig(
+            in_src_shardings={"positions": local_positions},
+            in_dst_shardings={"positions": replicated},
+        ),
+        "",
+    )
+    _put(
+        new.tok_embeddings,
+        ShardingConfig(
+            state_shardings={"weight": replicated},
+            in_dst_shardings={"input": seq},
+            out_dst_shardings=seq,
+        ),
+        "tok_embeddings",
+    )
+    _put(
+        new.rope,
+        ShardingConfig(
+            state_shardings={"cos": replicated, "sin": replicated},
+            in_dst_shardings={"positions": local_positions},
+        ),
+        "rope",
+    )
+    for i, layer in enumerate(new.layers):
+        p = f"layers.{i}"
+        attention = layer.attention
+        _put(layer.attention_norm, _cp_norm(seq, replicated), f"{p}.attention_norm")
+        _put(attention, ShardingConfig(in_dst_shardings={"x": seq}), f"{p}.attention")
+        for name in ("wq", "wk", "wv", "wo"):
+            linear = getattr(attention, name)
+            _put(linear, _cp_linear(linear, seq, replicated), f"{p}.attention.{name}")
+        for name in ("q_norm", "k_norm"):
+            _put(getattr(attention, name), _cp_norm(seq, replicated), f"{p}.attention.{name}")
+        _put(
+            attention.inner_attention,
+            ShardingConfig(
+                in_src_shardings={"k": seq, "v": seq},
+                in_dst_shardings={
+                    "q": seq,
+                    "k": replicated,
+                    "v": replicated,
+                    "q_positions": local_positions,
+                    "kv_positions": replicated,
+                },
+                out_src_shardings=seq,
+                local_map=LocalMapConfig(
+                    in_grad_placements=(seq, partial, partial, local_positions, replicated)
+                ),
+            ),
+            f"{p}.attention.inner_attention",
+        )
+        _moe_tensor_parallel(layer, axis, seq, seq, p)
+    _put(new.norm, _cp_norm(seq, replicated), "norm")
+    _put(new.output, _cp_linear(new.output, seq, replicated), "output")
+    return new
 
 
 def check_ep(config: Transformer.Config, ep_size: int) -> None:
