@@ -463,8 +463,9 @@ def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
 
     Pipeline stages are built and run by torch's schedule, outside the per-block
     compile / activation-checkpointing / mixed-precision wiring; the routed-experts
-    dispatch exchanges data-dependent token counts, which a ``fullgraph`` block cannot
-    trace.
+    dispatch checks for fake tensors and probes ``torch._grouped_mm`` while it runs,
+    which a ``fullgraph`` block cannot trace (its data-dependent split sizes trace as
+    unbacked sizes).
     """
     findings = []
     if layout.pp > 1:
@@ -494,8 +495,9 @@ def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
                 "error",
                 "mesh",
                 "ep",
-                f"ep={layout.ep}: the routed-experts dispatch has data-dependent split sizes, "
-                "which torch.compile(fullgraph=True) of a whole block cannot trace.",
+                f"ep={layout.ep}: the routed-experts dispatch checks for fake tensors and "
+                "probes torch._grouped_mm while it runs, which torch.compile(fullgraph=True) "
+                "of a whole block cannot trace.",
                 "drop --compile, or train without ep.",
             )
         )
