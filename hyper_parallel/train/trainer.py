@@ -454,8 +454,9 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
 def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
     """Training switches that a layout does not run, refused rather than ignored.
 
-    The routed-experts dispatch exchanges data-dependent token counts, which a
-    ``fullgraph`` block cannot trace. (Pipeline stages take compile, activation
+    The routed-experts dispatch checks for fake tensors and probes ``torch._grouped_mm``
+    while it runs, which a ``fullgraph`` block cannot trace (its data-dependent split
+    sizes trace as unbacked sizes). (Pipeline stages take compile, activation
     checkpointing and bf16 per block, inside each stage.)
     """
     findings = []
@@ -465,8 +466,9 @@ def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
                 "error",
                 "mesh",
                 "ep",
-                f"ep={layout.ep}: the routed-experts dispatch has data-dependent split sizes, "
-                "which torch.compile(fullgraph=True) of a whole block cannot trace.",
+                f"ep={layout.ep}: the routed-experts dispatch checks for fake tensors and "
+                "probes torch._grouped_mm while it runs, which torch.compile(fullgraph=True) "
+                "of a whole block cannot trace.",
                 "drop --compile, or train without ep.",
             )
         )

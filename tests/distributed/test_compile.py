@@ -6,7 +6,7 @@ boundaries it keeps (the blocks' sequence-parallel entry), the DTensor path
 the attention core's ``local_map`` region), every boundary kind (column/row-wise,
 sequence-parallel entry and exit, vocab-parallel embedding, norms, the attention
 ``local_map`` region), per block (as torchtitan compiles) and whole model, with
-``aot_eager``, and TP+SP per block with ``inductor``.
+``aot_eager``.
 Each case: compiled loss and every gradient equal eager to 1e-5 over two
 accumulating steps; no graph break (``fullgraph=True`` raises on one, dynamo's
 counter stays 0); no recompile on a second step of the same shape; where new
@@ -16,8 +16,14 @@ layer of a narrow ``llama3-debug``.
 New sequence lengths run on the fast path only: on the DTensor path the recompile
 with dynamic shapes fails inside torch 2.13's AOTAutograd (an infinite recursion in
 ``proxy_tensor.get_proxy_slot`` while tracing DTensor's symbolic shapes; torch's own
-styles fail the same way, pytorch/pytorch#152954). Inductor runs one shape: code
-generation for a second, dynamic graph doubles a test that already takes ~30 s here.
+styles fail the same way, pytorch/pytorch#152954).
+
+Inductor is not in this file: it runs (no hang) but its C++ code generation does not
+fit a test's budget here. ``compiled_matches_eager("tp_sp", True, "inductor",
+"blocks")`` on these 2 gloo ranks passes (loss diff 0, gradients 7e-9, no break, one
+recompile for new lengths) in 124 s with new lengths; one shape takes 22 s with a warm
+inductor cache and 76-110 s cold on the shared 2-core machine. The demo runs inductor
+(``hyper-parallel demo --mesh dp=2,tp=2 --compile``, and ``--mesh dp_shard=2,cp=2``).
 """
 
 from __future__ import annotations
@@ -40,7 +46,6 @@ CASES = [
     ("tp_sp", True, "aot_eager", "blocks", True),
     ("tp", True, "aot_eager", "model", True),
     ("tp", False, "aot_eager", "blocks", False),
-    ("tp_sp", True, "inductor", "blocks", False),
 ]
 
 

@@ -97,3 +97,20 @@ def test_bf16_keeps_fp32_master_weights_and_stays_close():
     assert all(p.dtype == torch.float32 for p in params.values())
     assert bf16_losses != losses  # computed in bf16
     assert max(abs(a - b) for a, b in zip(losses, bf16_losses)) <= 2e-2
+
+
+def test_compile_with_expert_parallel_is_refused_with_the_fix():
+    from hyper_parallel.train.trainer import check_config
+
+    cfg = TrainConfig(model="qwen3-moe-debug", mesh={"dp_shard": 2, "ep": 2}, compile=True)
+    errors = [str(f) for f in check_config(cfg, world_size=4)]
+    assert any("ep=2" in e and "torch.compile" in e and "drop --compile" in e for e in errors)
+    assert check_config(TrainConfig(model="qwen3-moe-debug", mesh={"dp_shard": 2, "ep": 2})) == []
+
+
+def test_compile_with_context_parallel_is_accepted():
+    # Compiled cp blocks equal eager on gloo (tests/distributed/test_compile.py).
+    from hyper_parallel.train.trainer import check_config
+
+    cfg = TrainConfig(mesh={"dp_shard": 2, "cp": 2}, compile=True)
+    assert check_config(cfg, world_size=4) == []
