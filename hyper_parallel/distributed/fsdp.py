@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
@@ -162,8 +162,18 @@ def _states_on_one_mesh(model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
         ValueError: A parameter is not a DTensor on a mesh equal to ``mesh``.
     """
     target: DeviceMesh | None = None
+    # States a module already fully_shard'ed on a mesh of its own manages (routed experts
+    # over efsdp) are not this call's: FSDP2 leaves them to that module.
+    own = {
+        id(p)
+        for m in model.modules()
+        if m is not model and isinstance(m, FSDPModule)
+        for p in m.parameters()
+    }
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) in own:
+                continue
             if not isinstance(p, DTensor) or p.device_mesh != mesh:
                 where = f"{type(module).__name__}.{name}"
                 got = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else "a plain tensor"

@@ -47,13 +47,13 @@ def test_plan_json_lists_experts_apart_and_the_all_to_alls(capsys) -> None:
 
 
 def test_plan_with_cp_shards_experts_over_efsdp_spanning_cp_ranks(capsys) -> None:
-    # cp=4, ep=2: efsdp=2 are cp ranks; dense states stay DTensors on cp (no FSDP mesh).
+    # cp=4, ep=2: efsdp=2 are cp ranks; FSDP2 shards the dense states over cp (fsdp = cp).
     report = _plan_json(capsys, "cp=4,ep=2")
     config = preset_config("qwen3-moe-debug")
     assert report["mesh"]["efsdp"] == 2
     assert report["per_rank_bytes"]["experts"]["params"] == num_expert_params(config) * 4 // 4
     dense = (num_params(config) - num_expert_params(config)) * 4
-    assert report["per_rank_bytes"]["dense"]["params"] == dense
+    assert report["per_rank_bytes"]["dense"]["params"] == dense // 4
     a2a = {c["phase"]: c["count"] for c in report["collectives"] if c["kind"] == "all_to_all"}
     assert a2a == {"forward": 6, "backward": 4}
 

@@ -16,7 +16,7 @@ Face's experts modules — so expert parallelism
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import is_fake
 from hyper_parallel.dmodule.model import BaseModel
 from hyper_parallel.dmodule.module import Module, ModuleList
 from hyper_parallel.models.llama.model import (
+    CausalMask,
     Embedding,
     Linear,
     RMSNorm,
@@ -93,7 +94,7 @@ class Attention(Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
@@ -101,10 +102,7 @@ class Attention(Module):
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         if self.repeat_kv:
             k, v = _repeat_heads(k, q.shape[2]), _repeat_heads(v, q.shape[2])
-        if positions is None:
-            out = self.inner_attention(q, k, v)
-        else:
-            out = self.inner_attention(q, k, v, positions, positions)
+        out = self.inner_attention(q, k, v) if mask is None else self.inner_attention(q, k, v, mask)
         return self.wo(out.flatten(-2))
 
 
@@ -418,12 +416,9 @@ class TransformerBlock(Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if positions is None:
-            h = x + self.attention(self.attention_norm(x), cos, sin)
-        else:
-            h = x + self.attention(self.attention_norm(x), cos, sin, positions)
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.moe(self.ffn_norm(h))
 
 
@@ -444,11 +439,13 @@ class Transformer(BaseModel):
         layers: list[TransformerBlock.Config]
         norm: RMSNorm.Config
         output: Linear.Config
+        mask: CausalMask.Config = field(default_factory=CausalMask.Config)
 
     def __init__(self, config: Transformer.Config) -> None:
         super().__init__()
         self.tok_embeddings = config.tok_embeddings.build()
         self.rope = config.rope.build()
+        self.mask = config.mask.build()
         self.layers = ModuleList([c.build() for c in config.layers])
         self.norm = config.norm.build()
         self.output = config.output.build()
@@ -469,6 +466,7 @@ class Transformer(BaseModel):
                 h = layer(h, cos, sin)
         else:
             cos, sin = self.rope(h.shape[1], positions)
+            mask = self.mask(positions, positions, h.dtype)
             for layer in self.layers:
-                h = layer(h, cos, sin, positions)
+                h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))

@@ -333,7 +333,7 @@ def apply_cp(
     The attention is the Llama's layout
     (:func:`hyper_parallel.models.llama.apply_cp`): activations ``Shard(seq)``, states
     replicated, keys and values all-gathered into the attention core, ``positions``
-    gathered once per forward for the causal mask. The mixture of experts runs on the
+    gathered once per forward and the causal mask built once, shared by every layer. The mixture of experts runs on the
     rank's own tokens (router and replicated experts with ``Partial`` weight gradients,
     or dispatched over ``ep``), and the per-sequence balance statistics are reduced over
     ``axis``, so each rank's balance loss equals one device's.
@@ -399,6 +399,17 @@ def apply_cp(
         ),
         "rope",
     )
+    # The mask's rows are this rank's queries (local positions), its columns every key.
+    mask_rows: NamedPlacement = {axis: Shard(-2)}
+    _put(
+        new.mask,
+        ShardingConfig(
+            in_dst_shardings={"q_positions": local_positions, "kv_positions": replicated},
+            out_src_shardings=mask_rows,
+            local_map=LocalMapConfig(in_grad_placements=(local_positions, replicated)),
+        ),
+        "mask",
+    )
     for i, layer in enumerate(new.layers):
         p = f"layers.{i}"
         attention = layer.attention
@@ -413,17 +424,9 @@ def apply_cp(
             attention.inner_attention,
             ShardingConfig(
                 in_src_shardings={"k": seq, "v": seq},
-                in_dst_shardings={
-                    "q": seq,
-                    "k": replicated,
-                    "v": replicated,
-                    "q_positions": local_positions,
-                    "kv_positions": replicated,
-                },
+                in_dst_shardings={"q": seq, "k": replicated, "v": replicated, "mask": mask_rows},
                 out_src_shardings=seq,
-                local_map=LocalMapConfig(
-                    in_grad_placements=(seq, partial, partial, local_positions, replicated)
-                ),
+                local_map=LocalMapConfig(in_grad_placements=(seq, partial, partial, mask_rows)),
             ),
             f"{p}.attention.inner_attention",
         )
