@@ -54,7 +54,6 @@ from hyper_parallel.distributed.axes import (
     apply_model_axes,
     axis_support_findings,
     declared_axes,
-    fsdp_shards_over_cp,
     plan_axis_findings,
     plan_mesh,
 )
@@ -455,8 +454,9 @@ def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
     """Training switches that a layout does not run, refused rather than ignored.
 
     The routed-experts dispatch checks for fake tensors and probes ``torch._grouped_mm``
-    while it runs, which a ``fullgraph`` block cannot trace (its data-dependent split
-    sizes trace as unbacked sizes). (Pipeline stages take compile, activation
+    while it runs, and the experts are an FSDP2 unit of their own inside the block: a
+    ``fullgraph`` block cannot trace either (the data-dependent split sizes alone would
+    trace, as unbacked sizes). (Pipeline stages take compile, activation
     checkpointing and bf16 per block, inside each stage.)
     """
     findings = []
@@ -466,9 +466,10 @@ def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
                 "error",
                 "mesh",
                 "ep",
-                f"ep={layout.ep}: the routed-experts dispatch checks for fake tensors and "
-                "probes torch._grouped_mm while it runs, which torch.compile(fullgraph=True) "
-                "of a whole block cannot trace.",
+                f"ep={layout.ep}: torch.compile(fullgraph=True) of a whole block cannot "
+                "trace the routed experts: the dispatch checks for fake tensors and probes "
+                "torch._grouped_mm while it runs, and the experts are an FSDP2 unit of their "
+                "own (over efsdp) whose hooks run inside the block.",
                 "drop --compile, or train without ep.",
             )
         )
@@ -547,7 +548,17 @@ def build_parallel_model(
                 "of transformer blocks to wrap with fully_shard; the trainer shards each "
                 "block of model.layers and then the root."
             )
-        apply_fsdp(model, fsdp_mesh, units, mp_policy=precision.fsdp_policy(cfg.dtype))
+        paths = apply_fsdp(model, fsdp_mesh, units, mp_policy=precision.fsdp_policy(cfg.dtype))
+        if layout.cp > 1:
+            # One convention under cp (Trainer.backward): each rank's loss is scaled by
+            # 1 / cp and the cp ranks' gradients are summed, also where FSDP2 shards over
+            # dp_shard x cp, so it divides by the data-parallel ranks only. (Gradients a
+            # model sends in backward at a fixed size, like the MoE balance loss's, are
+            # then right too.)
+            divide = float(layout.size("batch"))
+            for path in [*paths, ""]:
+                fsdp_module = model.get_submodule(path)
+                fsdp_module.set_gradient_divide_factor(divide)  # type: ignore[operator]
     model.to_empty(device=device)
     _init_states(model, cfg)
     return model
@@ -767,7 +778,6 @@ class Trainer:
         # Context parallelism: each rank holds chunks of every sequence (head-tail).
         self.cp_size = layout.cp
         self.cp_rank = 0 if self.mesh is None else self.mesh.local_rank("cp")
-        self._fsdp_over_cp = fsdp_shards_over_cp(layout, config_axes(_model_config(cfg, layout)))
         spec = get_spec(cfg.model)
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = spec.extras.get(
             "loss_fn", _cross_entropy
@@ -916,14 +926,14 @@ class Trainer:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate this rank's mean ``loss`` so every gradient is the global-batch one.
 
-        FSDP2 averages over the data ranks, ``cp`` included where it shards over
-        dp_shard x cp (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`).
-        Elsewhere under context parallelism the states are replicated over ``cp`` and
-        their gradients come back ``Partial`` (a sum over the ``cp`` ranks' tokens): the
-        loss is scaled by ``1 / cp`` so that sum is the mean, and gradients FSDP does not
-        own are reduced here, once.
+        FSDP2 averages over the data ranks. Under context parallelism the loss is
+        scaled by ``1 / cp`` and the ``cp`` ranks' gradients are summed: where FSDP2
+        shards over dp_shard x cp (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`)
+        it sums over cp and divides by the data-parallel ranks only (the divide factor
+        :func:`build_parallel_model` sets); elsewhere the states are replicated over
+        ``cp``, their gradients come back ``Partial`` and are reduced here, once.
         """
-        if self.cp_size == 1 or self._fsdp_over_cp:
+        if self.cp_size == 1:
             loss.backward()
             return
         (loss / self.cp_size).backward()
