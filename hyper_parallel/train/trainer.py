@@ -1,17 +1,17 @@
-"""A small trainer on the N-D mesh: TP (+SP) x FSDP2 / HSDP, DCP checkpoints.
+"""A small trainer on the N-D mesh: PP x FSDP2 / HSDP x CP x TP (+SP) x EP, DCP checkpoints.
 
 The mesh is one :class:`~hyper_parallel.distributed.MeshLayout` (``TrainConfig.mesh``:
-``dp_replicate``, ``dp_shard`` — alias ``dp`` —, ``cp``, ``tp``; ``pp`` and ``ep``
-are refused with a clear error until the trainer runs them). :func:`check_config` is the
-one gate: every problem of the mesh, the axes and the model, before any process
-group exists. The model is built on the meta device from its registered
+``pp``, ``dp_replicate``, ``dp_shard`` — alias ``dp`` —, ``cp``, ``tp``, ``ep``).
+:func:`check_config` is the one gate: every problem of the mesh, the axes, the model
+and the switches (including the combinations it does not run, each refused with the
+reason and the fix), before any process group exists. The model is built on the meta device from its registered
 :class:`~hyper_parallel.dmodule.model_spec.ModelSpec`, parallelized on the submesh
 of the axes its sharding declares (:func:`~hyper_parallel.distributed.plan_mesh`),
 each transformer block and then the root are wrapped with FSDP2's ``fully_shard``
 over :meth:`~hyper_parallel.distributed.ParallelMesh.fsdp_mesh` (1-D ``fsdp``, or
 ``(dp_replicate, fsdp)`` for HSDP), and only then are states materialized
-(``to_empty``) and initialized (``init_states``), so each rank only ever holds its
-own shards. ``init_states`` is shard-consistent: with the same seed, a model built
+(``to_empty``) and initialized (``init_states``, one module at a time), so a rank's
+states are its own shards. ``init_states`` is shard-consistent: with the same seed, a model built
 this way at any mesh starts from exactly the values of the same model built in one
 process. With the same global batch (split over the ``batch`` axis, dp_replicate x
 dp_shard; tp ranks read the same rows; cp ranks split each sequence head-tail and
