@@ -559,6 +559,8 @@ def build_parallel_model(
             for path in [*paths, ""]:
                 fsdp_module = model.get_submodule(path)
                 fsdp_module.set_gradient_divide_factor(divide)  # type: ignore[operator]
+                # A custom factor is a PREMUL_SUM reduction, which gloo lacks: sum, then divide.
+                fsdp_module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
     model.to_empty(device=device)
     _init_states(model, cfg)
     return model
