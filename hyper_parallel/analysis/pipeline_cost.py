@@ -373,8 +373,27 @@ def pipeline_report(
         ``sharded_config`` its collectives), ``per_rank_bytes``
         (the heaviest pp rank), ``bubble_fraction``, ``p2p_bytes`` and the plan.
     """
-    from hyper_parallel.distributed.pipeline import plan_pipeline
+    from hyper_parallel.distributed.pipeline import PipelineError, plan_pipeline
+    from hyper_parallel.dmodule._checks import Finding
 
+    if layout.cp > 1:
+        # Stages hold their cp positions (set by the trainer per step); the per-stage
+        # trace and the activation estimate below take whole sequences per rank.
+        raise PipelineError(
+            [
+                Finding(
+                    "error",
+                    "mesh",
+                    "cp",
+                    f"pp={layout.pp} with cp={layout.cp}: the pipeline cost model (stage "
+                    "bytes and traced per-stage collectives) counts whole sequences per "
+                    "rank and traces stages without their cp positions, so it does not "
+                    "estimate a context-parallel pipeline.",
+                    "plan cp without pp for cp's collectives and pp without cp for the "
+                    "stages; the trainer and `validate` run pp with cp.",
+                )
+            ]
+        )
     units = stages.units(config)
     plan = plan_pipeline(units, pp=layout.pp, schedule=schedule, num_microbatches=num_microbatches)
     tokens = microbatch_size * seq_len

@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -233,11 +234,24 @@ class PipelineLayout:
         for f in self.last:
             fields[f] = getattr(config, f) if is_last else None
         layout = self.activation_layout(config)
-        if layout and not (is_first and is_last):
+        # Inputs other than the first the model's root adapts (context parallelism's
+        # ``positions``) are adapted the same way by every stage's root.
+        root = getattr(config, "sharding_config", None)
+        taken = list(inspect.signature(self.stage.forward).parameters)[2:]
+        extra_src = {
+            k: v for k, v in ((root and root.in_src_shardings) or {}).items() if k in taken
+        }
+        extra_dst = {
+            k: v for k, v in ((root and root.in_dst_shardings) or {}).items() if k in taken
+        }
+        if (layout and not (is_first and is_last)) or extra_src or extra_dst:
+            boundary = not (is_first and is_last)
             fields["sharding_config"] = ShardingConfig(
-                in_src_shardings=None if is_first else {"x": layout},
-                out_dst_shardings=None if is_last else layout,
-                use_local_output=not is_last,
+                in_src_shardings={**({"x": layout} if layout and not is_first else {}), **extra_src}
+                or None,
+                in_dst_shardings=extra_dst or None,
+                out_dst_shardings=layout if layout and boundary and not is_last else None,
+                use_local_output=boundary and not is_last,
             )
         return self.stage.Config(**fields)
 
@@ -756,22 +770,31 @@ def _plan(
 def pipeline_axis_findings(layout: Any) -> list[Finding]:
     """Mesh axes a pipeline does not run with, as errors (``layout``: a ``MeshLayout``).
 
-    ``cp``: a context-parallel block needs every token's position (the model's
-    ``positions`` input) at every stage, but torch's ``PipelineStage`` hands the
-    step's inputs to the first stage only; later stages receive nothing but the
-    previous stage's output.
+    ``cp`` runs with ``pp``: each stage holds its tokens' global positions (they do
+    not depend on the micro-batch) instead of receiving them, since torch's
+    ``PipelineStage`` hands the step's inputs to the first stage only. Gradients
+    of states replicated over ``cp`` are per-rank partial sums that FSDP2 averages
+    when it shards over ``cp`` (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`:
+    ``cp`` with at most one other axis of ``dp_replicate``, ``dp_shard``, ``tp``);
+    with more axes they would be reduced by neither, so that mesh is refused.
     """
+    from hyper_parallel.distributed.axes import fsdp_shards_over_cp
+
     if layout.pp > 1 and layout.cp > 1:
-        return [
-            _error(
-                "pp",
-                f"pp={layout.pp} with cp={layout.cp}: context-parallel blocks need each "
-                "token's position at every stage, and torch's pipeline stages receive only "
-                "the previous stage's output (the step's inputs reach the first stage alone).",
-                "use pp with dp_replicate, dp_shard and tp, or cp without pp.",
-                path="mesh",
-            )
-        ]
+        plan_axes = [a for a in ("cp", "tp") if layout.size(a) > 1]
+        if not fsdp_shards_over_cp(layout, plan_axes):
+            others = [a for a in ("dp_replicate", "dp_shard", "tp") if layout.size(a) > 1]
+            return [
+                _error(
+                    "pp",
+                    f"pp={layout.pp} with cp={layout.cp} and {', '.join(others)}: under a "
+                    "pipeline the gradients of states replicated over cp are reduced by "
+                    "FSDP2 sharding over cp, which it does only on a mesh of cp and at most "
+                    "one of dp_replicate, dp_shard, tp besides pp.",
+                    "drop one of those axes when pp and cp run together, or run cp without pp.",
+                    path="mesh",
+                )
+            ]
     return []
 
 
@@ -943,6 +966,8 @@ def build_stage_modules(
     """
     from torch.distributed.fsdp import fully_shard
 
+    from hyper_parallel.distributed.fsdp import _states_on_one_mesh, fsdp_mesh_dims
+
     precision.check_dtype(dtype)
     checkpointed = set(checkpointed_blocks(len(getattr(config, layout.layers)), ac))
     modules = []
@@ -960,11 +985,16 @@ def build_stage_modules(
             if int(key) in checkpointed:
                 block.forward = _Checkpointed(block.forward)
         if fsdp_mesh is not None:
-            policy = precision.fsdp_policy(dtype)
+            kwargs: dict[str, Any] = {"mp_policy": precision.fsdp_policy(dtype)}
+            mesh = fsdp_mesh
+            dims = fsdp_mesh_dims(fsdp_mesh)
+            if dims is not None:  # the stage's own mesh under cp: FSDP2's SPMD form
+                mesh = _states_on_one_mesh(module, fsdp_mesh)
+                kwargs["dp_mesh_dims"] = dims
             if plan.schedule not in SPLIT_BACKWARD_SCHEDULES:
                 for block in blocks.values():
-                    fully_shard(block, mesh=fsdp_mesh, mp_policy=policy)
-            fully_shard(module, mesh=fsdp_mesh, mp_policy=policy)
+                    fully_shard(block, mesh=mesh, **kwargs)
+            fully_shard(module, mesh=mesh, **kwargs)
         elif dtype != "fp32":
             module.forward = _Autocast(module.forward, torch.device(device).type)
         module.to_empty(device=device)

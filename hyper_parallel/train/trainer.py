@@ -877,6 +877,12 @@ class Trainer:
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
         if self.schedule is not None:
             assert self.mesh is not None
+            # Stages receive only the previous stage's output: each holds its cp
+            # positions (the same for every micro-batch) itself.
+            positions = batch.model_kwargs.get("positions")
+            for part in self.model_parts:
+                if hasattr(part, "set_positions"):
+                    part.set_positions(positions)
             # The batch mean over micro-batches, on every pp rank.
             loss = pipeline_step(
                 self.schedule, self.pipeline_plan, self.mesh["pp"], batch.inputs, batch.targets

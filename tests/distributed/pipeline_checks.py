@@ -13,7 +13,9 @@ import torch
 import torch.distributed as c10d
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.distributed import precision
+from hyper_parallel.distributed import context_parallel, precision
+from hyper_parallel.distributed.axes import plan_mesh
+from hyper_parallel.distributed.fsdp import fsdp_mesh_for
 from hyper_parallel.distributed.layout import MeshLayout
 from hyper_parallel.distributed.pipeline import (
     PipelineSplit,
@@ -25,6 +27,7 @@ from hyper_parallel.distributed.pipeline import (
 )
 from hyper_parallel.models.llama import (
     PIPELINE,
+    apply_cp,
     apply_tp,
     apply_tp_sp,
     cross_entropy_loss,
@@ -71,6 +74,11 @@ def _setup(
     )
     tp_fn = apply_tp_sp if sequence_parallel else apply_tp
     sharded = tp_fn(config, tp_size=layout.tp) if layout.tp > 1 else config
+    tp_mesh, fsdp_mesh = (mesh["tp"] if layout.tp > 1 else None), mesh.fsdp_mesh()
+    if layout.cp > 1:  # the trainer's meshes: FSDP2 over cp on the stage's (cp,) mesh
+        sharded = apply_cp(sharded, cp_size=layout.cp)
+        axes = ("cp", "tp") if layout.tp > 1 else ("cp",)
+        tp_mesh, fsdp_mesh = plan_mesh(mesh, axes), fsdp_mesh_for(mesh, axes)
     pp_rank = mesh["pp"].get_local_rank()
     modules = build_stage_modules(
         sharded,
@@ -79,8 +87,8 @@ def _setup(
         pp_rank,
         device="cpu",
         seed=0,
-        tp_mesh=mesh["tp"] if layout.tp > 1 else None,
-        fsdp_mesh=mesh.fsdp_mesh(),
+        tp_mesh=tp_mesh,
+        fsdp_mesh=fsdp_mesh,
         **(switches or {}),
     )
     sched = build_schedule(modules, plan, mesh["pp"], "cpu", cross_entropy_loss)
@@ -143,9 +151,18 @@ def train_vs_one_device(
         opt.zero_grad()
         ref_opt.zero_grad()
         inputs, targets = _local_batch(layout, mesh, step)
+        if layout.cp > 1:  # this rank's head-tail part of each sequence, held by each stage
+            cp_rank = mesh["cp"].get_local_rank()
+            inputs, targets = (
+                context_parallel.shard_sequence(t, cp_rank, layout.cp) for t in (inputs, targets)
+            )
+            for m in modules:
+                m.set_positions(context_parallel.positions(SEQ_LEN, cp_rank, layout.cp))
         loss = pipeline_step(sched, plan, mesh["pp"], inputs, targets)
         if layout.dp_replicate * layout.dp_shard > 1:
             c10d.all_reduce(loss, op=c10d.ReduceOp.AVG, group=mesh["batch"].get_group())
+        if layout.cp > 1:  # each cp rank's mean over its tokens (equal counts)
+            c10d.all_reduce(loss, op=c10d.ReduceOp.AVG, group=mesh["cp"].get_group())
         losses.append(loss.item())
         full_inputs, full_targets = _batch(step)
         with precision.autocast(dtype, "cpu", sharded=False):

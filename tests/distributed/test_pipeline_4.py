@@ -1,7 +1,8 @@
 """Pipeline parallelism composed with tensor parallelism and FSDP2, on 4 gloo ranks.
 
 pp=2 x tp=2 (TP, and TP + SP, inside each stage on mesh["tp"]), pp=2 x dp_shard=2
-(FSDP2 inside each stage over mesh.fsdp_mesh()), pp=2 x dp_replicate=2 (HSDP) and
+(FSDP2 inside each stage over mesh.fsdp_mesh()), pp=2 x cp=2 (each stage holding
+its cp rank's positions), pp=2 x dp_replicate=2 (HSDP) and
 pp=4 (four stages of the 2-layer model: the embedding and the head alone on theirs):
 the loss of every one of 5 AdamW steps and every gradient after step 1 match one
 device to 1e-5. A checkpoint saved at pp=2 x tp=2 loads bitwise elsewhere.
@@ -61,6 +62,18 @@ def test_pp2_tp2_sequence_parallel(dist):
 def test_pp2_dp_shard2(dist, schedule):
     results = dist.run(train_vs_one_device, "pp=2,dp_shard=2", schedule, 2, NUM_STEPS)
     _check_parity(_dedupe(results, 2))
+    assert all(p == ["S(0)"] for r in results for p in r["placements"].values())
+
+
+# Context parallel: each stage holds its cp rank's global positions (set per step,
+# the same for every micro-batch); FSDP2 shards over cp and averages its gradients.
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_pp2_cp2(dist, schedule):
+    results = dist.run(train_vs_one_device, "pp=2,cp=2", schedule, 2, NUM_STEPS)
+    _check_parity(_dedupe(results, 2))
+    for r in results[1::2]:  # the other cp rank of each stage
+        assert r["losses"] == results[0]["losses"]
+        assert max(r["grad_diffs"].values()) <= 1e-5, r["grad_diffs"]
     assert all(p == ["S(0)"] for r in results for p in r["placements"].values())
 
 

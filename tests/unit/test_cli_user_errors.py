@@ -141,7 +141,7 @@ def test_axes_the_trainer_cannot_run_are_refused_by_name(capsys, monkeypatch, me
             ("cp=2,tp=2", "cannot be split head-tail over cp=2"),
         ]
     ]
-    + [("validate", "pp=2,cp=2", "context-parallel blocks need each token's position")],
+    + [("validate", "pp=2,cp=2,dp_shard=2,tp=2", "which it does only on a mesh of cp and at most")],
 )
 def test_plan_and_validate_refuse_axes_the_model_cannot_use(capsys, command, mesh, message):
     argv = [command, "--model", "llama3-debug", "--mesh", mesh, "--seq", "30"]
@@ -277,3 +277,10 @@ def test_resume_without_a_checkpoint_says_so(capsys, tmp_path):
     argv += ["--model-overrides", '{"num_layers": 1}', "--seq-len", "8", "--batch-size", "2"]
     assert _train(argv) == 0
     assert "no checkpoint in" in capsys.readouterr().out
+
+
+def test_plan_refuses_to_estimate_a_context_parallel_pipeline(capsys):
+    # The trainer runs pp x cp; the pipeline cost model does not estimate it.
+    argv = ["plan", "--model", "llama3-debug", "--mesh", "pp=2,cp=2", "--seq", "32"]
+    code, out, err = _run(capsys, argv)
+    assert code == 1 and "does not estimate a context-parallel pipeline" in out + err

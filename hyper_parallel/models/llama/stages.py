@@ -22,6 +22,7 @@ from hyper_parallel.distributed.pipeline import PipelineLayout
 from hyper_parallel.dmodule.model import BaseModel
 from hyper_parallel.dmodule.module import ModuleDict
 from hyper_parallel.models.llama.model import (
+    CausalMask,
     Embedding,
     Linear,
     RMSNorm,
@@ -38,11 +39,20 @@ class TransformerStage(BaseModel):
     ``forward(x)`` takes token ids ``(B, S)`` on the first stage and the residual
     stream ``(B, S, dim)`` elsewhere; it returns the residual stream, or the logits
     on the last stage. Blocks live in ``layers`` keyed by their index in the model.
+
+    Positions (context parallelism): torch's pipeline stages receive only the
+    previous stage's output, so a stage holds its tokens' global positions itself.
+    They do not depend on the micro-batch (micro-batches split the batch, not the
+    sequence): :meth:`set_positions` stores this rank's positions once per sequence
+    length, and every forward passes them on as the model's ``positions`` input
+    (rotary tables read at them, the causal mask built from them), as
+    ``Transformer.forward(tokens, positions=...)`` does.
     """
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseModel.Config):
         rope: RotaryEmbedding.Config
+        mask: CausalMask.Config = field(default_factory=CausalMask.Config)
         layers: dict[str, TransformerBlock.Config] = field(default_factory=dict)
         tok_embeddings: Embedding.Config | None = None
         norm: RMSNorm.Config | None = None
@@ -59,19 +69,42 @@ class TransformerStage(BaseModel):
         if config.tok_embeddings is not None:
             self.tok_embeddings = config.tok_embeddings.build()
         self.rope = config.rope.build()
+        self.mask = config.mask.build()
+        self.positions: torch.Tensor | None = None
+        self.register_forward_pre_hook(_pass_positions, with_kwargs=True)
         self.layers = ModuleDict({key: c.build() for key, c in config.layers.items()})
         if config.norm is not None:
             self.norm = config.norm.build()
             self.output = config.output.build()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def set_positions(self, positions: torch.Tensor | None) -> None:
+        """Hold this rank's global token positions (``[S]``) for every following forward.
+
+        ``None`` clears them (tokens are then the whole sequence, causal by index).
+        """
+        self.positions = positions
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(x) if hasattr(self, "tok_embeddings") else x
-        cos, sin = self.rope(h.shape[1])
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        if positions is None:
+            cos, sin = self.rope(h.shape[1])
+            for layer in self.layers.values():
+                h = layer(h, cos, sin)
+        else:
+            cos, sin = self.rope(h.shape[1], positions)
+            mask = self.mask(positions, positions, h.dtype)
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, mask)
         if hasattr(self, "output"):
             return self.output(self.norm(h))
         return h
+
+
+def _pass_positions(module: TransformerStage, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Hand the stage's held positions to its forward (before its sharding adapts inputs)."""
+    if module.positions is not None and "positions" not in kwargs:
+        kwargs = {**kwargs, "positions": module.positions}
+    return args, kwargs
 
 
 def _activation_layout(config) -> dict:
@@ -111,7 +144,7 @@ PIPELINE = PipelineLayout(
     first=("tok_embeddings",),
     layers="layers",
     last=("norm", "output"),
-    shared=("rope",),
+    shared=("rope", "mask"),
     stage=TransformerStage,
     activation_layout=_activation_layout,
     activation_elements=_activation_elements,
