@@ -966,8 +966,7 @@ def _assumptions(
         if layout.cp > 1 and "fsdp" not in fsdp_axes:
             notes.append(
                 f"States are replicated over cp={layout.cp}: FSDP2 shards over cp as well "
-                "only when the model's mesh (the plan's axes plus the data axes) has at most "
-                "two dims (torch 2.13's DTensor plans a larger one too slowly); see "
+                "only when the plan runs on cp; see "
                 "hyper_parallel.distributed.axes.fsdp_shards_over_cp."
             )
     elif data_size == 1:

@@ -135,20 +135,13 @@ def plan_mesh(mesh: ParallelMesh, axes: Iterable[str]) -> DeviceMesh | None:
 def fsdp_shards_over_cp(layout: MeshLayout, axes: Iterable[str]) -> bool:
     """Whether FSDP2 shards dense states over ``cp`` as well as the data axes.
 
-    It does when the plan runs on ``cp`` (size > 1) and the model's mesh — the plan's
-    axes plus the data axes of size > 1 — has at most two dims (``cp`` alone, or with
-    one of ``dp_shard``, ``dp_replicate``, ``tp``). On a mesh of three or more dims,
-    DTensor's sharding propagation in torch 2.13 searches every placement combination
-    of each op whose input is sequence-sharded with a batch of more than one row (the
-    ``_StridedShard`` of a flattened ``(batch, seq)``): the first step takes minutes
-    per op. There FSDP2 shards over dp_shard (HSDP: ``(dp_replicate, dp_shard)``) and
-    the plan, on ``(cp, tp)``, keeps the states replicated over ``cp``.
+    It does whenever the plan runs on ``cp`` (size > 1): FSDP2 then shards over
+    dp_shard x cp (replicating over dp_replicate) on the model's mesh, whatever its
+    number of dims. (Linear layers fold a sequence-sharded input token dim first, so
+    DTensor never plans a ``_StridedShard`` fold of ``(batch, seq)`` on such a mesh.)
     """
     dense = {a for a in axes if a in DENSE_AXES}
-    if "cp" not in dense or layout.cp < 2:
-        return False
-    data = {a for a in ("dp_replicate", "dp_shard") if layout.size(a) > 1}
-    return len(dense | data) <= 2
+    return "cp" in dense and layout.cp >= 2
 
 
 def axis_support_findings(layout: MeshLayout, supported: Iterable[str], who: str) -> list[Finding]:

@@ -13,11 +13,8 @@
   (``DataParallelMeshDims``): states are sharded over dp_shard x cp (flattened) and,
   for HSDP, replicated over ``dp_replicate``. The plan already keeps every state a
   DTensor on ``cp`` (replicated there), and torch refuses to add a separate data mesh
-  that overlaps it; the SPMD form shards over ``cp`` on the states' own mesh instead.
-  This holds while that mesh has at most two dims
-  (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`: ``cp`` with one of
-  dp_shard, dp_replicate, tp); on a larger one FSDP2 shards over the data axes only
-  and the states stay replicated over ``cp`` (torch 2.13's DTensor is too slow there).
+  that overlaps it; the SPMD form shards over ``cp`` on the states' own mesh instead
+  (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`), 2-D or 3-D alike.
 
 Either way FSDP2 averages gradients over every data rank (dp_replicate x dp_shard x
 cp), which, with each rank's loss the mean over its own tokens, is the gradient of the
@@ -60,13 +57,11 @@ def fsdp_mesh_for(mesh: ParallelMesh, plan_axes: tuple[str, ...] | list[str]) ->
 
     Without ``cp`` in the plan: :meth:`ParallelMesh.fsdp_mesh` (1-D ``fsdp`` =
     dp_shard x cp, or 2-D ``(dp_replicate, fsdp)`` for HSDP). With ``cp`` > 1 in the
-    plan and a model mesh of at most two dims
-    (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`): the model's mesh,
-    :func:`~hyper_parallel.distributed.plan_mesh` (e.g. ``(dp_shard, cp)`` or
-    ``(cp, tp)``), on which :func:`apply_fsdp` runs FSDP2's SPMD form
-    (:func:`fsdp_mesh_dims`): shard over dp_shard x cp, replicate over dp_replicate.
-    On a larger mesh (e.g. dp_shard x cp x tp) FSDP2 shards over ``dp_shard``
-    (``(dp_replicate, dp_shard)`` for HSDP) and the states stay replicated over ``cp``.
+    plan (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`): the model's
+    mesh, :func:`~hyper_parallel.distributed.plan_mesh` (e.g. ``(dp_shard, cp)``,
+    ``(cp, tp)`` or ``(dp_shard, cp, tp)``), on which :func:`apply_fsdp` runs FSDP2's
+    SPMD form (:func:`fsdp_mesh_dims`): shard over dp_shard x cp, replicate over
+    dp_replicate.
 
     Returns:
         The mesh, or ``None`` when there is no data axis to shard over.

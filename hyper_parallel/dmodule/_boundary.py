@@ -97,6 +97,10 @@ class Boundary:
         self.mesh = mesh
         self.config = config
         self.original_forward: Callable[..., Any] = module.forward
+        # torch's own Linear acts token-wise on the last dim (see _tokens_first).
+        self._token_wise = (
+            isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+        )
         self.signature = inspect.signature(self.original_forward)
         self.states: list[tuple[nn.Module, str, bool, _Layout]] = []
         for key, named in config.state_shardings.items():
@@ -223,6 +227,8 @@ class Boundary:
         args, kwargs = self._adapt_inputs(args, kwargs)
         if self._local_map_grads is not None:
             out = self._run_local_map(args, kwargs)
+        elif self._token_wise and len(args) == 1 and not kwargs:
+            out = _tokens_first(self.original_forward, args[0])
         else:
             out = self.original_forward(*args, **kwargs)
         return self._adapt_outputs(out)
@@ -434,6 +440,51 @@ class Boundary:
 
 
 FORWARD_ATTR = "_hp_forward"
+
+
+def _tokens_first(linear: Callable[[Any], Any], x: Any) -> Any:
+    """``linear(x)`` with ``x``'s one sharded token dim moved to the front for the call.
+
+    A linear layer folds every leading dim of its input into one row dim. When ``x``
+    is sharded on a token dim other than the first (the sequence under context
+    parallelism) and the dims before it hold more than one row, that fold makes the
+    row dim a ``_StridedShard``; DTensor then plans every candidate strategy of the
+    ``mm`` (and of its backward) with a graph search over redistribution states,
+    which grows with the mesh's dims: minutes per op on a 3-D mesh (seconds on a 2-D
+    one, left as it is). With the sharded dim first the fold gives a plain ``Shard(0)``. The layer is token-wise, so the
+    result is the same; it is made contiguous again in the caller's dim order.
+    """
+    if not isinstance(x, DTensor) or x.ndim < 3 or x.device_mesh.ndim < 3:
+        return linear(x)  # on 1-D and 2-D meshes DTensor plans the fold in seconds
+    if any(isinstance(p, Shard) and type(p) is not Shard for p in x.placements):
+        return linear(x)
+    dims = {p.dim for p in x.placements if isinstance(p, Shard)} - {x.ndim - 1}
+    if len(dims) != 1:
+        return linear(x)
+    dim = dims.pop()
+    if dim == 0 or x.shape[:dim].numel() == 1:
+        return linear(x)
+    y = linear(x.movedim(dim, 0))
+    # The gradient arrives in the caller's layout (e.g. sequence-parallel: the tokens
+    # split on a second axis), which the backward's fold would stride again; it is
+    # brought to the layout the layer produced (Partial read as Replicate) first.
+    grad_placements = tuple(Replicate() if p.is_partial() else p for p in y.placements)
+    return _GradPlacements.apply(y, grad_placements).movedim(0, dim).contiguous()
+
+
+class _GradPlacements(torch.autograd.Function):
+    """Identity forward; the backward redistributes the gradient to given placements."""
+
+    @staticmethod
+    def forward(ctx: Any, y: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+        ctx.placements = placements
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.placements:
+            grad = grad.redistribute(grad.device_mesh, ctx.placements)
+        return grad, None
 
 
 def _parallel_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

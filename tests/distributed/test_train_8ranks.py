@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_parallel.train import TrainConfig
+from hyper_parallel.train import TrainConfig, Trainer
 from tests.distributed.test_train import (
     SMALL,
     _assert_step_and_training_match,
@@ -25,6 +25,28 @@ def test_dp_shard_cp_tp_step_and_training_match_one_process(dist):
     sharded = dist.run(_step_then_train, cfg.to_dict())[0]
     single = dist.run(_step_then_train_one_process_on_rank0, cfg.to_dict())[0]
     _assert_step_and_training_match(sharded, single)
+
+
+def _shard_fractions(cfg_dict: dict) -> dict[str, tuple[int, int, int]]:
+    """Per parameter: full numel, local numel, and how many ways ``tp`` splits it."""
+    trainer = Trainer(TrainConfig.from_dict(cfg_dict), device="cpu")
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        names = p.device_mesh.mesh_dim_names
+        tp_ways = 1
+        for i, placement in enumerate(p.placements):
+            if placement.is_shard() and names[i] == "tp":
+                tp_ways *= p.device_mesh.size(i)
+        out[name] = (p.numel(), p.to_local().numel(), tp_ways)
+    return out
+
+
+def test_dense_states_are_sharded_over_dp_shard_times_cp(dist):
+    # FSDP2 shards every dense state over fsdp = dp_shard x cp (4 ranks), on top of tp.
+    cfg = TrainConfig(mesh={"dp_shard": 2, "cp": 2, "tp": 2}, num_steps=1, **SMALL)
+    for fractions in dist.run(_shard_fractions, cfg.to_dict()):
+        for name, (full, local, tp_ways) in fractions.items():
+            assert local * 2 * 2 * tp_ways == full, (name, full, local, tp_ways)
 
 
 def test_moe_trainer_build_at_dp_shard4_tp2_ep4_matches_one_process(dist):

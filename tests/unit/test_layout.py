@@ -235,13 +235,15 @@ def test_fsdp_shards_over_cp_on_the_model_mesh(text, axes, model_mesh, shard, re
     assert dims == (shard, replicate) and findings == []
 
 
-def test_fsdp_leaves_cp_to_the_plan_on_a_mesh_of_three_dims_or_more():
-    # dp_replicate x dp_shard x cp x tp: DTensor is too slow on such a model mesh, so
-    # FSDP2 shards over the data axes and the plan keeps its (cp, tp) mesh.
-    model, fsdp, dims, _, _ = _fsdp_meshes("dp_replicate=2,dp_shard=2,cp=2,tp=2", ("cp", "tp"))
-    assert model == ("cp", "tp") and fsdp == ("dp_replicate", "dp_shard") and dims is None
-    model, fsdp, dims, _, _ = _fsdp_meshes("dp_shard=2,cp=2,tp=2", ("cp", "tp"))
-    assert model == ("cp", "tp") and fsdp == ("dp_shard",) and dims is None
+def test_fsdp_shards_over_cp_on_a_model_mesh_of_three_dims_or_more():
+    # dp_shard x cp x tp and HSDP x cp x tp: FSDP2's SPMD form on the model's own mesh.
+    model, fsdp, dims, findings, _ = _fsdp_meshes("dp_shard=2,cp=2,tp=2", ("cp", "tp"))
+    assert model == fsdp == ("dp_shard", "cp", "tp")
+    assert dims == (("dp_shard", "cp"), ()) and findings == []
+    text = "dp_replicate=2,dp_shard=2,cp=2,tp=2"
+    model, fsdp, dims, findings, _ = _fsdp_meshes(text, ("cp", "tp"))
+    assert model == fsdp == ("dp_replicate", "dp_shard", "cp", "tp")
+    assert dims == (("dp_shard", "cp"), ("dp_replicate",)) and findings == []
     # Without cp in the plan: the plain fsdp mesh.
     *_, plain = _fsdp_meshes("dp_replicate=2,dp_shard=2,tp=2", ("tp",))
     assert plain
