@@ -80,7 +80,6 @@ from hyper_parallel.distributed.pipeline import (
     PipelineLayout,
     PipelineSplit,
     count_unit_flops,
-    pipeline_axis_findings,
 )
 from hyper_parallel.distributed.pipeline import pipeline_findings as _plan_findings
 from hyper_parallel.dmodule._checks import (
@@ -451,7 +450,7 @@ def _pipeline_part(
         The findings, and the batch of one micro-batch (what one stage's forward
         sees, traced by the rest of :func:`validate`), ``None`` when unknown.
     """
-    findings = pipeline_axis_findings(layout)
+    findings: list[Finding] = []
     if pipeline is None:
         pipeline = _registered_pipeline(model)
     if pipeline is None:

@@ -66,7 +66,6 @@ __all__ = [
     "build_stage_modules",
     "count_unit_flops",
     "init_states_by_unit",
-    "pipeline_axis_findings",
     "pipeline_findings",
     "pipeline_step",
     "plan_pipeline",
@@ -765,37 +764,6 @@ def _plan(
             )
         )
     return plan, findings
-
-
-def pipeline_axis_findings(layout: Any) -> list[Finding]:
-    """Mesh axes a pipeline does not run with, as errors (``layout``: a ``MeshLayout``).
-
-    ``cp`` runs with ``pp``: each stage holds its tokens' global positions (they do
-    not depend on the micro-batch) instead of receiving them, since torch's
-    ``PipelineStage`` hands the step's inputs to the first stage only. Gradients
-    of states replicated over ``cp`` are per-rank partial sums that FSDP2 averages
-    when it shards over ``cp`` (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`:
-    ``cp`` with at most one other axis of ``dp_replicate``, ``dp_shard``, ``tp``);
-    with more axes they would be reduced by neither, so that mesh is refused.
-    """
-    from hyper_parallel.distributed.axes import fsdp_shards_over_cp
-
-    if layout.pp > 1 and layout.cp > 1:
-        plan_axes = [a for a in ("cp", "tp") if layout.size(a) > 1]
-        if not fsdp_shards_over_cp(layout, plan_axes):
-            others = [a for a in ("dp_replicate", "dp_shard", "tp") if layout.size(a) > 1]
-            return [
-                _error(
-                    "pp",
-                    f"pp={layout.pp} with cp={layout.cp} and {', '.join(others)}: under a "
-                    "pipeline the gradients of states replicated over cp are reduced by "
-                    "FSDP2 sharding over cp, which it does only on a mesh of cp and at most "
-                    "one of dp_replicate, dp_shard, tp besides pp.",
-                    "drop one of those axes when pp and cp run together, or run cp without pp.",
-                    path="mesh",
-                )
-            ]
-    return []
 
 
 def _microbatch_findings(plan: PipelinePlan) -> list[Finding]:

@@ -72,7 +72,6 @@ from hyper_parallel.distributed.pipeline import (
     build_schedule,
     build_stage_modules,
     init_states_by_unit,
-    pipeline_axis_findings,
     pipeline_findings,
     pipeline_step,
     plan_pipeline,
@@ -433,9 +432,6 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
                 "leave pp out of the mesh, or register the model's PipelineLayout.",
             )
         ]
-    axis_findings = pipeline_axis_findings(layout)
-    if axis_findings:
-        return axis_findings
     try:
         split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
     except ValueError as e:

@@ -140,8 +140,7 @@ def test_axes_the_trainer_cannot_run_are_refused_by_name(capsys, monkeypatch, me
             ("dp=2,ep=2", "model 'llama3-debug' has no 'ep' sharding function"),
             ("cp=2,tp=2", "cannot be split head-tail over cp=2"),
         ]
-    ]
-    + [("validate", "pp=2,cp=2,dp_shard=2,tp=2", "which it does only on a mesh of cp and at most")],
+    ],
 )
 def test_plan_and_validate_refuse_axes_the_model_cannot_use(capsys, command, mesh, message):
     argv = [command, "--model", "llama3-debug", "--mesh", mesh, "--seq", "30"]
