@@ -74,11 +74,11 @@ def test_plan_and_validate_context_parallel(capsys):
     )  # fmt: skip
     assert code == 0
     d = json.loads(out)
-    assert d["plan_axes"] == ["cp", "tp"] and d["placement_axes"] == ["dp_shard", "cp", "tp"]
-    assert d["fsdp_axes"] == ["dp_shard"]  # the plan keeps states on cp: FSDP over dp_shard
+    assert d["plan_axes"] == ["cp", "tp"] and d["placement_axes"] == ["fsdp", "tp"]
+    assert d["fsdp_axes"] == ["fsdp"]  # FSDP2 shards the states over dp_shard x cp
     assert d["mesh"]["fsdp"] == 4 and d["mesh"]["loss"] == 4 and d["world_size"] == 8
     wq = next(p for m in d["modules"] if m["path"].endswith("attention.wq") for p in m["params"])
-    assert wq["placements"] == {"dp_shard": "Shard(0)", "cp": "Replicate()", "tp": "Shard(0)"}
+    assert wq["placements"] == {"fsdp": "Shard(0)", "tp": "Shard(0)"}
     kinds = {(c["kind"], c["axis"], c["phase"]) for c in d["collectives"]}
     assert ("all_gather", "cp", "forward") in kinds and (
         "reduce_scatter",
