@@ -97,9 +97,12 @@ class Boundary:
         self.mesh = mesh
         self.config = config
         self.original_forward: Callable[..., Any] = module.forward
-        # torch's own Linear acts token-wise on the last dim (see _tokens_first).
+        # torch's own Linear acts token-wise on the last dim; only meshes of 3+ dims need
+        # its sharded token dim moved first (see _tokens_first), decided here, not per call.
         self._token_wise = (
-            isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            mesh.ndim >= 3
+            and isinstance(module, nn.Linear)
+            and type(module).forward is nn.Linear.forward
         )
         self.signature = inspect.signature(self.original_forward)
         self.states: list[tuple[nn.Module, str, bool, _Layout]] = []
