@@ -16,14 +16,20 @@ which replaces the module's forward at parallelize time with:
 4. run the module's own ``forward`` on the local expert weights, each received token
    routed once with weight one to its local expert (the module sorts them
    expert-major and returns them in the order given; the experts' maths is the
-   module's, grouped GEMM or loop alike);
+   module's, grouped GEMM or loop alike). A module that also defines
+   ``grouped_forward(x, num_tokens_per_expert)`` (the experts on tokens already in
+   expert-major blocks, as :class:`~hyper_parallel.models.qwen3_moe.GroupedExperts`
+   does) gets the received tokens put in local-expert order instead, and its
+   outputs put back: the same numbers without routing them a second time;
 5. send the results back (the transposed ``all_to_all_single``) and combine them with
    the router weights, in the order the single-device module uses.
 
 Forward: three all-to-alls (counts, dispatch, combine); backward: the two transposes.
-Zero tokens for an expert, or for a whole rank, is normal. Everything that does not
-depend on the data (group, shapes, slots, local expert ids) is resolved once; per
-call only the split sizes are computed.
+In eager mode they are c10d's in-place ``all_to_all_single``; under ``torch.compile``
+(or on fake tensors) torch's functional collectives. Zero tokens for an expert, or
+for a whole rank, is normal. Everything that does not depend on the data (group,
+shapes, slots, local expert ids, which forward runs, the gradients' specs) is
+resolved once; per call only the split sizes are computed.
 
 Gradients: each rank's expert gradient sums the contributions of the tokens every
 ``ep`` rank sent to it, i.e. of every rank's loss. Where the dense gradients are
@@ -47,15 +53,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh
 from hyper_parallel.dmodule._checks import Finding, PlanEntry, state_owner
+from hyper_parallel.dmodule._fast import _contiguous_stride, _ParamView
 from hyper_parallel.dmodule.dispatch import Dispatch, register_dispatch
 from hyper_parallel.dmodule.sharding import DispatchConfig, ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import MeshAxisName
@@ -372,6 +381,13 @@ class RoutedExpertsDispatch:
         self.count_attr = getattr(module, "num_experts", None) == num_experts
         self.module = module
         self._local_ids: dict[torch.device, torch.Tensor] = {}
+        # The module's experts on expert-major tokens, if it has them and its forward is
+        # its class's own (a replaced forward is run as it is).
+        own = getattr(forward, "__func__", None) is getattr(type(module), "forward", None)
+        grouped = getattr(module, "grouped_forward", None)
+        self.grouped_forward = grouped if own and callable(grouped) else None
+        # Per slot: (the parameter's spec, its gradient's spec), built on first use.
+        self._grad_specs: list[tuple[DTensorSpec, DTensorSpec] | None] = [None] * len(self.slots)
 
     def _local_expert_ids(self, device: torch.device) -> torch.Tensor:
         ids = self._local_ids.get(device)
@@ -394,8 +410,17 @@ class RoutedExpertsDispatch:
         order = torch.argsort(flat_index, stable=True)
         token_of = order // top_k
         counts = _expert_counts(flat_index, self.num_experts)
+        # c10d's in-place collectives on plain tensors in eager mode; the functional ones
+        # where dynamo traces or the tensors are fake.
+        eager = type(x) is torch.Tensor and not torch.compiler.is_compiling()
         # (1) counts: recv_counts[r * num_local + j] = tokens rank r sends to local expert j.
-        recv_counts = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, self.group))
+        if eager:
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts, group=self.group)
+        else:
+            recv_counts = funcol.wait_tensor(
+                funcol.all_to_all_single(counts, None, None, self.group)
+            )
         if is_fake(counts):
             # Fake tensors (the dry run) carry no counts: uniform routing, stated there.
             send_splits = recv_splits = _even_split(flat_index.numel(), self.ep_size)
@@ -405,33 +430,46 @@ class RoutedExpertsDispatch:
             ).tolist()
             send_splits, recv_splits = splits
         # (2) dispatch: each token to the rank holding its expert.
-        received = funcol.all_to_all_single_autograd(
-            x[token_of], recv_splits, send_splits, self.group
-        )
-        received = funcol.wait_tensor(received)
-        local_ids = torch.repeat_interleave(
-            self._local_expert_ids(x.device), recv_counts, output_size=sum(recv_splits)
-        )
-        # The module sorts its tokens expert-major itself and returns them in the order
-        # given, so the received blocks go in and come back as they are.
-        y = self._run_local(received, local_ids)
+        received = self._exchange(x[token_of], recv_splits, send_splits, eager)
+        y = self._run_local(received, recv_counts, sum(recv_splits))
         # (3) combine: results back to the ranks the tokens came from.
-        back = funcol.all_to_all_single_autograd(y, send_splits, recv_splits, self.group)
-        back = funcol.wait_tensor(back)
+        back = self._exchange(y, send_splits, recv_splits, eager)
         weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, token_of, weighted.to(x.dtype))
 
-    def _run_local(self, tokens: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """The module's own forward on its local experts, each token routed once, weight 1."""
+    def _exchange(
+        self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], eager: bool
+    ) -> torch.Tensor:
+        """``all_to_all_single`` with uneven splits; its backward sends the gradients back."""
+        if eager:
+            return _AllToAll.apply(x, out_splits, in_splits, self.group)
+        out = funcol.all_to_all_single_autograd(x, out_splits, in_splits, self.group)
+        return funcol.wait_tensor(out)
+
+    def _run_local(
+        self, tokens: torch.Tensor, recv_counts: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
+        """The module's experts on the received ``(source rank, local expert)`` blocks.
+
+        Returns their outputs in the order received.
+        """
         saved = []
-        for owner, leaf in self.slots:
+        for i, (owner, leaf) in enumerate(self.slots):
             param = owner._parameters[leaf]
             saved.append((owner, leaf, param))
             # Read on every call: FSDP and checkpoint loading swap the parameters.
-            owner._parameters[leaf] = param.to_local() if isinstance(param, DTensor) else param
+            if isinstance(param, DTensor):
+                owner._parameters[leaf] = self._local_param(i, param)
         if self.count_attr:
             self.module.num_experts = self.num_local
         try:
+            if self.grouped_forward is not None:
+                return self._run_grouped(tokens, recv_counts, num_tokens)
+            local_ids = torch.repeat_interleave(
+                self._local_expert_ids(tokens.device), recv_counts, output_size=num_tokens
+            )
+            # The module sorts its tokens expert-major itself and returns them in the
+            # order given, so the received blocks go in and come back as they are.
             ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
             return self.forward(tokens, local_ids.unsqueeze(1), ones)
         finally:
@@ -440,11 +478,62 @@ class RoutedExpertsDispatch:
             for owner, leaf, param in saved:
                 owner._parameters[leaf] = param
 
+    def _run_grouped(
+        self, tokens: torch.Tensor, recv_counts: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
+        """``grouped_forward`` on the tokens in local-expert order, outputs put back."""
+        per_expert = recv_counts.view(self.ep_size, self.num_local).sum(0)
+        if self.num_local == 1 or self.ep_size == 1:  # the blocks are expert-major already
+            return self.grouped_forward(tokens, per_expert)
+        local_ids = torch.repeat_interleave(
+            self._local_expert_ids(tokens.device), recv_counts, output_size=num_tokens
+        )
+        perm = torch.argsort(local_ids, stable=True)
+        y = self.grouped_forward(tokens.index_select(0, perm), per_expert)
+        # Every row written once: the inverse permutation of the gather.
+        return y.new_empty(y.shape).index_copy(0, perm, y)
+
+    def _local_param(self, i: int, param: DTensor) -> torch.Tensor:
+        """``param.to_local()``, its gradient's spec made once (not on every backward)."""
+        if torch.compiler.is_compiling():
+            return param.to_local()
+        if not (param.requires_grad and torch.is_grad_enabled()):
+            return param._local_tensor
+        spec = param._spec
+        cached = self._grad_specs[i]
+        if cached is None or not (cached[0] is spec or cached[0] == spec):
+            meta = spec.tensor_meta
+            assert meta is not None, "a DTensor parameter carries its tensor meta"
+            grad_meta = TensorMeta(meta.shape, _contiguous_stride(meta.shape), meta.dtype)
+            cached = (spec, DTensorSpec(spec.mesh, spec.placements, grad_meta))
+            self._grad_specs[i] = cached
+        return _ParamView.apply(param, cached[1])
+
     def __repr__(self) -> str:
         return (
             f"RoutedExpertsDispatch(path={self.path!r}, num_experts={self.num_experts}, "
             f"ep={self.ep_size})"
         )
+
+
+class _AllToAll(torch.autograd.Function):
+    """c10d's ``all_to_all_single`` with uneven splits (eager); backward, the transpose."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
 
 
 register_dispatch(Dispatch(kind=ROUTED_EXPERTS, check=_check, build=RoutedExpertsDispatch))

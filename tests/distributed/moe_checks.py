@@ -27,6 +27,7 @@ from hyper_parallel.models.qwen3_moe import (
     cross_entropy_loss,
     preset_config,
 )
+from tests.distributed.models import comm_counts
 
 BATCH, SEQ = 4, 12
 PLANS = Path(__file__).resolve().parents[2] / "examples" / "plans"
@@ -122,7 +123,8 @@ def model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> dic
 
 
 def _counts(mode: CommDebugMode) -> dict[str, int]:
-    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items() if n}
+    # c10d's in-place collectives (the eager dispatch) under their functional names.
+    return comm_counts(mode)
 
 
 def experts_parity(mesh_text: str, routes: list[list[list[int]]]) -> dict[str, Any]:

@@ -250,11 +250,20 @@ class GroupedExperts(Module):
         order = torch.argsort(flat_index, stable=True)
         counts = expert_counts(flat_index, self.w1.shape[0])
         token_of = order // top_k
-        y = expert_ffn(
-            x[token_of], counts, self.w1, self.w2, self.w3, use_grouped_mm=self.use_grouped_mm
-        )
+        y = self.grouped_forward(x[token_of], counts)
         y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, token_of, y.to(x.dtype))
+
+    def grouped_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The experts on tokens already in expert-major blocks: ``(N, dim) -> (N, dim)``.
+
+        The maths of :meth:`forward` without its routing (:func:`expert_ffn` on this
+        module's weights); expert parallelism calls it with the received tokens, which
+        arrive grouped by expert, so they are not sorted, weighted and summed again.
+        """
+        return expert_ffn(
+            x, num_tokens_per_expert, self.w1, self.w2, self.w3, use_grouped_mm=self.use_grouped_mm
+        )
 
 
 def balance_statistics(
