@@ -127,19 +127,29 @@ def _counts(mode: CommDebugMode) -> dict[str, int]:
     return comm_counts(mode)
 
 
-def experts_parity(mesh_text: str, routes: list[list[list[int]]]) -> dict[str, Any]:
-    """One ``GroupedExperts`` layer with hand-written routes: ``routes[rank]`` is (T, k)."""
+def experts_parity(
+    mesh_text: str, routes: list[list[list[int]]], num_experts: int = 8
+) -> dict[str, Any]:
+    """One ``GroupedExperts`` layer with hand-written routes: ``routes[rank]`` is (T, k).
+
+    Also runs the layer a second time through the module's own ``forward`` (the path of
+    experts modules without ``grouped_forward``) and reports whether the output and
+    every gradient are bitwise the same (``paths_equal``).
+    """
     from hyper_parallel.distributed.expert_parallel import expert_parallel
 
     mesh = MeshLayout.parse(mesh_text).build("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = GroupedExperts.Config(num_experts=8, dim=16, hidden_dim=12)
+    config = GroupedExperts.Config(num_experts=num_experts, dim=16, hidden_dim=12)
     torch.manual_seed(0)
     reference = config.build()
     for p in reference.parameters():
         torch.nn.init.normal_(p, std=0.3)
     experts = GroupedExperts.Config(
-        num_experts=8, dim=16, hidden_dim=12, sharding_config=expert_parallel(("w1", "w2", "w3"))
+        num_experts=num_experts,
+        dim=16,
+        hidden_dim=12,
+        sharding_config=expert_parallel(("w1", "w2", "w3")),
     ).build()
     experts.load_state_dict(reference.state_dict())
     experts.parallelize(mesh["ep"])
@@ -159,7 +169,7 @@ def experts_parity(mesh_text: str, routes: list[list[list[int]]]) -> dict[str, A
         out = experts(x, torch.tensor(routes[rank]), ws[rank])
     with CommDebugMode() as backward_comms:
         (out * probe[local]).sum().backward()
-    per = 8 // mesh["ep"].size()
+    per = num_experts // mesh["ep"].size()
     first = mesh["ep"].get_local_rank() * per
     grads = {
         name: (_all_reduce(p.grad.to_local(), mesh["efsdp"]) - ref.grad[first : first + per])
@@ -168,6 +178,22 @@ def experts_parity(mesh_text: str, routes: list[list[list[int]]]) -> dict[str, A
         .item()
         for (name, p), ref in zip(experts.named_parameters(), reference.parameters())
     }
+    dispatch = experts.forward
+    grouped = dispatch.grouped_forward
+    assert grouped is not None, "GroupedExperts runs its grouped_forward under ep"
+    first_grads = [p.grad.to_local().clone() for p in experts.parameters()]
+    experts.zero_grad(set_to_none=True)
+    dispatch.grouped_forward = None
+    try:
+        x_own = xs[rank].clone().requires_grad_()
+        out_own = experts(x_own, torch.tensor(routes[rank]), ws[rank])
+        (out_own * probe[local]).sum().backward()
+    finally:
+        dispatch.grouped_forward = grouped
+    same = torch.equal(out, out_own) and torch.equal(x.grad, x_own.grad)
+    same = same and all(
+        torch.equal(a, p.grad.to_local()) for a, p in zip(first_grads, experts.parameters())
+    )
     del world
     return {
         "out": (out - ref_out[local]).abs().max().item(),
@@ -175,6 +201,7 @@ def experts_parity(mesh_text: str, routes: list[list[list[int]]]) -> dict[str, A
         "grads": grads,
         "forward_comms": _counts(forward_comms),
         "backward_comms": _counts(backward_comms),
+        "paths_equal": same,
     }
 
 

@@ -60,6 +60,7 @@ def test_experts_with_zero_tokens_for_some_experts_and_ranks(dist, routes) -> No
         _assert_close(r, ("out", "x_grad"))
         assert r["forward_comms"] == {"all_to_all_single": 3}
         assert r["backward_comms"] == {"all_to_all_single": 2}
+        assert r["paths_equal"], "grouped_forward and the module's forward differ"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

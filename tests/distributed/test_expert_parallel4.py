@@ -53,6 +53,17 @@ def test_ep4_zero_tokens_for_whole_ranks(dist) -> None:
         assert max(r["grads"].values()) < TOL, r["grads"]
         assert r["forward_comms"] == {"all_to_all_single": 3}
         assert r["backward_comms"] == {"all_to_all_single": 2}
+        assert r["paths_equal"], "grouped_forward and the module's forward differ"
+
+
+def test_ep4_one_expert_per_rank(dist) -> None:
+    # 4 experts on 4 ranks: every received block is one expert's, already in order.
+    routes = [[[0, 1], [3, 2]], [[1, 3], [2, 0], [0, 3]], [[3, 1]], [[2, 0], [1, 2]]]
+    results = dist.run(moe_checks.experts_parity, "dp_shard=4,ep=4", routes, 4)
+    for r in results:
+        assert r["out"] < TOL and r["x_grad"] < TOL, r
+        assert max(r["grads"].values()) < TOL, r["grads"]
+        assert r["paths_equal"], "grouped_forward and the module's forward differ"
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
