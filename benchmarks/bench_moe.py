@@ -25,6 +25,7 @@ Run::
 
     .venv/bin/python benchmarks/bench_moe.py
     .venv/bin/python benchmarks/bench_moe.py --reps 5 --json moe.json
+    .venv/bin/python benchmarks/bench_moe.py --step-reps 0   # the layer only (~1 minute)
 """
 
 from __future__ import annotations
@@ -220,6 +221,7 @@ def run(reps: int, inner: int, step_reps: int, seq: int) -> dict[str, Any]:
     steps = [
         gloo_ranks(_step_rank, 4 if "tp" in m else 2, m, step_reps, seq)
         for m in ("dp_shard=2,ep=2", "dp_shard=2,tp=2,ep=2")
+        if step_reps > 0
     ]
     return {"layer": layers, "step": steps, "shape": dict(LAYER, batch=BATCH, seq=SEQ)}
 
@@ -252,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15, help="layer repetitions")
     parser.add_argument("--inner", type=int, default=5, help="layer calls per timed block")
-    parser.add_argument("--step-reps", type=int, default=6, help="training steps timed")
+    parser.add_argument(
+        "--step-reps", type=int, default=6, help="training steps timed (0: layer only)"
+    )
     parser.add_argument("--seq", type=int, default=128, help="training sequence length")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
