@@ -9,24 +9,48 @@ from tests.ci_skips import pytest_runtest_makereport as pytest_runtest_makerepor
 from tests.distributed.harness import DistributedPool
 
 
-@pytest.fixture(scope="module")
-def dist(request: pytest.FixtureRequest):
-    """A gloo process group of ``WORLD_SIZE`` ranks (module attribute), one per test module.
+@pytest.fixture(scope="session")
+def _pools():
+    """Rank pools kept for the whole session, one per (world size, rank timeout).
 
-    A module whose test failed on a rank gets a fresh pool for its next test.
+    Starting a pool (spawn, import torch, gloo rendezvous) costs seconds per rank on a
+    small machine; modules of the same world size take turns on one pool instead.
+    """
+    pools: dict[tuple[int, float], DistributedPool] = {}
+    yield pools
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def dist(request: pytest.FixtureRequest, _pools):
+    """A gloo process group of ``WORLD_SIZE`` ranks (module attribute).
+
+    Modules with the same ``WORLD_SIZE`` and ``RANK_TIMEOUT_S`` share one pool of rank
+    processes (each test function builds its own model and meshes; process-wide
+    switches a test turns, it turns back). A module that sets ``SHARED_POOL = False``
+    gets a pool of its own, closed after it. A test that failed on a rank closes its
+    pool; the next test gets a fresh one.
     """
     world_size = getattr(request.module, "WORLD_SIZE", 2)
     # A module whose rank functions compile (torch.compile) may allow them longer.
     timeout = getattr(request.module, "RANK_TIMEOUT_S", 240.0)
-    holder = {"pool": DistributedPool(world_size, timeout=timeout)}
+    shared = getattr(request.module, "SHARED_POOL", True)
+    key = (world_size, timeout)
+    holder: dict[tuple[int, float], DistributedPool] = _pools if shared else {}
+
+    def pool() -> DistributedPool:
+        if key not in holder or not holder[key]._procs:
+            holder[key] = DistributedPool(world_size, timeout=timeout)
+        return holder[key]
+
+    pool()
 
     class _Handle:
-        world_size = holder["pool"].world_size
-
         def run(self, fn, *args):
-            if not holder["pool"]._procs:
-                holder["pool"] = DistributedPool(world_size, timeout=timeout)
-            return holder["pool"].run(fn, *args)
+            return pool().run(fn, *args)
 
+    _Handle.world_size = world_size
     yield _Handle()
-    holder["pool"].close()
+    if not shared:
+        holder[key].close()

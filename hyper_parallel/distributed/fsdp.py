@@ -184,7 +184,11 @@ def _states_on_one_mesh(model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
                 continue
             spec = DTensorSpec(target, p.placements, tensor_meta=p._spec.tensor_meta)
             same = DTensor(p._local_tensor, spec, requires_grad=p.requires_grad)
-            module.register_parameter(name, nn.Parameter(same, requires_grad=p.requires_grad))
+            param = nn.Parameter(same, requires_grad=p.requires_grad)
+            # nn.Parameter detaches through DTensor's dispatch, whose cache may hand back
+            # the spec of an equal, older mesh object: the parameter keeps ``target``.
+            param._spec = spec
+            module.register_parameter(name, param)
     return target if target is not None else mesh
 
 

@@ -1,0 +1,31 @@
+"""Models built one after another in one process, on equal meshes, each shard under FSDP2.
+
+DTensor caches sharding decisions by mesh *equality*: a parameter re-wrapped for
+FSDP2's SPMD form (context parallel) could come back on an equal mesh object built
+for an earlier model, which FSDP2 (comparing by identity) refuses. A notebook or an
+evaluation loop that builds a second model must not hit that.
+"""
+
+from __future__ import annotations
+
+from hyper_parallel.analysis._world import fake_world
+from hyper_parallel.distributed.fsdp import fsdp_units
+from hyper_parallel.train import TrainConfig
+from hyper_parallel.train.trainer import build_parallel_model
+
+MESH = {"dp_shard": 2, "cp": 2}
+
+
+def _build(model: str, mesh) -> list[str]:
+    cfg = TrainConfig(model=model, mesh=MESH, global_batch_size=4, seq_len=16)
+    model = build_parallel_model(cfg, mesh, "cpu")
+    return [path for path, _ in fsdp_units(model)]
+
+
+def test_a_second_model_on_an_equal_mesh_builds_under_context_parallel():
+    with fake_world(MESH) as mesh:
+        first = _build("qwen3-moe-debug", mesh)
+    with fake_world(MESH) as mesh:
+        second = _build("llama3-debug", mesh)
+        again = _build("llama3-debug", mesh)
+    assert first and second == again and second
