@@ -54,7 +54,8 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
     """Compile every block of ``model.layers`` in place with ``fullgraph=True``.
 
     The blocks stay the same modules (only ``forward`` is replaced by its compiled
-    form), so ``model.layers``, parameter names and checkpoints are unchanged.
+    form), so ``model.layers``, parameter names and checkpoints are unchanged. A block
+    holding routed experts is compiled region by region around them (module docstring).
 
     Args:
         model: A model with a ``layers`` container, already parallelized.
