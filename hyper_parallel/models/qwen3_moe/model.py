@@ -286,6 +286,10 @@ class GroupedExperts(Module):
         self._ffn: Callable[..., torch.Tensor] | None = None  # decided on the first call
         self._compile_backend: str | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (the dry run copies a model onto fake tensors) or a pickle decides again.
+        return {**super().__getstate__(), "_ffn": None}
+
     def compile_compute(self, backend: str = "inductor") -> None:
         """``torch.compile`` (``fullgraph=True``) the experts' maths: the SwiGLU on expert-major blocks.
 
