@@ -502,7 +502,7 @@ def build_parallel_model(
         if layout.ep > 1 and (fsdp_mesh is not None or layout.efsdp > 1):
             # Over efsdp, before the blocks take the rest; also when the dense states
             # have no FSDP mesh (cp on the plan, dp_shard = 1) but efsdp spans cp ranks.
-            shard_experts(model, mesh)
+            shard_experts(model, mesh, mp_policy=precision.fsdp_policy(cfg.dtype))
     # Plan, compile (per block), activation checkpointing around the compiled blocks,
     # then FSDP (see hyper_parallel.distributed.compile for why AC goes outside).
     if cfg.compile:

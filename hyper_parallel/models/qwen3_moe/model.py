@@ -211,13 +211,6 @@ def expert_ffn(
     return _swiglu_blocks(x, num_tokens_per_expert, w1, w2, w3, "grouped_mm" if grouped else "loop")
 
 
-# How the experts split their tokens into blocks (GroupedExperts decides once):
-# "grouped_mm" (one grouped GEMM per weight, offsets from the counts), "loop" (a loop
-# over the experts, the counts read as Python ints), "even" (the loop with an even
-# split assumed: fake tensors, the dry run's uniform routing, carry no counts).
-_FFN_MODES = ("grouped_mm", "loop", "even")
-
-
 def _swiglu_blocks(
     x: torch.Tensor,
     num_tokens_per_expert: torch.Tensor,
@@ -226,6 +219,13 @@ def _swiglu_blocks(
     w3: torch.Tensor,
     mode: str,
 ) -> torch.Tensor:
+    """:func:`expert_ffn` with the split decided by the caller (``GroupedExperts`` once).
+
+    ``mode``: ``"grouped_mm"`` (one grouped GEMM per weight, offsets from the counts),
+    ``"loop"`` (a loop over the experts, the counts read as Python ints) or ``"even"``
+    (the loop with an even split assumed: fake tensors carry no counts, and the dry
+    run states uniform routing).
+    """
     offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
     counts: list[int] | None = None
     if mode == "even":
@@ -291,7 +291,7 @@ class GroupedExperts(Module):
         return {**super().__getstate__(), "_ffn": None}
 
     def compile_compute(self, backend: str = "inductor") -> None:
-        """``torch.compile`` (``fullgraph=True``) the experts' maths: the SwiGLU on expert-major blocks.
+        """``torch.compile`` (``fullgraph=True``) the experts' maths: SwiGLU on expert blocks.
 
         The routing around it (sort, gather, weighted sum) stays eager, and so do, under
         expert parallelism, the dispatch's all-to-alls and the experts' FSDP2 hooks. The
@@ -314,14 +314,15 @@ class GroupedExperts(Module):
             if grouped and self._compile_backend is not None:
                 grouped = _grouped_mm_traces(x.dtype)
             mode = "grouped_mm" if grouped else "loop"
-        ffn = functools.partial(_swiglu_blocks, mode=mode)
+        ffn: Callable[..., torch.Tensor] = functools.partial(_swiglu_blocks, mode=mode)
         if self._compile_backend is not None and mode != "even":
             compiled = torch.compile(ffn, fullgraph=True, backend=self._compile_backend)
 
-            def ffn(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+            def run_compiled(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
                 torch._dynamo.decorators.mark_unbacked(x, 0)
                 return compiled(x, *args)
 
+            ffn = run_compiled
         self._ffn = ffn
         return ffn
 
