@@ -1,4 +1,4 @@
-"""Rank-side checks of a parallelized Llama under ``torch.compile(fullgraph=True)``.
+"""Rank-side checks of parallelized models (Llama, Qwen3-MoE) under ``torch.compile``.
 
 Module-level functions, run on every rank through ``dist.run`` by ``test_compile.py``.
 Each builds the same model twice (same seed), compiles one of them and runs both on
