@@ -7,6 +7,16 @@ is an error rather than a silent slowdown, and module hooks (FSDP's all-gathers)
 outside the compiled region. Both boundary paths (the fast path and DTensor dispatch)
 trace without a break (see ``hyper_parallel.dmodule._fast``).
 
+A block with routed experts (a mixture of experts) is compiled region by region
+instead, as torchtitan does: the experts module runs eagerly — under expert
+parallelism it is an FSDP2 unit of its own (over ``efsdp``), whose hooks dynamo does
+not trace, and its dispatch's all-to-alls take split sizes that change with the
+routing on every call — and everything else is compiled with ``fullgraph=True``:
+each child of the block without experts inside (norms, attention), each child of
+the module holding the experts (the router, the balance statistics), and the
+experts' own maths (``compile_compute``, token count unbacked), so only the
+residual adds, the routing glue and the dispatch run between compiled regions.
+
 Activation checkpointing is applied after compile, around the compiled forward: its
 recomputation reruns the compiled graph. (A checkpoint region traced inside the
 graph — torchtitan's order — fails in this torch's AOTAutograd when the block's
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["BACKENDS", "apply_compile", "blocks_of"]
 
@@ -43,7 +54,8 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
     """Compile every block of ``model.layers`` in place with ``fullgraph=True``.
 
     The blocks stay the same modules (only ``forward`` is replaced by its compiled
-    form), so ``model.layers``, parameter names and checkpoints are unchanged.
+    form), so ``model.layers``, parameter names and checkpoints are unchanged. A block
+    holding routed experts is compiled region by region around them (module docstring).
 
     Args:
         model: A model with a ``layers`` container, already parallelized.
@@ -63,4 +75,37 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
             "'inductor' (default) or 'aot_eager' to debug."
         )
     for block in blocks_of(model, what="apply_compile"):
-        block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+        if _holds_experts(block):
+            _compile_around_experts(block, backend)
+        else:
+            block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """Routed experts: a dispatch in their plan entry, an FSDP2 unit of their own, or
+    maths of their own to compile (``compile_compute``)."""
+    config = getattr(module, "sharding_config", None)
+    return (
+        getattr(config, "dispatch", None) is not None
+        or isinstance(module, FSDPModule)
+        or callable(getattr(module, "compile_compute", None))
+    )
+
+
+def _holds_experts(module: nn.Module) -> bool:
+    return any(_is_experts(m) for m in module.modules() if m is not module)
+
+
+def _compile_around_experts(module: nn.Module, backend: str) -> None:
+    """Compile each child of ``module`` that holds no experts; recurse into the one that
+    does; compile the experts' own maths where they offer it. ``module``'s own
+    forward (residual adds, routing glue) stays eager."""
+    for child in module.children():
+        if _is_experts(child):
+            compile_compute = getattr(child, "compile_compute", None)
+            if callable(compile_compute):
+                compile_compute(backend)
+        elif _holds_experts(child):
+            _compile_around_experts(child, backend)
+        else:
+            child.forward = torch.compile(child.forward, fullgraph=True, backend=backend)

@@ -376,6 +376,8 @@ class RoutedExpertsDispatch:
             num_experts = owner._parameters[leaf].shape[0]
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep_size
+        # Fake weights (the dry run) carry no counts: route uniformly, stated there.
+        self.uniform_routing = is_fake(owner._parameters[leaf])
         # Modules that size their own bookkeeping by a `num_experts` attribute (Hugging
         # Face's experts do) see the local count while they run on local weights.
         self.count_attr = getattr(module, "num_experts", None) == num_experts
@@ -421,8 +423,7 @@ class RoutedExpertsDispatch:
             recv_counts = funcol.wait_tensor(
                 funcol.all_to_all_single(counts, None, None, self.group)
             )
-        if is_fake(counts):
-            # Fake tensors (the dry run) carry no counts: uniform routing, stated there.
+        if self.uniform_routing:
             send_splits = recv_splits = _even_split(flat_index.numel(), self.ep_size)
         else:
             splits = torch.stack(

@@ -415,7 +415,6 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Findin
         findings += context_parallel.cp_findings(config, layout, cfg.seq_len)
     if layout.pp > 1:
         findings += _pipeline_findings(cfg, layout)
-    findings += _switch_findings(cfg, layout)
     return findings
 
 
@@ -444,32 +443,6 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
         split=split,
         batch_size=cfg.global_batch_size // cfg.dp,
     )
-
-
-def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
-    """Training switches that a layout does not run, refused rather than ignored.
-
-    The routed-experts dispatch checks for fake tensors and probes ``torch._grouped_mm``
-    while it runs, and the experts are an FSDP2 unit of their own inside the block: a
-    ``fullgraph`` block cannot trace either (the data-dependent split sizes alone would
-    trace, as unbacked sizes). (Pipeline stages take compile, activation
-    checkpointing and bf16 per block, inside each stage.)
-    """
-    findings = []
-    if layout.ep > 1 and cfg.compile:
-        findings.append(
-            Finding(
-                "error",
-                "mesh",
-                "ep",
-                f"ep={layout.ep}: torch.compile(fullgraph=True) of a whole block cannot "
-                "trace the routed experts: the dispatch checks for fake tensors and probes "
-                "torch._grouped_mm while it runs, and the experts are an FSDP2 unit of their "
-                "own (over efsdp) whose hooks run inside the block.",
-                "drop --compile, or train without ep.",
-            )
-        )
-    return findings
 
 
 def _raise_findings(findings: list[Finding], where: str) -> None:
@@ -529,7 +502,7 @@ def build_parallel_model(
         if layout.ep > 1 and (fsdp_mesh is not None or layout.efsdp > 1):
             # Over efsdp, before the blocks take the rest; also when the dense states
             # have no FSDP mesh (cp on the plan, dp_shard = 1) but efsdp spans cp ranks.
-            shard_experts(model, mesh)
+            shard_experts(model, mesh, mp_policy=precision.fsdp_policy(cfg.dtype))
     # Plan, compile (per block), activation checkpointing around the compiled blocks,
     # then FSDP (see hyper_parallel.distributed.compile for why AC goes outside).
     if cfg.compile:

@@ -325,6 +325,33 @@ def trainer_parity(mesh_text: str) -> dict[str, float]:
     return diffs
 
 
+def trainer_bf16_loss(mesh_text: str) -> dict[str, Any]:
+    """The trainer's bf16 build (FSDP2 bf16 policy, experts' unit too) vs one fp32 device.
+
+    Returns the experts' compute dtype inside the forward, and the global loss's
+    difference from the one-device fp32 loss on the same batch.
+    """
+    from hyper_parallel.train import TrainConfig, build_parallel_model
+    from hyper_parallel.train.trainer import build_mesh
+
+    layout = MeshLayout.parse(mesh_text)
+    cfg = TrainConfig(model="qwen3-moe-debug", mesh=layout.active(), dtype="bf16")
+    mesh = build_mesh(layout, device="cpu")
+    model = build_parallel_model(cfg, mesh, device="cpu")
+    reference = build_parallel_model(cfg.replace(dtype="fp32"), None, device="cpu")
+    seen: list[torch.dtype] = []
+    experts = model.layers[0].moe.experts
+    hook = experts.register_forward_pre_hook(lambda m, args: seen.append(m.w1.dtype))
+    tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    rows = _batch_rows(mesh, BATCH)
+    loss = cross_entropy_loss(model(tokens[rows, :-1]).float(), tokens[rows, 1:])
+    loss.backward()
+    hook.remove()
+    ref_loss = cross_entropy_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+    global_loss = _all_reduce(loss.detach(), mesh["batch"]) / mesh["batch"].size()
+    return {"expert_dtype": seen[0], "loss_diff": (global_loss - ref_loss.detach()).abs().item()}
+
+
 def tp_model_parity(
     mesh_text: str, sequence_parallel: bool = False, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""A parallelized Llama under ``torch.compile(fullgraph=True)`` on 2 gloo ranks.
+"""Parallelized models (the Llama, the Qwen3-MoE) under ``torch.compile(fullgraph=True)`` on 2 gloo ranks.
 
 Covered: the fast path (local shards, functional collectives) and the DTensor
 boundaries it keeps (the blocks' sequence-parallel entry), the DTensor path
@@ -6,7 +6,8 @@ boundaries it keeps (the blocks' sequence-parallel entry), the DTensor path
 the attention core's ``local_map`` region), every boundary kind (column/row-wise,
 sequence-parallel entry and exit, vocab-parallel embedding, norms, the attention
 ``local_map`` region), per block (as torchtitan compiles) and whole model, with
-``aot_eager``.
+``aot_eager``; and the Qwen3-MoE decoder with expert parallelism (dp_shard x ep),
+built by the trainer, whose blocks compile region by region around the experts.
 Each case: compiled loss and every gradient equal eager to 1e-5 over two
 accumulating steps; no graph break (``fullgraph=True`` raises on one, dynamo's
 counter stays 0); no recompile on a second step of the same shape; where new
@@ -34,6 +35,7 @@ from tests.distributed.compile_checks import (
     backward_twice,
     compiled_cp_matches_eager,
     compiled_matches_eager,
+    compiled_moe_matches_eager,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -77,5 +79,17 @@ def test_compiled_context_parallel_block_equals_eager(dist):
     for r in dist.run(compiled_cp_matches_eager, "aot_eager"):
         assert r["graph_breaks"] == 0
         assert r["graphs"] == [1, 1]  # compiled once, not again on the second step
+        assert max(r["loss_diffs"]) <= TOL, r["loss_diffs"]
+        assert r["grad_diff"] <= TOL
+
+
+def test_compiled_moe_blocks_with_expert_parallel_equal_eager(dist):
+    # Compiled regions of the one MoE block: the attention, the RMSNorm (both norms share
+    # one graph), the router, the balance statistics and the experts' maths; the experts
+    # module (an FSDP2 unit, its dispatch's all-to-alls) runs eagerly between them.
+    for r in dist.run(compiled_moe_matches_eager, "aot_eager"):
+        assert r["experts_fsdp_unit"]
+        assert r["graph_breaks"] == 0
+        assert r["graphs"] == [5, 5], r["graphs"]  # compiled once, not again on step two
         assert max(r["loss_diffs"]) <= TOL, r["loss_diffs"]
         assert r["grad_diff"] <= TOL

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hyper_parallel.dmodule import get_spec
 from hyper_parallel.models.qwen3_moe import (
@@ -126,6 +129,24 @@ def test_expert_ffn_takes_zero_token_blocks() -> None:
     y = expert_ffn(x, counts, experts.w1, experts.w2, experts.w3)
     ref = experts.w2[1] @ (torch.nn.functional.silu(experts.w1[1] @ x.T) * (experts.w3[1] @ x.T))
     torch.testing.assert_close(y, ref.T)
+
+
+def test_experts_decide_their_split_once_and_a_copy_on_fake_tensors_decides_again() -> None:
+    experts = _experts(False)  # the loop: reads the counts as Python ints
+    index = torch.tensor([[0, 2], [2, 0], [3, 0]])
+    experts(torch.randn(3, 8), index, torch.rand(3, 2))
+    decided = experts._ffn
+    experts(torch.randn(3, 8), index, torch.rand(3, 2))
+    assert experts._ffn is decided
+    # A copy on fake tensors (as the dry run makes one) has no counts to read: it must
+    # assume an even split rather than reuse the real tensors' decision.
+    mode = FakeTensorMode()
+    fake_index = mode.from_tensor(index)
+    with mode:
+        memo = {id(p): torch.nn.Parameter(torch.empty(p.shape)) for p in experts.parameters()}
+        fake = copy.deepcopy(experts, memo)
+        y = fake(torch.empty(3, 8), fake_index, torch.empty(3, 2))
+    assert y.shape == (3, 8)
 
 
 def test_balance_loss_is_one_when_perfectly_balanced_and_decomposes_by_sequence() -> None:

@@ -16,6 +16,8 @@ Face's experts modules — so expert parallelism
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,16 +207,51 @@ def expert_ffn(
     Returns:
         ``(N, dim)`` expert outputs in the same order.
     """
+    grouped = use_grouped_mm and _grouped_mm_runs(x, w1) and _grouped_mm_runs(x, w2)
+    return _swiglu_blocks(x, num_tokens_per_expert, w1, w2, w3, "grouped_mm" if grouped else "loop")
+
+
+def _swiglu_blocks(
+    x: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    mode: str,
+) -> torch.Tensor:
+    """:func:`expert_ffn` with the split decided by the caller (``GroupedExperts`` once).
+
+    ``mode``: ``"grouped_mm"`` (one grouped GEMM per weight, offsets from the counts),
+    ``"loop"`` (a loop over the experts, the counts read as Python ints) or ``"even"``
+    (the loop with an even split assumed: fake tensors carry no counts, and the dry
+    run states uniform routing).
+    """
     offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-    if is_fake(x):
-        # Fake tensors (the dry run) carry no counts: assume an even split (uniform routing).
-        counts: list[int] | None = even_split(x.shape[0], num_tokens_per_expert.shape[0])
-    elif use_grouped_mm and _grouped_mm_runs(x, w1) and _grouped_mm_runs(x, w2):
-        counts = None
-    else:
+    counts: list[int] | None = None
+    if mode == "even":
+        counts = even_split(x.shape[0], num_tokens_per_expert.shape[0])
+    elif mode == "loop":
         counts = num_tokens_per_expert.tolist()
     h = F.silu(_grouped_linear(x, w1, counts, offsets)) * _grouped_linear(x, w3, counts, offsets)
     return _grouped_linear(h, w2, counts, offsets)
+
+
+@functools.cache
+def _grouped_mm_traces(dtype: torch.dtype) -> bool:
+    """Whether ``torch.compile`` can trace ``torch._grouped_mm`` in ``dtype``.
+
+    Tracing runs the operator's meta kernel, which accepts fewer dtypes than the CPU
+    kernel (bf16 only in this torch); asked once per dtype, on the meta device.
+    """
+    try:
+        torch._grouped_mm(
+            torch.empty(8, 8, dtype=dtype, device="meta"),
+            torch.empty(2, 8, 8, dtype=dtype, device="meta"),
+            offs=torch.empty(2, dtype=torch.int32, device="meta"),
+        )
+    except RuntimeError:
+        return False
+    return True
 
 
 class GroupedExperts(Module):
@@ -224,6 +261,12 @@ class GroupedExperts(Module):
     ``out[t] = sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(x[t])``. The
     number of experts is read from the weights, so the same code runs on a rank's
     local experts (indices then count from that rank's first expert).
+
+    How the tokens are split into expert blocks is decided on the first call and
+    kept: ``torch._grouped_mm`` where it runs for these tensors (``use_grouped_mm``),
+    else a loop over the experts; on fake tensors (the dry run, which carries no
+    counts) the loop with an even split (uniform routing). :meth:`compile_compute`
+    compiles the experts' maths alone.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -240,6 +283,48 @@ class GroupedExperts(Module):
         self.w1 = nn.Parameter(torch.empty(e, h, d))
         self.w2 = nn.Parameter(torch.empty(e, d, h))
         self.w3 = nn.Parameter(torch.empty(e, h, d))
+        self._ffn: Callable[..., torch.Tensor] | None = None  # decided on the first call
+        self._compile_backend: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (the dry run copies a model onto fake tensors) or a pickle decides again.
+        return {**super().__getstate__(), "_ffn": None}
+
+    def compile_compute(self, backend: str = "inductor") -> None:
+        """``torch.compile`` (``fullgraph=True``) the experts' maths: SwiGLU on expert blocks.
+
+        The routing around it (sort, gather, weighted sum) stays eager, and so do, under
+        expert parallelism, the dispatch's all-to-alls and the experts' FSDP2 hooks. The
+        token count is marked unbacked: it changes with the routing on every call, and one
+        graph serves every count, zero included. Compiled, the grouped GEMM is used only in
+        dtypes its meta kernel traces (bf16 in this torch), else the loop, whose block
+        sizes are then read as unbacked ints (``capture_scalar_outputs``, set here).
+        """
+        torch._dynamo.config.capture_scalar_outputs = True
+        self._compile_backend = backend
+        self._ffn = None
+
+    def _decide_ffn(self, x: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """The experts' maths for tensors like ``x``: decided once, on the first call."""
+        if is_fake(x):
+            mode = "even"
+        else:
+            grouped = self.use_grouped_mm and _grouped_mm_runs(x, self.w1)
+            grouped = grouped and _grouped_mm_runs(x, self.w2)
+            if grouped and self._compile_backend is not None:
+                grouped = _grouped_mm_traces(x.dtype)
+            mode = "grouped_mm" if grouped else "loop"
+        ffn: Callable[..., torch.Tensor] = functools.partial(_swiglu_blocks, mode=mode)
+        if self._compile_backend is not None and mode != "even":
+            compiled = torch.compile(ffn, fullgraph=True, backend=self._compile_backend)
+
+            def run_compiled(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+                torch._dynamo.decorators.mark_unbacked(x, 0)
+                return compiled(x, *args)
+
+            ffn = run_compiled
+        self._ffn = ffn
+        return ffn
 
     def forward(
         self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -261,9 +346,8 @@ class GroupedExperts(Module):
         module's weights); expert parallelism calls it with the received tokens, which
         arrive grouped by expert, so they are not sorted, weighted and summed again.
         """
-        return expert_ffn(
-            x, num_tokens_per_expert, self.w1, self.w2, self.w3, use_grouped_mm=self.use_grouped_mm
-        )
+        ffn = self._ffn or self._decide_ffn(x)
+        return ffn(x, num_tokens_per_expert, self.w1, self.w2, self.w3)
 
 
 def balance_statistics(
