@@ -580,14 +580,6 @@ def rescale_expert_grads(model: nn.Module, layout: MeshLayout) -> None:
                 p.grad.mul_(efsdp / dp_shard)
 
 
-_REFUSED_WITH_EP = {
-    "pp": (
-        "pipeline stages are built without the routed-experts dispatch",
-        "leave pp out of the mesh and give its ranks to dp_shard",
-    ),
-}
-
-
 def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
     """Mesh combinations expert parallelism does not run, each refused with the alternative.
 
@@ -595,7 +587,8 @@ def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
     tensor-parallel groups (``ep`` a multiple of ``tp``): each tp rank routes its own
     slice of the sequence, each cp rank its own head-tail part, and the expert replicas
     are the efsdp ranks, which FSDP2 reduces. With ``dp_replicate`` the expert states
-    are HSDP over ``(edp_replicate, efsdp)``. ``ep`` with ``pp`` is refused.
+    are HSDP over ``(edp_replicate, efsdp)``. With ``pp`` each pipeline's ranks
+    borrow their own ep groups (the ``ep`` and ``efsdp`` meshes are per pp rank).
     """
     if layout.ep == 1:
         return []
@@ -615,18 +608,6 @@ def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
                 f"tp = {layout.dp_shard * layout.cp * layout.tp} (e.g. ep={layout.tp}).",
             )
         )
-    for axis, (reason, fix) in _REFUSED_WITH_EP.items():
-        size = layout.size(axis)
-        if size > 1:
-            out.append(
-                Finding(
-                    "error",
-                    "mesh",
-                    "ep",
-                    f"ep={layout.ep} with {axis}={size}: {reason}.",
-                    fix + ".",
-                )
-            )
     return out
 
 

@@ -586,7 +586,8 @@ def build_pipeline_stages(
     """This rank's pipeline stages of ``cfg.model`` and their plan (``pp > 1``).
 
     Each stage is built on meta from the model's sharded config, tensor parallel on
-    the plan's submesh, its blocks compiled and checkpointed as ``cfg`` says, FSDP2
+    the plan's submesh (with ``ep``, its routed experts on this pp rank's ``ep`` mesh and
+    FSDP2-sharded over its ``efsdp``, as at pp=1), its blocks compiled and checkpointed as ``cfg`` says, FSDP2
     (with ``cfg.dtype``'s policy; bf16 autocast without FSDP) over the same FSDP mesh
     as :func:`build_parallel_model`, materialized and initialized per unit.
     """
@@ -613,6 +614,7 @@ def build_pipeline_stages(
         seed=cfg.seed,
         tp_mesh=plan_mesh(mesh, axes),
         fsdp_mesh=fsdp_mesh_for(mesh, axes),
+        expert_mesh=mesh if mesh.layout.ep > 1 else None,
         compile_backend="inductor" if cfg.compile else None,
         ac=cfg.ac,
         dtype=cfg.dtype,
@@ -883,6 +885,9 @@ class Trainer:
             loss = pipeline_step(
                 self.schedule, self.pipeline_plan, self.mesh["pp"], batch.inputs, batch.targets
             )
+            if self.mesh.layout.ep > 1:  # after the schedule's reduction and 1 / M scaling
+                for part in self.model_parts:
+                    rescale_expert_grads(part, self.mesh.layout)
             params = [p for m in self.model_parts for p in m.parameters()]
             grad_norm = clip_grad_norm_(params, max_norm, group=self.mesh["pp"].get_group())
         else:

@@ -77,6 +77,38 @@ def test_pp2_cp2(dist, schedule):
     assert all(p == ["S(0)"] for r in results for p in r["placements"].values())
 
 
+# The mixture of experts: ep=2 borrows the dp_shard ranks inside each stage, the routed
+# experts dispatched over this pp rank's ep group; every stage's routers also get their
+# layers' balance-loss gradient (which the check shows is far above the tolerance).
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_moe_pp2_ep2_trains_like_one_device(dist, schedule):
+    overrides = {"aux_loss_coef": 0.1}
+    results = dist.run(
+        train_vs_one_device,
+        "pp=2,dp_shard=2,ep=2",
+        schedule,
+        2,
+        NUM_STEPS,
+        None,
+        overrides,
+        False,
+        None,
+        "qwen3-moe-debug",
+    )
+    _check_parity(_dedupe(results, 2), overrides, "qwen3-moe-debug")
+    for r in results:
+        assert max(r["grad_diffs"].values()) <= 1e-5, r["grad_diffs"]
+        # Experts: (efsdp, ep) with whole experts split over ep; dense states FSDP2 only.
+        experts = {n: p for n, p in r["placements"].items() if ".moe.experts." in n}
+        assert experts and all(len(p) == 2 and p[1] == "S(0)" for p in experts.values())
+        dense = [p for n, p in r["placements"].items() if n not in experts]
+        assert all(p == ["S(0)"] for p in dense), dense
+        assert min(r["router_aux"].values()) > 1e-3, r["router_aux"]
+    assert [sorted({n.split(".")[1] for n in r["grad_diffs"] if "router" in n}) for r in results] == [
+        ["0"], ["0"], ["1"], ["1"]
+    ]
+
+
 def test_pp2_dp_replicate2_hsdp(dist):
     results = dist.run(train_vs_one_device, "pp=2,dp_replicate=2", "1F1B", 2, NUM_STEPS)
     _check_parity(_dedupe(results, 2))
