@@ -574,7 +574,9 @@ def stage_collectives(
             )
             report = dry_run(
                 stage_config,
-                flat,
+                # A stage with no block holds no routed experts: traced without ep
+                # (which borrows ranks and adds none, so the dense mesh is the same).
+                flat if num_blocks else dataclasses.replace(flat, ep=1),
                 batch_size=microbatch_size,
                 seq_len=seq_len,
                 fsdp=fsdp,

@@ -61,6 +61,7 @@ from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.distributed.expert_parallel import (
     ep_findings,
     ep_layout_findings,
+    ep_schedule_findings,
     parallelize_with_experts,
     rescale_expert_grads,
     shard_experts,
@@ -443,7 +444,7 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
         num_microbatches=cfg.microbatches,
         split=split,
         batch_size=cfg.global_batch_size // cfg.dp,
-    )
+    ) + ep_schedule_findings(layout, cfg.schedule)
 
 
 def _switch_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:

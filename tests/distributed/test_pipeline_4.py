@@ -104,9 +104,9 @@ def test_moe_pp2_ep2_trains_like_one_device(dist, schedule):
         dense = [p for n, p in r["placements"].items() if n not in experts]
         assert all(p == ["S(0)"] for p in dense), dense
         assert min(r["router_aux"].values()) > 1e-3, r["router_aux"]
-    assert [sorted({n.split(".")[1] for n in r["grad_diffs"] if "router" in n}) for r in results] == [
-        ["0"], ["0"], ["1"], ["1"]
-    ]
+    assert [
+        sorted({n.split(".")[1] for n in r["grad_diffs"] if "router" in n}) for r in results
+    ] == [["0"], ["0"], ["1"], ["1"]]
 
 
 def test_pp2_dp_replicate2_hsdp(dist):
