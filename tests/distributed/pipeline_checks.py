@@ -325,7 +325,11 @@ def checkpoint_across_meshes(path: str) -> dict[str, Any]:
 
 
 def trainer_parity(
-    mesh: dict, schedule: str, num_microbatches: int, switches: dict | None = None
+    mesh: dict,
+    schedule: str,
+    num_microbatches: int,
+    switches: dict | None = None,
+    model: str = "llama3-debug",
 ) -> dict[str, Any]:
     """The trainer at ``mesh`` (with pp) and in one process: per-step losses of both.
 
@@ -334,6 +338,7 @@ def trainer_parity(
     from hyper_parallel.train import TrainConfig, Trainer
 
     cfg = TrainConfig(
+        model=model,
         mesh=mesh,
         schedule=schedule,
         num_microbatches=num_microbatches,

@@ -151,6 +151,19 @@ def test_trainer_with_pp_matches_one_process(dist):
         assert len(r["parts"]) == 2
 
 
+def test_trainer_with_moe_pp2_ep2_matches_one_process(dist):
+    # The trainer's wiring: experts on each pp rank's ep mesh, their gradients scaled
+    # to the dense convention after the schedule (dp_shard / efsdp = 2), clipped over pp.
+    mesh = {"pp": 2, "dp_shard": 2, "ep": 2}
+    results = dist.run(trainer_parity, mesh, "1F1B", 2, None, "qwen3-moe-debug")
+    for r in results:
+        assert len(r["losses"]) == 3
+        for a, b in zip(r["losses"], r["ref_losses"], strict=True):
+            assert abs(a - b) <= 1e-5
+        for a, b in zip(r["grad_norms"], r["ref_grad_norms"], strict=True):
+            assert abs(a - b) <= 1e-5 * max(1.0, b)
+
+
 def test_trainer_with_pp_bf16_and_ac_matches_the_bf16_one_process_run(dist):
     # FSDP2's bf16 policy in each stage (fp32 master weights and reduction) against the
     # one-process bf16 run (autocast), with selective checkpointing inside the stages.
