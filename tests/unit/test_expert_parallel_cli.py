@@ -147,3 +147,26 @@ def test_plan_with_replicas_all_reduces_expert_gradients_over_them(capsys) -> No
     assert reduce["edp_replicate"]["count"] == len(config.layers)
     assert reduce["edp_replicate"]["bytes"] == num_expert_params(config) * 4 // 2
     assert "dp_replicate" in reduce
+
+
+def test_plan_counts_each_stages_dispatch_once_per_microbatch() -> None:
+    # pp=2 x dp_shard=2 x ep=2: each stage's MoE layer dispatches every micro-batch
+    # (3 all-to-alls forward, their 2 transposes backward), on its own pp rank's ep group.
+    from hyper_parallel.analysis.pipeline_cost import stage_collectives
+    from hyper_parallel.distributed import MeshLayout
+    from hyper_parallel.distributed.pipeline import plan_pipeline
+    from hyper_parallel.models.qwen3_moe import PIPELINE, apply_ep
+
+    config = preset_config("qwen3-moe-debug")
+    layout = MeshLayout.parse("pp=2,dp_shard=2,ep=2")
+    plan = plan_pipeline(PIPELINE.units(config), pp=2, schedule="1F1B", num_microbatches=4)
+    stages = stage_collectives(
+        plan, PIPELINE, apply_ep(config), layout, microbatch_size=1, seq_len=16
+    )
+    assert [list(s) for s in plan.stages] == [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "norm+output"],
+    ]
+    for stage in stages:
+        a2a = {c["phase"]: c["count"] for c in stage["collectives"] if c["kind"] == "all_to_all"}
+        assert a2a == {"forward": 3 * 4, "backward": 2 * 4}, stage["collectives"]
