@@ -893,6 +893,7 @@ def build_stage_modules(
     tp_mesh: Any = None,
     fsdp_mesh: Any = None,
     expert_mesh: Any = None,
+    gradient_divide_factor: float | None = None,
     compile_backend: str | None = None,
     ac: str = "none",
     dtype: str = "fp32",
@@ -929,6 +930,12 @@ def build_stage_modules(
             (:func:`~hyper_parallel.distributed.expert_parallel.parallelize_with_experts`),
             and each experts module is its own FSDP2 unit over ``efsdp`` before the
             blocks are wrapped, as at pp=1.
+        gradient_divide_factor: What FSDP2 divides the dense units' reduced
+            gradients by instead of its mesh size (summed, then divided): the
+            trainer's convention under ``cp`` (each rank's loss scaled by ``1 / cp``,
+            gradients summed over cp and divided by the data-parallel ranks only), so
+            gradients a model sends at a fixed size, like the MoE balance loss's,
+            come out right. ``None``: FSDP2's mean over its mesh.
         compile_backend: ``torch.compile`` each block with this backend
             (``fullgraph=True``); ``None``: eager.
         ac: Activation checkpointing of the blocks: ``"none"``, ``"full"`` or
@@ -969,10 +976,13 @@ def build_stage_modules(
             if dims is not None:  # the stage's own mesh under cp: FSDP2's SPMD form
                 mesh = _states_on_one_mesh(module, fsdp_mesh)
                 kwargs["dp_mesh_dims"] = dims
-            if plan.schedule not in SPLIT_BACKWARD_SCHEDULES:
-                for block in blocks.values():
-                    fully_shard(block, mesh=mesh, **kwargs)
-            fully_shard(module, mesh=mesh, **kwargs)
+            units = [] if plan.schedule in SPLIT_BACKWARD_SCHEDULES else list(blocks.values())
+            for unit in [*units, module]:
+                fully_shard(unit, mesh=mesh, **kwargs)
+                if gradient_divide_factor is not None:
+                    unit.set_gradient_divide_factor(gradient_divide_factor)
+                    # A custom factor is a PREMUL_SUM reduction, which gloo lacks.
+                    unit.set_force_sum_reduction_for_comms(True)
         elif dtype != "fp32":
             module.forward = _Autocast(module.forward, torch.device(device).type)
         module.to_empty(device=device)
