@@ -574,7 +574,9 @@ def stage_collectives(
             )
             report = dry_run(
                 stage_config,
-                flat,
+                # A stage with no block holds no routed experts: traced without ep
+                # (which borrows ranks and adds none, so the dense mesh is the same).
+                flat if num_blocks else dataclasses.replace(flat, ep=1),
                 batch_size=microbatch_size,
                 seq_len=seq_len,
                 fsdp=fsdp,
@@ -621,13 +623,15 @@ def _per_step(
 ) -> list[tuple[dict[_Key, dict[str, int]], int]]:
     """Weights that turn one micro-batch's collectives into one step's.
 
-    Collectives on a model axis move activations: once per micro-batch. On a data
-    axis, gradients are reduced once per step; parameters are gathered once for the
-    stage root (``gathers=None``), per ``gathers[phase]`` for the blocks.
+    Collectives on a model axis move activations: once per micro-batch, as does every
+    all-to-all (the routed experts' dispatch, whose ep group may be the very ranks of a
+    data axis). On a data axis, gradients are reduced once per step; parameters are
+    gathered once for the stage root (``gathers=None``), per ``gathers[phase]`` for the
+    blocks.
     """
     scaled = []
     for (kind, axis, phase), v in part.items():
-        if axis not in data_axes:
+        if axis not in data_axes or kind == "all_to_all":
             weight = num_microbatches
         elif kind == "all_gather":
             weight = 1 if gathers is None else gathers[phase]

@@ -66,6 +66,7 @@ from hyper_parallel.distributed.expert_parallel import (
     ep_findings,
     ep_layout_findings,
     ep_plan_findings,
+    ep_schedule_findings,
 )
 from hyper_parallel.distributed.fsdp import fsdp_mesh_findings
 from hyper_parallel.distributed.layout import (
@@ -506,6 +507,7 @@ def _pipeline_part(
         model=model,
     )
     findings += [dataclasses.replace(f, path=f.path or "pipeline") for f in found]
+    findings += ep_schedule_findings(layout, schedule)
     if num_microbatches >= 1 and batch_size % num_microbatches == 0:
         return findings, batch_size // num_microbatches
     return findings, batch_size

@@ -892,6 +892,8 @@ def build_stage_modules(
     seed: int,
     tp_mesh: Any = None,
     fsdp_mesh: Any = None,
+    expert_mesh: Any = None,
+    gradient_divide_factor: float | None = None,
     compile_backend: str | None = None,
     ac: str = "none",
     dtype: str = "fp32",
@@ -921,6 +923,19 @@ def build_stage_modules(
         seed: The run's seed (:func:`init_states_by_unit`).
         tp_mesh: The submesh the model's sharding is applied on, or ``None``.
         fsdp_mesh: The FSDP2 mesh, or ``None``.
+        expert_mesh: With expert parallelism, the run's
+            :class:`~hyper_parallel.distributed.ParallelMesh` (its ``ep`` and ``efsdp``
+            views are this pp rank's): the routed experts are parallelized on
+            ``mesh["ep"]`` and the rest on ``tp_mesh``
+            (:func:`~hyper_parallel.distributed.expert_parallel.parallelize_with_experts`),
+            and each experts module is its own FSDP2 unit over ``efsdp`` before the
+            blocks are wrapped, as at pp=1.
+        gradient_divide_factor: What FSDP2 divides the dense units' reduced
+            gradients by instead of its mesh size (summed, then divided): the
+            trainer's convention under ``cp`` (each rank's loss scaled by ``1 / cp``,
+            gradients summed over cp and divided by the data-parallel ranks only), so
+            gradients a model sends at a fixed size, like the MoE balance loss's,
+            come out right. ``None``: FSDP2's mean over its mesh.
         compile_backend: ``torch.compile`` each block with this backend
             (``fullgraph=True``); ``None``: eager.
         ac: Activation checkpointing of the blocks: ``"none"``, ``"full"`` or
@@ -942,7 +957,9 @@ def build_stage_modules(
     for s in plan.stages_of_rank(pp_rank):
         with torch.device("meta"):
             module = layout.stage_config(config, plan.stages[s]).build()
-        if tp_mesh is not None:
+        if expert_mesh is not None:
+            _parallelize_experts(module, expert_mesh, tp_mesh, fsdp_mesh)
+        elif tp_mesh is not None:
             module.parallelize(tp_mesh)
         blocks = getattr(module, layout.layers)
         if compile_backend is not None and len(blocks):
@@ -959,16 +976,33 @@ def build_stage_modules(
             if dims is not None:  # the stage's own mesh under cp: FSDP2's SPMD form
                 mesh = _states_on_one_mesh(module, fsdp_mesh)
                 kwargs["dp_mesh_dims"] = dims
-            if plan.schedule not in SPLIT_BACKWARD_SCHEDULES:
-                for block in blocks.values():
-                    fully_shard(block, mesh=mesh, **kwargs)
-            fully_shard(module, mesh=mesh, **kwargs)
+            units = [] if plan.schedule in SPLIT_BACKWARD_SCHEDULES else list(blocks.values())
+            for unit in [*units, module]:
+                fully_shard(unit, mesh=mesh, **kwargs)
+                if gradient_divide_factor is not None:
+                    unit.set_gradient_divide_factor(gradient_divide_factor)
+                    # A custom factor is a PREMUL_SUM reduction, which gloo lacks.
+                    unit.set_force_sum_reduction_for_comms(True)
         elif dtype != "fp32":
             module.forward = _Autocast(module.forward, torch.device(device).type)
         module.to_empty(device=device)
         init_states_by_unit(module, layout, seed)
         modules.append(module)
     return modules
+
+
+def _parallelize_experts(module: nn.Module, mesh: Any, dense_mesh: Any, fsdp_mesh: Any) -> None:
+    """A stage's routed experts on ``mesh["ep"]`` (FSDP2 over ``efsdp``), the rest on ``dense_mesh``.
+
+    The trainer's pp=1 steps on the stage's part of the model: the ``ep`` and
+    ``efsdp`` meshes are those of this pp rank (the layout borrows ep from dp_shard x
+    cp x tp inside each pipeline's ranks).
+    """
+    from hyper_parallel.distributed.expert_parallel import parallelize_with_experts, shard_experts
+
+    parallelize_with_experts(module, mesh, dense_mesh)
+    if fsdp_mesh is not None or mesh.layout.efsdp > 1:
+        shard_experts(module, mesh)
 
 
 def _compile_without_donated_buffers() -> None:

@@ -61,6 +61,7 @@ from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.distributed.expert_parallel import (
     ep_findings,
     ep_layout_findings,
+    ep_schedule_findings,
     parallelize_with_experts,
     rescale_expert_grads,
     shard_experts,
@@ -442,7 +443,7 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
         num_microbatches=cfg.microbatches,
         split=split,
         batch_size=cfg.global_batch_size // cfg.dp,
-    )
+    ) + ep_schedule_findings(layout, cfg.schedule)
 
 
 def _raise_findings(findings: list[Finding], where: str) -> None:
@@ -559,9 +560,13 @@ def build_pipeline_stages(
     """This rank's pipeline stages of ``cfg.model`` and their plan (``pp > 1``).
 
     Each stage is built on meta from the model's sharded config, tensor parallel on
-    the plan's submesh, its blocks compiled and checkpointed as ``cfg`` says, FSDP2
-    (with ``cfg.dtype``'s policy; bf16 autocast without FSDP) over the same FSDP mesh
-    as :func:`build_parallel_model`, materialized and initialized per unit.
+    the plan's submesh (with ``ep``, its routed experts on this pp rank's ``ep`` mesh
+    and FSDP2-sharded over its ``efsdp``, as at pp=1), its blocks compiled and
+    checkpointed as ``cfg`` says, FSDP2 (with ``cfg.dtype``'s policy; bf16 autocast
+    without FSDP) over the same FSDP mesh as :func:`build_parallel_model` (under
+    ``cp`` with the same gradient divide factor: the loss is scaled by ``1 / cp`` and
+    the cp ranks' gradients summed, see :meth:`Trainer.backward`), materialized and
+    initialized per unit.
     """
     device = torch.device(device if device is not None else default_device())
     spec = get_spec(cfg.model)
@@ -586,6 +591,8 @@ def build_pipeline_stages(
         seed=cfg.seed,
         tp_mesh=plan_mesh(mesh, axes),
         fsdp_mesh=fsdp_mesh_for(mesh, axes),
+        expert_mesh=mesh if mesh.layout.ep > 1 else None,
+        gradient_divide_factor=float(mesh.layout.size("batch")) if mesh.layout.cp > 1 else None,
         compile_backend="inductor" if cfg.compile else None,
         ac=cfg.ac,
         dtype=cfg.dtype,
@@ -680,6 +687,16 @@ def _quiet_redistribute_hints() -> Iterator[None]:
         logger.setLevel(level)
 
 
+class _Scaled:
+    """``loss_fn(...) / divisor``: each cp rank's share of the loss under a pipeline."""
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], divisor: int) -> None:
+        self.loss_fn, self.divisor = loss_fn, divisor
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.loss_fn(*args, **kwargs) / self.divisor
+
+
 class _Progress:
     """A one-line progress bar on a terminal; silent elsewhere (logs still print)."""
 
@@ -761,8 +778,11 @@ class Trainer:
             self.model_parts, self.pipeline_plan = build_pipeline_stages(
                 cfg, self.mesh, self.device
             )
+            # Under cp each rank's loss is scaled by 1 / cp (as in `backward`); the
+            # stages' FSDP2 sums the cp ranks' gradients.
+            loss_fn = self.loss_fn if self.cp_size == 1 else _Scaled(self.loss_fn, self.cp_size)
             self.schedule = build_schedule(
-                self.model_parts, self.pipeline_plan, self.mesh["pp"], self.device, self.loss_fn
+                self.model_parts, self.pipeline_plan, self.mesh["pp"], self.device, loss_fn
             )
         else:
             self.model_parts = [build_parallel_model(cfg, self.mesh, self.device)]
@@ -856,6 +876,10 @@ class Trainer:
             loss = pipeline_step(
                 self.schedule, self.pipeline_plan, self.mesh["pp"], batch.inputs, batch.targets
             )
+            loss = loss * self.cp_size  # this rank's mean (the schedule's was scaled by 1 / cp)
+            if self.mesh.layout.ep > 1:  # after the schedule's reduction and 1 / M scaling
+                for part in self.model_parts:
+                    rescale_expert_grads(part, self.mesh.layout)
             params = [p for m in self.model_parts for p in m.parameters()]
             grad_norm = clip_grad_norm_(params, max_norm, group=self.mesh["pp"].get_group())
         else:

@@ -15,6 +15,7 @@ import torch.distributed as c10d
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed import context_parallel, precision
 from hyper_parallel.distributed.axes import plan_mesh
+from hyper_parallel.distributed.expert_parallel import rescale_expert_grads
 from hyper_parallel.distributed.fsdp import fsdp_mesh_for
 from hyper_parallel.distributed.layout import MeshLayout
 from hyper_parallel.distributed.pipeline import (
@@ -25,6 +26,7 @@ from hyper_parallel.distributed.pipeline import (
     pipeline_step,
     plan_pipeline,
 )
+from hyper_parallel.dmodule import get_spec
 from hyper_parallel.models.llama import (
     PIPELINE,
     apply_cp,
@@ -58,11 +60,14 @@ def _setup(
     overrides: dict,
     sequence_parallel: bool = False,
     switches: dict | None = None,
+    model: str = "llama3-debug",
 ):
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
-    config = preset_config("llama3-debug", **overrides)
-    units = PIPELINE.units(config)
+    spec = get_spec(model)
+    stages = spec.extras["pipeline"]
+    config = spec.config(**overrides)
+    units = stages.units(config)
     batch = BATCH // (layout.dp_replicate * layout.dp_shard)
     plan = plan_pipeline(
         units,
@@ -75,6 +80,9 @@ def _setup(
     tp_fn = apply_tp_sp if sequence_parallel else apply_tp
     sharded = tp_fn(config, tp_size=layout.tp) if layout.tp > 1 else config
     tp_mesh, fsdp_mesh = (mesh["tp"] if layout.tp > 1 else None), mesh.fsdp_mesh()
+    if layout.ep > 1:  # the routed experts on this pp rank's ep mesh (FSDP2 over efsdp)
+        sharded = spec.extras["ep"](sharded)
+        switches = {**(switches or {}), "expert_mesh": mesh}
     if layout.cp > 1:  # the trainer's meshes: FSDP2 over cp on the stage's (cp,) mesh
         sharded = apply_cp(sharded, cp_size=layout.cp)
         axes = ("cp", "tp") if layout.tp > 1 else ("cp",)
@@ -82,7 +90,7 @@ def _setup(
     pp_rank = mesh["pp"].get_local_rank()
     modules = build_stage_modules(
         sharded,
-        PIPELINE,
+        stages,
         plan,
         pp_rank,
         device="cpu",
@@ -93,6 +101,26 @@ def _setup(
     )
     sched = build_schedule(modules, plan, mesh["pp"], "cpu", cross_entropy_loss)
     return layout, mesh, config, plan, modules, sched
+
+
+def _router_aux_grads(model: Any, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Per router, how much the balance loss adds to its gradient (one device, this batch).
+
+    The largest difference between the router gradients with and without the balance
+    loss: what a pipeline that dropped a stage's balance-loss gradient would miss.
+    """
+    grads = []
+    coefs = {m: m.aux_loss_coef for m in model.modules() if hasattr(m, "aux_loss_coef")}
+    for scale in (1.0, 0.0):
+        for m, coef in coefs.items():
+            m.aux_loss_coef = coef * scale
+        model.zero_grad()
+        cross_entropy_loss(model(inputs), targets).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if "router" in n})
+    for m, coef in coefs.items():
+        m.aux_loss_coef = coef
+    model.zero_grad()
+    return {n: (g - grads[1][n]).abs().max().item() for n, g in grads[0].items()}
 
 
 def _local_batch(layout: MeshLayout, mesh: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,12 +142,17 @@ def train_vs_one_device(
     overrides: dict | None = None,
     sequence_parallel: bool = False,
     switches: dict | None = None,
+    model: str = "llama3-debug",
 ) -> dict[str, Any]:
     """Train ``num_steps`` AdamW steps pipelined and on one device; compare losses and grads.
 
     ``switches`` (``compile_backend``, ``ac``, ``dtype``) go to the stages; the one
     device reference runs eagerly without checkpointing, in the same precision
-    (bf16 autocast from fp32 weights, as the trainer's one-process run).
+    (bf16 autocast from fp32 weights, as the trainer's one-process run), on the
+    whole batch at once. With ``ep`` the expert gradients are brought to the dense
+    convention after the schedule's step (``rescale_expert_grads``, as the trainer
+    does); for a mixture of experts the result also carries, per router, what the
+    balance loss adds to its gradient on one device (``router_aux``).
 
     Returns:
         Per-step losses of both, the largest init difference, and the largest
@@ -127,11 +160,12 @@ def train_vs_one_device(
     """
     overrides = overrides or {}
     layout, mesh, config, plan, modules, sched = _setup(
-        mesh_text, schedule, num_microbatches, split, overrides, sequence_parallel, switches
+        mesh_text, schedule, num_microbatches, split, overrides, sequence_parallel, switches, model
     )
     dtype = (switches or {}).get("dtype", "fp32")
     reference = config.build()
-    init_states_by_unit(reference, PIPELINE, 0)
+    init_states_by_unit(reference, get_spec(model).extras["pipeline"], 0)
+    router_aux = _router_aux_grads(reference, *_batch(0)) if layout.ep > 1 else {}
     ref_params = dict(reference.named_parameters())
     params = {n: p for m in modules for n, p in m.named_parameters()}
     init_diff = max(
@@ -159,6 +193,9 @@ def train_vs_one_device(
             for m in modules:
                 m.set_positions(context_parallel.positions(SEQ_LEN, cp_rank, layout.cp))
         loss = pipeline_step(sched, plan, mesh["pp"], inputs, targets)
+        if layout.ep > 1:
+            for m in modules:
+                rescale_expert_grads(m, layout)
         if layout.dp_replicate * layout.dp_shard > 1:
             c10d.all_reduce(loss, op=c10d.ReduceOp.AVG, group=mesh["batch"].get_group())
         if layout.cp > 1:  # each cp rank's mean over its tokens (equal counts)
@@ -190,6 +227,7 @@ def train_vs_one_device(
         "grad_diffs": grad_diffs,
         "grad_scales": grad_scales,
         "linear_dtypes": sorted(linear_dtypes),
+        "router_aux": router_aux,
     }
 
 
@@ -287,7 +325,11 @@ def checkpoint_across_meshes(path: str) -> dict[str, Any]:
 
 
 def trainer_parity(
-    mesh: dict, schedule: str, num_microbatches: int, switches: dict | None = None
+    mesh: dict,
+    schedule: str,
+    num_microbatches: int,
+    switches: dict | None = None,
+    model: str = "llama3-debug",
 ) -> dict[str, Any]:
     """The trainer at ``mesh`` (with pp) and in one process: per-step losses of both.
 
@@ -296,6 +338,7 @@ def trainer_parity(
     from hyper_parallel.train import TrainConfig, Trainer
 
     cfg = TrainConfig(
+        model=model,
         mesh=mesh,
         schedule=schedule,
         num_microbatches=num_microbatches,

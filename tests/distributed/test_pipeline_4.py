@@ -77,6 +77,38 @@ def test_pp2_cp2(dist, schedule):
     assert all(p == ["S(0)"] for r in results for p in r["placements"].values())
 
 
+# The mixture of experts: ep=2 borrows the dp_shard ranks inside each stage, the routed
+# experts dispatched over this pp rank's ep group; every stage's routers also get their
+# layers' balance-loss gradient (which the check shows is far above the tolerance).
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_moe_pp2_ep2_trains_like_one_device(dist, schedule):
+    overrides = {"aux_loss_coef": 0.1}
+    results = dist.run(
+        train_vs_one_device,
+        "pp=2,dp_shard=2,ep=2",
+        schedule,
+        2,
+        NUM_STEPS,
+        None,
+        overrides,
+        False,
+        None,
+        "qwen3-moe-debug",
+    )
+    _check_parity(_dedupe(results, 2), overrides, "qwen3-moe-debug")
+    for r in results:
+        assert max(r["grad_diffs"].values()) <= 1e-5, r["grad_diffs"]
+        # Experts: (efsdp, ep) with whole experts split over ep; dense states FSDP2 only.
+        experts = {n: p for n, p in r["placements"].items() if ".moe.experts." in n}
+        assert experts and all(len(p) == 2 and p[1] == "S(0)" for p in experts.values())
+        dense = [p for n, p in r["placements"].items() if n not in experts]
+        assert all(p == ["S(0)"] for p in dense), dense
+        assert min(r["router_aux"].values()) > 1e-3, r["router_aux"]
+    assert [
+        sorted({n.split(".")[1] for n in r["grad_diffs"] if "router" in n}) for r in results
+    ] == [["0"], ["0"], ["1"], ["1"]]
+
+
 def test_pp2_dp_replicate2_hsdp(dist):
     results = dist.run(train_vs_one_device, "pp=2,dp_replicate=2", "1F1B", 2, NUM_STEPS)
     _check_parity(_dedupe(results, 2))
@@ -117,6 +149,20 @@ def test_trainer_with_pp_matches_one_process(dist):
         for a, b in zip(r["grad_norms"], r["ref_grad_norms"], strict=True):
             assert abs(a - b) <= 1e-5 * max(1.0, b)
         assert len(r["parts"]) == 2
+
+
+# The trainer's wiring: experts on each pp rank's ep mesh, their gradients scaled to the
+# dense convention after the schedule (dp_shard / efsdp), clipped over pp.
+def test_trainer_with_moe_pp2_ep2_matches_one_process(dist):
+    mesh = {"pp": 2, "dp_shard": 2, "ep": 2}
+    switches = {"model_overrides": {"aux_loss_coef": 0.1}}
+    results = dist.run(trainer_parity, mesh, "1F1B", 2, switches, "qwen3-moe-debug")
+    for r in results:
+        assert len(r["losses"]) == 3
+        for a, b in zip(r["losses"], r["ref_losses"], strict=True):
+            assert abs(a - b) <= 1e-5
+        for a, b in zip(r["grad_norms"], r["ref_grad_norms"], strict=True):
+            assert abs(a - b) <= 1e-5 * max(1.0, b)
 
 
 def test_trainer_with_pp_bf16_and_ac_matches_the_bf16_one_process_run(dist):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from hyper_parallel.cli import main
+from hyper_parallel.dmodule import get_spec
 from hyper_parallel.models.qwen3_moe import num_expert_params, num_params, preset_config
 from hyper_parallel.train import TrainConfig
 from hyper_parallel.train.trainer import check_config
@@ -63,7 +64,6 @@ def test_plan_with_cp_shards_experts_over_efsdp_spanning_cp_ranks(capsys) -> Non
     [
         ("dp_shard=3,ep=3", "8 experts cannot be split over ep=3 ranks"),
         ("dp_shard=2,tp=4,ep=2", "ep=2 with tp=4: expert parallelism borrows whole"),
-        ("pp=2,dp_shard=2,ep=2", "ep=2 with pp=2: pipeline stages"),
     ],
 )
 def test_trainer_gate_refuses_what_expert_parallelism_does_not_run(mesh, message) -> None:
@@ -88,8 +88,28 @@ def test_trainer_gate_accepts_expert_parallel_meshes() -> None:
         {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
         {"cp": 2, "ep": 2},
         {"dp_shard": 2, "cp": 2, "tp": 2, "ep": 4},
+        {"pp": 2, "dp_shard": 2, "ep": 2},
+        {"pp": 2, "dp_shard": 2, "tp": 2, "ep": 2},
     ):
         assert check_config(TrainConfig(model="qwen3-moe-debug", mesh=mesh)) == []
+
+
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble"])
+def test_ep_with_a_split_backward_schedule_is_refused_by_trainer_and_validate(schedule) -> None:
+    from hyper_parallel.analysis import validate
+
+    mesh = {"pp": 2, "dp_shard": 2, "ep": 2}
+    cfg = TrainConfig(model="qwen3-moe-debug", mesh=mesh, schedule=schedule, num_microbatches=4)
+    findings = check_config(cfg)
+    assert [(f.field, f.path) for f in findings] == [("ep", "mesh")], [str(f) for f in findings]
+    assert "input- and weight-gradient steps" in findings[0].message
+    assert "use 1F1B, GPipe or Interleaved1F1B" in findings[0].fix
+    config = get_spec("qwen3-moe-debug").extras["ep"](preset_config("qwen3-moe-debug"))
+    report = validate(config, mesh, schedule=schedule, num_microbatches=4, trace=False)
+    assert [f.message for f in report.errors] == [findings[0].message]
+    # The same mesh with a full-backward schedule, and the schedule without ep, run.
+    assert check_config(cfg.replace(schedule="Interleaved1F1B")) == []
+    assert check_config(cfg.replace(mesh={"pp": 2, "dp_shard": 2})) == []
 
 
 def test_validate_cli_reports_the_expert_split(capsys) -> None:
@@ -127,3 +147,26 @@ def test_plan_with_replicas_all_reduces_expert_gradients_over_them(capsys) -> No
     assert reduce["edp_replicate"]["count"] == len(config.layers)
     assert reduce["edp_replicate"]["bytes"] == num_expert_params(config) * 4 // 2
     assert "dp_replicate" in reduce
+
+
+def test_plan_counts_each_stages_dispatch_once_per_microbatch() -> None:
+    # pp=2 x dp_shard=2 x ep=2: each stage's MoE layer dispatches every micro-batch
+    # (3 all-to-alls forward, their 2 transposes backward), on its own pp rank's ep group.
+    from hyper_parallel.analysis.pipeline_cost import stage_collectives
+    from hyper_parallel.distributed import MeshLayout
+    from hyper_parallel.distributed.pipeline import plan_pipeline
+    from hyper_parallel.models.qwen3_moe import PIPELINE, apply_ep
+
+    config = preset_config("qwen3-moe-debug")
+    layout = MeshLayout.parse("pp=2,dp_shard=2,ep=2")
+    plan = plan_pipeline(PIPELINE.units(config), pp=2, schedule="1F1B", num_microbatches=4)
+    stages = stage_collectives(
+        plan, PIPELINE, apply_ep(config), layout, microbatch_size=1, seq_len=16
+    )
+    assert [list(s) for s in plan.stages] == [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "norm+output"],
+    ]
+    for stage in stages:
+        a2a = {c["phase"]: c["count"] for c in stage["collectives"] if c["kind"] == "all_to_all"}
+        assert a2a == {"forward": 3 * 4, "backward": 2 * 4}, stage["collectives"]

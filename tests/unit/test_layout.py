@@ -84,6 +84,12 @@ def test_views_on_fake_group(rank):
         assert mesh.local_rank("pp") == pp and mesh.local_rank("tp") == tp
         assert mesh.local_rank("dp_replicate") == dpr and mesh.local_rank("dp_shard") == dps
         assert mesh.local_rank("ep") == dps * 2 + tp
+        # ep and the expert replicas stay inside this rank's pipeline stage (pp block).
+        block = pp * 8 + dpr * 4
+        assert sorted(mesh["ep"].mesh.flatten().tolist()) == [block + i for i in range(4)]
+        assert mesh["efsdp"].mesh.flatten().tolist() == [rank]
+        replicas = mesh.expert_fsdp_mesh().mesh.flatten().tolist()
+        assert sorted(replicas) == [pp * 8 + r * 4 + dps * 2 + tp for r in (0, 1)]
         assert mesh.local_rank("batch") == dpr * 2 + dps
         hsdp = mesh.fsdp_mesh()
         assert hsdp.mesh_dim_names == ("dp_replicate", "fsdp") and tuple(hsdp.shape) == (2, 2)

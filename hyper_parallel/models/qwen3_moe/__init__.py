@@ -3,8 +3,8 @@
 Importing this package registers one :class:`~hyper_parallel.dmodule.ModelSpec` per
 preset (``qwen3-moe-debug``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``). Each spec's
 ``config(**overrides)`` returns a ``Transformer.Config``; its ``extras`` hold the
-family, the sharding functions (``"ep"``, ``"tp"``, ``"tp_sp"``, ``"cp"``), the loss, ``num_params`` and
-``num_expert_params``.
+family, the sharding functions (``"ep"``, ``"tp"``, ``"tp_sp"``, ``"cp"``), the loss, ``num_params``,
+``num_expert_params`` and the pipeline stages (``"pipeline"``, :data:`PIPELINE`).
 
 Example::
 
@@ -43,9 +43,11 @@ from hyper_parallel.models.qwen3_moe.sharding import apply_ep as apply_ep
 from hyper_parallel.models.qwen3_moe.sharding import apply_tp as apply_tp
 from hyper_parallel.models.qwen3_moe.sharding import apply_tp_sp as apply_tp_sp
 from hyper_parallel.models.qwen3_moe.sharding import check_ep as check_ep
+from hyper_parallel.models.qwen3_moe.stages import PIPELINE as PIPELINE
 
 __all__ = [
     "EXPERT_PARAMS",
+    "PIPELINE",
     "PRESETS",
     "Attention",
     "GroupedExperts",
@@ -90,6 +92,7 @@ for _name in PRESETS:
                 "num_params": num_params,
                 "num_expert_params": num_expert_params,
                 "expert_paths": "layers.*.moe.experts",
+                "pipeline": PIPELINE,
             },
         )
     )
