@@ -6,7 +6,7 @@ import pytest
 
 from tests.ci_skips import pytest_make_collect_report as pytest_make_collect_report
 from tests.ci_skips import pytest_runtest_makereport as pytest_runtest_makereport
-from tests.distributed.harness import DistributedPool
+from tests.distributed.harness import DistributedPool, reset_process_state
 
 
 @pytest.fixture(scope="session")
@@ -27,10 +27,11 @@ def dist(request: pytest.FixtureRequest, _pools):
     """A gloo process group of ``WORLD_SIZE`` ranks (module attribute).
 
     Modules with the same ``WORLD_SIZE`` and ``RANK_TIMEOUT_S`` share one pool of rank
-    processes (each test function builds its own model and meshes; process-wide
-    switches a test turns, it turns back). A module that sets ``SHARED_POOL = False``
-    gets a pool of its own, closed after it. A test that failed on a rank closes its
-    pool; the next test gets a fresh one.
+    processes: each test function builds its own model and meshes, a process-wide
+    switch a test turns it turns back, and DTensor's sharding caches and dynamo's
+    compiled code are cleared before the next module (:func:`reset_process_state`).
+    A module that sets ``SHARED_POOL = False`` gets a pool of its own, closed after
+    it. A test that failed on a rank closes its pool; the next test gets a fresh one.
     """
     world_size = getattr(request.module, "WORLD_SIZE", 2)
     # A module whose rank functions compile (torch.compile) may allow them longer.
@@ -44,6 +45,8 @@ def dist(request: pytest.FixtureRequest, _pools):
             holder[key] = DistributedPool(world_size, timeout=timeout)
         return holder[key]
 
+    if key in holder and holder[key]._procs:
+        holder[key].run(reset_process_state)  # ranks an earlier module used
     pool()
 
     class _Handle:
