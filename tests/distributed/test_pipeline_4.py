@@ -152,9 +152,13 @@ def test_trainer_with_pp_matches_one_process(dist):
 
 
 # The trainer's wiring: experts on each pp rank's ep mesh, their gradients scaled to the
-# dense convention after the schedule (dp_shard / efsdp), clipped over pp.
-def test_trainer_with_moe_pp2_ep2_matches_one_process(dist):
-    mesh = {"pp": 2, "dp_shard": 2, "ep": 2}
+# dense convention after the schedule (dp_shard / efsdp), clipped over pp. Under cp the
+# loss is scaled by 1 / cp and the stages' FSDP2 sums over cp (the balance loss sends its
+# gradient at a fixed size on every cp rank: a mean over cp would shrink it by cp).
+@pytest.mark.parametrize(
+    "mesh", [{"pp": 2, "dp_shard": 2, "ep": 2}, {"pp": 2, "cp": 2, "ep": 2}], ids=["dp", "cp"]
+)
+def test_trainer_with_moe_pp2_ep2_matches_one_process(dist, mesh):
     switches = {"model_overrides": {"aux_loss_coef": 0.1}}
     results = dist.run(trainer_parity, mesh, "1F1B", 2, switches, "qwen3-moe-debug")
     for r in results:
