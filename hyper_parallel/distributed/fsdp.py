@@ -184,7 +184,11 @@ def _states_on_one_mesh(model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
                 continue
             spec = DTensorSpec(target, p.placements, tensor_meta=p._spec.tensor_meta)
             same = DTensor(p._local_tensor, spec, requires_grad=p.requires_grad)
-            module.register_parameter(name, nn.Parameter(same, requires_grad=p.requires_grad))
+            param = nn.Parameter(same, requires_grad=p.requires_grad)
+            # nn.Parameter detaches, and DTensor's cached propagation may hand back an
+            # equal spec on the object cached first (another fake world's mesh).
+            param._spec = spec
+            module.register_parameter(name, param)
     return target if target is not None else mesh
 
 
