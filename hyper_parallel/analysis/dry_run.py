@@ -567,7 +567,7 @@ def _trace_step(
         if fsdp_mesh is not None:
             units = apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy)
     modules = _module_shards(model, types, _fsdp_dim_names(fsdp_mesh))
-    recorder = CollectiveRecorder(axis_groups(world), _fsdp_group_names(fsdp_mesh))
+    recorder = CollectiveRecorder(*_recorder_groups(world, fsdp_mesh))
     comm = CommDebugMode()
     # The blocks activation checkpointing applies to: the list of identical layers (the
     # trainer's model.layers; a pipeline stage keys its blocks by their index in a dict).
@@ -718,6 +718,24 @@ def _fsdp_dim_names(fsdp_mesh: DeviceMesh | None) -> dict[str, str]:
     """Sharded states' mesh dim → report column: FSDP2's flattened shard dim is ``fsdp``."""
     flat = _fsdp_flat_name(fsdp_mesh)
     return {} if flat is None else {flat: "fsdp"}
+
+
+def _recorder_groups(
+    world: ParallelMesh, fsdp_mesh: DeviceMesh | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Group name → axis for the model's collectives, and for FSDP2's.
+
+    Where FSDP2 shards over the very group of a model axis (over cp alone when
+    dp_shard is 1), the model's collectives on it keep that axis's name.
+    """
+    groups = axis_groups(world)
+    fsdp = _fsdp_group_names(fsdp_mesh)
+    for axis in DENSE_AXES:
+        if axis not in DATA_AXES and world.layout.size(axis) > 1:
+            name = world.dense[axis].get_group().group_name
+            if name in fsdp:
+                groups[name] = axis
+    return groups, fsdp
 
 
 def _fsdp_group_names(fsdp_mesh: DeviceMesh | None) -> dict[str, str]:

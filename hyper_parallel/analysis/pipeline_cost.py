@@ -536,9 +536,9 @@ def stage_collectives(
 
     Each kind of stage (with the first unit, the last unit, or neither) is built as
     the trainer builds it (``stages.stage_config`` of the sharded ``config``) and
-    traced by :func:`~hyper_parallel.analysis.dry_run` for one micro-batch, with no
-    block and with one block: the difference is one block's collectives (the blocks
-    are identical), the rest the stage's own units. Per step, collectives of the
+    traced by :func:`~hyper_parallel.analysis.dry_run` for one micro-batch, with one
+    block and with two: the difference is one block's collectives (the blocks are
+    identical), the rest the stage's own units. Per step, collectives of the
     activations (``tp``, ``cp``) repeat per micro-batch; FSDP2's reduce-scatter (and
     HSDP's all-reduce) runs once, at torch's ``REDUCE_GRAD``; the stage root is
     gathered once, each block as often as :func:`_block_gathers` finds it sharded
@@ -573,6 +573,7 @@ def stage_collectives(
     flat = dataclasses.replace(layout, pp=1)
     dim = config.norm.dim
     first, last = stages.first_name, stages.last_name
+    depth = len(getattr(config, stages.layers))
     traces: dict[tuple[bool, bool, int], _Trace] = {}
     # The residual stream a stage receives, as this rank holds it (its cp part of the
     # sequence, and under sequence parallelism its tp part of that).
@@ -622,7 +623,7 @@ def stage_collectives(
         recompute of one block). ``selective`` checkpoints every second block: 1 and
         3 blocks traced, the difference is one pair.
         """
-        low, step = 1, 2 if ac == "selective" else 1
+        low, step = 1, 2 if ac == "selective" and depth >= 3 else 1
         if num_blocks <= low:
             return trace(has_first, has_last, num_blocks).activations
         a = trace(has_first, has_last, low).activations
@@ -635,10 +636,15 @@ def stage_collectives(
     for s, names in enumerate(plan.stages):
         has_first, has_last = first in names, last in names
         num_blocks = len(names) - has_first - has_last
-        root = trace(has_first, has_last, 0)
-        with_one = trace(has_first, has_last, 1) if num_blocks else root
-        one_block = _combine([(with_one.collectives, 1), (root.collectives, -1)])
-        per_mb = _combine([(root.collectives, 1), (one_block, num_blocks)])
+        if num_blocks and depth >= 2:  # a block: the second minus the first; the rest the root's
+            with_one, with_two = trace(has_first, has_last, 1), trace(has_first, has_last, 2)
+            one_block = _combine([(with_two.collectives, 1), (with_one.collectives, -1)])
+            root_collectives = _combine([(with_one.collectives, 1), (one_block, -1)])
+        else:
+            root, with_one = trace(has_first, has_last, 0), trace(has_first, has_last, num_blocks)
+            one_block = _combine([(with_one.collectives, 1), (root.collectives, -1)])
+            root_collectives = root.collectives
+        per_mb = _combine([(root_collectives, 1), (one_block, num_blocks)])
         forward, backward = _block_gathers(ops[plan.ranks[s]], s)
         if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
             forward, backward = 1, 0
@@ -646,7 +652,7 @@ def stage_collectives(
         block_weights = {"forward": forward, "backward": backward}
         blocks = _combine([(one_block, num_blocks)])
         total = _combine(
-            _per_step(root.collectives, data, m, None) + _per_step(blocks, data, m, block_weights)
+            _per_step(root_collectives, data, m, None) + _per_step(blocks, data, m, block_weights)
         )
         out.append(
             {

@@ -356,3 +356,37 @@ def fsdp_collectives_per_step(schedules: list[str]) -> dict[str, dict[str, int]]
     finally:
         param_group.foreach_all_gather, param_group.foreach_reduce = gather, reduce
     return out
+
+
+def cp_stage_collectives_per_step(schedule: str, num_microbatches: int) -> dict[str, Any]:
+    """Collectives of one pipeline step at pp=2 x cp=2, recorded per kind and axis on gloo.
+
+    The second step is recorded (the first infers the stages' shapes) by the dry run's
+    recorder, a dispatch mode over the real process groups, naming each group's mesh
+    axis; the loss's broadcast over pp (not a stage's) is outside it.
+    """
+    from hyper_parallel.analysis.collectives import CollectiveRecorder, axis_groups
+    from hyper_parallel.analysis.dry_run import _fsdp_group_names
+
+    layout, mesh, _, plan, modules, sched = _setup(
+        "pp=2,cp=2", schedule, num_microbatches, None, {}
+    )
+    cp_rank, pp_rank = mesh["cp"].get_local_rank(), mesh["pp"].get_local_rank()
+    inputs, targets = (
+        context_parallel.shard_sequence(t, cp_rank, layout.cp)
+        for t in _local_batch(layout, mesh, 0)
+    )
+    for m in modules:
+        m.set_positions(context_parallel.positions(SEQ_LEN, cp_rank, layout.cp))
+    pipeline_step(sched, plan, mesh["pp"], inputs, targets)
+    fsdp_mesh = fsdp_mesh_for(mesh, ("cp",))
+    recorder = CollectiveRecorder(axis_groups(mesh), _fsdp_group_names(fsdp_mesh))
+    args = (inputs,) if pp_rank == 0 else ()
+    kwargs = {"target": targets, "losses": []} if pp_rank == 1 else {}
+    with recorder:
+        sched.step(*args, **kwargs)
+    counts: dict[str, int] = {}
+    for c in recorder.records:
+        key = f"{c.kind}/{c.axis}"
+        counts[key] = counts.get(key, 0) + 1
+    return {"counts": counts, "pp_rank": pp_rank}
