@@ -288,10 +288,12 @@ class CollectiveRecorder(TorchDispatchMode):
     def _record(self, kind: str, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> None:
         flat_args = [*args, *kwargs.values()]
         name, size = _group_of(flat_args)
-        if name in self.fsdp_groups and (name not in self.groups or _issued_by_fsdp()):
-            axis = self.fsdp_groups[name]
+        fsdp_axis, model_axis = self.fsdp_groups.get(name), self.groups.get(name)
+        # One group for two jobs (FSDP2 over cp alone): ask who issued the collective.
+        if fsdp_axis is not None and (model_axis in (None, fsdp_axis) or _issued_by_fsdp()):
+            axis = fsdp_axis
         else:
-            axis = self.groups.get(name, f"group {name}") if name is not None else "?"
+            axis = model_axis or (f"group {name}" if name is not None else "?")
         num_bytes = max(
             [_tensor_bytes(a) for a in flat_args] + [_tensor_bytes(out)],
             default=0,
