@@ -380,8 +380,20 @@ def cp_stage_collectives_per_step(schedule: str, num_microbatches: int) -> dict[
     for m in modules:
         m.set_positions(context_parallel.positions(SEQ_LEN, cp_rank, layout.cp))
     pipeline_step(sched, plan, mesh["pp"], inputs, targets)
-    fsdp_mesh = fsdp_mesh_for(mesh, ("cp",))
-    recorder = CollectiveRecorder(axis_groups(mesh), _fsdp_group_names(fsdp_mesh))
+    # Every group over this rank's cp ranks (DTensor may reuse an equal mesh, and its
+    # groups, built by an earlier test of the module): FSDP2's collectives on them are
+    # told from the model's by who issued them.
+    from torch.distributed.distributed_c10d import _world
+
+    cp_ranks = sorted(c10d.get_process_group_ranks(mesh["cp"].get_group()))
+    same = {
+        pg.group_name
+        for pg in list(_world.pg_map)
+        if sorted(c10d.get_process_group_ranks(pg)) == cp_ranks
+    }
+    groups = {**axis_groups(mesh), **dict.fromkeys(same, "cp")}
+    fsdp = {**_fsdp_group_names(fsdp_mesh_for(mesh, ("cp",))), **dict.fromkeys(same, "fsdp")}
+    recorder = CollectiveRecorder(groups, fsdp)
     args = (inputs,) if pp_rank == 0 else ()
     kwargs = {"target": targets, "losses": []} if pp_rank == 1 else {}
     with recorder:
