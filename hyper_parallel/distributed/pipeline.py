@@ -948,8 +948,7 @@ def build_stage_modules(
         if compile_backend is not None and len(blocks):
             apply_compile(module, backend=compile_backend)
             if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
-                for block in blocks.values():
-                    block.forward = _WithoutDonatedBuffers(block.forward)
+                _compile_without_donated_buffers()
         for key, block in blocks.items():
             if int(key) in checkpointed:
                 block.forward = _Checkpointed(block.forward)
@@ -972,68 +971,19 @@ def build_stage_modules(
     return modules
 
 
-class _WithoutDonatedBuffers:
-    """A compiled block's ``forward`` with AOTAutograd's donated buffers off, for it alone.
+def _compile_without_donated_buffers() -> None:
+    """Turn off AOTAutograd's donated buffers (process-wide) for split-backward schedules.
 
     The zero-bubble schedules run a block's backward in two steps (input, then
     weight gradients) over one retained graph; a compiled backward with donated
     buffers allows one backward only and refuses the second (``donated_buffer``
-    needs ``retain_graph=False``). Torch reads the flag twice: when it compiles
-    the graph (lazily, at the first call) and each time the compiled backward
-    runs. So the flag is off while this block's forward runs (and compiles), and
-    while its backward node runs (hooks on that node); everywhere else, e.g. in
-    another compiled model of the process, it keeps its value.
+    needs ``retain_graph=False``). Torch reads the flag when it compiles the
+    backward, lazily, inside the schedule's step, so it is set for the process;
+    donated buffers only save memory.
     """
+    import torch._functorch.config as functorch_config
 
-    def __init__(self, forward: Callable[..., Any]) -> None:
-        self.forward = forward
-        self._saved: list[bool] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import torch._functorch.config as functorch_config
-        from torch.utils import _pytree as pytree
-
-        with functorch_config.patch(donated_buffer=False):
-            out = self.forward(*args, **kwargs)
-        outputs = [t.grad_fn for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        for node in _compiled_nodes([n for n in outputs if n is not None]):
-            node.register_prehook(self._off)
-            node.register_hook(self._restore)
-        return out
-
-    def _off(self, *_: Any) -> None:
-        import torch._functorch.config as functorch_config
-
-        self._saved.append(functorch_config.donated_buffer)
-        functorch_config.donated_buffer = False
-
-    def _restore(self, *_: Any) -> None:
-        import torch._functorch.config as functorch_config
-
-        if self._saved:
-            functorch_config.donated_buffer = self._saved.pop()
-
-
-def _compiled_nodes(roots: list[Any], depth: int = 4) -> list[Any]:
-    """The compiled graphs' backward nodes behind ``roots`` (outputs' ``grad_fn``).
-
-    AOTAutograd regenerates output views outside the compiled graph, so an output's
-    own node may be a view's, with the compiled node a step further; without one
-    within ``depth`` steps, the roots themselves.
-    """
-    found, seen, level = [], set(), list(roots)
-    for _ in range(depth):
-        following = []
-        for node in level:
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if "CompiledFunction" in node.name():
-                found.append(node)
-            else:
-                following += [n for n, _ in node.next_functions]
-        level = following
-    return found or list(dict.fromkeys(roots))
+    functorch_config.donated_buffer = False
 
 
 class _Autocast:

@@ -190,7 +190,6 @@ def train_vs_one_device(
         "grad_diffs": grad_diffs,
         "grad_scales": grad_scales,
         "linear_dtypes": sorted(linear_dtypes),
-        "donated_buffer": torch._functorch.config.donated_buffer,
     }
 
 
