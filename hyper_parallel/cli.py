@@ -404,6 +404,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, sharded: Any) -> dict[
             param_dtype=getattr(torch, _DTYPES[args.dtype]),
             ac=args.ac,
             dtype="bf16" if args.dtype == "bf16" else "fp32",
+            loss_fn=get_spec(args.model).extras.get("loss_fn"),
         )
     except PipelineError as e:
         raise _PlanError(str(e), e.findings) from None

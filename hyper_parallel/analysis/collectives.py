@@ -228,10 +228,32 @@ def _inside_cpu_alltoall_fallback() -> bool:
     return False
 
 
+_FSDP2_SOURCE = "torch/distributed/fsdp/"
+
+
+def _issued_by_fsdp() -> bool:
+    """Whether the current collective comes from FSDP2's own code (its gathers and
+    gradient reductions), rather than from the model's forward or backward."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if _FSDP2_SOURCE in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class CollectiveRecorder(TorchDispatchMode):
     """Records every collective issued while active: kind, mesh axis, phase, bytes.
 
     Set :attr:`phase` (``"forward"``, ``"backward"``) as the run progresses.
+
+    Args:
+        groups: Process-group name → mesh axis (:func:`axis_groups`).
+        fsdp_groups: Process-group name → axis of the groups FSDP2 shards over. A
+            group in both (FSDP2 over ``cp`` alone, when ``dp_shard`` is 1) is one
+            process group for two jobs: FSDP2's own collectives are reported on the
+            FSDP axis, the model's (context parallelism's key/value gathers) on its
+            mesh axis.
 
     Example::
 
@@ -243,9 +265,12 @@ class CollectiveRecorder(TorchDispatchMode):
         summarize(recorder.records)
     """
 
-    def __init__(self, groups: Mapping[str, str]) -> None:
+    def __init__(
+        self, groups: Mapping[str, str], fsdp_groups: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__()
         self.groups = dict(groups)
+        self.fsdp_groups = dict(fsdp_groups or {})
         self.phase = "forward"
         self.records: list[Collective] = []
 
@@ -263,7 +288,12 @@ class CollectiveRecorder(TorchDispatchMode):
     def _record(self, kind: str, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> None:
         flat_args = [*args, *kwargs.values()]
         name, size = _group_of(flat_args)
-        axis = self.groups.get(name, f"group {name}") if name is not None else "?"
+        fsdp_axis, model_axis = self.fsdp_groups.get(name), self.groups.get(name)
+        # One group for two jobs (FSDP2 over cp alone): ask who issued the collective.
+        if fsdp_axis is not None and (model_axis in (None, fsdp_axis) or _issued_by_fsdp()):
+            axis = fsdp_axis
+        else:
+            axis = model_axis or (f"group {name}" if name is not None else "?")
         num_bytes = max(
             [_tensor_bytes(a) for a in flat_args] + [_tensor_bytes(out)],
             default=0,

@@ -42,6 +42,7 @@ from hyper_parallel.distributed.axes import (
     plan_mesh,
     states_on_axes,
 )
+from hyper_parallel.distributed.context_parallel import positions as cp_positions
 from hyper_parallel.distributed.expert_parallel import (
     ep_layout_findings,
     ep_plan_findings,
@@ -381,7 +382,9 @@ def dry_run(
         param_dtype: Parameter (and gradient) dtype.
         inputs: Example inputs (only shapes and dtypes are used); by default token
             ids ``(batch_size, seq_len)`` or features, see
-            :func:`~hyper_parallel.analysis.validate`.
+            :func:`~hyper_parallel.analysis.validate`. Under context parallelism they
+            are rank 0's part of the sequence (``seq_len / cp`` tokens), and the model
+            also gets that part's global ``positions`` (as for the default inputs).
         loss_fn: ``loss_fn(output, *inputs) -> scalar``; default: sum of the outputs.
         ac: Activation checkpointing of the blocks (``"none"``, ``"full"``,
             ``"selective"``; see :mod:`hyper_parallel.distributed.activation_checkpoint`)
@@ -521,6 +524,8 @@ def _trace_step(
         args, kwargs = cp_inputs(model, batch_size, seq_len, world.layout.cp, mode)
     else:
         args = _inputs(model, inputs, batch_size, seq_len, mode)
+        if "cp" in axes and world.layout.cp > 1:  # given inputs: rank 0's part of the sequence
+            kwargs = {"positions": mode.from_tensor(cp_positions(seq_len, 0, world.layout.cp))}
     _raise_errors(
         [
             f
@@ -562,11 +567,13 @@ def _trace_step(
         if fsdp_mesh is not None:
             units = apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy)
     modules = _module_shards(model, types, _fsdp_dim_names(fsdp_mesh))
-    recorder = CollectiveRecorder({**axis_groups(world), **_fsdp_group_names(fsdp_mesh)})
+    recorder = CollectiveRecorder(*_recorder_groups(world, fsdp_mesh))
     comm = CommDebugMode()
     # The blocks activation checkpointing applies to: the list of identical layers (the
-    # trainer's model.layers).
+    # trainer's model.layers; a pipeline stage keys its blocks by their index in a dict).
     blocks = getattr(model, target.layers_field or "layers", None)
+    if isinstance(blocks, nn.ModuleDict):
+        blocks = nn.ModuleList(blocks.values())
     saved = SavedActivations(model, list(blocks) if isinstance(blocks, nn.ModuleList) else [])
     with mode, comm, recorder:
         with saved, precision.autocast(dtype, "cpu", sharded=fsdp_mesh is not None):
@@ -711,6 +718,24 @@ def _fsdp_dim_names(fsdp_mesh: DeviceMesh | None) -> dict[str, str]:
     """Sharded states' mesh dim → report column: FSDP2's flattened shard dim is ``fsdp``."""
     flat = _fsdp_flat_name(fsdp_mesh)
     return {} if flat is None else {flat: "fsdp"}
+
+
+def _recorder_groups(
+    world: ParallelMesh, fsdp_mesh: DeviceMesh | None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Group name → axis for the model's collectives, and for FSDP2's.
+
+    Where FSDP2 shards over the very group of a model axis (over cp alone when
+    dp_shard is 1), the model's collectives on it keep that axis's name.
+    """
+    groups = axis_groups(world)
+    fsdp = _fsdp_group_names(fsdp_mesh)
+    for axis in DENSE_AXES:
+        if axis not in DATA_AXES and world.layout.size(axis) > 1:
+            name = world.dense[axis].get_group().group_name
+            if name in fsdp:
+                groups[name] = axis
+    return groups, fsdp
 
 
 def _fsdp_group_names(fsdp_mesh: DeviceMesh | None) -> dict[str, str]:

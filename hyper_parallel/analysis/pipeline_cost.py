@@ -304,7 +304,12 @@ def stage_costs(
 
 
 def p2p_bytes_per_step(
-    plan: PipelinePlan, activation_bytes: int, *, tp: int = 1, sequence_parallel: bool = False
+    plan: PipelinePlan,
+    activation_bytes: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
 ) -> dict[str, int]:
     """Point-to-point bytes of one step: activations forward, their gradients backward.
 
@@ -312,13 +317,16 @@ def p2p_bytes_per_step(
     forward and its gradient backward (``activation_bytes`` = micro-batch x seq x
     dim x element size). Every tp rank of a stage sends its own copy: the whole
     tensor under plain TP (the residual stream is replicated), a 1/tp sequence
-    shard under sequence parallelism.
+    shard under sequence parallelism. Under context parallelism each cp rank sends
+    its own 1/cp of the sequence.
 
     Returns:
         ``per_microbatch`` (one boundary, one direction, one rank), ``per_rank_max``
-        (the most one rank sends in a step), ``total`` (all ranks of one pipeline).
+        (the most one rank sends in a step), ``total`` (all ranks of one pipeline:
+        its cp x tp ranks per stage).
     """
-    per_mb = activation_bytes // tp if sequence_parallel else activation_bytes
+    per_mb = activation_bytes // cp
+    per_mb = per_mb // tp if sequence_parallel else per_mb
     m = plan.num_microbatches
     sent = [0] * plan.pp
     for s in range(plan.num_stages):
@@ -330,7 +338,7 @@ def p2p_bytes_per_step(
     return {
         "per_microbatch": per_mb,
         "per_rank_max": max(sent),
-        "total": sum(sent) * tp,
+        "total": sum(sent) * tp * cp,
     }
 
 
@@ -350,6 +358,7 @@ def pipeline_report(
     param_dtype: Any = None,
     ac: str = "none",
     dtype: str = "fp32",
+    loss_fn: Any = None,
 ) -> dict[str, Any]:
     """The pipeline part of a dry run: stages, per-rank bytes, bubble and P2P traffic.
 
@@ -366,38 +375,28 @@ def pipeline_report(
         sharded_config: The config with its sharding as the trainer applies it; when
             given, each stage also lists its own collectives per micro-batch and per
             step (:func:`stage_collectives`), traced with ``fsdp``, ``param_dtype``,
-            ``ac`` and ``dtype``.
+            ``ac``, ``dtype`` and ``loss_fn`` (the last stage's), and its activations
+            are the traced stage's saved bytes (rank 0's ``seq_len / cp`` tokens under
+            context parallelism) times its in-flight micro-batches; without it, the
+            model's per-token estimate (``stages.activation_elements``, no cp).
 
     Returns:
         ``stages`` (per stage: units, parameters, per-rank bytes, and with
         ``sharded_config`` its collectives), ``per_rank_bytes``
         (the heaviest pp rank), ``bubble_fraction``, ``p2p_bytes`` and the plan.
     """
-    from hyper_parallel.distributed.pipeline import PipelineError, plan_pipeline
-    from hyper_parallel.dmodule._checks import Finding
+    from hyper_parallel.distributed.pipeline import plan_pipeline
 
-    if layout.cp > 1:
-        # Stages hold their cp positions (set by the trainer per step); the per-stage
-        # trace and the activation estimate below take whole sequences per rank.
-        raise PipelineError(
-            [
-                Finding(
-                    "error",
-                    "mesh",
-                    "cp",
-                    f"pp={layout.pp} with cp={layout.cp}: the pipeline cost model (stage "
-                    "bytes and traced per-stage collectives) counts whole sequences per "
-                    "rank and traces stages without their cp positions, so it does not "
-                    "estimate a context-parallel pipeline.",
-                    "plan cp without pp for cp's collectives and pp without cp for the "
-                    "stages; the trainer and `validate` run pp with cp.",
-                )
-            ]
-        )
     units = stages.units(config)
     plan = plan_pipeline(units, pp=layout.pp, schedule=schedule, num_microbatches=num_microbatches)
+    if sharded_config is None and layout.cp > 1:
+        raise ValueError(
+            f"pipeline_report: cp={layout.cp} splits each stage's sequence, which the "
+            "per-token activation estimate does not model; pass sharded_config= (the "
+            "config as the trainer shards it) so the stages are traced with their cp part."
+        )
     tokens = microbatch_size * seq_len
-    acts: dict[str, int] = {}
+    acts: dict[str, int] = {}  # the estimate without traced stages (no sharded_config)
     if stages.activation_elements is not None:
         for u in units:
             replicated, split = stages.activation_elements(config, u.name)
@@ -413,18 +412,7 @@ def pipeline_report(
         optimizer_bytes=8,
         activation_bytes_per_microbatch=acts,
     )
-    per_rank: dict[int, dict[str, int]] = {}
-    for c in costs:
-        into = per_rank.setdefault(
-            c.rank, dict.fromkeys(("params", "grads", "optimizer", "activations"), 0)
-        )
-        for key in into:
-            into[key] += getattr(c, key)
-    heaviest = max(per_rank.values(), key=lambda d: sum(d.values()))
-    dim = config.norm.dim
-    rows = [
-        c.to_dict() | {"total": c.params + c.grads + c.optimizer + c.activations} for c in costs
-    ]
+    traced = None
     if sharded_config is not None:
         traced = stage_collectives(
             plan,
@@ -437,10 +425,31 @@ def pipeline_report(
             param_dtype=param_dtype,
             ac=ac,
             dtype=dtype,
+            loss_fn=loss_fn,
         )
-        for row, t in zip(rows, traced, strict=True):
-            row["collectives_per_microbatch"] = t["collectives_per_microbatch"]
-            row["collectives"] = t["collectives"]
+        # The traced stage's saved activations (its cp part of the sequence, its ac and
+        # dtype), per in-flight micro-batch.
+        costs = [
+            dataclasses.replace(
+                c, activations=c.in_flight_microbatches * t["activations_per_microbatch"]
+            )
+            for c, t in zip(costs, traced, strict=True)
+        ]
+    per_rank: dict[int, dict[str, int]] = {}
+    for c in costs:
+        into = per_rank.setdefault(
+            c.rank, dict.fromkeys(("params", "grads", "optimizer", "activations"), 0)
+        )
+        for key in into:
+            into[key] += getattr(c, key)
+    heaviest = max(per_rank.values(), key=lambda d: sum(d.values()))
+    dim = config.norm.dim
+    rows = [
+        c.to_dict() | {"total": c.params + c.grads + c.optimizer + c.activations} for c in costs
+    ]
+    for row, t in zip(rows, traced or (), strict=False):
+        row["collectives_per_microbatch"] = t["collectives_per_microbatch"]
+        row["collectives"] = t["collectives"]
     return {
         "pipeline": plan.to_dict(),
         "stages": rows,
@@ -453,6 +462,7 @@ def pipeline_report(
             tokens * dim * element_bytes,
             tp=layout.tp,
             sequence_parallel=sequence_parallel,
+            cp=layout.cp,
         ),
     }
 
@@ -520,20 +530,24 @@ def stage_collectives(
     param_dtype: Any = None,
     ac: str = "none",
     dtype: str = "fp32",
+    loss_fn: Any = None,
 ) -> list[dict[str, Any]]:
     """Each stage's own collectives (tp, cp, FSDP inside the stage) per step, traced.
 
     Each kind of stage (with the first unit, the last unit, or neither) is built as
     the trainer builds it (``stages.stage_config`` of the sharded ``config``) and
-    traced by :func:`~hyper_parallel.analysis.dry_run` for one micro-batch, with no
-    block and with one block: the difference is one block's collectives (the blocks
-    are identical), the rest the stage's own units. Per step, collectives of the
+    traced by :func:`~hyper_parallel.analysis.dry_run` for one micro-batch, with one
+    block and with two: the difference is one block's collectives (the blocks are
+    identical), the rest the stage's own units. Per step, collectives of the
     activations (``tp``, ``cp``) repeat per micro-batch; FSDP2's reduce-scatter (and
     HSDP's all-reduce) runs once, at torch's ``REDUCE_GRAD``; the stage root is
     gathered once, each block as often as :func:`_block_gathers` finds it sharded
     (under the zero-bubble schedules the stage is one FSDP2 unit: gathered once).
-    A stage's loss is the sum of its outputs (the last stage's cross-entropy is
-    not traced).
+    The stages are traced as rank 0 of the pipeline's other axes sees them: under
+    context parallelism its ``seq_len / cp`` tokens with their global positions
+    (what the trainer's stages hold, ``set_positions``), so each block's key/value
+    gathers on ``cp`` are among its collectives. A stage's loss is the sum of its
+    outputs, the last stage's ``loss_fn(logits, targets)`` when given.
 
     Args:
         plan: The checked pipeline plan.
@@ -541,12 +555,16 @@ def stage_collectives(
         config: The model config with its sharding (as the trainer shards it).
         layout: The mesh layout; traced without ``pp`` (one pipeline's group).
         microbatch_size: Sequences per micro-batch.
-        seq_len: Tokens per sequence.
+        seq_len: Tokens per sequence (global, before the cp split).
         fsdp, param_dtype, ac, dtype: As :func:`~hyper_parallel.analysis.dry_run`.
+        loss_fn: The model's loss ``loss_fn(logits, targets)`` for the last stage,
+            with token-id targets of the rank's part of the sequence.
 
     Returns:
         Per stage: ``stage``, ``collectives_per_microbatch`` and ``collectives`` (per
-        step), each a list of ``{kind, axis, phase, count, bytes}`` per rank.
+        step), each a list of ``{kind, axis, phase, count, bytes}`` per rank, and
+        ``activations_per_microbatch``: the bytes one micro-batch saves for the
+        backward on one rank (traced, as the dry run's ``per_rank.activations``).
     """
     import torch
 
@@ -555,22 +573,26 @@ def stage_collectives(
     flat = dataclasses.replace(layout, pp=1)
     dim = config.norm.dim
     first, last = stages.first_name, stages.last_name
-    traces: dict[tuple[bool, bool, int], tuple[dict[_Key, dict[str, int]], tuple[str, ...]]] = {}
-    block = f"{stages.layers}.0"
+    depth = len(getattr(config, stages.layers))
+    traces: dict[tuple[bool, bool, int], _Trace] = {}
+    # The residual stream a stage receives, as this rank holds it (its cp part of the
+    # sequence, and under sequence parallelism its tp part of that).
+    hidden = _local_shape((microbatch_size, seq_len, dim), stages.activation_layout(config), flat)
+    tokens = (microbatch_size, seq_len // layout.cp)
 
-    def trace(has_first: bool, has_last: bool, num_blocks: int) -> Any:
+    def trace(has_first: bool, has_last: bool, num_blocks: int) -> _Trace:
         key = (has_first, has_last, num_blocks)
         if key not in traces:
             if not (has_first or has_last or num_blocks):
-                traces[key] = ({}, ())
+                traces[key] = _Trace({}, (), 0)
                 return traces[key]
-            names = [first] * has_first + [block] * num_blocks + [last] * has_last
+            blocks = [f"{stages.layers}.{i}" for i in range(num_blocks)]
+            names = [first] * has_first + blocks + [last] * has_last
             stage_config = stages.stage_config(config, names)
-            tokens = (microbatch_size, seq_len)
             example = (
                 torch.zeros(tokens, dtype=torch.long)
                 if has_first
-                else torch.zeros((*tokens, dim), dtype=param_dtype or torch.float32)
+                else torch.zeros(hidden, dtype=param_dtype or torch.float32)
             )
             report = dry_run(
                 stage_config,
@@ -582,11 +604,33 @@ def stage_collectives(
                 fsdp=fsdp,
                 param_dtype=param_dtype or torch.float32,
                 inputs=[example],
+                loss_fn=_LastStageLoss(loss_fn) if has_last and loss_fn is not None else None,
                 ac=ac,
                 dtype=dtype,
             )
-            traces[key] = (_by_key(report.collectives), tuple(report.fsdp_axes))
+            traces[key] = _Trace(
+                _by_key(report.collectives),
+                tuple(report.fsdp_axes),
+                report.per_rank.activations,
+            )
         return traces[key]
+
+    def stage_activations(has_first: bool, has_last: bool, num_blocks: int) -> int:
+        """Saved bytes of a stage with ``num_blocks`` blocks, from two traced depths.
+
+        As the dry run extrapolates a model's depth: 1 and 2 blocks traced, the
+        second minus the first is one more block (the first block also saves what
+        the blocks share, built once per forward: under cp the causal mask and the
+        rotary tables at the rank's positions; with checkpointing, the backward's
+        recompute of one block). ``selective`` checkpoints every second block: 1 and
+        3 blocks traced, the difference is one pair.
+        """
+        low, step = 1, 2 if ac == "selective" and depth >= 3 else 1
+        if num_blocks <= low:
+            return trace(has_first, has_last, num_blocks).activations
+        a = trace(has_first, has_last, low).activations
+        b = trace(has_first, has_last, low + step).activations
+        return a + (num_blocks - low) * (b - a) // step
 
     ops = rank_ops(plan.schedule, plan.pp, plan.num_microbatches, plan.stages_per_rank)
     m = plan.num_microbatches
@@ -594,25 +638,67 @@ def stage_collectives(
     for s, names in enumerate(plan.stages):
         has_first, has_last = first in names, last in names
         num_blocks = len(names) - has_first - has_last
-        root, fsdp_axes = trace(has_first, has_last, 0)
-        with_one, fsdp_axes = trace(has_first, has_last, 1) if num_blocks else (root, fsdp_axes)
-        one_block = _combine([(with_one, 1), (root, -1)])
-        per_mb = _combine([(root, 1), (one_block, num_blocks)])
+        if num_blocks and depth >= 2:  # a block: the second minus the first; the rest the root's
+            with_one, with_two = trace(has_first, has_last, 1), trace(has_first, has_last, 2)
+            one_block = _combine([(with_two.collectives, 1), (with_one.collectives, -1)])
+            root_collectives = _combine([(with_one.collectives, 1), (one_block, -1)])
+        else:
+            root, with_one = trace(has_first, has_last, 0), trace(has_first, has_last, num_blocks)
+            one_block = _combine([(with_one.collectives, 1), (root.collectives, -1)])
+            root_collectives = root.collectives
+        per_mb = _combine([(root_collectives, 1), (one_block, num_blocks)])
         forward, backward = _block_gathers(ops[plan.ranks[s]], s)
         if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
             forward, backward = 1, 0
-        data = set(fsdp_axes) | {"dp_replicate"}
+        data = set(with_one.fsdp_axes) | {"dp_replicate"}
         block_weights = {"forward": forward, "backward": backward}
         blocks = _combine([(one_block, num_blocks)])
-        total = _combine(_per_step(root, data, m, None) + _per_step(blocks, data, m, block_weights))
+        total = _combine(
+            _per_step(root_collectives, data, m, None) + _per_step(blocks, data, m, block_weights)
+        )
         out.append(
             {
                 "stage": s,
                 "collectives_per_microbatch": _as_list(per_mb),
                 "collectives": _as_list(total),
+                "activations_per_microbatch": stage_activations(has_first, has_last, num_blocks),
             }
         )
     return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Trace:
+    """One traced stage kind: collectives per micro-batch, FSDP axes, saved bytes."""
+
+    collectives: dict[_Key, dict[str, int]]
+    fsdp_axes: tuple[str, ...]
+    activations: int
+
+
+def _local_shape(shape: tuple[int, ...], placements: Mapping[Any, Any], layout: Any) -> tuple:
+    """``shape`` as one rank holds it under ``placements`` (mesh axis → placement)."""
+    local = list(shape)
+    for axis, placement in (placements or {}).items():
+        dim = getattr(placement, "dim", None)
+        if placement.is_shard() and dim is not None:
+            local[dim % len(local)] //= layout.size(str(getattr(axis, "value", axis)))
+    return tuple(local)
+
+
+class _LastStageLoss:
+    """The model's loss on the last stage's logits, against targets of their tokens."""
+
+    def __init__(self, loss_fn: Any) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, logits: Any, *_inputs: Any) -> Any:
+        import torch
+
+        from hyper_parallel.core.dtensor.dtensor import DTensor
+
+        local = logits.to_local() if isinstance(logits, DTensor) else logits
+        return self.loss_fn(logits, torch.zeros(local.shape[:-1], dtype=torch.long))
 
 
 def _per_step(

@@ -150,13 +150,14 @@ def _states_on_one_mesh(model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
     FSDP2's SPMD form compares the parameters' mesh with the one it is given by
     identity. DTensor caches sharding decisions by mesh *equality*, so the parameters
     may carry an equal object built earlier in the process rather than ``mesh``
-    itself: the first parameter's object is used, and any parameter on another (equal)
-    object is re-wrapped on it (same local data, placements and shape).
+    itself (in the dry run, one of an earlier fake world, whose groups are gone): any
+    parameter on another (equal) object is re-wrapped on ``mesh`` (same local data,
+    placements and shape).
 
     Raises:
         ValueError: A parameter is not a DTensor on a mesh equal to ``mesh``.
     """
-    target: DeviceMesh | None = None
+    target = mesh
     # States a module already fully_shard'ed on a mesh of its own manages (routed experts
     # over efsdp) are not this call's: FSDP2 leaves them to that module.
     own = {
@@ -178,18 +179,16 @@ def _states_on_one_mesh(model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
                     f"{where} is on {got}. Parallelize the whole model on "
                     "plan_mesh(mesh, axes) (the trainer does) before apply_fsdp."
                 )
-            if target is None:
-                target = p.device_mesh
             if p.device_mesh is target:
                 continue
             spec = DTensorSpec(target, p.placements, tensor_meta=p._spec.tensor_meta)
             same = DTensor(p._local_tensor, spec, requires_grad=p.requires_grad)
             param = nn.Parameter(same, requires_grad=p.requires_grad)
-            # nn.Parameter detaches through DTensor's dispatch, whose cache may hand back
-            # the spec of an equal, older mesh object: the parameter keeps ``target``.
+            # nn.Parameter detaches, and DTensor's cached propagation may hand back an
+            # equal spec on the object cached first (another fake world's mesh).
             param._spec = spec
             module.register_parameter(name, param)
-    return target if target is not None else mesh
+    return target
 
 
 def fsdp_mesh_findings(mesh: DeviceMesh, path: str = "") -> list[Finding]:

@@ -399,3 +399,49 @@ def fsdp_collectives_per_step(schedules: list[str]) -> dict[str, dict[str, int]]
     finally:
         param_group.foreach_all_gather, param_group.foreach_reduce = gather, reduce
     return out
+
+
+def cp_stage_collectives_per_step(schedule: str, num_microbatches: int) -> dict[str, Any]:
+    """Collectives of one pipeline step at pp=2 x cp=2, recorded per kind and axis on gloo.
+
+    The second step is recorded (the first infers the stages' shapes) by the dry run's
+    recorder, a dispatch mode over the real process groups, naming each group's mesh
+    axis; the loss's broadcast over pp (not a stage's) is outside it.
+    """
+    from hyper_parallel.analysis.collectives import CollectiveRecorder, axis_groups
+    from hyper_parallel.analysis.dry_run import _fsdp_group_names
+
+    layout, mesh, _, plan, modules, sched = _setup(
+        "pp=2,cp=2", schedule, num_microbatches, None, {}
+    )
+    cp_rank, pp_rank = mesh["cp"].get_local_rank(), mesh["pp"].get_local_rank()
+    inputs, targets = (
+        context_parallel.shard_sequence(t, cp_rank, layout.cp)
+        for t in _local_batch(layout, mesh, 0)
+    )
+    for m in modules:
+        m.set_positions(context_parallel.positions(SEQ_LEN, cp_rank, layout.cp))
+    pipeline_step(sched, plan, mesh["pp"], inputs, targets)
+    # Every group over this rank's cp ranks (DTensor may reuse an equal mesh, and its
+    # groups, built by an earlier test of the module): FSDP2's collectives on them are
+    # told from the model's by who issued them.
+    from torch.distributed.distributed_c10d import _world
+
+    cp_ranks = sorted(c10d.get_process_group_ranks(mesh["cp"].get_group()))
+    same = {
+        pg.group_name
+        for pg in list(_world.pg_map)
+        if sorted(c10d.get_process_group_ranks(pg)) == cp_ranks
+    }
+    groups = {**axis_groups(mesh), **dict.fromkeys(same, "cp")}
+    fsdp = {**_fsdp_group_names(fsdp_mesh_for(mesh, ("cp",))), **dict.fromkeys(same, "fsdp")}
+    recorder = CollectiveRecorder(groups, fsdp)
+    args = (inputs,) if pp_rank == 0 else ()
+    kwargs = {"target": targets, "losses": []} if pp_rank == 1 else {}
+    with recorder:
+        sched.step(*args, **kwargs)
+    counts: dict[str, int] = {}
+    for c in recorder.records:
+        key = f"{c.kind}/{c.axis}"
+        counts[key] = counts.get(key, 0) + 1
+    return {"counts": counts, "pp_rank": pp_rank}

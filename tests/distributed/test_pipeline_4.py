@@ -15,6 +15,7 @@ import pytest
 from hyper_parallel.train.demo import BF16_TOL
 from tests.distributed.pipeline_checks import (
     checkpoint_across_meshes,
+    cp_stage_collectives_per_step,
     fsdp_collectives_per_step,
     train_vs_one_device,
     trainer_parity,
@@ -202,3 +203,39 @@ def test_plan_predicts_each_stages_fsdp_collectives(dist):
             for kind in ("all_gather", "reduce_scatter"):
                 want = sum(c["count"] for c in stage if c["kind"] == kind and c["axis"] == "fsdp")
                 assert counted[kind] == want, (schedule, counted, stage)
+
+
+def test_plan_predicts_each_stages_cp_and_fsdp_collectives(dist):
+    # pp=2 x cp=2: every collective a stage issues in one step (the blocks' key/value
+    # gathers and their gradients' reduce-scatters on cp, the positions' gather, FSDP2
+    # over the same cp group) recorded on gloo, against the dry run's per-stage
+    # prediction traced on the fake process group. (Recorded with the dry run's
+    # dispatch-mode recorder: CommDebugMode's module tracker hangs torch's schedule.)
+    from hyper_parallel.analysis.pipeline_cost import stage_collectives
+    from hyper_parallel.distributed import MeshLayout
+    from hyper_parallel.distributed.pipeline import plan_pipeline
+    from hyper_parallel.models.llama import PIPELINE, apply_cp, cross_entropy_loss, preset_config
+    from tests.distributed.pipeline_checks import BATCH, SEQ_LEN
+
+    results = dist.run(cp_stage_collectives_per_step, "GPipe", 2)
+    config = apply_cp(preset_config("llama3-debug"), cp_size=2)
+    layout = MeshLayout.from_sizes({"pp": 2, "cp": 2})
+    plan = plan_pipeline(PIPELINE.units(config), pp=2, schedule="GPipe", num_microbatches=2)
+    predicted = stage_collectives(
+        plan,
+        PIPELINE,
+        config,
+        layout,
+        microbatch_size=BATCH // 2,
+        seq_len=SEQ_LEN,
+        loss_fn=cross_entropy_loss,
+    )
+    for r in results:
+        stage = predicted[r["pp_rank"]]["collectives"]
+        want: dict[str, int] = {}
+        for c in stage:
+            key = f"{c['kind']}/{c['axis']}"
+            want[key] = want.get(key, 0) + c["count"]
+        assert r["counts"] == want, (r, stage)
+        # Per micro-batch: one block's key and value gathers and the positions' gather.
+        assert r["counts"]["all_gather/cp"] == 2 * 3

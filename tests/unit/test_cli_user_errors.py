@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hyper_parallel.cli import main
+from hyper_parallel.dmodule import get_spec
 
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="needs transformers"
@@ -278,8 +279,18 @@ def test_resume_without_a_checkpoint_says_so(capsys, tmp_path):
     assert "no checkpoint in" in capsys.readouterr().out
 
 
-def test_plan_refuses_to_estimate_a_context_parallel_pipeline(capsys):
-    # The trainer runs pp x cp; the pipeline cost model does not estimate it.
+def test_plan_estimates_a_context_parallel_pipeline(capsys):
+    # Each stage traced with its cp rank's part of the sequence and its positions: the
+    # cp collectives of its blocks are among its own, and each rank sends its 1/cp of
+    # the residual stream to the next stage.
     argv = ["plan", "--model", "llama3-debug", "--mesh", "pp=2,cp=2", "--seq", "32"]
-    code, out, err = _run(capsys, argv)
-    assert code == 1 and "does not estimate a context-parallel pipeline" in out + err
+    code, out, _ = _run(capsys, [*argv, "--format", "json"])
+    assert code == 0
+    report = json.loads(out)
+    assert report["world_size"] == 4 and report["mesh"]["pp"] == 2
+    for stage in report["stages"]:
+        axes = {(c["kind"], c["axis"]) for c in stage["collectives_per_microbatch"]}
+        assert {("all_gather", "cp"), ("reduce_scatter", "cp")} <= axes
+        assert stage["activations"] > 0
+    dim = get_spec("llama3-debug").config().norm.dim
+    assert report["p2p_bytes"]["per_microbatch"] == 32 // 2 * dim * 4

@@ -20,6 +20,7 @@ from hyper_parallel.dmodule import get_spec
 from hyper_parallel.models.llama import PIPELINE
 
 LAYOUT = MeshLayout.from_sizes({"pp": 2, "dp_shard": 2, "tp": 2})
+CP_LAYOUT = MeshLayout.from_sizes({"pp": 2, "cp": 2, "tp": 2})
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +67,10 @@ def test_per_microbatch_equals_tracing_the_whole_stage(sharded, plan, traced):
         assert {axis for _, axis, _ in direct} == {"tp", "fsdp"}
 
 
-def _hidden(config):
+def _hidden(config, seq_len=16):
     import torch
 
-    return torch.zeros(1, 16, config.norm.dim)
+    return torch.zeros(1, seq_len, config.norm.dim)
 
 
 def test_per_step_scales_activation_collectives_and_reduces_gradients_once(plan, traced):
@@ -106,3 +107,50 @@ def test_per_step_scales_activation_collectives_and_reduces_gradients_once(plan,
 def test_block_gathers_follow_the_schedule(schedule, stage, expected):
     ops = rank_ops(schedule, 2, 4)
     assert _block_gathers(ops[stage], stage) == expected
+
+
+def test_cp_stages_extrapolate_to_tracing_the_whole_stage():
+    """pp=2 x cp=2 x tp=2, 3 blocks per stage: each stage's collectives per micro-batch
+    and its saved activations, extrapolated from 1 and 2 traced blocks, equal tracing
+    the whole stage with its cp part of the sequence and its positions."""
+    import torch
+
+    from hyper_parallel.distributed import context_parallel
+    from hyper_parallel.models.llama import cross_entropy_loss
+
+    spec = get_spec("llama3-debug")
+    sharded = apply_model_axes(spec, spec.config(num_layers=6), CP_LAYOUT)
+    plan = plan_pipeline(PIPELINE.units(sharded), pp=2, schedule="GPipe", num_microbatches=2)
+    traced = stage_collectives(
+        plan,
+        PIPELINE,
+        sharded,
+        CP_LAYOUT,
+        microbatch_size=1,
+        seq_len=32,
+        loss_fn=cross_entropy_loss,
+    )
+    assert [len(s) for s in plan.stages] == [4, 4]
+    local = 32 // 2  # rank 0's head-tail part of the sequence
+    for s, names in enumerate(plan.stages):
+        first = s == 0
+        example = torch.zeros(1, local, dtype=torch.long) if first else _hidden(sharded, local)
+
+        def loss(logits, *_):
+            return cross_entropy_loss(logits, torch.zeros(1, local, dtype=torch.long))
+
+        report = dry_run(
+            PIPELINE.stage_config(sharded, names),
+            dataclasses.replace(CP_LAYOUT, pp=1),
+            batch_size=1,
+            seq_len=32,
+            inputs=[example],
+            loss_fn=None if first else loss,
+        )
+        direct = {k: (v["count"], v["bytes"]) for k, v in _by_key(report.collectives).items()}
+        assert _keyed(traced[s]["collectives_per_microbatch"]) == direct
+        assert traced[s]["activations_per_microbatch"] == report.per_rank.activations
+        # Each block gathers its keys and values over cp; the stage gathers the positions.
+        assert direct[("all_gather", "cp", "forward")][0] == 2 * 3 + 1
+        assert direct[("reduce_scatter", "cp", "backward")][0] == 2 * 3
+        assert context_parallel.positions(32, 0, 2).numel() == local
