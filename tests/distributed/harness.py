@@ -41,32 +41,6 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
     dist.destroy_process_group()
 
 
-def reset_process_state() -> None:
-    """Forget what an earlier test module left in a rank process that is handed on.
-
-    DTensor caches sharding decisions by mesh *equality*: a module reusing the ranks
-    of another would otherwise get specs (and process groups) of the earlier module's
-    equal meshes back, e.g. collectives on groups its own mesh does not name.
-    Compiled code and the earlier module's process groups are dropped too.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _world
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    clear_redistribute_planner_cache()
-    torch._dynamo.reset()
-    # The meshes of the earlier module are gone with it: so are their process groups
-    # (each gloo group keeps threads of its own).
-    world = dist.group.WORLD
-    for group in list(_world.pg_map):
-        if group is not world:
-            dist.destroy_process_group(group)
-    dist.barrier()
-
-
 class DistributedPool:
     """``world_size`` rank processes sharing one gloo process group."""
 

@@ -18,7 +18,6 @@ from tests.distributed.test_train import (
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORLD_SIZE = 8
-SHARED_POOL = False  # eight ranks are needed by this module only
 
 
 def test_dp_shard_cp_tp_step_and_training_match_one_process(dist):
