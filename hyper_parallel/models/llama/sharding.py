@@ -296,10 +296,40 @@ def apply_cp(
     _check_not_applied(config, axis, "apply_cp")
     seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
     replicated: NamedPlacement = {axis: Replicate()}
-    # Positions are [S] or [B, S]: the sequence is their last dim.
-    local_positions: NamedPlacement = {axis: Shard(-1)}
     activation = {"x": seq}
     new = copy.deepcopy(config)
+    _cp_model_inputs(new, axis)
+    for i, layer in enumerate(new.layers):
+        p = f"layers.{i}"
+        attention, ffn = layer.attention, layer.feed_forward
+        for name, norm in (("attention_norm", layer.attention_norm), ("ffn_norm", layer.ffn_norm)):
+            _put(norm, _cp_norm(seq, replicated), f"{p}.{name}")
+        for name, block in (("attention", attention), ("feed_forward", ffn)):
+            _put(block, ShardingConfig(in_dst_shardings=activation), f"{p}.{name}")
+        for name, linear in (
+            ("attention.wq", attention.wq),
+            ("attention.wk", attention.wk),
+            ("attention.wv", attention.wv),
+            ("attention.wo", attention.wo),
+            ("feed_forward.w1", ffn.w1),
+            ("feed_forward.w2", ffn.w2),
+            ("feed_forward.w3", ffn.w3),
+        ):
+            _put(linear, _cp_linear(linear, seq, replicated), f"{p}.{name}")
+        _cp_attention_core(attention.inner_attention, axis, f"{p}.attention.inner_attention")
+    _put(new.norm, _cp_norm(seq, replicated), "norm")
+    _put(new.output, _cp_linear(new.output, seq, replicated), "output")
+    return new
+
+
+def _cp_model_inputs(new: Module.Config, axis: MeshAxisName | str) -> None:
+    """The context-parallel entry of a decoder with the Llama's top level (shared with the
+    Qwen3-MoE): positions in as this rank's slice and gathered, the embedding's output
+    sequence-sharded, the rotary tables indexed by local positions, and the one causal
+    mask whose rows are this rank's queries (local positions), its columns every key."""
+    seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
+    replicated: NamedPlacement = {axis: Replicate()}
+    local_positions: NamedPlacement = {axis: Shard(-1)}  # positions are [S] or [B, S]
     _put(
         new,
         ShardingConfig(
@@ -325,49 +355,38 @@ def apply_cp(
         ),
         "rope",
     )
-    # The mask's rows are this rank's queries (local positions), its columns every key.
-    mask_rows: NamedPlacement = {axis: Shard(-2)}
     _put(
         new.mask,
         ShardingConfig(
             in_dst_shardings={"q_positions": local_positions, "kv_positions": replicated},
-            out_src_shardings=mask_rows,
+            out_src_shardings=_cp_mask_rows(axis),
             local_map=LocalMapConfig(in_grad_placements=(local_positions, replicated)),
         ),
         "mask",
     )
-    for i, layer in enumerate(new.layers):
-        p = f"layers.{i}"
-        attention, ffn = layer.attention, layer.feed_forward
-        for name, norm in (("attention_norm", layer.attention_norm), ("ffn_norm", layer.ffn_norm)):
-            _put(norm, _cp_norm(seq, replicated), f"{p}.{name}")
-        for name, block in (("attention", attention), ("feed_forward", ffn)):
-            _put(block, ShardingConfig(in_dst_shardings=activation), f"{p}.{name}")
-        for name, linear in (
-            ("attention.wq", attention.wq),
-            ("attention.wk", attention.wk),
-            ("attention.wv", attention.wv),
-            ("attention.wo", attention.wo),
-            ("feed_forward.w1", ffn.w1),
-            ("feed_forward.w2", ffn.w2),
-            ("feed_forward.w3", ffn.w3),
-        ):
-            _put(linear, _cp_linear(linear, seq, replicated), f"{p}.{name}")
-        gathered = replicated
-        partial: NamedPlacement = {axis: Partial()}
-        _put(
-            attention.inner_attention,
-            ShardingConfig(
-                in_src_shardings={"k": seq, "v": seq},
-                in_dst_shardings={"q": seq, "k": gathered, "v": gathered, "mask": mask_rows},
-                out_src_shardings=seq,
-                local_map=LocalMapConfig(in_grad_placements=(seq, partial, partial, mask_rows)),
-            ),
-            f"{p}.attention.inner_attention",
-        )
-    _put(new.norm, _cp_norm(seq, replicated), "norm")
-    _put(new.output, _cp_linear(new.output, seq, replicated), "output")
-    return new
+
+
+def _cp_mask_rows(axis: MeshAxisName | str) -> NamedPlacement:
+    return {axis: Shard(-2)}
+
+
+def _cp_attention_core(inner: Module.Config, axis: MeshAxisName | str, path: str) -> None:
+    """The attention core under cp: this rank's queries against every key and value
+    (k and v gathered on ``axis``; their gradients leave as partial sums)."""
+    seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
+    gathered: NamedPlacement = {axis: Replicate()}
+    partial: NamedPlacement = {axis: Partial()}
+    mask_rows = _cp_mask_rows(axis)
+    _put(
+        inner,
+        ShardingConfig(
+            in_src_shardings={"k": seq, "v": seq},
+            in_dst_shardings={"q": seq, "k": gathered, "v": gathered, "mask": mask_rows},
+            out_src_shardings=seq,
+            local_map=LocalMapConfig(in_grad_placements=(seq, partial, partial, mask_rows)),
+        ),
+        path,
+    )
 
 
 def _cp_linear(

@@ -52,7 +52,9 @@ from hyper_parallel.models.llama.sharding import (
     _axis_name,
     _check_not_applied,
     _colwise,
+    _cp_attention_core,
     _cp_linear,
+    _cp_model_inputs,
     _cp_norm,
     _norm,
     _put,
@@ -371,45 +373,8 @@ def apply_cp(
     _check_not_applied(config, axis, "apply_cp")  # type: ignore[arg-type]
     seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
     replicated: NamedPlacement = {axis: Replicate()}
-    partial: NamedPlacement = {axis: Partial()}
-    local_positions: NamedPlacement = {axis: Shard(-1)}  # [S] or [B, S]
     new = copy.deepcopy(config)
-    _put(
-        new,
-        ShardingConfig(
-            in_src_shardings={"positions": local_positions},
-            in_dst_shardings={"positions": replicated},
-        ),
-        "",
-    )
-    _put(
-        new.tok_embeddings,
-        ShardingConfig(
-            state_shardings={"weight": replicated},
-            in_dst_shardings={"input": seq},
-            out_dst_shardings=seq,
-        ),
-        "tok_embeddings",
-    )
-    _put(
-        new.rope,
-        ShardingConfig(
-            state_shardings={"cos": replicated, "sin": replicated},
-            in_dst_shardings={"positions": local_positions},
-        ),
-        "rope",
-    )
-    # The mask's rows are this rank's queries (local positions), its columns every key.
-    mask_rows: NamedPlacement = {axis: Shard(-2)}
-    _put(
-        new.mask,
-        ShardingConfig(
-            in_dst_shardings={"q_positions": local_positions, "kv_positions": replicated},
-            out_src_shardings=mask_rows,
-            local_map=LocalMapConfig(in_grad_placements=(local_positions, replicated)),
-        ),
-        "mask",
-    )
+    _cp_model_inputs(new, axis)
     for i, layer in enumerate(new.layers):
         p = f"layers.{i}"
         attention = layer.attention
@@ -420,16 +385,7 @@ def apply_cp(
             _put(linear, _cp_linear(linear, seq, replicated), f"{p}.attention.{name}")
         for name in ("q_norm", "k_norm"):
             _put(getattr(attention, name), _cp_norm(seq, replicated), f"{p}.attention.{name}")
-        _put(
-            attention.inner_attention,
-            ShardingConfig(
-                in_src_shardings={"k": seq, "v": seq},
-                in_dst_shardings={"q": seq, "k": replicated, "v": replicated, "mask": mask_rows},
-                out_src_shardings=seq,
-                local_map=LocalMapConfig(in_grad_placements=(seq, partial, partial, mask_rows)),
-            ),
-            f"{p}.attention.inner_attention",
-        )
+        _cp_attention_core(attention.inner_attention, axis, f"{p}.attention.inner_attention")
         _moe_tensor_parallel(layer, axis, seq, seq, p)
     _put(new.norm, _cp_norm(seq, replicated), "norm")
     _put(new.output, _cp_linear(new.output, seq, replicated), "output")
