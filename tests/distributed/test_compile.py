@@ -24,12 +24,18 @@ same in torch's own parallel styles, pytorch/pytorch#159709, #152954), so
 the DTensor case checks that instead: each new length one more graph, a length seen
 before none, numbers equal eager.
 
-Inductor is not in this file: it runs (no hang) but its C++ code generation does not
-fit a test's budget here. ``compiled_matches_eager("tp_sp", True, "inductor",
-"blocks")`` on these 2 gloo ranks passes (loss diff 0, gradients 7e-9, no break, one
-recompile for new lengths) in 124 s with new lengths; one shape takes 22 s with a warm
-inductor cache and 76-110 s cold on the shared 2-core machine. The demo runs inductor
-(``hyper-parallel demo --mesh dp=2,tp=2 --compile``, and ``--mesh dp_shard=2,cp=2``).
+Inductor is not in this file: it runs but its C++ code generation does not fit a
+test's budget here. In these daemonic rank processes set
+``torch._inductor.config.compile_threads = 1`` (compile in the rank itself): an
+earlier run with the default (2 on this machine: a pool of compile worker processes)
+got no answer within 600 s. With it, the cheapest case — one ``llama3-debug`` block (dim 32) per rank, TP on the
+fast path, one shape, ``fullgraph`` — passes cold (fresh ``TORCHINDUCTOR_CACHE_DIR``)
+in 116 s per rank (loss diff 0, gradients 7e-9, one graph, no break; 87 s of it the
+forward's compile, most of it in the C++ compiler, the ranks' own CPU time 16 s).
+``compiled_matches_eager("tp_sp", True, "inductor", "blocks")`` with new lengths
+passed in 124 s; one shape takes 22 s with a warm inductor cache. The demo runs
+inductor (``hyper-parallel demo --mesh dp=2,tp=2 --compile``, and
+``--mesh dp_shard=2,cp=2``).
 """
 
 from __future__ import annotations
