@@ -28,8 +28,8 @@ Inductor is not in this file: it runs but its C++ code generation does not fit a
 test's budget here. In these daemonic rank processes set
 ``torch._inductor.config.compile_threads = 1`` (compile in the rank itself): an
 earlier run with the default (2 on this machine: a pool of compile worker processes)
-got no answer within 600 s. With it, the cheapest case — one ``llama3-debug`` block (dim 32) per rank, TP on the
-fast path, one shape, ``fullgraph`` — passes cold (fresh ``TORCHINDUCTOR_CACHE_DIR``)
+got no answer within 600 s. With it, the cheapest case — one ``llama3-debug`` block
+(dim 32) per rank, TP on the fast path, one shape, ``fullgraph`` — passes cold (fresh ``TORCHINDUCTOR_CACHE_DIR``)
 in 116 s per rank (loss diff 0, gradients 7e-9, one graph, no break; 87 s of it the
 forward's compile, most of it in the C++ compiler, the ranks' own CPU time 16 s).
 ``compiled_matches_eager("tp_sp", True, "inductor", "blocks")`` with new lengths
