@@ -29,9 +29,10 @@ test's budget here. In these daemonic rank processes set
 ``torch._inductor.config.compile_threads = 1`` (compile in the rank itself): an
 earlier run with the default (2 on this machine: a pool of compile worker processes)
 got no answer within 600 s. With it, the cheapest case — one ``llama3-debug`` block
-(dim 32) per rank, TP on the fast path, one shape, ``fullgraph`` — passes cold (fresh ``TORCHINDUCTOR_CACHE_DIR``)
-in 116 s per rank (loss diff 0, gradients 7e-9, one graph, no break; 87 s of it the
-forward's compile, most of it in the C++ compiler, the ranks' own CPU time 16 s).
+(dim 32) per rank, TP on the fast path, one shape, ``fullgraph`` — passes cold (fresh
+``TORCHINDUCTOR_CACHE_DIR``) in 116 s per rank (loss diff 0, gradients 7e-9, one
+graph, no break; 87 s of it the forward's compile, most of it in the C++ compiler;
+the ranks' own CPU time 16 s).
 ``compiled_matches_eager("tp_sp", True, "inductor", "blocks")`` with new lengths
 passed in 124 s; one shape takes 22 s with a warm inductor cache. The demo runs
 inductor (``hyper-parallel demo --mesh dp=2,tp=2 --compile``, and
