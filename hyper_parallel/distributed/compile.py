@@ -17,6 +17,19 @@ the module holding the experts (the router, the balance statistics), and the
 experts' own maths (``compile_compute``, token count unbacked), so only the
 residual adds, the routing glue and the dispatch run between compiled regions.
 
+Sequence lengths: a block on the fast path compiles once per shape class — static for
+the first shape, then one graph with a dynamic sequence length (torch's automatic
+dynamic shapes) for every later length. A block whose linear layers run through
+DTensor dispatch (the DTensor path, ``fast_path(False)``) cannot take that dynamic
+graph in torch 2.13: AOTAutograd's trace of ``F.linear`` on a 3-D DTensor with a
+symbolic length recurses without end in ``proxy_tensor.get_proxy_slot`` (the
+backward of the linear's fold of its leading dims; folding them ourselves only moves
+the failure to the view back; pytorch/pytorch#159709, #152954). Such a block is
+compiled with ``dynamic=False`` instead: each new sequence length compiles one more
+static graph (and a length seen before none), up to dynamo's
+``recompile_limit`` (8) per block code, after which dynamo runs the block eagerly.
+This is a torch limitation, not a choice; the fast path is the one to compile.
+
 Activation checkpointing is applied after compile, around the compiled forward: its
 recomputation reruns the compiled graph. (A checkpoint region traced inside the
 graph — torchtitan's order — fails in this torch's AOTAutograd when the block's
@@ -25,9 +38,14 @@ activations are DTensors: it saves the DeviceMesh as a tensor.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from hyper_parallel.dmodule._boundary import Boundary, installed_forward
 
 __all__ = ["BACKENDS", "apply_compile", "blocks_of"]
 
@@ -78,7 +96,7 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
         if _holds_experts(block):
             _compile_around_experts(block, backend)
         else:
-            block.forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+            block.forward = _compile(block, backend)
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -108,4 +126,21 @@ def _compile_around_experts(module: nn.Module, backend: str) -> None:
         elif _holds_experts(child):
             _compile_around_experts(child, backend)
         else:
-            child.forward = torch.compile(child.forward, fullgraph=True, backend=backend)
+            child.forward = _compile(child, backend)
+
+
+def _compile(unit: nn.Module, backend: str) -> Callable[..., Any]:
+    """``unit.forward`` compiled with ``fullgraph=True``; statically where it must be."""
+    dynamic = False if _runs_dtensor_linear(unit) else None
+    return torch.compile(unit.forward, fullgraph=True, backend=backend, dynamic=dynamic)
+
+
+def _runs_dtensor_linear(unit: nn.Module) -> bool:
+    """Whether a linear layer of ``unit`` runs through DTensor dispatch (its boundary,
+    not the fast path), whose dynamic-shape graph torch 2.13 cannot trace (module
+    docstring). Decided from what ``parallelize`` installed, so a model built with the
+    fast path off, or with layers the fast path does not take, is caught either way."""
+    return any(
+        isinstance(m, nn.Linear) and isinstance(installed_forward(m), Boundary)
+        for m in unit.modules()
+    )
