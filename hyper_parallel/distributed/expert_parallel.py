@@ -64,7 +64,7 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh
 from hyper_parallel.dmodule._checks import Finding, PlanEntry, state_owner
-from hyper_parallel.dmodule._fast import _contiguous_stride, _ParamView
+from hyper_parallel.dmodule._fast import _contiguous_stride
 from hyper_parallel.dmodule.dispatch import Dispatch, register_dispatch
 from hyper_parallel.dmodule.sharding import DispatchConfig, ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import MeshAxisName
@@ -455,13 +455,10 @@ class RoutedExpertsDispatch:
 
         Returns their outputs in the order received.
         """
-        saved = []
-        for i, (owner, leaf) in enumerate(self.slots):
-            param = owner._parameters[leaf]
-            saved.append((owner, leaf, param))
-            # Read on every call: FSDP and checkpoint loading swap the parameters.
-            if isinstance(param, DTensor):
-                owner._parameters[leaf] = self._local_param(i, param)
+        # Read on every call: FSDP and checkpoint loading swap the parameters.
+        params = [owner._parameters[leaf] for owner, leaf in self.slots]
+        for (owner, leaf), local in zip(self.slots, self._local_params(params)):
+            owner._parameters[leaf] = local
         if self.count_attr:
             self.module.num_experts = self.num_local
         try:
@@ -477,7 +474,7 @@ class RoutedExpertsDispatch:
         finally:
             if self.count_attr:
                 self.module.num_experts = self.num_experts
-            for owner, leaf, param in saved:
+            for (owner, leaf), param in zip(self.slots, params):
                 owner._parameters[leaf] = param
 
     def _run_grouped(
@@ -495,12 +492,39 @@ class RoutedExpertsDispatch:
         # Every row written once: the inverse permutation of the gather.
         return y.new_empty(y.shape).index_copy(0, perm, y)
 
-    def _local_param(self, i: int, param: DTensor) -> torch.Tensor:
-        """``param.to_local()``, its gradient's spec made once (not on every backward)."""
+    def _local_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each DTensor parameter's local tensor, as ``to_local()`` gives it.
+
+        The views that need a gradient are taken together, by one autograd node
+        (:class:`_ParamViews`) whose backward wraps each local gradient into a DTensor
+        with a spec made once per parameter: the same ``.grad`` DTensors as
+        ``to_local()``'s backward, without its global-shape computation and
+        ``from_local`` on every call, and with one Python autograd node per call instead
+        of one per weight (each costs a Function call forward and a Python callback in
+        backward, which on small expert layers is a measurable share of the call).
+        """
         if torch.compiler.is_compiling():
-            return param.to_local()
-        if not (param.requires_grad and torch.is_grad_enabled()):
-            return param._local_tensor
+            return [p.to_local() if isinstance(p, DTensor) else p for p in params]
+        grad_enabled = torch.is_grad_enabled()
+        out = list(params)
+        viewed: list[int] = []
+        specs: list[DTensorSpec] = []
+        for i, param in enumerate(params):
+            if not isinstance(param, DTensor):
+                continue
+            if not (grad_enabled and param.requires_grad):
+                out[i] = param._local_tensor
+                continue
+            viewed.append(i)
+            specs.append(self._grad_spec(i, param))
+        if viewed:
+            views = _ParamViews.apply(tuple(specs), *(params[i] for i in viewed))
+            for i, view in zip(viewed, views):
+                out[i] = view
+        return out
+
+    def _grad_spec(self, i: int, param: DTensor) -> DTensorSpec:
+        """The spec of slot ``i``'s gradient: the parameter's, with contiguous strides."""
         spec = param._spec
         cached = self._grad_specs[i]
         if cached is None or not (cached[0] is spec or cached[0] == spec):
@@ -509,13 +533,38 @@ class RoutedExpertsDispatch:
             grad_meta = TensorMeta(meta.shape, _contiguous_stride(meta.shape), meta.dtype)
             cached = (spec, DTensorSpec(spec.mesh, spec.placements, grad_meta))
             self._grad_specs[i] = cached
-        return _ParamView.apply(param, cached[1])
+        return cached[1]
 
     def __repr__(self) -> str:
         return (
             f"RoutedExpertsDispatch(path={self.path!r}, num_experts={self.num_experts}, "
             f"ep={self.ep_size})"
         )
+
+
+class _ParamViews(torch.autograd.Function):
+    """``to_local()`` of several DTensor parameters at once; the gradients' specs given.
+
+    One node for all the expert weights of a call: its backward makes each local
+    gradient contiguous (the spec's strides) and wraps it, as ``to_local``'s backward
+    would (``from_local`` with the parameter's placements and global shape). A weight
+    the experts did not use gets no gradient (``None``, not zeros), as with one node
+    per weight.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, grad_specs: tuple[DTensorSpec, ...], *params: DTensor) -> Any:
+        ctx.grad_specs = grad_specs
+        ctx.set_materialize_grads(False)
+        return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
+        wrapped = [
+            None if g is None else DTensor(g.contiguous(), spec, requires_grad=False)
+            for g, spec in zip(grads, ctx.grad_specs)
+        ]
+        return (None, *wrapped)
 
 
 class _AllToAll(torch.autograd.Function):
