@@ -9,6 +9,7 @@ how many graphs were compiled; ``fullgraph=True`` turns any graph break into an 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,9 +19,11 @@ from torch._dynamo.utils import counters
 
 from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.distributed import MeshLayout
 from hyper_parallel.distributed import context_parallel as cp
-from hyper_parallel.dmodule import fast_path
+from hyper_parallel.dmodule import Module, ShardingConfig, fast_path
+from hyper_parallel.dmodule.types import NamedPlacement
 from hyper_parallel.models.llama import (
     apply_cp,
     apply_tp,
@@ -28,6 +31,7 @@ from hyper_parallel.models.llama import (
     cross_entropy_loss,
     preset_config,
 )
+from tests.distributed.models import Linear
 
 LAYOUTS = {"tp": apply_tp, "tp_sp": apply_tp_sp}
 
@@ -257,3 +261,84 @@ def compiled_moe_matches_eager(backend: str) -> dict[str, Any]:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _LinearPair(Module):
+    """``down(up(x))``: two bias-free linears, no pointwise maths between them."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        up: Module.Config
+        down: Module.Config
+
+    def __init__(self, config: _LinearPair.Config) -> None:
+        super().__init__()
+        self.up = config.up.build()
+        self.down = config.down.build()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up(x))
+
+
+def _linear_pair(dim: int, hidden: int, sequence_parallel: bool) -> _LinearPair.Config:
+    """Column- then row-parallel; with ``sequence_parallel`` the input arrives and the
+    output leaves sharded on the sequence (all-gather in, reduce-scatter out)."""
+    seq: NamedPlacement = {"tp": Shard(1)}
+    up = ShardingConfig(
+        state_shardings={"weight": {"tp": Shard(0)}},
+        in_src_shardings={"input": seq} if sequence_parallel else None,
+        in_dst_shardings={"input": {"tp": Replicate()}},
+    )
+    down = ShardingConfig(
+        state_shardings={"weight": {"tp": Shard(1)}},
+        in_dst_shardings={"input": {"tp": Shard(-1)}},
+        out_dst_shardings=seq if sequence_parallel else {"tp": Replicate()},
+    )
+    return _LinearPair.Config(
+        up=Linear.Config(in_features=dim, out_features=hidden, bias=False, sharding_config=up),
+        down=Linear.Config(in_features=hidden, out_features=dim, bias=False, sharding_config=down),
+    )
+
+
+def inductor_boundaries_match_eager(sequence_parallel: bool) -> dict[str, Any]:
+    """Column- and row-wise boundaries (and their sequence-parallel forms) on the fast
+    path, compiled whole by inductor with ``fullgraph=True``, against eager.
+
+    Bias-free linears with nothing pointwise between them: the graphs are the two
+    matmuls (library calls) and the boundaries' functional collectives, which inductor
+    lowers itself — so little or no C++ needs compiling and the check fits a test's time
+    (~5-13 s cold here). ``compile_threads=1`` compiles in the rank itself (its pool of
+    compile workers is not needed).
+    """
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(compile_threads=1):
+        torch._dynamo.reset()
+        counters.clear()
+        mesh = init_device_mesh("cpu", (c10d.get_world_size(),), mesh_dim_names=("tp",))
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = _linear_pair(16, 32, sequence_parallel).build()
+            with fast_path(True):
+                model.parallelize(mesh)
+            models.append(model)
+        eager, compiled = models
+        compiled.compile(fullgraph=True, backend="inductor")
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(3))
+        if sequence_parallel:
+            x = x.chunk(c10d.get_world_size(), dim=1)[c10d.get_rank()]
+        loss_diffs = []
+        for _ in range(2):  # gradients accumulate over two steps
+            a, b = eager(x).pow(2).sum(), compiled(x).pow(2).sum()
+            a.backward()
+            b.backward()
+            loss_diffs.append((_full(a) - _full(b)).abs().item())
+        out = {
+            "loss_diffs": loss_diffs,
+            "grad_diff": _grad_diff(eager, compiled),
+            "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+        }
+        torch._dynamo.reset()
+    return out

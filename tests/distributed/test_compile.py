@@ -24,15 +24,18 @@ same in torch's own parallel styles, pytorch/pytorch#159709, #152954), so
 the DTensor case checks that instead: each new length one more graph, a length seen
 before none, numbers equal eager.
 
-Inductor is not in this file: it runs but its C++ code generation does not fit a
-test's budget here. In these daemonic rank processes set
-``torch._inductor.config.compile_threads = 1`` (compile in the rank itself): an
-earlier run with the default (2 on this machine: a pool of compile worker processes)
-got no answer within 600 s. With it, the cheapest case — one ``llama3-debug`` block
-(dim 32) per rank, TP on the fast path, one shape, ``fullgraph`` — passes cold (fresh
-``TORCHINDUCTOR_CACHE_DIR``) in 116 s per rank (loss diff 0, gradients 7e-9, one
-graph, no break; 87 s of it the forward's compile, most of it in the C++ compiler;
-the ranks' own CPU time 16 s).
+Inductor: the column- and row-wise boundaries and their sequence-parallel forms on the
+fast path (bias-free linears, nothing pointwise between them: the matmuls are library
+calls and inductor lowers the functional collectives itself, so little or no C++
+is compiled) are checked here, cold in ~5 and ~13 s. A whole block is not: inductor's
+C++ code generation for its pointwise kernels does not fit a test's budget here. In
+these daemonic rank processes set ``torch._inductor.config.compile_threads = 1``
+(compile in the rank itself): an earlier run with the default (2 on this machine: a
+pool of compile worker processes) got no answer within 600 s. With it, one
+``llama3-debug`` block (dim 32) per rank, TP on the fast path, one shape,
+``fullgraph`` — passes cold (fresh ``TORCHINDUCTOR_CACHE_DIR``) in 116 s per rank
+(loss diff 0, gradients 7e-9, one graph, no break; 87 s of it the forward's compile,
+most of it in the C++ compiler; the ranks' own CPU time 16 s).
 ``compiled_matches_eager("tp_sp", True, "inductor", "blocks")`` with new lengths
 passed in 124 s; one shape takes 22 s with a warm inductor cache. The demo runs
 inductor (``hyper-parallel demo --mesh dp=2,tp=2 --compile``, and
@@ -48,6 +51,7 @@ from tests.distributed.compile_checks import (
     compiled_cp_matches_eager,
     compiled_matches_eager,
     compiled_moe_matches_eager,
+    inductor_boundaries_match_eager,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -111,5 +115,14 @@ def test_compiled_moe_blocks_with_expert_parallel_equal_eager(dist):
         assert r["experts_fsdp_unit"]
         assert r["graph_breaks"] == 0
         assert r["graphs"] == [5, 5], r["graphs"]  # compiled once, not again on step two
+        assert max(r["loss_diffs"]) <= TOL, r["loss_diffs"]
+        assert r["grad_diff"] <= TOL
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["col_row", "sp"])
+def test_inductor_lowers_the_fast_path_boundaries(dist, sequence_parallel):
+    for r in dist.run(inductor_boundaries_match_eager, sequence_parallel):
+        assert r["graph_breaks"] == 0
+        assert r["graphs"] == 1  # compiled once, not again on the second step
         assert max(r["loss_diffs"]) <= TOL, r["loss_diffs"]
         assert r["grad_diff"] <= TOL
