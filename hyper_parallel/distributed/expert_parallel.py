@@ -64,7 +64,7 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh
 from hyper_parallel.dmodule._checks import Finding, PlanEntry, state_owner
-from hyper_parallel.dmodule._fast import _contiguous_stride
+from hyper_parallel.dmodule._fast import _contiguous_stride, _ParamView
 from hyper_parallel.dmodule.dispatch import Dispatch, register_dispatch
 from hyper_parallel.dmodule.sharding import DispatchConfig, ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import MeshAxisName
@@ -495,13 +495,12 @@ class RoutedExpertsDispatch:
     def _local_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each DTensor parameter's local tensor, as ``to_local()`` gives it.
 
-        The views that need a gradient are taken together, by one autograd node
-        (:class:`_ParamViews`) whose backward wraps each local gradient into a DTensor
-        with a spec made once per parameter: the same ``.grad`` DTensors as
+        The views that need a gradient are taken together by one autograd node (the
+        fast path's ``_ParamView``), whose backward wraps each local gradient into a
+        DTensor with a spec made once per parameter: the same ``.grad`` DTensors as
         ``to_local()``'s backward, without its global-shape computation and
-        ``from_local`` on every call, and with one Python autograd node per call instead
-        of one per weight (each costs a Function call forward and a Python callback in
-        backward, which on small expert layers is a measurable share of the call).
+        ``from_local`` on every call, and one Python autograd node per call instead of
+        one per weight (a measurable share of a small expert layer's call).
         """
         if torch.compiler.is_compiling():
             return [p.to_local() if isinstance(p, DTensor) else p for p in params]
@@ -518,7 +517,7 @@ class RoutedExpertsDispatch:
             viewed.append(i)
             specs.append(self._grad_spec(i, param))
         if viewed:
-            views = _ParamViews.apply(tuple(specs), *(params[i] for i in viewed))
+            views = _ParamView.apply(tuple(specs), *(params[i] for i in viewed))
             for i, view in zip(viewed, views):
                 out[i] = view
         return out
@@ -540,31 +539,6 @@ class RoutedExpertsDispatch:
             f"RoutedExpertsDispatch(path={self.path!r}, num_experts={self.num_experts}, "
             f"ep={self.ep_size})"
         )
-
-
-class _ParamViews(torch.autograd.Function):
-    """``to_local()`` of several DTensor parameters at once; the gradients' specs given.
-
-    One node for all the expert weights of a call: its backward makes each local
-    gradient contiguous (the spec's strides) and wraps it, as ``to_local``'s backward
-    would (``from_local`` with the parameter's placements and global shape). A weight
-    the experts did not use gets no gradient (``None``, not zeros), as with one node
-    per weight.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, grad_specs: tuple[DTensorSpec, ...], *params: DTensor) -> Any:
-        ctx.grad_specs = grad_specs
-        ctx.set_materialize_grads(False)
-        return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
-        wrapped = [
-            None if g is None else DTensor(g.contiguous(), spec, requires_grad=False)
-            for g, spec in zip(grads, ctx.grad_specs)
-        ]
-        return (None, *wrapped)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -272,23 +272,32 @@ class _ScatterAddBias(torch.autograd.Function):
 
 
 class _ParamView(torch.autograd.Function):
-    """``DTensor.to_local`` for a parameter, with the gradient's spec built once.
+    """``DTensor.to_local`` for one or more parameters, with their gradients' specs given.
 
     ``to_local``'s backward recomputes the global shape and goes through
     ``DTensor.from_local`` for every gradient; a parameter's gradient spec never
-    changes, so it is made once per parameter and reused.
+    changes, so it is made once per parameter and reused. Several parameters read
+    together (an experts module's stacked weights) share one node: one Python autograd
+    call forward and one backward instead of one per parameter. A parameter whose view
+    gets no gradient gets ``None``, not zeros.
+
+    ``_ParamView.apply(grad_specs, *params)`` returns the local views, in order.
     """
 
     @staticmethod
-    def forward(ctx: Any, param: DTensor, grad_spec: DTensorSpec) -> torch.Tensor:
-        ctx.grad_spec = grad_spec
-        local = param._local_tensor
-        return local.view_as(local)
+    def forward(ctx: Any, grad_specs: tuple[DTensorSpec, ...], *params: DTensor) -> Any:
+        ctx.grad_specs = grad_specs
+        ctx.set_materialize_grads(False)
+        return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
-        grad = grad.contiguous()  # the spec's stride is the contiguous one
-        return DTensor(grad, ctx.grad_spec, requires_grad=False), None
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
+        # The specs' strides are the contiguous ones.
+        wrapped = [
+            None if g is None else DTensor(g.contiguous(), spec, requires_grad=False)
+            for g, spec in zip(grads, ctx.grad_specs, strict=True)
+        ]
+        return (None, *wrapped)
 
 
 def _placement_key(p: Placement) -> tuple[type, int | None]:
@@ -438,7 +447,7 @@ class FastPath:
             grad_meta = TensorMeta(meta.shape, _contiguous_stride(meta.shape), meta.dtype)
             spec = DTensorSpec(p.device_mesh, grad_placements or p.placements, grad_meta)
             cached = self._grad_specs[name] = (meta, spec)
-        return _ParamView.apply(p, cached[1])
+        return _ParamView.apply((cached[1],), p)[0]
 
     def _local_input(self, x: torch.Tensor, src: Shard1D) -> tuple[torch.Tensor, Shard1D, bool]:
         """``(local, layout on the axis, arrived as DTensor)``; layout ``_FALLBACK`` to decline."""
