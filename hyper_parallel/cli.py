@@ -224,6 +224,7 @@ class _Subject:
     plan: Any
     loss_fn: Callable[..., Any] | None
     seq_len: int
+    run: Any = None  # the run plan of a registered model with its own sharding
 
 
 def _subject(args: argparse.Namespace) -> _Subject:
@@ -266,21 +267,55 @@ def _subject(args: argparse.Namespace) -> _Subject:
             "--sp shards the sequence over the 'tp' axis: give the mesh a tp axis "
             "(e.g. --mesh dp=2,tp=2), and no --plan."
         )
+    run = None
     if plan is None:
-        from hyper_parallel.distributed.axes import apply_model_axes
+        # The run plan: the trainer's decisions and checks for this model and mesh.
+        run = _run_plan(args, layout)
+        if run.subject is None:  # e.g. heads not divisible by the tp size
+            raise _PlanError(_problems(run.errors), run.errors)
+        config = run.subject
+    return _Subject(
+        args.model, config, plan, spec.extras.get("loss_fn"), args.seq or _SEQ_LEN, run
+    )
 
-        try:
-            config = apply_model_axes(spec, config, layout, sequence_parallel=args.sp)
-        except ValueError as e:  # e.g. heads not divisible by the tp size
-            raise _PlanError(
-                f"{args.model} cannot be sharded over {layout}: {e}",
-                [_finding("", "mesh", str(e), "use axis sizes that divide the head counts.")],
-            ) from None
-    return _Subject(args.model, config, plan, spec.extras.get("loss_fn"), args.seq or _SEQ_LEN)
+
+def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
+    """The run plan of ``--model`` on ``--mesh`` with the command's switches.
+
+    ``validate --batch`` is the sequences per data-parallel rank; ``plan --batch`` the
+    per-rank batch of one micro-batch (so the rank's batch is ``--batch`` x micro-batches).
+    """
+    from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
+
+    microbatches = args.microbatches or default_num_microbatches(layout.pp, args.schedule)
+    if args.command == "plan":
+        batch = args.batch * (microbatches if layout.pp > 1 else 1)
+        seq_len = args.seq or _SEQ_LEN
+        switches = {"ac": args.ac, "dtype": "bf16" if args.dtype == "bf16" else "fp32"}
+        switches["fsdp"] = not args.no_fsdp
+    else:
+        batch = args.batch if args.batch is not None or layout.pp == 1 else microbatches
+        seq_len = args.seq
+        switches = {}
+    return RunPlan.for_model(
+        args.model,
+        layout,
+        sequence_parallel=args.sp,
+        schedule=args.schedule,
+        num_microbatches=args.microbatches,
+        batch_size=batch,
+        seq_len=seq_len,
+        **switches,
+    )
+
+
+def _problems(findings: Sequence[Any]) -> str:
+    lines = "\n".join(f"  {f}" for f in findings)
+    return f"{len(findings)} problem(s):\n{lines}"
 
 
 def _finding(path: str, field: str, message: str, fix: str) -> Any:
-    from hyper_parallel.dmodule._checks import Finding
+    from hyper_parallel.dmodule.findings import Finding
 
     return Finding("error", path, field, message, fix)
 
@@ -314,13 +349,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from hyper_parallel.analysis import dry_run
     from hyper_parallel.distributed.layout import LayoutError
-    from hyper_parallel.dmodule._checks import ParallelizeError
+    from hyper_parallel.dmodule.findings import ParallelizeError
 
     subject = _subject(args)
     layout = args.mesh
+    if subject.run is not None and subject.run.errors:  # the run plan's gate
+        raise _PlanError(_problems(subject.run.errors), subject.run.errors)
     pipeline = None
     if layout.pp > 1:
-        pipeline = _pipeline_part(args, layout, subject.model)
+        pipeline = _pipeline_part(args, layout, subject)
     try:
         report = dry_run(
             subject.model,
@@ -370,12 +407,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pipeline_part(args: argparse.Namespace, layout: Any, sharded: Any) -> dict[str, Any]:
+def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> dict[str, Any]:
     """Stages (with their collectives), per-rank bytes, bubble and P2P bytes (``pp > 1``)."""
     import torch
 
     from hyper_parallel.analysis.pipeline_cost import pipeline_report
-    from hyper_parallel.distributed.pipeline import MULTI_STAGE_SCHEDULES, PipelineError
+    from hyper_parallel.distributed.pipeline import PipelineError
     from hyper_parallel.dmodule.model_spec import get_spec
 
     stages = get_spec(args.model).extras.get("pipeline") if args.model else None
@@ -385,8 +422,8 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, sharded: Any) -> dict[
             f"{args.model or args.hf_model!r} with this plan declares none.",
             [_finding("", "mesh", "no pipeline stages", "leave pp out, or use --model.")],
         )
-    per_rank = 2 if args.schedule in MULTI_STAGE_SCHEDULES else 1
-    microbatches = args.microbatches or layout.pp * per_rank
+    assert subject.run is not None
+    microbatches = subject.run.num_microbatches  # the run plan's count
     element_bytes = getattr(torch, _DTYPES[args.dtype]).itemsize
     try:
         return pipeline_report(
@@ -399,7 +436,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, sharded: Any) -> dict[
             seq_len=args.seq or _SEQ_LEN,
             element_bytes=element_bytes,
             sequence_parallel=args.sp,
-            sharded_config=sharded,
+            sharded_config=subject.model,
             fsdp=not args.no_fsdp,
             param_dtype=getattr(torch, _DTYPES[args.dtype]),
             ac=args.ac,

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.core.dtensor.placement_types import Replicate
-from hyper_parallel.dmodule._checks import Finding
+from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.presets import colwise, rowwise, vocab_parallel_embedding
 from hyper_parallel.dmodule.sharding import ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName

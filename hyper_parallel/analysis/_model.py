@@ -15,13 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils import _pytree as pytree
 
+from hyper_parallel._torch_private import FakeTensorMode, pytree
 from hyper_parallel.config import Configurable
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dmodule._boundary import parallelize_entries
-from hyper_parallel.dmodule._checks import Finding, PlanEntry
+from hyper_parallel.dmodule.findings import Finding, PlanEntry
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.plan import match_plan
 from hyper_parallel.dmodule.plan_file import load_plan

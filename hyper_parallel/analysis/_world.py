@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 
 import torch.distributed as dist
 
+from hyper_parallel._torch_private import fake_store
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh, as_layout
 
@@ -77,7 +78,6 @@ def fake_world(mesh: MeshLayout | Mapping[str, int]) -> Iterator[ParallelMesh]:
             ``init_process_group``, or in a separate process.
     """
     # Imported here: torch's testing package is only needed when a fake world is made.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     layout = as_layout(mesh)
     layout.check()
@@ -92,7 +92,7 @@ def fake_world(mesh: MeshLayout | Mapping[str, int]) -> Iterator[ParallelMesh]:
                 "init_process_group (or in a separate process)."
             )
     else:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
         created = True
     try:
         with warnings.catch_warnings():

@@ -23,9 +23,13 @@ from typing import Any
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from hyper_parallel._torch_private import (
+    TorchDispatchMode,
+    c10d_functional,
+    pytree,
+    unbox_process_group,
+)
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement, Replicate, Shard
@@ -54,7 +58,7 @@ def _ops(namespace: Any, names: Iterable[str], kind: str) -> dict[Any, str]:
     return {getattr(namespace, n): kind for n in names if hasattr(namespace, n)}
 
 
-_funcol = torch.ops._c10d_functional
+_funcol = c10d_functional
 _c10d = torch.ops.c10d
 # Op packet → kind; the functional ops DTensor issues and the in-place ones FSDP2 issues.
 _KINDS: dict[Any, str] = {
@@ -199,7 +203,7 @@ def _group_of(args: Sequence[Any]) -> tuple[str | None, int]:
     """(group name, group size) of a collective from its arguments."""
     for a in args:
         if isinstance(a, torch.ScriptObject) and a._type().name().endswith("ProcessGroup"):
-            pg = torch._C._distributed_c10d.ProcessGroup.unbox(a)
+            pg = unbox_process_group(a)
             return pg.group_name, pg.size()
     # Functional collectives take the group's name as their last string argument.
     name = next((a for a in reversed(args) if isinstance(a, str)), None)

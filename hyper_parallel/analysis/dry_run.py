@@ -27,28 +27,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.debug import CommDebugMode
 
+from hyper_parallel._torch_private import FakeTensorMode
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.distributed import precision
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
 from hyper_parallel.distributed.axes import (
     axis_support_findings,
     declared_axes,
-    plan_axis_findings,
-    plan_mesh,
     states_on_axes,
 )
 from hyper_parallel.distributed.context_parallel import positions as cp_positions
-from hyper_parallel.distributed.expert_parallel import (
-    ep_layout_findings,
-    ep_plan_findings,
-    expert_shard_placement,
-)
-from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_dims, fsdp_mesh_for
+from hyper_parallel.distributed.fsdp import fsdp_mesh_dims
 from hyper_parallel.distributed.layout import (
     DATA_AXES,
     DENSE_AXES,
@@ -58,8 +49,8 @@ from hyper_parallel.distributed.layout import (
     as_layout,
 )
 from hyper_parallel.distributed.precision import check_dtype
-from hyper_parallel.dmodule._boundary import parallelize_entries
-from hyper_parallel.dmodule._checks import Finding
+from hyper_parallel.distributed.run_plan import RunPlan, apply_run_plan
+from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
 from ._format import human_bytes, layer_pattern, placement_text, table
@@ -416,42 +407,44 @@ def dry_run(
     check_ac_mode(ac)
     check_dtype(dtype)
     layout = as_layout(mesh)
+    # The dry run traces one pipeline's ranks; `plan` cuts a pp mesh into stages first.
     _raise_errors(
         [f for f in layout.findings() if f.severity == "error"]
         + axis_support_findings(layout, ANALYSIS_AXES, "the dry run")
-        + ep_layout_findings(layout)
     )
     target = resolve_target(model_or_config, plan)
-    # The axes the plan declares decide where it runs and what FSDP may shard over.
-    entries, _ = target.entries(target.build_meta(1 if target.layers_field else None))
-    declared = declared_axes(entries)
-    # One gate: every problem of the plan's axes and of context parallelism, together.
-    problems = [f for f in plan_axis_findings(layout, declared, fsdp=fsdp) if f.severity == "error"]
-    if layout.cp > 1:
-        from hyper_parallel.distributed import context_parallel
-
-        subject = target.config if target.config is not None else target.model
-        problems += context_parallel.cp_findings(subject, layout, seq_len)
-    _raise_errors(problems)
+    # The run plan decides where the plan runs and what FSDP shards over, and checks
+    # the run: the trainer's and validate's gate (on a meta build of one layer).
+    meta = target.build_meta(1 if target.layers_field else None)
+    entries, _ = target.entries(meta)
+    run = RunPlan.for_subject(
+        target.config if target.config is not None else target.model,
+        layout,
+        name=target.name,
+        entries=entries,
+        model=meta,
+        fsdp=fsdp,
+        ac=ac,
+        dtype=dtype,
+        seq_len=seq_len,
+    )
+    _raise_errors(run.errors)
     loss = loss_fn or default_loss
     depths: tuple[int | None, ...] = TRACE_DEPTHS if target.layers_field else (None,)
     with fake_world(layout) as world:
-        fsdp_mesh = fsdp_mesh_for(world, declared) if fsdp else None
+        fsdp_mesh = run.fsdp_mesh(world)
         use_fsdp = fsdp_mesh is not None
         runs = [
             _trace_step(
                 target,
                 world,
                 depth,
-                fsdp_mesh=fsdp_mesh,
-                expert_fsdp=fsdp and layout.efsdp > 1,
+                run=run,
                 param_dtype=param_dtype,
                 inputs=inputs,
                 batch_size=batch_size,
                 seq_len=seq_len,
                 loss_fn=loss,
-                ac=ac,
-                dtype=dtype,
             )
             for depth in depths
         ]
@@ -504,21 +497,19 @@ def _trace_step(
     world: ParallelMesh,
     depth: int | None,
     *,
-    fsdp_mesh: DeviceMesh | None,
+    run: RunPlan,
     param_dtype: torch.dtype,
-    expert_fsdp: bool = False,
     inputs: Sequence[torch.Tensor] | None,
     batch_size: int,
     seq_len: int,
     loss_fn: LossFn,
-    ac: str = "none",
-    dtype: str = "fp32",
 ) -> _Run:
     mode = FakeTensorMode()
     model = target.build_fake(mode, depth, param_dtype)
     types = {path: type(m).__name__ for path, m in model.named_modules()}
     entries, findings = target.entries(model)
     axes = declared_axes(entries)
+    fsdp_mesh = run.fsdp_mesh(world)
     kwargs: dict[str, torch.Tensor] = {}
     if "cp" in axes and world.layout.cp > 1 and inputs is None:
         args, kwargs = cp_inputs(model, batch_size, seq_len, world.layout.cp, mode)
@@ -526,46 +517,18 @@ def _trace_step(
         args = _inputs(model, inputs, batch_size, seq_len, mode)
         if "cp" in axes and world.layout.cp > 1:  # given inputs: rank 0's part of the sequence
             kwargs = {"positions": mode.from_tensor(cp_positions(seq_len, 0, world.layout.cp))}
-    _raise_errors(
-        [
-            f
-            for f in plan_axis_findings(world.layout, axes, fsdp=fsdp_mesh is not None)
-            if f.severity == "error"
-        ]
-        + ep_plan_findings(world.layout, entries)
-    )
-    if entries or findings:  # a plan whose patterns all match nothing is refused too
-        on_data = states_on_axes(entries, DATA_AXES)
-        if fsdp_mesh is not None and on_data:
-            raise ValueError(
-                f"dry_run: the plan places states on a data axis ({', '.join(on_data)}), "
-                "which FSDP also shards over; pass fsdp=False (CLI: --no-fsdp) to place them "
-                "yourself, or drop the data axes from those configs."
-            )
-        # The plan runs on the submesh of the axes it declares, as in the trainer; routed
-        # experts on the ep mesh.
-        experts = [e for e in entries if e.config.dispatch is not None]
-        dense = [e for e in entries if e.config.dispatch is None]
-        sub = plan_mesh(world, axes)
-        parallelize_entries(model, sub if sub is not None else world.dense, dense, findings)
-        if experts:
-            parallelize_entries(model, world["ep"], experts)
-    else:
-        experts = []
-    units: list[str] = []
-    # Expert states are FSDP'd over efsdp as in the trainer, also when the dense states
-    # have no FSDP mesh (cp on the plan with dp_shard = 1, efsdp spanning cp ranks).
-    if fsdp_mesh is not None or (expert_fsdp and experts):
-        efsdp = world["efsdp"]
-        mp_policy = precision.fsdp_policy(dtype)
-        expert_mesh = world.expert_fsdp_mesh()  # efsdp; HSDP (edp_replicate, efsdp) with replicas
-        for e in experts:  # expert states: FSDP over efsdp, before the blocks take the rest
-            placement = expert_shard_placement(e.module, efsdp.size())
-            fully_shard(
-                e.module, mesh=expert_mesh, shard_placement_fn=placement, mp_policy=mp_policy
-            )
-        if fsdp_mesh is not None:
-            units = apply_fsdp(model, fsdp_mesh, mp_policy=mp_policy)
+    on_data = states_on_axes(entries, DATA_AXES)
+    if fsdp_mesh is not None and on_data:
+        raise ValueError(
+            f"dry_run: the plan places states on a data axis ({', '.join(on_data)}), "
+            "which FSDP also shards over; pass fsdp=False (CLI: --no-fsdp) to place them "
+            "yourself, or drop the data axes from those configs."
+        )
+    experts = [e for e in entries if e.config.dispatch is not None]
+    # The one builder, as the trainer applies it (plan on its submesh, experts on ep
+    # and FSDP2 over efsdp, FSDP2 with the dtype's policy); a fake model: nothing
+    # compiled, activation checkpointing estimated below rather than applied.
+    units = apply_run_plan(model, run, world, entries=entries, plan_findings=findings, trace=True)
     modules = _module_shards(model, types, _fsdp_dim_names(fsdp_mesh))
     recorder = CollectiveRecorder(*_recorder_groups(world, fsdp_mesh))
     comm = CommDebugMode()
@@ -576,7 +539,7 @@ def _trace_step(
         blocks = nn.ModuleList(blocks.values())
     saved = SavedActivations(model, list(blocks) if isinstance(blocks, nn.ModuleList) else [])
     with mode, comm, recorder:
-        with saved, precision.autocast(dtype, "cpu", sharded=fsdp_mesh is not None):
+        with saved:
             out = model(*args, **kwargs)
             loss = loss_fn(out, *args)
         recorder.phase = "backward"
@@ -605,7 +568,7 @@ def _trace_step(
         comm_debug_total=comm.get_total_counts(),
         expert_bytes=expert_bytes,
         plan_axes=tuple(a for a in axes if a in DENSE_AXES),
-        activation_bytes=saved.peak_bytes(ac),
+        activation_bytes=saved.peak_bytes(run.ac),
     )
 
 

@@ -43,30 +43,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hyper_parallel._torch_private import FakeTensorMode, pytree
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement, Shard
 from hyper_parallel.distributed.axes import (
-    axis_support_findings,
-    declared_axes,
-    plan_axis_findings,
     plan_mesh,
-    states_on_axes,
-)
-from hyper_parallel.distributed.expert_parallel import (
-    ep_findings,
-    ep_layout_findings,
-    ep_plan_findings,
-    ep_schedule_findings,
 )
 from hyper_parallel.distributed.fsdp import fsdp_mesh_findings
 from hyper_parallel.distributed.layout import (
@@ -76,13 +65,8 @@ from hyper_parallel.distributed.layout import (
     ParallelMesh,
     as_layout,
 )
-from hyper_parallel.distributed.pipeline import (
-    MULTI_STAGE_SCHEDULES,
-    PipelineLayout,
-    PipelineSplit,
-    count_unit_flops,
-)
-from hyper_parallel.distributed.pipeline import pipeline_findings as _plan_findings
+from hyper_parallel.distributed.pipeline import PipelineLayout, PipelineSplit
+from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
 from hyper_parallel.dmodule._checks import (
     BOUNDARY_ATTR,
     Finding,
@@ -375,25 +359,35 @@ def validate(
         )
     target = resolve_target(model_or_config, plan)
     model = target.build_meta()
-    pipeline_findings: list[Finding] = []
-    if layout.pp > 1:
-        pipeline_findings, batch_size = _pipeline_part(
-            model,
-            layout,
-            pipeline,
-            schedule=schedule,
-            num_microbatches=num_microbatches,
-            split=pipeline_split,
-            stages_per_rank=stages_per_rank,
-            batch_size=batch_size,
-            seq_len=seq_len if seq_len is not None else _default_seq_len(layout),
-        )
-        # The rest is one pipeline's model-parallel group, as the trainer builds each stage.
-        layout = dataclasses.replace(layout, pp=1)
-    batch_size = 1 if batch_size is None else batch_size
     entries, plan_findings = target.entries(model)
-    declared = declared_axes(entries)
-    plan_axes = tuple(a for a in declared if a in DENSE_AXES)
+    if layout.pp > 1 and batch_size is None:
+        # One sequence per micro-batch unless given: the run's micro-batches.
+        batch_size = num_microbatches or default_num_microbatches(
+            layout.pp, schedule, stages_per_rank
+        )
+    # The run's decisions and checks: the same object the trainer and `plan` ask.
+    run = RunPlan.for_subject(
+        target.config if target.config is not None else model,
+        layout,
+        name=target.name,
+        entries=entries,
+        pipeline_layout=pipeline,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        pipeline_split=pipeline_split,
+        stages_per_rank=stages_per_rank,
+        batch_size=batch_size,
+        seq_len=seq_len if seq_len is not None or layout.pp == 1 else _default_seq_len(layout),
+    )
+    pipeline_errors = [f for f in run.pipeline_findings if f.severity == "error"]
+    if layout.pp > 1:
+        # The rest is one pipeline's model-parallel group, as each stage is built; one
+        # stage's forward sees one micro-batch.
+        layout = dataclasses.replace(layout, pp=1)
+        if batch_size is not None and batch_size % max(1, run.num_microbatches) == 0:
+            batch_size //= max(1, run.num_microbatches)
+    batch_size = 1 if batch_size is None else batch_size
+    plan_axes = run.dense_plan_axes
     report = ValidationReport(
         model=target.name,
         mesh=as_layout(mesh).active(),
@@ -401,129 +395,33 @@ def validate(
         plan_axes=plan_axes,
     )
     sizes = {a: layout.size(a) for a in DENSE_AXES}
-    findings = [*mesh_findings, *pipeline_findings]
-    findings += axis_support_findings(layout, _ANALYSIS_AXES, "validate")
-    findings += plan_axis_findings(
-        layout, declared, fsdp=True, states_on_data=states_on_axes(entries, _DATA_AXES)
-    )
+    findings = [*mesh_findings, *run.findings]
     findings += _user_mesh_findings(mesh)
-    if layout.cp > 1:
-        from hyper_parallel.distributed import context_parallel
-
-        subject = target.config if target.config is not None else model
-        findings += context_parallel.cp_findings(subject, layout, seq_len)
     dense = [e for e in entries if e.config.dispatch is None]
     experts = [e for e in entries if e.config.dispatch is not None]
     findings += [*plan_findings, *check_entries(dense, DENSE_AXES, sizes, model)]
     if experts:  # routed experts are applied on the ep mesh
-        findings += check_entries(experts, ("ep",), {"ep": layout.ep})
-    if layout.ep > 1:
-        findings += ep_layout_findings(layout) + ep_plan_findings(layout, entries)
-        # The plan's dispatch check reports expert divisibility too, in the same words.
-        findings += [f for f in ep_findings(model, layout) if f not in findings]
+        findings += [
+            f for f in check_entries(experts, ("ep",), {"ep": layout.ep}) if f not in findings
+        ]
     findings += _coverage(model, entries, plan_axes or tuple(layout.active()) or ("tp",))
-    if trace and any(f.severity == "error" for f in pipeline_findings):
+    if trace and pipeline_errors:
         report.notes.append("boundary analysis skipped: the pipeline plan has errors.")
     elif trace:
         if seq_len is None:
             seq_len = _default_seq_len(layout)
         findings += _trace(target, layout, findings, report, inputs, batch_size, seq_len)
     order = {"error": 0, "warning": 1, "info": 2}
-    report.findings = sorted(findings, key=lambda f: order.get(f.severity, 3))
+    report.findings = sorted(_unique(findings), key=lambda f: order.get(f.severity, 3))
     return report
 
 
-def _pipeline_part(
-    model: nn.Module,
-    layout: MeshLayout,
-    pipeline: PipelineLayout | None,
-    *,
-    schedule: str,
-    num_microbatches: int | None,
-    split: PipelineSplit | Mapping[str, Any] | None,
-    stages_per_rank: int | None,
-    batch_size: int | None,
-    seq_len: int,
-) -> tuple[list[Finding], int | None]:
-    """The pipeline plan's findings (the trainer's checks) and the micro-batch size.
-
-    Returns:
-        The findings, and the batch of one micro-batch (what one stage's forward
-        sees, traced by the rest of :func:`validate`), ``None`` when unknown.
-    """
-    findings: list[Finding] = []
-    if pipeline is None:
-        pipeline = _registered_pipeline(model)
-    if pipeline is None:
-        findings.append(
-            Finding(
-                "error",
-                "mesh",
-                "pp",
-                f"pp={layout.pp}, but {type(model).__name__} declares no pipeline stages "
-                "(no registered ModelSpec of this class has extras['pipeline']).",
-                "pass validate(..., pipeline=PipelineLayout(...)) describing its units, or "
-                "leave pp out of the mesh.",
-            )
-        )
-        return findings, batch_size
-    if isinstance(split, Mapping):
-        try:
-            split = PipelineSplit.from_dict(dict(split))
-        except ValueError as e:
-            findings.append(
-                Finding("error", "pipeline", "pipeline_split", str(e), "fix the split.")
-            )
-            return findings, batch_size
-    try:
-        if split is not None and split.balance == "flops":
-            units = count_unit_flops(pipeline, model, seq_len)
-        else:
-            units = pipeline.units_of_model(model)
-    except AttributeError as e:
-        findings.append(
-            Finding(
-                "error",
-                "pipeline",
-                "layout",
-                f"the pipeline description does not fit {type(model).__name__}: {e}",
-                "pass the PipelineLayout of this model family.",
-            )
-        )
-        return findings, batch_size
-    if num_microbatches is None:
-        per_rank = stages_per_rank or (2 if schedule in MULTI_STAGE_SCHEDULES else 1)
-        num_microbatches = layout.pp * per_rank
-    if batch_size is None:
-        batch_size = num_microbatches
-    found = _plan_findings(
-        units,
-        pp=layout.pp,
-        schedule=schedule,
-        num_microbatches=num_microbatches,
-        split=split,
-        stages_per_rank=stages_per_rank,
-        batch_size=batch_size,
-        model=model,
-    )
-    findings += [dataclasses.replace(f, path=f.path or "pipeline") for f in found]
-    findings += ep_schedule_findings(layout, schedule)
-    if num_microbatches >= 1 and batch_size % num_microbatches == 0:
-        return findings, batch_size // num_microbatches
-    return findings, batch_size
-
-
-def _registered_pipeline(model: nn.Module) -> PipelineLayout | None:
-    """The ``extras["pipeline"]`` of a registered model of ``model``'s class."""
-    from hyper_parallel.dmodule.model_spec import get_spec, list_specs
-
-    config_type = getattr(type(model), "Config", None)
-    for name in list_specs():
-        spec = get_spec(name)
-        layout = spec.extras.get("pipeline")
-        if layout is not None and config_type is type(spec.config()):
-            return layout
-    return None
+def _unique(findings: Sequence[Finding]) -> list[Finding]:
+    out: list[Finding] = []
+    for f in findings:
+        if f not in out:
+            out.append(f)
+    return out
 
 
 def _default_seq_len(layout: MeshLayout) -> int:

@@ -37,7 +37,7 @@ from hyper_parallel.distributed.layout import (
     MeshLayout,
     ParallelMesh,
 )
-from hyper_parallel.dmodule._checks import Finding, PlanEntry, _named_fields
+from hyper_parallel.dmodule.findings import Finding, PlanEntry, named_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
 __all__ = [
@@ -110,7 +110,7 @@ def declared_axes(configs: Iterable[ShardingConfig | PlanEntry | None]) -> tuple
         config = item.config if isinstance(item, PlanEntry) else item
         if config is None:
             continue
-        for _, named in _named_fields(config):
+        for _, named in named_placements(config):
             names.update(str(getattr(a, "value", a)) for a in (named or {}))
     dense = tuple(a for a in DENSE_AXES if a in names)
     return dense + tuple(sorted(names - set(dense)))

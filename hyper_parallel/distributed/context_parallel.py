@@ -51,7 +51,7 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
 from hyper_parallel.distributed.layout import MeshLayout
-from hyper_parallel.dmodule._checks import Finding
+from hyper_parallel.dmodule.findings import Finding
 
 __all__ = [
     "CP_AXIS",

@@ -54,18 +54,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from hyper_parallel._torch_private import DTensorSpec, TensorMeta, funcol, is_fake
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh
-from hyper_parallel.dmodule._checks import Finding, PlanEntry, state_owner
+from hyper_parallel.dmodule._checks import state_owner
 from hyper_parallel.dmodule._fast import _contiguous_stride, _ParamView
 from hyper_parallel.dmodule.dispatch import Dispatch, register_dispatch
+from hyper_parallel.dmodule.findings import Finding, PlanEntry
 from hyper_parallel.dmodule.sharding import DispatchConfig, ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import MeshAxisName
 
@@ -75,7 +74,6 @@ __all__ = [
     "ep_findings",
     "ep_layout_findings",
     "ep_plan_findings",
-    "ep_schedule_findings",
     "expert_entries",
     "expert_grad_divisor",
     "expert_parallel",
@@ -723,37 +721,6 @@ def ep_layout_findings(layout: MeshLayout) -> list[Finding]:
             )
         )
     return out
-
-
-def ep_schedule_findings(layout: MeshLayout, schedule: str) -> list[Finding]:
-    """An error when ``ep`` meets a pipeline schedule that splits the backward.
-
-    Inside a pipeline stage the routed experts are an FSDP2 unit of their own (over
-    ``efsdp``, a mesh apart from the dense states'). The zero-bubble schedules
-    (``InterleavedZeroBubble``, ``ZBVZeroBubble``) run each backward as an
-    input-gradient and a later weight-gradient step, and FSDP2 units nested in a stage
-    then reduce their gradients before the weight step has accumulated them (the
-    reason a stage is one FSDP2 unit under those schedules): measured 9.5e-4 and
-    2.3e-3 off one device after 5 steps of the debug MoE at pp=2 x dp_shard=2 x ep=2.
-    1F1B, GPipe and Interleaved1F1B run the full backward and match one device.
-    """
-    from hyper_parallel.distributed.pipeline import SPLIT_BACKWARD_SCHEDULES
-
-    if layout.ep == 1 or layout.pp == 1 or schedule not in SPLIT_BACKWARD_SCHEDULES:
-        return []
-    return [
-        Finding(
-            "error",
-            "mesh",
-            "ep",
-            f"ep={layout.ep} with pp={layout.pp} and {schedule}: the schedule splits each "
-            "backward into input- and weight-gradient steps, and the routed experts' own "
-            "FSDP2 unit (over efsdp) inside each stage would reduce its gradients before "
-            "the weight step (wrong gradients).",
-            "use 1F1B, GPipe or Interleaved1F1B with ep, or leave ep out of the mesh for "
-            f"{schedule}.",
-        )
-    ]
 
 
 def ep_plan_findings(layout: MeshLayout, entries: Sequence[PlanEntry]) -> list[Finding]:

@@ -36,13 +36,13 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import DataParallelMeshDims, FSDPModule, fully_shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from hyper_parallel._torch_private import DTensorSpec
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed.axes import fsdp_shards_over_cp, plan_mesh
 from hyper_parallel.distributed.layout import ParallelMesh
-from hyper_parallel.dmodule._checks import Finding
+from hyper_parallel.dmodule.findings import Finding
 
 __all__ = ["apply_fsdp", "fsdp_mesh_dims", "fsdp_mesh_findings", "fsdp_mesh_for", "fsdp_units"]
 

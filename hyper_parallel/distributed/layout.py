@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 import torch.distributed as dist
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh, init_device_mesh
-from hyper_parallel.dmodule._checks import Finding
+from hyper_parallel.dmodule.findings import Finding
 
 __all__ = [
     "DATA_AXES",

@@ -1,9 +1,10 @@
 """Declarative modules: sharding specs, the module runtime and plans for any model."""
 
-from hyper_parallel.dmodule._checks import Finding as Finding
-from hyper_parallel.dmodule._checks import ParallelizeError as ParallelizeError
 from hyper_parallel.dmodule._fast import fast_path as fast_path
 from hyper_parallel.dmodule._fast import set_fast_path as set_fast_path
+from hyper_parallel.dmodule.findings import Finding as Finding
+from hyper_parallel.dmodule.findings import ParallelizeError as ParallelizeError
+from hyper_parallel.dmodule.findings import PlanEntry as PlanEntry
 from hyper_parallel.dmodule.model import BaseModel as BaseModel
 from hyper_parallel.dmodule.model import ModelConfigConverter as ModelConfigConverter
 from hyper_parallel.dmodule.model_spec import ModelSpec as ModelSpec
@@ -41,6 +42,7 @@ __all__ = [
     "ModuleList",
     "NamedPlacement",
     "ParallelizeError",
+    "PlanEntry",
     "Sequential",
     "ShardingConfig",
     "colwise",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import difflib
 import inspect
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Shard
 from hyper_parallel.dmodule._placements import normalize_placements
+from hyper_parallel.dmodule.findings import Finding, ParallelizeError, PlanEntry, named_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
@@ -26,61 +26,6 @@ __all__ = ["Finding", "ParallelizeError", "PlanEntry", "check_entries", "check_m
 
 # Attribute set on a module once its boundary is installed.
 BOUNDARY_ATTR = "_hp_boundary"
-
-
-@dataclass(frozen=True)
-class PlanEntry:
-    """One module of a plan: where it is, what it is, and its config."""
-
-    path: str
-    module: nn.Module
-    config: ShardingConfig
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem (or warning) found in a plan.
-
-    Attributes:
-        severity: ``"error"`` (``parallelize`` refuses the plan) or ``"warning"``.
-        path: Module path in the model (``layers.3.attention.wq``); ``""`` for the root.
-        field: The config field (and key) concerned, e.g. ``state_shardings['weight']``.
-        message: What is wrong, with what was received.
-        fix: How to fix it.
-    """
-
-    severity: str
-    path: str
-    field: str
-    message: str
-    fix: str
-
-    def __str__(self) -> str:
-        where = self.path or "<root>"
-        field = f" {self.field}:" if self.field else ""
-        return f"{where}:{field} {self.message} Fix: {self.fix}"
-
-    def to_dict(self) -> dict[str, str]:
-        """JSON-friendly form."""
-        return {
-            "severity": self.severity,
-            "path": self.path,
-            "field": self.field,
-            "message": self.message,
-            "fix": self.fix,
-        }
-
-
-class ParallelizeError(ValueError):
-    """A plan was refused; nothing was changed. ``findings`` lists every error."""
-
-    def __init__(self, findings: Sequence[Finding]) -> None:
-        self.findings = list(findings)
-        lines = "\n".join(f"  {f}" for f in self.findings)
-        super().__init__(
-            f"{len(self.findings)} problem(s) in the sharding plan; the model was not changed:\n"
-            f"{lines}"
-        )
 
 
 def state_owner(module: nn.Module, state_path: str) -> tuple[nn.Module, str] | None:
@@ -126,24 +71,7 @@ class _Collector:
         self.findings.append(Finding("warning", self.path, field, message, fix))
 
 
-def _named_fields(config: ShardingConfig) -> Iterable[tuple[str, NamedPlacement]]:
-    """Every NamedPlacement in a config, with the field text that names it."""
-    for key, named in config.state_shardings.items():
-        yield f"state_shardings[{key!r}]", named
-    for name in ("in_src_shardings", "in_dst_shardings"):
-        for key, named in (getattr(config, name) or {}).items():
-            yield f"{name}[{key!r}]", named
-    out_src = config.out_src_shardings
-    if isinstance(out_src, tuple):
-        for i, named in enumerate(out_src):
-            yield f"out_src_shardings[{i}]", named
-    elif out_src is not None:
-        yield "out_src_shardings", out_src
-    if config.out_dst_shardings is not None:
-        yield "out_dst_shardings", config.out_dst_shardings
-    if config.local_map is not None:
-        for i, named in enumerate(config.local_map.in_grad_placements):
-            yield f"local_map.in_grad_placements[{i}]", named
+_named_fields = named_placements
 
 
 def _check_axes(

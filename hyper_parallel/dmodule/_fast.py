@@ -56,15 +56,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
 # DTensor's spec types and global-shape helper are private to torch; they are what
 # DTensor.from_local builds per call, and the fast path builds them once per shape.
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_global_tensor_info
-
+from hyper_parallel._torch_private import (
+    DTensorSpec,
+    TensorMeta,
+    compute_global_tensor_info,
+    funcol,
+)
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from hyper_parallel.core.dtensor.placement_types import Placement, Shard
-from hyper_parallel.dmodule._checks import Finding
+from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
 __all__ = ["check_known_layouts"]

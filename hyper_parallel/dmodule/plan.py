@@ -33,7 +33,7 @@ from torch import nn
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dmodule._boundary import parallelize_entries
-from hyper_parallel.dmodule._checks import Finding, PlanEntry
+from hyper_parallel.dmodule.findings import Finding, PlanEntry
 from hyper_parallel.dmodule.plan_file import load_plan
 from hyper_parallel.dmodule.sharding import ShardingConfig
 

@@ -43,42 +43,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.distributed import precision
-from hyper_parallel.distributed.activation_checkpoint import apply_activation_checkpointing
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
-from hyper_parallel.distributed.axes import (
-    MODEL_AXES,
-    apply_model_axes,
-    axis_support_findings,
-    declared_axes,
-    plan_axis_findings,
-    plan_mesh,
-)
-from hyper_parallel.distributed.compile import apply_compile
-from hyper_parallel.distributed.expert_parallel import (
-    ep_findings,
-    ep_layout_findings,
-    ep_schedule_findings,
-    parallelize_with_experts,
-    rescale_expert_grads,
-    shard_experts,
-)
-from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for, fsdp_units
+from hyper_parallel.distributed.axes import MODEL_AXES, apply_model_axes, declared_axes
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
-from hyper_parallel.distributed.pipeline import (
-    PipelineSplit,
-    build_schedule,
-    build_stage_modules,
-    init_states_by_unit,
-    pipeline_findings,
-    pipeline_step,
-    plan_pipeline,
+from hyper_parallel.distributed.pipeline import build_schedule, pipeline_step
+from hyper_parallel.distributed.precision import check_dtype, loss_logits
+from hyper_parallel.distributed.run_plan import (
+    RunPlan,
+    build_model,
+    build_stages,
+    default_num_microbatches,
 )
-from hyper_parallel.distributed.precision import check_dtype
-from hyper_parallel.dmodule._checks import Finding
+from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.train.checkpoint import (
@@ -103,6 +81,7 @@ __all__ = [
     "clip_grad_norm_",
     "default_device",
     "model_config",
+    "run_plan",
     "train",
 ]
 
@@ -141,8 +120,10 @@ class TrainConfig:
         progress: Show a progress bar on rank 0 when stderr is a terminal.
         schedule: Pipeline schedule (torch's name) when ``pp > 1``: ``GPipe``,
             ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``.
-        num_microbatches: Micro-batches per step under ``pp > 1``; ``None``: one
-            sequence per micro-batch (the data-parallel rank's batch size).
+        num_microbatches: Micro-batches per step under ``pp > 1``; ``None``: one per
+            stage, ``pp`` x stages per rank (the run plan's one rule,
+            :func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`); each
+            data-parallel rank's batch splits into that many equal micro-batches.
         pipeline_split: The stage split (``{"units_per_stage": n}`` or
             ``{"stages": [[unit, ...], ...]}``); ``None`` balances stages by parameters.
         compile: ``torch.compile`` each transformer block (``fullgraph=True``), after
@@ -240,10 +221,10 @@ class TrainConfig:
 
     @property
     def microbatches(self) -> int:
-        """Micro-batches per step (``num_microbatches``, or one sequence each)."""
+        """Micro-batches per step (``num_microbatches``, or one per pipeline stage)."""
         if self.num_microbatches is not None:
             return self.num_microbatches
-        return max(1, self.global_batch_size // self.dp)
+        return default_num_microbatches(self.layout.pp, self.schedule)
 
     @property
     def world_size(self) -> int:
@@ -353,10 +334,10 @@ def model_config(cfg: TrainConfig, tp: int | None = None) -> Any:
     """The model config ``cfg`` trains, with the sharding of every active model axis.
 
     For each axis of :data:`~hyper_parallel.distributed.axes.MODEL_AXES` of size > 1
-    the spec's sharding function (``extras["tp"]``, ``extras["tp_sp"]`` with sequence
-    parallel) is applied (:func:`~hyper_parallel.distributed.axes.apply_model_axes`), so the
-    config declares exactly the active model axes. Needs no process group, so a
-    launcher can check a run before starting ranks.
+    the spec's sharding for that axis is applied
+    (:func:`~hyper_parallel.distributed.axes.apply_model_axes`), so the config declares
+    exactly the active model axes. Needs no process group, so a launcher can check a
+    run before starting ranks.
 
     Args:
         cfg: The run's config.
@@ -367,10 +348,6 @@ def model_config(cfg: TrainConfig, tp: int | None = None) -> Any:
             active axis, or the axis size does not fit its shapes.
     """
     layout = cfg.layout if tp is None else dataclasses.replace(cfg.layout, tp=tp)
-    return _model_config(cfg, layout)
-
-
-def _model_config(cfg: TrainConfig, layout: MeshLayout) -> Any:
     spec = get_spec(cfg.model)
     config = spec.config(**cfg.model_overrides)
     return apply_model_axes(spec, config, layout, sequence_parallel=cfg.sequence_parallel)
@@ -381,75 +358,47 @@ def config_axes(config: Any) -> tuple[str, ...]:
     return declared_axes(c.sharding_config for _, c, _, _ in config.traverse(Module.Config))
 
 
-def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Finding]:
-    """Every problem of a run's mesh, axes and model, before any process group exists.
+def run_plan(
+    cfg: TrainConfig, world_size: int | None = None, layout: MeshLayout | None = None
+) -> RunPlan:
+    """The :class:`~hyper_parallel.distributed.run_plan.RunPlan` of ``cfg``: every decision
+    and every check of the run, made once.
 
-    The one gate the trainer, ``python -m hyper_parallel.train.run`` and the demo use:
-    the layout's own findings (and, when given, its product against ``world_size``),
-    axes the trainer cannot run yet (``pp``, ``ep``), a model that cannot be sharded
-    over its axes, and a plan that does not declare an active model axis.
+    Args:
+        cfg: The run's config.
+        world_size: The ranks the job has, when known (checked against the mesh).
+        layout: Plan for this mesh instead of ``cfg.mesh`` (``MeshLayout()``: one device).
+    """
+    layout = cfg.layout if layout is None else layout
+    return RunPlan.for_model(
+        cfg.model,
+        layout,
+        model_overrides=cfg.model_overrides,
+        world_size=world_size,
+        sequence_parallel=cfg.sequence_parallel,
+        compile=cfg.compile,
+        ac=cfg.ac,
+        dtype=cfg.dtype,
+        schedule=cfg.schedule,
+        num_microbatches=cfg.num_microbatches,
+        batch_size=cfg.global_batch_size // layout.size("batch"),
+        seq_len=cfg.seq_len,
+        pipeline_split=cfg.pipeline_split,
+    )
+
+
+def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Finding]:
+    """Every problem of a run's mesh, axes, model and switches, before any process group.
+
+    The gate the trainer, ``python -m hyper_parallel.train.run`` and the demo use: the
+    errors of the run plan (:func:`run_plan`), which ``validate`` and ``plan`` report
+    too — the mesh (and, when given, its product against ``world_size``), the model's
+    sharding over its axes, context and expert parallelism, and the pipeline plan.
 
     Returns:
         The errors (an empty list when the run can start).
     """
-    layout = cfg.layout
-    findings = [f for f in layout.findings(world_size) if f.severity == "error"]
-    findings += axis_support_findings(layout, TRAINER_AXES, "the trainer")
-    findings += ep_layout_findings(layout)
-    try:
-        config = model_config(cfg)
-    except ValueError as e:
-        findings.append(
-            Finding("error", "model", cfg.model, str(e), "pick axis sizes the model supports.")
-        )
-        return findings
-    if layout.ep > 1:
-        findings += ep_findings(config, layout)
-    findings += [
-        f
-        for f in plan_axis_findings(layout, config_axes(config), fsdp=True)
-        if f.severity == "error"
-    ]
-    if layout.cp > 1:
-        from hyper_parallel.distributed import context_parallel
-
-        findings += context_parallel.cp_findings(config, layout, cfg.seq_len)
-    if layout.pp > 1:
-        findings += _pipeline_findings(cfg, layout)
-    return findings
-
-
-def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
-    spec = get_spec(cfg.model)
-    stages = spec.extras.get("pipeline")
-    if stages is None:
-        return [
-            Finding(
-                "error",
-                "mesh",
-                "pp",
-                f"model {cfg.model!r} declares no pipeline stages (ModelSpec.extras['pipeline']).",
-                "leave pp out of the mesh, or register the model's PipelineLayout.",
-            )
-        ]
-    try:
-        split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
-    except ValueError as e:
-        return [Finding("error", "pipeline_split", "", str(e), "fix the split.")]
-    return pipeline_findings(
-        _pipeline_units(cfg, split),
-        pp=layout.pp,
-        schedule=cfg.schedule,
-        num_microbatches=cfg.microbatches,
-        split=split,
-        batch_size=cfg.global_batch_size // cfg.dp,
-    ) + ep_schedule_findings(layout, cfg.schedule)
-
-
-def _raise_findings(findings: list[Finding], where: str) -> None:
-    if findings:
-        lines = "\n".join(f"  {f}" for f in findings)
-        raise ValueError(f"{where}: {len(findings)} problem(s):\n{lines}")
+    return run_plan(cfg, world_size).errors
 
 
 def build_parallel_model(
@@ -457,18 +406,16 @@ def build_parallel_model(
 ) -> nn.Module:
     """Build ``cfg.model`` on meta, parallelize, ``fully_shard``, materialize and initialize.
 
-    Steps: build on the meta device with the sharding of every active model axis
-    (:func:`model_config`) → ``model.parallelize`` on the submesh of the axes that
-    sharding declares (:func:`~hyper_parallel.distributed.plan_mesh`) →
-    ``torch.compile`` per block (``cfg.compile``) → activation checkpointing
-    (``cfg.ac``) → ``fully_shard`` (with ``cfg.dtype``'s mixed precision) each block of
-    ``model.layers`` and the root over
-    :func:`~hyper_parallel.distributed.fsdp.fsdp_mesh_for` (FSDP on ``fsdp`` = dp_shard
-    x cp, HSDP with dp_replicate; on the model's own mesh under cp, see
-    :func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`)
-    → ``to_empty(device)`` → ``torch.manual_seed(cfg.seed)`` and ``init_states()``.
-    With ``mesh=None`` the same model is built for one device, through the same
-    steps, so it gets the same initial values.
+    The run plan of ``cfg`` on ``mesh`` (:func:`run_plan`) applied by the one builder
+    (:func:`~hyper_parallel.distributed.run_plan.build_model`): the model built on the
+    meta device with the sharding of every active model axis (:func:`model_config`) →
+    the plan on the submesh of the axes it declares (routed experts on ``ep``, each an
+    FSDP2 unit over ``efsdp``) → ``torch.compile`` per block (``cfg.compile``) →
+    activation checkpointing (``cfg.ac``) → ``fully_shard`` (with ``cfg.dtype``'s mixed
+    precision) each block of the model and the root, on the FSDP (or HSDP) mesh the plan
+    decides → ``to_empty(device)`` → initialization under ``cfg.seed``. With
+    ``mesh=None`` the same model is built for one device, through the same steps, so it
+    gets the same initial values.
 
     Args:
         cfg: The run's config (model name, overrides, sequence parallel, seed).
@@ -479,79 +426,20 @@ def build_parallel_model(
         The initialized model.
 
     Raises:
-        ValueError: The model spec has no sharding function for an active axis, or
-            its model has no ``layers`` to shard.
+        ValueError: The run plan's errors (e.g. no sharding function for an active
+            axis), or a model without blocks to shard.
 
     Example:
         >>> model = build_parallel_model(TrainConfig(), mesh=None)
     """
     device = torch.device(device if device is not None else default_device())
     layout = mesh.layout if mesh is not None else MeshLayout()
-    config = _model_config(cfg, layout)
-    with torch.device("meta"):
-        model = config.build()
-    fsdp_mesh = None
-    if mesh is not None:
-        axes = config_axes(config)
-        sub = plan_mesh(mesh, axes)
-        if layout.ep > 1:
-            # Routed experts go on the ep mesh, the rest on the dense submesh.
-            parallelize_with_experts(model, mesh, sub)
-        elif sub is not None:
-            model.parallelize(sub)
-        fsdp_mesh = fsdp_mesh_for(mesh, axes)
-        if layout.ep > 1 and (fsdp_mesh is not None or layout.efsdp > 1):
-            # Over efsdp, before the blocks take the rest; also when the dense states
-            # have no FSDP mesh (cp on the plan, dp_shard = 1) but efsdp spans cp ranks.
-            shard_experts(model, mesh, mp_policy=precision.fsdp_policy(cfg.dtype))
-    # Plan, compile (per block), activation checkpointing around the compiled blocks,
-    # then FSDP (see hyper_parallel.distributed.compile for why AC goes outside).
-    if cfg.compile:
-        apply_compile(model)
-    if cfg.ac != "none":
-        apply_activation_checkpointing(model, cfg.ac)
-    if fsdp_mesh is not None:
-        units = fsdp_units(model)
-        if not units:
-            raise ValueError(
-                f"build_parallel_model: {type(model).__name__} has no `layers` ModuleList "
-                "of transformer blocks to wrap with fully_shard; the trainer shards each "
-                "block of model.layers and then the root."
-            )
-        paths = apply_fsdp(model, fsdp_mesh, units, mp_policy=precision.fsdp_policy(cfg.dtype))
-        if layout.cp > 1:
-            # One convention under cp (Trainer.backward): each rank's loss is scaled by
-            # 1 / cp and the cp ranks' gradients are summed, also where FSDP2 shards over
-            # dp_shard x cp, so it divides by the data-parallel ranks only. (Gradients a
-            # model sends in backward at a fixed size, like the MoE balance loss's, are
-            # then right too.)
-            divide = float(layout.size("batch"))
-            for path in [*paths, ""]:
-                fsdp_module = model.get_submodule(path)
-                fsdp_module.set_gradient_divide_factor(divide)  # type: ignore[operator]
-                # A custom factor is a PREMUL_SUM reduction, which gloo lacks: sum, then divide.
-                fsdp_module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-    model.to_empty(device=device)
-    _init_states(model, cfg)
-    return model
-
-
-def _init_states(model: nn.Module, cfg: TrainConfig) -> None:
-    """Initialize per pipeline unit when the model declares stages (the same values at
-    any pp, see :func:`~hyper_parallel.distributed.pipeline.init_states_by_unit`)."""
-    stages = get_spec(cfg.model).extras.get("pipeline")
-    if stages is not None:
-        init_states_by_unit(model, stages, cfg.seed)
-    else:
-        torch.manual_seed(cfg.seed)
-        model.init_states()
-
-
-def _pipeline_units(cfg: TrainConfig, split: PipelineSplit | None) -> list[Any]:
-    """The model's pipeline units; with their FLOPs at ``cfg.seq_len`` to balance by FLOPs."""
-    spec = get_spec(cfg.model)
-    seq_len = cfg.seq_len if split is not None and split.balance == "flops" else None
-    return spec.extras["pipeline"].units(spec.config(**cfg.model_overrides), seq_len=seq_len)
+    if layout.pp > 1:
+        raise ValueError(
+            "build_parallel_model: the mesh has pp > 1; build this rank's pipeline stages "
+            "with build_pipeline_stages."
+        )
+    return build_model(run_plan(cfg, layout=layout), mesh, device, cfg.seed)
 
 
 def build_pipeline_stages(
@@ -559,45 +447,14 @@ def build_pipeline_stages(
 ) -> tuple[list[nn.Module], Any]:
     """This rank's pipeline stages of ``cfg.model`` and their plan (``pp > 1``).
 
-    Each stage is built on meta from the model's sharded config, tensor parallel on
-    the plan's submesh (with ``ep``, its routed experts on this pp rank's ``ep`` mesh
-    and FSDP2-sharded over its ``efsdp``, as at pp=1), its blocks compiled and
-    checkpointed as ``cfg`` says, FSDP2 (with ``cfg.dtype``'s policy; bf16 autocast
-    without FSDP) over the same FSDP mesh as :func:`build_parallel_model` (under
-    ``cp`` with the same gradient divide factor: the loss is scaled by ``1 / cp`` and
-    the cp ranks' gradients summed, see :meth:`Trainer.backward`), materialized and
-    initialized per unit.
+    The run plan of ``cfg`` on ``mesh`` applied to each stage by the same builder as
+    the whole model at pp=1 (:func:`~hyper_parallel.distributed.run_plan.build_stages`):
+    the same plan submesh, experts on this pp rank's ``ep`` (FSDP2 over its ``efsdp``
+    with ``cfg.dtype``'s policy), compile, checkpointing, FSDP2 and the cp divide factor.
     """
     device = torch.device(device if device is not None else default_device())
-    spec = get_spec(cfg.model)
-    stages = spec.extras["pipeline"]
-    config = _model_config(cfg, mesh.layout)
-    split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
-    plan = plan_pipeline(
-        _pipeline_units(cfg, split),
-        pp=mesh.layout.pp,
-        schedule=cfg.schedule,
-        num_microbatches=cfg.microbatches,
-        split=split,
-        batch_size=cfg.global_batch_size // cfg.dp,
-    )
-    axes = tuple(a for a in config_axes(config) if a != "pp")
-    modules = build_stage_modules(
-        config,
-        stages,
-        plan,
-        mesh["pp"].get_local_rank(),
-        device=device,
-        seed=cfg.seed,
-        tp_mesh=plan_mesh(mesh, axes),
-        fsdp_mesh=fsdp_mesh_for(mesh, axes),
-        expert_mesh=mesh if mesh.layout.ep > 1 else None,
-        gradient_divide_factor=float(mesh.layout.size("batch")) if mesh.layout.cp > 1 else None,
-        compile_backend="inductor" if cfg.compile else None,
-        ac=cfg.ac,
-        dtype=cfg.dtype,
-    )
-    return modules, plan
+    run = run_plan(cfg, layout=mesh.layout)
+    return build_stages(run, mesh, device, cfg.seed), run.pipeline
 
 
 def clip_grad_norm_(
@@ -687,14 +544,14 @@ def _quiet_redistribute_hints() -> Iterator[None]:
         logger.setLevel(level)
 
 
-class _Scaled:
-    """``loss_fn(...) / divisor``: each cp rank's share of the loss under a pipeline."""
+class _ScaledLoss:
+    """The schedule's loss: ``loss_fn`` scaled as the run plan says (``1 / cp``)."""
 
-    def __init__(self, loss_fn: Callable[..., torch.Tensor], divisor: int) -> None:
-        self.loss_fn, self.divisor = loss_fn, divisor
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], run: RunPlan) -> None:
+        self.loss_fn, self.run = loss_fn, run
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.loss_fn(*args, **kwargs) / self.divisor
+        return self.run.scale_loss(self.loss_fn(*args, **kwargs))
 
 
 class _Progress:
@@ -755,7 +612,9 @@ class Trainer:
         layout = cfg.layout
         # A one-device run may sit inside a larger process group (it then ignores it).
         world = dist.get_world_size() if dist.is_initialized() and layout.world_size > 1 else None
-        _raise_findings(check_config(cfg, world), f"Trainer (mesh {layout.describe()})")
+        # The run plan decides everything once: its errors stop the run here.
+        self.run = run_plan(cfg, world)
+        self.run.raise_for_errors(f"Trainer (mesh {layout.describe()})")
         self.mesh = build_mesh(layout, self.device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         # Rows of the global batch are split over `batch` (dp_replicate x dp_shard);
@@ -775,17 +634,18 @@ class Trainer:
         self.pipeline_plan: Any = None
         if layout.pp > 1:
             assert self.mesh is not None
-            self.model_parts, self.pipeline_plan = build_pipeline_stages(
-                cfg, self.mesh, self.device
-            )
-            # Under cp each rank's loss is scaled by 1 / cp (as in `backward`); the
-            # stages' FSDP2 sums the cp ranks' gradients.
-            loss_fn = self.loss_fn if self.cp_size == 1 else _Scaled(self.loss_fn, self.cp_size)
+            self.model_parts = build_stages(self.run, self.mesh, self.device, cfg.seed)
+            self.pipeline_plan = self.run.pipeline
+            # Each rank's loss scaled as the run plan says (1 / cp), as in `backward`.
             self.schedule = build_schedule(
-                self.model_parts, self.pipeline_plan, self.mesh["pp"], self.device, loss_fn
+                self.model_parts,
+                self.pipeline_plan,
+                self.mesh["pp"],
+                self.device,
+                _ScaledLoss(self.loss_fn, self.run),
             )
         else:
-            self.model_parts = [build_parallel_model(cfg, self.mesh, self.device)]
+            self.model_parts = [build_model(self.run, self.mesh, self.device, cfg.seed)]
         self.model = self.model_parts[0]
         self.optimizers = [
             torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -876,20 +736,16 @@ class Trainer:
             loss = pipeline_step(
                 self.schedule, self.pipeline_plan, self.mesh["pp"], batch.inputs, batch.targets
             )
-            loss = loss * self.cp_size  # this rank's mean (the schedule's was scaled by 1 / cp)
-            if self.mesh.layout.ep > 1:  # after the schedule's reduction and 1 / M scaling
-                for part in self.model_parts:
-                    rescale_expert_grads(part, self.mesh.layout)
+            loss = loss * self.run.loss_divisor  # this rank's mean (the schedule's was scaled)
+            # After the schedule's reduction and 1 / M scaling: the run plan's convention.
+            self.run.finish_gradients(self.model_parts)
             params = [p for m in self.model_parts for p in m.parameters()]
             grad_norm = clip_grad_norm_(params, max_norm, group=self.mesh["pp"].get_group())
         else:
-            sharded = isinstance(self.model, FSDPModule)  # FSDP2 casts; else autocast
-            with precision.autocast(self.cfg.dtype, self.device, sharded=sharded):
-                logits = self.model(batch.inputs, **batch.model_kwargs)
-            loss = self.loss_fn(precision.loss_logits(logits), batch.targets)
+            # bf16: FSDP2's policy casts, or the builder's autocast where there is no FSDP2.
+            logits = self.model(batch.inputs, **batch.model_kwargs)
+            loss = self.loss_fn(loss_logits(logits), batch.targets)
             self.backward(loss)
-            if self.mesh is not None and self.mesh.layout.ep > 1:
-                rescale_expert_grads(self.model, self.mesh.layout)
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         for optimizer in self.optimizers:
             optimizer.step()
@@ -927,21 +783,14 @@ class Trainer:
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate this rank's mean ``loss`` so every gradient is the global-batch one.
 
-        FSDP2 averages over the data ranks. Under context parallelism the loss is
-        scaled by ``1 / cp`` and the ``cp`` ranks' gradients are summed: where FSDP2
-        shards over dp_shard x cp (:func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`)
-        it sums over cp and divides by the data-parallel ranks only (the divide factor
-        :func:`build_parallel_model` sets); elsewhere the states are replicated over
-        ``cp``, their gradients come back ``Partial`` and are reduced here, once.
+        FSDP2 averages over the data ranks. The run plan's convention under ``cp`` and
+        ``ep`` (:class:`~hyper_parallel.distributed.run_plan.RunPlan`): the loss is
+        divided by ``cp`` and the cp ranks' gradients summed (FSDP2 divides by the
+        data-parallel ranks only; gradients of states replicated over cp come back
+        ``Partial`` and are reduced here, once), and expert gradients are rescaled.
         """
-        if self.cp_size == 1:
-            loss.backward()
-            return
-        (loss / self.cp_size).backward()
-        for p in self.model.parameters():
-            grad = p.grad
-            if isinstance(grad, DTensor) and any(x.is_partial() for x in grad.placements):
-                p.grad = grad.redistribute(grad.device_mesh, p.placements)
+        self.run.scale_loss(loss).backward()
+        self.run.finish_gradients(self.model_parts)
 
     def global_mean(self, loss: torch.Tensor) -> float:
         """The global-batch mean of this rank's mean ``loss``: averaged over the ``loss`` axis.

@@ -284,9 +284,19 @@ def test_balance_errors(units):
 
 
 def test_the_trainer_balances_by_flops_when_asked():
-    from hyper_parallel.train.trainer import TrainConfig, _pipeline_units
+    from hyper_parallel.train.trainer import TrainConfig, run_plan
 
-    cfg = TrainConfig(mesh={"pp": 2}, model_overrides={"num_layers": 3}, seq_len=64)
-    units = _pipeline_units(cfg, PipelineSplit(balance="flops"))
-    assert units == PIPELINE.units(preset_config("llama3-debug", num_layers=3), seq_len=64)
-    assert _pipeline_units(cfg, None)[1].num_flops is None
+    cfg = TrainConfig(
+        mesh={"pp": 3},
+        global_batch_size=6,
+        model_overrides={"num_layers": 4},
+        seq_len=64,
+        pipeline_split={"balance": "flops"},
+    )
+    units = PIPELINE.units(preset_config("llama3-debug", num_layers=4), seq_len=64)
+    by_flops = plan_pipeline(
+        units, pp=3, schedule="1F1B", num_microbatches=3, split=PipelineSplit(balance="flops")
+    )
+    assert run_plan(cfg).pipeline.stages == by_flops.stages
+    # Balanced by parameters the split differs (the embedding weighs no FLOPs).
+    assert run_plan(cfg.replace(pipeline_split=None)).pipeline.stages != by_flops.stages

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 
+from hyper_parallel._torch_private import dynamo_config, is_fake, mark_unbacked
 from hyper_parallel.dmodule.model import BaseModel
 from hyper_parallel.dmodule.module import Module, ModuleList
 from hyper_parallel.models.llama.model import (
@@ -298,9 +298,9 @@ class GroupedExperts(Module):
         token count is marked unbacked: it changes with the routing on every call, and one
         graph serves every count, zero included. Compiled, the grouped GEMM is used only in
         dtypes its meta kernel traces (bf16 in this torch), else the loop, whose block
-        sizes are then read as unbacked ints (``capture_scalar_outputs``, set here).
+        sizes are then read as unbacked ints (``capture_scalar_outputs``, patched around
+        each compiled call and restored after: no process-wide setting changes).
         """
-        torch._dynamo.config.capture_scalar_outputs = True
         self._compile_backend = backend
         self._ffn = None
 
@@ -319,8 +319,9 @@ class GroupedExperts(Module):
             compiled = torch.compile(ffn, fullgraph=True, backend=self._compile_backend)
 
             def run_compiled(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-                torch._dynamo.decorators.mark_unbacked(x, 0)
-                return compiled(x, *args)
+                mark_unbacked(x, 0)
+                with dynamo_config().patch(capture_scalar_outputs=True):
+                    return compiled(x, *args)
 
             ffn = run_compiled
         self._ffn = ffn

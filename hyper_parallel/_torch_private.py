@@ -1,0 +1,147 @@
+"""Every private PyTorch API hyper_parallel uses, imported here and nowhere else.
+
+Private names (``torch._...``, ``torch.distributed._...``, ``..._internal``) move
+between torch releases without notice. Importing them in one module makes a move a
+one-file fix, and :func:`missing` (run by the unit tests) names what moved and the
+torch version it moved in. Attributes read on objects (``DTensor._local_tensor``,
+``DeviceMesh._flatten``) cannot be imported; they are listed in :data:`ATTRIBUTES`
+and checked the same way.
+
+Example::
+
+    from hyper_parallel._torch_private import missing
+    assert not missing(), missing()
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch._functorch.config as functorch_config
+import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_global_tensor_info
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "ATTRIBUTES",
+    "MODULES",
+    "DTensorSpec",
+    "FakeTensorMode",
+    "TensorMeta",
+    "TorchDispatchMode",
+    "c10d_functional",
+    "compute_global_tensor_info",
+    "dynamo_config",
+    "fake_store",
+    "funcol",
+    "functorch_config",
+    "get_schedule_ops",
+    "is_fake",
+    "mark_unbacked",
+    "missing",
+    "pytree",
+    "unbox_process_group",
+]
+
+MODULES: dict[str, tuple[str, ...]] = {
+    "torch._dynamo.config": ("capture_scalar_outputs",),
+    "torch._dynamo.decorators": ("mark_unbacked",),
+    "torch._functorch.config": ("donated_buffer",),
+    "torch._subclasses.fake_tensor": ("FakeTensorMode", "is_fake"),
+    "torch.distributed._functional_collectives": ("all_to_all_single", "all_gather_tensor"),
+    "torch.distributed.pipelining._schedule_visualizer": ("get_schedule_ops",),
+    "torch.distributed.tensor._dtensor_spec": ("DTensorSpec", "TensorMeta"),
+    "torch.distributed.tensor._utils": ("compute_global_tensor_info",),
+    "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
+    "torch.utils._pytree": ("tree_map", "tree_flatten"),
+    "torch.utils._python_dispatch": ("TorchDispatchMode",),
+}
+"""Private modules and the names read from each (the imports above, and the fake store)."""
+
+ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "torch.distributed.tensor.DTensor": ("_local_tensor", "_spec"),
+    "torch.distributed.device_mesh.DeviceMesh": ("_flatten",),
+    "torch.Tensor": ("_is_view",),
+    "torch.ops": ("_c10d_functional",),
+    "torch": ("_grouped_mm",),
+    "torch._C._distributed_c10d.ProcessGroup": ("unbox",),
+}
+"""Private attributes read on torch objects (hot paths read them directly)."""
+
+
+c10d_functional = torch.ops._c10d_functional
+"""The functional collectives' ops (``torch.ops._c10d_functional``)."""
+
+
+def unbox_process_group(boxed: Any) -> Any:
+    """The ``ProcessGroup`` behind a boxed script object (an op's group argument)."""
+    return torch._C._distributed_c10d.ProcessGroup.unbox(boxed)
+
+
+def dynamo_config() -> Any:
+    """``torch._dynamo.config`` (imported on first use: importing dynamo takes ~1 s)."""
+    import torch._dynamo.config as config
+
+    return config
+
+
+def mark_unbacked(t: torch.Tensor, dim: int) -> None:
+    """``torch._dynamo.decorators.mark_unbacked``: ``t.shape[dim]`` is data-dependent."""
+    from torch._dynamo.decorators import mark_unbacked as mark
+
+    mark(t, dim)
+
+
+def get_schedule_ops(schedule: str, pp: int, num_microbatches: int, stages_per_rank: int) -> Any:
+    """torch's action list of a pipeline schedule on stand-in stages (no process group)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops as ops
+
+    return ops(schedule, pp, num_microbatches, stages_per_rank)
+
+
+def fake_store() -> Any:
+    """torch's in-memory store for the ``fake`` process group (the dry run's world)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def _resolve(dotted: str) -> object:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(dotted)
+
+
+def missing() -> list[str]:
+    """Every private name of :data:`MODULES` and :data:`ATTRIBUTES` this torch lacks.
+
+    Returns:
+        One line per missing name, naming the torch version; empty when all resolve.
+    """
+    out = []
+    for table in (MODULES, ATTRIBUTES):
+        for owner, names in table.items():
+            try:
+                obj = _resolve(owner)
+            except (ImportError, AttributeError) as e:
+                out.append(f"torch {torch.__version__}: {owner} is gone ({e}).")
+                continue
+            out += [
+                f"torch {torch.__version__}: {owner}.{n} is gone; update "
+                "hyper_parallel/_torch_private.py."
+                for n in names
+                if not hasattr(obj, n)
+            ]
+    return out

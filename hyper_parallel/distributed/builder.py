@@ -1,0 +1,199 @@
+"""The one sequence that parallelizes a module: plan → experts → compile → AC → FSDP2.
+
+:func:`apply_parallelism` is the only place the order is written. The trainer's whole
+model (``pp=1``), every pipeline stage (``pp>1``) and the dry run's fake model go
+through it — via :func:`~hyper_parallel.distributed.run_plan.apply_run_plan`, which
+takes the meshes and switches from a :class:`~hyper_parallel.distributed.run_plan.RunPlan`,
+or via :func:`~hyper_parallel.distributed.pipeline.build_stage_modules` with explicit
+meshes. Why this order: :mod:`hyper_parallel.distributed.compile` (AC outside the
+compiled blocks, FSDP2 outside both); the routed experts are their own FSDP2 unit
+over ``efsdp`` before the blocks take the rest
+(:mod:`hyper_parallel.distributed.expert_parallel`).
+
+Example::
+
+    paths = apply_parallelism(model, mesh=mesh, dense_mesh=mesh["tp"],
+                              fsdp_mesh=mesh.fsdp_mesh(), dtype="bf16")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
+from hyper_parallel.distributed import precision
+from hyper_parallel.distributed.activation_checkpoint import _Checkpointed
+from hyper_parallel.distributed.compile import apply_compile
+from hyper_parallel.distributed.expert_parallel import expert_shard_placement
+from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_units
+from hyper_parallel.distributed.layout import ParallelMesh
+from hyper_parallel.dmodule._boundary import parallelize_entries
+from hyper_parallel.dmodule._checks import check_entries, errors_of
+from hyper_parallel.dmodule.findings import Finding, ParallelizeError, PlanEntry
+from hyper_parallel.dmodule.module import Module
+
+__all__ = ["apply_parallelism", "module_entries"]
+
+
+def module_entries(model: nn.Module) -> list[PlanEntry]:
+    """The plan of a Module tree: every ``sharding_config`` with its path."""
+    return [
+        PlanEntry(path, m, m.sharding_config)
+        for path, m in model.named_modules()
+        if isinstance(m, Module) and m.sharding_config is not None
+    ]
+
+
+def apply_parallelism(
+    module: nn.Module,
+    *,
+    mesh: ParallelMesh | None,
+    dense_mesh: DeviceMesh | None,
+    fsdp_mesh: DeviceMesh | None,
+    shard_experts: bool = False,
+    entries: Sequence[PlanEntry] | None = None,
+    plan_findings: Sequence[Finding] = (),
+    dtype: str = "fp32",
+    gradient_divide_factor: float | None = None,
+    compile_backend: str | None = None,
+    checkpointed: Collection[int] = (),
+    blocks_field: str = "layers",
+    split_backward: bool = False,
+    device_type: str = "cpu",
+    who: str = "apply_parallelism",
+) -> list[str]:
+    """Parallelize ``module`` in place, in the one order every build uses.
+
+    1. The plan: dense entries on ``dense_mesh``, routed experts (entries with a
+       dispatch) on ``mesh["ep"]``; both sets are checked before either is applied.
+    2. ``shard_experts``: each routed-experts module an FSDP2 unit over ``efsdp`` with
+       ``dtype``'s mixed-precision policy, before the blocks take the rest.
+    3. ``compile_backend``: ``torch.compile`` each block (``fullgraph=True``).
+    4. Activation checkpointing of the blocks whose index in the *whole* model is in
+       ``checkpointed`` (a pipeline stage keys its blocks by that index).
+    5. FSDP2 over ``fsdp_mesh``: each block, then the root (the root alone when
+       ``split_backward``: nested units would reduce their gradients before the
+       weight-gradient step), with ``dtype``'s policy; under ``gradient_divide_factor``
+       the reduced gradients are summed, then divided by it.
+    6. No FSDP2 and ``dtype="bf16"``: the forward under bf16 autocast.
+
+    Args:
+        module: Built on the meta device (or on fake tensors).
+        mesh: The run's mesh (its ``ep`` and ``efsdp`` views); ``None``: every entry
+            goes on ``dense_mesh``.
+        dense_mesh: The submesh of the plan's dense axes, or ``None``.
+        fsdp_mesh: What FSDP2 shards dense states over, or ``None``.
+        shard_experts: Make the routed experts FSDP2 units over ``efsdp``.
+        entries: The plan's entries; default the Modules' own sharding configs.
+        plan_findings: Problems already found in the plan, refused with the rest.
+        dtype: ``"fp32"`` or ``"bf16"``.
+        gradient_divide_factor: FSDP2's divisor of reduced gradients (the run plan's
+            cp convention), or ``None`` for its mean over the mesh.
+        compile_backend: A ``torch.compile`` backend, or ``None`` (eager).
+        checkpointed: Indices of the blocks to checkpoint.
+        blocks_field: The attribute holding the blocks (a ModuleList or ModuleDict).
+        split_backward: The schedule splits the backward (zero-bubble schedules).
+        device_type: Where the module computes (bf16 autocast).
+        who: Names the caller in errors.
+
+    Returns:
+        The paths of the blocks FSDP2 wrapped (the root is wrapped too).
+
+    Raises:
+        ParallelizeError: The plan is refused; the module is left unchanged.
+        ValueError: FSDP2 is to shard a module without blocks.
+    """
+    precision.check_dtype(dtype)
+    entries = module_entries(module) if entries is None else list(entries)
+    experts = [e for e in entries if e.config.dispatch is not None] if mesh is not None else []
+    _apply_plan(module, mesh, dense_mesh, entries, experts, plan_findings)
+    mp_policy = precision.fsdp_policy(dtype)
+    if mesh is not None and shard_experts:
+        efsdp = mesh["efsdp"].size()
+        for e in experts:
+            fully_shard(
+                e.module,
+                mesh=mesh.expert_fsdp_mesh(),  # efsdp; (edp_replicate, efsdp) with replicas
+                shard_placement_fn=expert_shard_placement(e.module, efsdp),
+                mp_policy=mp_policy,
+            )
+    blocks = _blocks(module, blocks_field)
+    if compile_backend is not None and blocks:
+        apply_compile(module, backend=compile_backend)
+    chosen = set(checkpointed)
+    for index, block in blocks:
+        if index in chosen:
+            block.forward = _Checkpointed(block.forward)  # type: ignore[method-assign]
+    paths: list[str] = []
+    if fsdp_mesh is not None:
+        units = [] if split_backward else fsdp_units(module)
+        if not units and not split_backward:
+            raise ValueError(
+                f"{who}: {type(module).__name__} has no ModuleList (or ModuleDict) of blocks "
+                "to wrap with fully_shard; FSDP2 shards each block and then the root."
+            )
+        paths = apply_fsdp(module, fsdp_mesh, units, mp_policy=mp_policy)
+        if gradient_divide_factor is not None:
+            for path in [*paths, ""]:
+                unit = module.get_submodule(path)
+                unit.set_gradient_divide_factor(gradient_divide_factor)  # type: ignore[operator]
+                # A custom factor is a PREMUL_SUM reduction, which gloo lacks: sum, then divide.
+                unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    elif dtype != "fp32":
+        module.forward = _Autocast(module.forward, device_type)  # type: ignore[method-assign]
+    return paths
+
+
+def _apply_plan(
+    module: nn.Module,
+    mesh: ParallelMesh | None,
+    dense_mesh: DeviceMesh | None,
+    entries: Sequence[PlanEntry],
+    experts: Sequence[PlanEntry],
+    plan_findings: Sequence[Finding],
+) -> None:
+    """Dense entries on ``dense_mesh``, routed experts on ``mesh["ep"]``; checked first."""
+    dense = [e for e in entries if not any(e is x for x in experts)]
+    if (dense or plan_findings) and dense_mesh is None and mesh is not None:
+        dense_mesh = mesh.dense  # a plan that declares no axis is checked and applied too
+    findings = list(plan_findings)
+    if experts:
+        assert mesh is not None
+        findings += check_entries(experts, ("ep",), {"ep": mesh["ep"].size()})
+    if dense and dense_mesh is not None:
+        axes = tuple(dense_mesh.mesh_dim_names or ())
+        findings += check_entries(dense, axes, dict(zip(axes, dense_mesh.shape)), module)
+    if errors_of(findings):
+        raise ParallelizeError(errors_of(findings))
+    if dense_mesh is not None and (dense or plan_findings):
+        parallelize_entries(module, dense_mesh, dense)
+        module._hp_parallelized = True  # type: ignore[assignment]
+    if experts:
+        assert mesh is not None
+        parallelize_entries(module, mesh["ep"], experts)
+
+
+def _blocks(module: nn.Module, field: str) -> list[tuple[int, nn.Module]]:
+    """``(index in the whole model, block)`` of the module's repeated blocks."""
+    blocks = getattr(module, field, None)
+    if isinstance(blocks, nn.ModuleDict):
+        return [(int(k), b) for k, b in blocks.items()]
+    if isinstance(blocks, nn.ModuleList):
+        return list(enumerate(blocks))
+    return []
+
+
+class _Autocast:
+    """A module's ``forward`` under bf16 autocast (the module is not FSDP-sharded)."""
+
+    def __init__(self, forward: Callable[..., Any], device_type: str) -> None:
+        self.forward, self.device_type = forward, device_type
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+            return self.forward(*args, **kwargs)
