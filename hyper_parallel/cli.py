@@ -97,9 +97,12 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         "model's own sharding for the mesh's model axes (tp)",
     )
     p.add_argument(
-        "--sp", action="store_true", help="tensor + sequence parallel (registered models)"
+        "--batch",
+        type=_positive_int,
+        default=1,
+        help="per-rank batch size (default 1); with pp: plan's micro-batch size, validate's "
+        "sequences per data-parallel rank split into micro-batches (default one each)",
     )
-    p.add_argument("--batch", type=_positive_int, default=1, help="per-rank batch size (default 1)")
     p.add_argument(
         "--seq",
         type=_positive_int,
@@ -109,18 +112,12 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format")
 
 
-def _add_pipeline_arguments(p: argparse.ArgumentParser, batch_meaning: str) -> None:
-    p.add_argument(
-        "--schedule",
-        default="1F1B",
-        help="pipeline schedule with a pp axis (torch's names; default 1F1B)",
-    )
-    p.add_argument(
-        "--microbatches",
-        type=_positive_int,
-        default=None,
-        help=f"pipeline micro-batches per step (default: the number of stages); {batch_meaning}",
-    )
+def _add_switch_arguments(p: argparse.ArgumentParser) -> None:
+    """``--sp``, ``--schedule``, ``--microbatches``: the run options the trainer takes too,
+    defined once (:mod:`hyper_parallel.train.arguments`)."""
+    from hyper_parallel.train.arguments import SWITCHES, add_train_arguments
+
+    add_train_arguments(p, fields=SWITCHES, defaults={"schedule": "1F1B"}, config_file=False)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -156,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
         help="activation checkpointing for the activation bytes: none (default), full "
         "(every block), selective (every second block)",
     )
-    _add_pipeline_arguments(plan, "--batch is then the micro-batch size")
+    _add_switch_arguments(plan)
     plan.set_defaults(func=_cmd_plan)
 
     validate = sub.add_parser(
@@ -169,11 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument(
         "--verbose", action="store_true", help="also list info findings and every redistribution"
     )
-    _add_pipeline_arguments(
-        validate,
-        "--batch is then the sequences per data-parallel rank, split into micro-batches "
-        "(default: one per micro-batch)",
-    )
+    _add_switch_arguments(validate)
     # None: one sequence (per micro-batch under pp); see _cmd_validate.
     validate.set_defaults(func=_cmd_validate, batch=None)
 
@@ -262,7 +255,7 @@ def _subject(args: argparse.Namespace) -> _Subject:
     except ValueError as e:
         raise _UsageError(str(e)) from None
     config = spec.config()
-    if args.sp and (plan is not None or layout.tp == 1):
+    if args.sequence_parallel and (plan is not None or layout.tp == 1):
         raise _UsageError(
             "--sp shards the sequence over the 'tp' axis: give the mesh a tp axis "
             "(e.g. --mesh dp=2,tp=2), and no --plan."
@@ -274,9 +267,7 @@ def _subject(args: argparse.Namespace) -> _Subject:
         if run.subject is None:  # e.g. heads not divisible by the tp size
             raise _PlanError(_problems(run.errors), run.errors)
         config = run.subject
-    return _Subject(
-        args.model, config, plan, spec.extras.get("loss_fn"), args.seq or _SEQ_LEN, run
-    )
+    return _Subject(args.model, config, plan, spec.extras.get("loss_fn"), args.seq or _SEQ_LEN, run)
 
 
 def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
@@ -287,7 +278,7 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
     """
     from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
 
-    microbatches = args.microbatches or default_num_microbatches(layout.pp, args.schedule)
+    microbatches = args.num_microbatches or default_num_microbatches(layout.pp, args.schedule)
     if args.command == "plan":
         batch = args.batch * (microbatches if layout.pp > 1 else 1)
         seq_len = args.seq or _SEQ_LEN
@@ -300,9 +291,9 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
     return RunPlan.for_model(
         args.model,
         layout,
-        sequence_parallel=args.sp,
+        sequence_parallel=args.sequence_parallel,
         schedule=args.schedule,
-        num_microbatches=args.microbatches,
+        num_microbatches=args.num_microbatches,
         batch_size=batch,
         seq_len=seq_len,
         **switches,
@@ -321,7 +312,7 @@ def _finding(path: str, field: str, message: str, fix: str) -> Any:
 
 
 def _hf_subject(args: argparse.Namespace, layout: Any, plan: Any) -> _Subject:
-    if args.sp:
+    if args.sequence_parallel:
         raise _UsageError("--sp applies to registered models; give an SP plan with --plan.")
     try:
         from hyper_parallel.hf import build_hf_model, check_hf_heads, hf_tp_plan
@@ -435,7 +426,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
             microbatch_size=args.batch,
             seq_len=args.seq or _SEQ_LEN,
             element_bytes=element_bytes,
-            sequence_parallel=args.sp,
+            sequence_parallel=args.sequence_parallel,
             sharded_config=subject.model,
             fsdp=not args.no_fsdp,
             param_dtype=getattr(torch, _DTYPES[args.dtype]),
@@ -483,7 +474,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             batch_size=args.batch,
             seq_len=args.seq,
             schedule=args.schedule,
-            num_microbatches=args.microbatches,
+            num_microbatches=args.num_microbatches,
         )
     except (ValueError, TypeError) as e:
         raise _UsageError(str(e)) from None

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from hyper_parallel.distributed.layout import MeshLayout
-from hyper_parallel.train.run import _json_object, _mesh_argument
+from hyper_parallel.train.arguments import add_train_arguments, config_from_args
 from hyper_parallel.train.trainer import TrainConfig, Trainer, check_config
 
 __all__ = ["add_arguments", "main", "run"]
@@ -50,63 +50,20 @@ mantissa (relative 2**-8 = 3.9e-3), in different orders (sharded partial sums, F
 casts vs autocast), on losses around 2-6 nats; dp=2 x tp=2 measured 2.4e-3 over 30 steps."""
 
 
+DEFAULT_MESH = {"dp_shard": 2, "tp": 2}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the demo's options to ``parser``."""
-    parser.add_argument(
-        "--mesh",
-        type=_mesh_argument,
-        default={"dp_shard": 2, "tp": 2},
-        help="mesh of local ranks over pp, dp_replicate, dp_shard (alias dp), cp, tp, ep, "
-        "e.g. dp=2,tp=2 (default), dp_replicate=2,dp_shard=2 (HSDP) or tp=2",
-    )
-    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    parser.add_argument(
-        "--sp", action="store_true", help="tensor + sequence parallel instead of plain TP"
-    )
-    parser.add_argument("--model", default="llama3-debug", help="registered model name")
-    parser.add_argument(
-        "--model-overrides",
-        type=_json_object,
-        default={},
-        metavar="JSON",
-        help="model config overrides, e.g. '{\"num_layers\": 4}'",
-    )
-    parser.add_argument(
-        "--schedule",
-        default="1F1B",
-        help="pipeline schedule under pp > 1 (torch's names: GPipe, 1F1B, Interleaved1F1B, "
-        "InterleavedZeroBubble, ZBVZeroBubble)",
-    )
-    parser.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        help="pipeline micro-batches per step (default: one sequence each)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="initialization seed")
+    """Add the demo's options to ``parser``: the run options every entry point shares
+    (:func:`~hyper_parallel.train.arguments.add_train_arguments`), and the tolerance
+    and output directory."""
+    add_train_arguments(parser, defaults={"mesh": DEFAULT_MESH}, config_file=False)
     parser.add_argument(
         "--tol",
         type=float,
         default=None,
         help=f"largest allowed |loss difference| (default {DEFAULT_TOL:g}, "
         f"{BF16_TOL:g} with --dtype bf16)",
-    )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile each transformer block of the distributed run",
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=("fp32", "bf16"),
-        default="fp32",
-        help="fp32 (default), or bf16 mixed precision with fp32 master weights in both runs",
-    )
-    parser.add_argument(
-        "--ac",
-        choices=("none", "full", "selective"),
-        default="none",
-        help="activation checkpointing of the distributed run (default none)",
     )
     parser.add_argument(
         "--output-dir",
@@ -208,40 +165,28 @@ def _plot(
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed options; returns the exit status (0 when parity holds)."""
     t0 = time.perf_counter()
-    layout = MeshLayout.from_sizes(args.mesh)
+    try:
+        cfg = config_from_args(args, progress=False)
+        if getattr(args, "log_every", None) is None:
+            cfg = cfg.replace(log_every=max(1, cfg.num_steps // 3))
+    except ValueError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
+    layout = cfg.layout
     mesh = layout.active()
     world = layout.world_size
-    dtype = getattr(args, "dtype", "fp32")
+    dtype = cfg.dtype
     tol = args.tol if args.tol is not None else (BF16_TOL if dtype == "bf16" else DEFAULT_TOL)
     tol_text = _format_tol(tol)
     if world < 2:
         print(
-            f"demo: mesh {args.mesh} has one rank; give at least two, e.g. --mesh dp=2,tp=2.",
+            f"demo: mesh {mesh} has one rank; give at least two, e.g. --mesh dp=2,tp=2.",
             file=sys.stderr,
         )
         return 2
-    try:
-        cfg = TrainConfig(
-            model=args.model,
-            model_overrides=args.model_overrides,
-            schedule=args.schedule,
-            num_microbatches=args.microbatches,
-            mesh=mesh,
-            sequence_parallel=args.sp,
-            num_steps=args.steps,
-            seed=args.seed,
-            log_every=max(1, args.steps // 3),
-            progress=False,
-            compile=getattr(args, "compile", False),
-            dtype=dtype,
-            ac=getattr(args, "ac", "none"),
-        )
-        # Every problem (axes the trainer cannot run, shapes that do not fit the mesh)
-        # is reported here, before any rank starts.
-        problems = check_config(cfg, world)
-    except ValueError as e:
-        print(f"demo: {e}", file=sys.stderr)
-        return 2
+    # Every problem (the run plan's findings: axes, shapes, the pipeline) is reported
+    # here, before any rank starts.
+    problems = check_config(cfg, world)
     if problems:
         lines = "\n".join(f"  {f}" for f in problems)
         print(f"demo: {len(problems)} problem(s) with --mesh {layout}:\n{lines}", file=sys.stderr)
@@ -272,7 +217,15 @@ def run(args: argparse.Namespace) -> int:
     # The reference keeps the precision policy (bf16 is a different computation) but
     # runs eagerly without checkpointing: compile and AC must not change the result.
     one_losses = _train_here(
-        cfg.replace(mesh={}, sequence_parallel=False, log_every=0, compile=False, ac="none")
+        cfg.replace(
+            mesh={},
+            sequence_parallel=False,
+            log_every=0,
+            compile=False,
+            ac="none",
+            checkpoint_dir=None,
+            resume=False,
+        )
     )
     steps, dist_losses = metrics["steps"], metrics["losses"]
     diffs = [abs(a - b) for a, b in zip(dist_losses, one_losses, strict=True)]

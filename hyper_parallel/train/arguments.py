@@ -1,0 +1,255 @@
+"""The one definition of the run options: ``hyper-parallel``, ``train.run`` and the demo.
+
+Each option maps to a :class:`~hyper_parallel.train.TrainConfig` field (its ``dest``)
+and is defined once here; its default is the field's default, read from the dataclass
+(shown in the help). ``python -m hyper_parallel.train.run`` and ``hyper-parallel demo``
+add them all with :func:`add_train_arguments` (values left unset fall back to
+``--config`` and then to ``TrainConfig``); ``hyper-parallel plan`` / ``validate`` add the
+switches that change the run they check (:data:`SWITCHES`).
+
+Example::
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--mesh", "dp=2,tp=2"]))
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from hyper_parallel.distributed.activation_checkpoint import AC_MODES
+from hyper_parallel.distributed.layout import LayoutError, MeshLayout
+from hyper_parallel.distributed.pipeline import SCHEDULES
+from hyper_parallel.distributed.precision import DTYPES
+
+__all__ = [
+    "SWITCHES",
+    "add_train_arguments",
+    "config_from_args",
+    "json_object",
+    "mesh_argument",
+    "parse_mesh",
+]
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """Parse ``"dp=2,tp=2"`` into ``{"dp_shard": 2, "tp": 2}``: the axes of size > 1.
+
+    Any user axis of :class:`~hyper_parallel.distributed.MeshLayout` is accepted
+    (``dp`` is ``dp_shard``); ``""`` is ``{}`` (one device).
+
+    Raises:
+        LayoutError: (a ``ValueError``) every malformed entry, unknown axis (with the
+            nearest name), repeated axis, size < 1 and ``ep`` not dividing
+            dp_shard x cp x tp, in one error.
+    """
+    return MeshLayout.parse(text).active()
+
+
+def mesh_argument(text: str) -> dict[str, int]:
+    """``argparse`` type of ``--mesh``: :func:`parse_mesh`, errors as usage errors."""
+    try:
+        return parse_mesh(text)
+    except LayoutError as e:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """``argparse`` type of a JSON-object option (``--model-overrides``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"not valid JSON ({e.msg}); quote the keys, e.g. '{{\"num_layers\": 4}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"num_layers\": 4}'")
+    return value
+
+
+def _defaults() -> dict[str, Any]:
+    from hyper_parallel.train.trainer import TrainConfig
+
+    return {
+        f.name: f.default
+        for f in dataclasses.fields(TrainConfig)
+        if f.default is not dataclasses.MISSING
+    }
+
+
+# flag, TrainConfig field, argparse keywords (help says what; the default is added).
+_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("--model", "model", {"help": "registered model name"}),
+    (
+        "--model-overrides",
+        "model_overrides",
+        {
+            "type": json_object,
+            "metavar": "JSON",
+            "help": "model config overrides, e.g. '{\"num_layers\": 4}'",
+        },
+    ),
+    (
+        "--mesh",
+        "mesh",
+        {
+            "type": mesh_argument,
+            "help": "mesh axis sizes over pp, dp_replicate, dp_shard (alias dp), cp, tp, ep, "
+            "e.g. dp=2,tp=2 or dp_replicate=2,dp_shard=2",
+        },
+    ),
+    (
+        "--sp",
+        "sequence_parallel",
+        {"action": "store_true", "help": "sequence parallel on top of tensor parallel"},
+    ),
+    ("--steps", "num_steps", {"type": int, "help": "optimizer steps"}),
+    ("--batch-size", "global_batch_size", {"type": int, "help": "global batch (sequences)"}),
+    ("--seq-len", "seq_len", {"type": int, "help": "tokens per sequence"}),
+    ("--lr", "lr", {"type": float, "help": "peak learning rate"}),
+    ("--weight-decay", "weight_decay", {"type": float, "help": "AdamW weight decay"}),
+    ("--warmup-steps", "warmup_steps", {"type": int, "help": "linear warm-up steps"}),
+    ("--max-grad-norm", "max_grad_norm", {"type": float, "help": "clipping norm (0: off)"}),
+    ("--seed", "seed", {"type": int, "help": "initialization seed"}),
+    ("--text", "text", {"help": "shipped text to train on"}),
+    ("--checkpoint-dir", "checkpoint_dir", {"help": "directory for DCP checkpoints"}),
+    ("--checkpoint-every", "checkpoint_every", {"type": int, "help": "save every N steps"}),
+    (
+        "--resume",
+        "resume",
+        {"action": "store_true", "help": "continue from the latest checkpoint"},
+    ),
+    (
+        "--schedule",
+        "schedule",
+        {"help": f"pipeline schedule under pp > 1 (torch's names: {', '.join(SCHEDULES)})"},
+    ),
+    (
+        "--microbatches",
+        "num_microbatches",
+        {
+            "type": int,
+            "help": "pipeline micro-batches per step (default: one per stage, pp x stages "
+            "per rank; each data-parallel rank's batch splits into them)",
+        },
+    ),
+    (
+        "--pipeline-split",
+        "pipeline_split",
+        {
+            "type": json_object,
+            "metavar": "JSON",
+            "help": "pipeline stage split, e.g. '{\"units_per_stage\": 2}' (default: balanced)",
+        },
+    ),
+    ("--log-every", "log_every", {"type": int, "help": "log every N steps (0: never)"}),
+    (
+        "--compile",
+        "compile",
+        {
+            "action": "store_true",
+            "help": "torch.compile each transformer block (fullgraph, after TP, before FSDP)",
+        },
+    ),
+    (
+        "--dtype",
+        "dtype",
+        {"choices": tuple(DTYPES), "help": "fp32, or bf16 mixed precision (fp32 master weights)"},
+    ),
+    (
+        "--ac",
+        "ac",
+        {
+            "choices": AC_MODES,
+            "help": "activation checkpointing: none, full (every block), selective (every "
+            "second block)",
+        },
+    ),
+    ("--no-progress", "progress", {"action": "store_false", "help": "no progress bar"}),
+)
+
+SWITCHES = ("sequence_parallel", "schedule", "num_microbatches")
+"""The options ``plan`` and ``validate`` take too: they change the run those check."""
+
+
+def add_train_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    fields: Iterable[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    config_file: bool = True,
+) -> None:
+    """Add the run options (each maps to a :class:`~hyper_parallel.train.TrainConfig` field).
+
+    Args:
+        parser: The parser (or subparser) to add them to.
+        fields: Only the options of these fields (default: all).
+        defaults: Values the parsed options take when not given, by field (e.g. the
+            demo's mesh). Options without one parse to ``None`` and
+            :func:`config_from_args` falls back to ``--config``, then to ``TrainConfig``.
+        config_file: Add ``--config FILE`` (a JSON object of TrainConfig fields).
+    """
+    wanted = None if fields is None else set(fields)
+    given = dict(defaults or {})
+    fallback = _defaults()
+    if config_file and wanted is None:
+        parser.add_argument(
+            "--config", help="JSON file of TrainConfig fields (options override it)"
+        )
+    for flag, dest, kwargs in _OPTIONS:
+        if wanted is not None and dest not in wanted:
+            continue
+        kwargs = dict(kwargs)
+        shown = given.get(dest, fallback.get(dest))
+        if kwargs.get("action") not in ("store_true", "store_false") and shown is not None:
+            kwargs["help"] = f"{kwargs['help']} (default: {_shown(shown)})"
+        parser.add_argument(flag, dest=dest, default=given.get(dest), **kwargs)
+        if kwargs.get("action") in ("store_true", "store_false") and dest not in given:
+            parser.set_defaults(**{dest: None})  # unset: --config, then TrainConfig
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return ",".join(f"{k}={v}" for k, v in value.items()) or "one device"
+    return str(value)
+
+
+def config_from_args(args: argparse.Namespace, world_size: int = 1, **fixed: Any) -> Any:
+    """The :class:`~hyper_parallel.train.TrainConfig` of parsed options.
+
+    ``--config`` file first, then every option given, then ``fixed``. Without a mesh,
+    all ``world_size`` ranks are data parallel.
+
+    Raises:
+        ValueError: An unreadable ``--config`` file, or a bad value (TrainConfig's error).
+    """
+    from hyper_parallel.train.trainer import TrainConfig
+
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except OSError as e:
+            raise ValueError(f"--config {args.config!r}: cannot read it ({e.strerror}).") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {args.config!r}: not valid JSON ({e}).") from None
+        if not isinstance(loaded, dict):
+            raise ValueError(
+                f"--config {args.config!r}: expected a JSON object of TrainConfig fields, "
+                f"got {type(loaded).__name__}."
+            )
+        values.update(loaded)
+    for _, name, _ in _OPTIONS:
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    values.update(fixed)
+    if "mesh" not in values and world_size > 1:
+        values["mesh"] = {"dp_shard": world_size}
+    return TrainConfig.from_dict(values)
