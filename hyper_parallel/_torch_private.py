@@ -22,6 +22,7 @@ import torch
 import torch._functorch.config as functorch_config
 import torch.distributed._functional_collectives as funcol
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.utils import _pytree as pytree
@@ -45,6 +46,7 @@ __all__ = [
     "mark_unbacked",
     "missing",
     "pytree",
+    "resolve_process_group",
     "unbox_process_group",
 ]
 
@@ -57,6 +59,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "torch.distributed.pipelining._schedule_visualizer": ("get_schedule_ops",),
     "torch.distributed.tensor._dtensor_spec": ("DTensorSpec", "TensorMeta"),
     "torch.distributed.tensor._utils": ("compute_global_tensor_info",),
+    "torch.distributed.distributed_c10d": ("_resolve_process_group",),
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
     "torch.utils._pytree": ("tree_map", "tree_flatten"),
     "torch.utils._python_dispatch": ("TorchDispatchMode",),

@@ -77,8 +77,6 @@ def fake_world(mesh: MeshLayout | Mapping[str, int]) -> Iterator[ParallelMesh]:
             cannot be created next to it); run the analysis before
             ``init_process_group``, or in a separate process.
     """
-    # Imported here: torch's testing package is only needed when a fake world is made.
-
     layout = as_layout(mesh)
     layout.check()
     world_size = layout.world_size

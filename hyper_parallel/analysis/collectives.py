@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from hyper_parallel._torch_private import (
     TorchDispatchMode,
     c10d_functional,
     pytree,
+    resolve_process_group,
     unbox_process_group,
 )
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
@@ -210,7 +210,7 @@ def _group_of(args: Sequence[Any]) -> tuple[str | None, int]:
     if name is None:
         return None, 1
     try:
-        return name, _resolve_process_group(name).size()
+        return name, resolve_process_group(name).size()
     except (RuntimeError, ValueError, KeyError):
         return name, 1
 

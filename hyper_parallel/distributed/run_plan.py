@@ -655,8 +655,7 @@ def _pipeline(
                 "error",
                 "pipeline",
                 "split.balance",
-                f"counting each unit's FLOPs on a sequence of {seq_len or 2048} tokens "
-                f"failed: {e}",
+                f"counting each unit's FLOPs on a sequence of {seq_len or 2048} tokens failed: {e}",
                 "use a sequence length the model takes, or balance by 'params'.",
             )
         ]

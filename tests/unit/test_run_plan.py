@@ -1,0 +1,216 @@
+"""One run plan: the trainer's gate, ``validate`` and ``plan`` report the same findings.
+
+A table of runs over every axis, good and bad. For each bad run, the errors of the
+trainer's gate (``check_config``), of ``hyper-parallel validate`` and of
+``hyper-parallel plan`` (on the command line, as a user runs them) are the same set.
+Each good run passes the trainer's gate, ``validate`` (static checks: the traced
+forward is covered by the validate tests) and the gate ``plan`` and the dry run ask
+(``RunPlan.for_subject`` on the sharded config, what ``dry_run`` builds); two good runs
+go through the whole ``plan`` command. ``plan`` takes the micro-batch size as
+``--batch``, so a batch that does not split into micro-batches cannot be said to it;
+that row compares the trainer and ``validate`` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from hyper_parallel.analysis import validate
+from hyper_parallel.cli import main
+from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
+from hyper_parallel.train.trainer import TrainConfig, check_config
+
+LLAMA, MOE = "llama3-debug", "qwen3-moe-debug"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One row: the model, the mesh and the switches; ``bad``: the fields of its errors."""
+
+    model: str
+    mesh: str
+    sp: bool = False
+    schedule: str = "1F1B"
+    microbatches: int | None = None
+    seq: int = 16
+    batch: int = 8  # the global batch (sequences)
+    bad: tuple[str, ...] = ()
+    plan_can_say_it: bool = True
+
+    @property
+    def layout(self) -> MeshLayout:
+        return MeshLayout.parse(self.mesh)
+
+    @property
+    def num_microbatches(self) -> int:
+        pp = self.layout.pp
+        return self.microbatches or default_num_microbatches(pp, self.schedule)
+
+    def switches(self) -> list[str]:
+        out = ["--model", self.model, "--mesh", self.mesh, "--seq", str(self.seq)]
+        out += ["--schedule", self.schedule, "--format", "json"]
+        if self.sp:
+            out.append("--sp")
+        if self.microbatches is not None:
+            out += ["--microbatches", str(self.microbatches)]
+        return out
+
+    def __str__(self) -> str:
+        extra = " sp" if self.sp else ""
+        if self.layout.pp > 1:
+            extra += f" {self.schedule} M={self.microbatches}"
+        return f"{self.model}:{self.mesh}{extra}:seq{self.seq}:b{self.batch}"
+
+
+RUNS = [
+    # good: every axis, alone and together
+    Run(LLAMA, "dp_shard=2"),
+    Run(LLAMA, "dp_shard=2,tp=2"),
+    Run(LLAMA, "tp=2", sp=True),
+    Run(LLAMA, "dp_replicate=2,dp_shard=2"),
+    Run(LLAMA, "cp=2"),
+    Run(LLAMA, "dp_shard=2,cp=2,tp=2"),
+    Run(LLAMA, "pp=2"),
+    Run(LLAMA, "pp=2,dp_shard=2", schedule="GPipe", microbatches=2),
+    Run(LLAMA, "pp=2,tp=2", schedule="Interleaved1F1B"),
+    Run(LLAMA, "pp=2,cp=2"),
+    Run(MOE, "dp_shard=2,ep=2"),
+    Run(MOE, "pp=2,dp_shard=2,ep=2"),
+    Run(MOE, "dp_shard=2,tp=2,ep=2"),
+    Run(MOE, "cp=2,ep=2"),
+    # bad: each refused by the run plan, with the same findings everywhere
+    Run(LLAMA, "tp=3", bad=("llama3-debug",)),
+    Run(LLAMA, "cp=2", seq=14, bad=("seq_len",)),
+    Run(LLAMA, "pp=2", microbatches=1, bad=("num_microbatches",)),
+    Run(LLAMA, "pp=2", schedule="1f1b", bad=("schedule",)),
+    Run(LLAMA, "pp=4", schedule="Interleaved1F1B", bad=("split",)),
+    Run(LLAMA, "dp_shard=2,ep=2", bad=("llama3-debug",)),
+    Run(MOE, "pp=2,dp_shard=2,ep=2", schedule="ZBVZeroBubble", bad=("ep",)),
+    Run(MOE, "tp=4,ep=2", bad=("ep",)),
+    Run(MOE, "dp_shard=6,ep=3", batch=6, bad=("ep",)),
+    Run(LLAMA, "pp=2", microbatches=4, batch=6, bad=("num_microbatches",), plan_can_say_it=False),
+]
+
+
+def _trainer(run: Run) -> set[str]:
+    cfg = TrainConfig(
+        model=run.model,
+        mesh=run.layout.active(),
+        sequence_parallel=run.sp,
+        schedule=run.schedule,
+        num_microbatches=run.microbatches,
+        seq_len=run.seq,
+        global_batch_size=run.batch,
+    )
+    return {str(f) for f in check_config(cfg)}
+
+
+def _validate(run: Run, capsys: pytest.CaptureFixture[str]) -> set[str]:
+    per_rank = run.batch // run.layout.size("batch")
+    code = main(["validate", *run.switches(), "--batch", str(per_rank)])
+    out = json.loads(capsys.readouterr().out)
+    errors = {_text(f) for f in out["findings"] if f["severity"] == "error"}
+    assert code == (1 if errors else 0)
+    return errors
+
+
+def _plan(run: Run, capsys: pytest.CaptureFixture[str]) -> set[str]:
+    per_rank = run.batch // run.layout.size("batch")
+    microbatch = per_rank // run.num_microbatches if run.layout.pp > 1 else per_rank
+    code = main(["plan", *run.switches(), "--batch", str(microbatch)])
+    captured = capsys.readouterr()
+    if code == 0:
+        json.loads(captured.out)  # a report
+        return set()
+    assert code == 1, captured.err
+    # "hyper-parallel plan: error: N problem(s):" then one finding per line.
+    return {line.strip() for line in captured.err.splitlines()[1:] if line.startswith("  ")}
+
+
+def _text(f: dict[str, str]) -> str:
+    where = f["path"] or "<root>"
+    field = f" {f['field']}:" if f["field"] else ""
+    return f"{where}:{field} {f['message']} Fix: {f['fix']}"
+
+
+def test_the_table_covers_every_axis_good_and_bad() -> None:
+    assert len(RUNS) >= 20
+    for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"):
+        assert any(r.layout.size(axis) > 1 and not r.bad for r in RUNS), axis
+        assert any(r.layout.size(axis) > 1 and r.bad for r in RUNS) or axis in ("dp_replicate",), (
+            axis
+        )
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.bad], ids=str)
+def test_bad_runs_get_the_same_findings_from_trainer_validate_and_plan(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trainer = _trainer(run)
+    assert trainer
+    for field in run.bad:
+        assert any(f" {field}:" in t or f"{field}=" in t for t in trainer), (field, trainer)
+    assert _validate(run, capsys) == trainer
+    if run.plan_can_say_it:
+        assert _plan(run, capsys) == trainer
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if not r.bad], ids=str)
+def test_good_runs_pass_every_gate(run: Run) -> None:
+    assert _trainer(run) == set()
+    # The sharded config the commands analyse, and the gate validate and the dry run ask.
+    ran = RunPlan.for_model(
+        run.model, run.layout, sequence_parallel=run.sp, schedule=run.schedule, seq_len=run.seq
+    )
+    assert ran.ok and ran.subject is not None
+    per_rank = run.batch // run.layout.size("batch")
+    report = validate(
+        ran.subject,
+        run.layout,
+        trace=False,
+        schedule=run.schedule,
+        num_microbatches=run.microbatches,
+        batch_size=per_rank,
+        seq_len=run.seq,
+    )
+    assert report.errors == []
+    subject = RunPlan.for_subject(
+        ran.subject, run.layout, name=run.model, seq_len=run.seq, schedule=run.schedule
+    )
+    assert subject.ok and subject.plan_axes == ran.plan_axes
+    assert subject.num_microbatches == ran.num_microbatches
+
+
+@pytest.mark.parametrize("mesh", ["dp_shard=2,ep=2"])
+def test_plan_runs_what_the_gates_accept(mesh: str, capsys: pytest.CaptureFixture[str]) -> None:
+    model = MOE if "ep" in mesh else LLAMA
+    assert _plan(Run(model, mesh), capsys) == set()
+
+
+def test_the_micro_batch_default_is_one_rule() -> None:
+    # The trainer, validate, plan and the cost model take the run plan's count.
+    for mesh, schedule, expected in (
+        ("pp=2", "1F1B", 2),
+        ("pp=4", "GPipe", 4),
+        ("pp=2", "Interleaved1F1B", 4),
+        ("pp=2", "ZBVZeroBubble", 4),
+        ("dp_shard=2", "1F1B", 1),
+    ):
+        layout = MeshLayout.parse(mesh)
+        cfg = TrainConfig(mesh=layout.active(), schedule=schedule)
+        assert cfg.microbatches == expected
+        if layout.pp > 1:
+            run = RunPlan.for_model(LLAMA, layout, schedule=schedule, batch_size=4)
+            assert run.num_microbatches == expected
+            assert run.pipeline is not None and run.pipeline.num_microbatches == expected
+
+
+def test_the_cp_and_ep_gradient_convention_is_decided_once() -> None:
+    cp = RunPlan.for_model(LLAMA, MeshLayout.parse("dp_replicate=2,dp_shard=2,cp=2"))
+    assert cp.loss_divisor == 2 and cp.gradient_divide_factor == 4.0
+    plain = RunPlan.for_model(LLAMA, MeshLayout.parse("dp_shard=2,tp=2"))
+    assert plain.loss_divisor == 1 and plain.gradient_divide_factor is None
