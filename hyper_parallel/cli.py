@@ -267,7 +267,7 @@ def _subject(args: argparse.Namespace) -> _Subject:
         if run.subject is None:  # e.g. heads not divisible by the tp size
             raise _PlanError(_problems(run.errors), run.errors)
         config = run.subject
-    return _Subject(args.model, config, plan, spec.extras.get("loss_fn"), args.seq or _SEQ_LEN, run)
+    return _Subject(args.model, config, plan, spec.family.loss_fn, args.seq or _SEQ_LEN, run)
 
 
 def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
@@ -406,7 +406,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
     from hyper_parallel.distributed.pipeline import PipelineError
     from hyper_parallel.dmodule.model_spec import get_spec
 
-    stages = get_spec(args.model).extras.get("pipeline") if args.model else None
+    stages = get_spec(args.model).family.pipeline if args.model else None
     if stages is None or args.plan is not None:
         raise _PlanError(
             f"pp={layout.pp}: the dry run cuts registered models into pipeline stages; "
@@ -432,7 +432,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
             param_dtype=getattr(torch, _DTYPES[args.dtype]),
             ac=args.ac,
             dtype="bf16" if args.dtype == "bf16" else "fp32",
-            loss_fn=get_spec(args.model).extras.get("loss_fn"),
+            loss_fn=get_spec(args.model).family.loss_fn,
         )
     except PipelineError as e:
         raise _PlanError(str(e), e.findings) from None
@@ -528,7 +528,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
                     {
                         "name": s.name,
                         "description": s.description,
-                        "shardings": sorted(k for k in ("tp", "tp_sp") if k in s.extras),
+                        "shardings": sorted(k for k in ("tp", "tp_sp") if s.family.sharding(k)),
                     }
                     for s in specs
                 ],
@@ -539,7 +539,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from hyper_parallel.analysis._format import table
 
     rows = [
-        (s.name, ", ".join(k for k in ("tp", "tp_sp") if k in s.extras) or "-", s.description)
+        (
+            s.name,
+            ", ".join(k for k in ("tp", "tp_sp") if s.family.sharding(k)) or "-",
+            s.description,
+        )
         for s in specs
     ]
     print(table(["model", "shardings", "description"], rows))

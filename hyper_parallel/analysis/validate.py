@@ -329,7 +329,8 @@ def validate(
             form); ``None`` balances stages by parameter count.
         stages_per_rank: With ``pp > 1``: stages per rank (interleaved schedules).
         pipeline: With ``pp > 1``: how the model is cut into stages; by default the
-            ``extras["pipeline"]`` of the registered model of the same class.
+            pipeline of the registered model of the same class (its family's
+            :attr:`~hyper_parallel.dmodule.ModelFamily.pipeline`).
 
     Returns:
         A :class:`ValidationReport`; ``report.ok`` is ``False`` when there are errors.
@@ -344,7 +345,7 @@ def validate(
         from hyper_parallel.dmodule import get_spec
 
         spec = get_spec("llama3-8b")
-        report = validate(spec.extras["tp"](spec.config()), {"dp": 16, "tp": 8})
+        report = validate(spec.sharding("tp")(spec.config()), {"dp": 16, "tp": 8})
         print(report.to_table())
     """
     mesh_findings: list[Finding] = []

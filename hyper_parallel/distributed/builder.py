@@ -63,6 +63,7 @@ def apply_parallelism(
     compile_backend: str | None = None,
     checkpointed: Collection[int] = (),
     blocks_field: str = "layers",
+    family: Any = None,
     split_backward: bool = False,
     device_type: str = "cpu",
     who: str = "apply_parallelism",
@@ -96,7 +97,10 @@ def apply_parallelism(
             cp convention), or ``None`` for its mean over the mesh.
         compile_backend: A ``torch.compile`` backend, or ``None`` (eager).
         checkpointed: Indices of the blocks to checkpoint.
-        blocks_field: The attribute holding the blocks (a ModuleList or ModuleDict).
+        blocks_field: The attribute holding the blocks (a ModuleList or ModuleDict; the
+            family's :attr:`~hyper_parallel.dmodule.ModelFamily.blocks`).
+        family: The model's :class:`~hyper_parallel.dmodule.ModelFamily`: its routed
+            experts and their ``compile_experts`` hook, for ``compile_backend``.
         split_backward: The schedule splits the backward (zero-bubble schedules).
         device_type: Where the module computes (bf16 autocast).
         who: Names the caller in errors.
@@ -124,7 +128,13 @@ def apply_parallelism(
             )
     blocks = _blocks(module, blocks_field)
     if compile_backend is not None and blocks:
-        apply_compile(module, backend=compile_backend)
+        apply_compile(
+            module,
+            backend=compile_backend,
+            blocks=blocks_field,
+            experts=[m for _, m in family.expert_modules(module)] if family else (),
+            compile_experts=family.compile_experts if family else None,
+        )
     chosen = set(checkpointed)
     for index, block in blocks:
         if index in chosen:

@@ -140,6 +140,9 @@ class RunPlan:
         layout: The mesh.
         subject: The model config sharded for the active model axes (or the model
             itself for an unregistered model); ``None`` when the sharding was refused.
+        family: The model's :class:`~hyper_parallel.dmodule.ModelFamily` (``None`` for
+            an unregistered model): what the builder needs of it (blocks, experts).
+        blocks_field: The attribute holding the model's repeated blocks.
         entries: The sharding configs the plan applies (built on the meta device), as
             plan entries; routed experts are those with a ``dispatch``.
         plan_axes: Every axis the plan's placements declare.
@@ -163,6 +166,8 @@ class RunPlan:
     name: str
     layout: MeshLayout
     subject: Any
+    family: Any = None
+    blocks_field: str | None = None
     entries: tuple[PlanEntry, ...] = ()
     plan_axes: tuple[str, ...] = ()
     sequence_parallel: bool = False
@@ -226,12 +231,12 @@ class RunPlan:
                 Finding("error", "model", model, str(e), "pick axis sizes the model supports.")
             )
             subject = None
-        pipeline_layout = spec.extras.get("pipeline")
         return cls._decide(
             name=model,
             layout=layout,
             subject=subject,
-            pipeline_layout=pipeline_layout,
+            family=spec.family,
+            pipeline_layout=spec.family.pipeline,
             world_size=world_size,
             early=findings,
             **switches,
@@ -266,12 +271,16 @@ class RunPlan:
             world_size: The ranks the job has, when known.
             switches: As :meth:`for_model`.
         """
-        if pipeline_layout is None and layout.pp > 1:
-            pipeline_layout = registered_pipeline(subject)
+        from hyper_parallel.dmodule.model_spec import family_of
+
+        family = family_of(subject)
+        if pipeline_layout is None and family is not None:
+            pipeline_layout = family.pipeline
         return cls._decide(
             name=name,
             layout=layout,
             subject=subject,
+            family=family,
             entries=entries,
             model=model,
             pipeline_layout=pipeline_layout,
@@ -286,6 +295,7 @@ class RunPlan:
         name: str,
         layout: MeshLayout,
         subject: Any,
+        family: Any,
         pipeline_layout: PipelineLayout | None,
         world_size: int | None,
         entries: Sequence[PlanEntry] | None = None,
@@ -345,6 +355,7 @@ class RunPlan:
                 name,
                 layout,
                 model,
+                family,
                 pipeline_layout,
                 schedule=schedule,
                 num_microbatches=num_microbatches,
@@ -356,14 +367,16 @@ class RunPlan:
             pipeline_found = found
             findings += found
         num_blocks = None
-        if model is not None:
-            field = pipeline_layout.layers if pipeline_layout is not None else "layers"
+        field = _blocks_field(family, pipeline_layout)
+        if model is not None and field is not None:
             blocks = getattr(model, field, None)
             num_blocks = len(blocks) if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)) else None
         return cls(
             name=name,
             layout=layout,
             subject=subject,
+            family=family,
+            blocks_field=field,
             entries=entries,
             plan_axes=axes,
             sequence_parallel=sequence_parallel,
@@ -509,7 +522,7 @@ def apply_run_plan(
     Returns:
         The paths of the blocks FSDP2 wrapped (the root is wrapped too).
     """
-    field = run.pipeline_layout.layers if run.pipeline_layout is not None else "layers"
+    field = run.blocks_field or "layers"
     blocks = getattr(module, field, None)
     num_blocks = run.num_blocks
     if num_blocks is None:
@@ -527,6 +540,7 @@ def apply_run_plan(
         compile_backend=run.compile_backend if run.compile and not trace else None,
         checkpointed=() if trace else checkpointed_blocks(num_blocks, run.ac),
         blocks_field=field,
+        family=run.family,
         split_backward=run.split_backward,
         device_type=device_type,
         who=run.name,
@@ -600,25 +614,18 @@ def _unique(findings: Iterable[Finding]) -> list[Finding]:
     return out
 
 
-def registered_pipeline(subject: Any) -> PipelineLayout | None:
-    """The pipeline layout of the registered model whose config class ``subject`` has."""
-    from hyper_parallel.dmodule.model_spec import get_spec, list_specs
-
-    config_type = type(subject) if not isinstance(subject, nn.Module) else None
-    if config_type is None:
-        config_type = getattr(type(subject), "Config", None)
-    for name in list_specs():
-        spec = get_spec(name)
-        layout = spec.extras.get("pipeline")
-        if layout is not None and config_type is type(spec.config()):
-            return layout
-    return None
+def _blocks_field(family: Any, pipeline_layout: PipelineLayout | None) -> str | None:
+    """The attribute holding the repeated blocks: the family's, or its pipeline's."""
+    if family is not None and family.blocks is not None:
+        return family.blocks
+    return pipeline_layout.layers if pipeline_layout is not None else "layers"
 
 
 def _pipeline(
     name: str,
     layout: MeshLayout,
     model: nn.Module | None,
+    family: Any,
     pipeline_layout: PipelineLayout | None,
     *,
     schedule: str,
@@ -639,6 +646,17 @@ def _pipeline(
                 "registered with the model).",
                 "leave pp out of the mesh, register the model's PipelineLayout, or pass "
                 "validate(..., pipeline=PipelineLayout(...)) describing its units.",
+            )
+        ]
+    if layout.cp > 1 and family is not None and family.set_positions is None:
+        return None, [
+            Finding(
+                "error",
+                "mesh",
+                "cp",
+                f"model {name!r} with pp and cp: its family declares no set_positions "
+                "hook to hand each pipeline stage its tokens' positions.",
+                "leave cp or pp out of the mesh, or declare ModelFamily.set_positions.",
             )
         ]
     if model is None:  # the model's sharding was refused: reported already

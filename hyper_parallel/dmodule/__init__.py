@@ -7,7 +7,9 @@ from hyper_parallel.dmodule.findings import ParallelizeError as ParallelizeError
 from hyper_parallel.dmodule.findings import PlanEntry as PlanEntry
 from hyper_parallel.dmodule.model import BaseModel as BaseModel
 from hyper_parallel.dmodule.model import ModelConfigConverter as ModelConfigConverter
+from hyper_parallel.dmodule.model_spec import ModelFamily as ModelFamily
 from hyper_parallel.dmodule.model_spec import ModelSpec as ModelSpec
+from hyper_parallel.dmodule.model_spec import family_of as family_of
 from hyper_parallel.dmodule.model_spec import get_spec as get_spec
 from hyper_parallel.dmodule.model_spec import list_specs as list_specs
 from hyper_parallel.dmodule.model_spec import register_spec as register_spec
@@ -36,6 +38,7 @@ __all__ = [
     "LocalMapConfig",
     "MeshAxisName",
     "ModelConfigConverter",
+    "ModelFamily",
     "ModelSpec",
     "Module",
     "ModuleDict",
@@ -47,6 +50,7 @@ __all__ = [
     "ShardingConfig",
     "colwise",
     "dump_plan",
+    "family_of",
     "fast_path",
     "get_spec",
     "list_specs",

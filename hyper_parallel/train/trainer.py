@@ -626,8 +626,9 @@ class Trainer:
         self.cp_size = layout.cp
         self.cp_rank = 0 if self.mesh is None else self.mesh.local_rank("cp")
         spec = get_spec(cfg.model)
-        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = spec.extras.get(
-            "loss_fn", _cross_entropy
+        self.family = spec.family
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            spec.family.loss_fn or _cross_entropy
         )
         # Under pp > 1 this rank holds some stages (model parts) and runs torch's schedule.
         self.schedule: Any = None
@@ -653,8 +654,11 @@ class Trainer:
         ]
         self.optimizer = self.optimizers[0]
         tokens = load_tokens(cfg.text)
-        embedding = getattr(spec.config(**cfg.model_overrides), "tok_embeddings", None)
-        vocab_size = getattr(embedding, "num_embeddings", None)
+        vocab_size = (
+            spec.family.vocab_size(spec.config(**cfg.model_overrides))
+            if spec.family.vocab_size is not None
+            else None
+        )
         if vocab_size is not None and vocab_size < VOCAB_SIZE:
             raise ValueError(
                 f"Trainer: model {cfg.model!r} has a vocabulary of {vocab_size} but the data "
@@ -729,9 +733,9 @@ class Trainer:
             # Stages receive only the previous stage's output: each holds its cp
             # positions (the same for every micro-batch) itself.
             positions = batch.model_kwargs.get("positions")
-            for part in self.model_parts:
-                if hasattr(part, "set_positions"):
-                    part.set_positions(positions)
+            if self.family.set_positions is not None:
+                for part in self.model_parts:
+                    self.family.set_positions(part, positions)
             # The batch mean over micro-batches, on every pp rank.
             loss = pipeline_step(
                 self.schedule, self.pipeline_plan, self.mesh["pp"], batch.inputs, batch.targets

@@ -33,7 +33,7 @@ Example::
 
     from hyper_parallel.dmodule import get_spec
     spec = get_spec("llama3-debug")
-    layout, config = spec.extras["pipeline"], spec.config()
+    layout, config = spec.pipeline(), spec.config()
     plan = plan_pipeline(layout.units(config), pp=2, schedule="1F1B", num_microbatches=4)
     # on each rank of a mesh with a pp axis:
     # modules = build_stage_modules(config, layout, plan, pp_rank, device="cpu", seed=0)

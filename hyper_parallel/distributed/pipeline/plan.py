@@ -373,7 +373,7 @@ def pipeline_findings(units: Sequence[PipelineUnit], **options: Any) -> list[Fin
     Example:
         >>> from hyper_parallel.dmodule import get_spec
         >>> spec = get_spec("llama3-debug")
-        >>> units = spec.extras["pipeline"].units(spec.config())
+        >>> units = spec.pipeline().units(spec.config())
         >>> [f.field for f in pipeline_findings(units, pp=2, schedule="1F1B",
         ...                                      num_microbatches=1)]
         ['num_microbatches']
@@ -410,7 +410,7 @@ def plan_pipeline(
     Example:
         >>> from hyper_parallel.dmodule import get_spec
         >>> spec = get_spec("llama3-debug")
-        >>> units = spec.extras["pipeline"].units(spec.config())
+        >>> units = spec.pipeline().units(spec.config())
         >>> plan_pipeline(units, pp=2, schedule="Interleaved1F1B", num_microbatches=4).ranks
         (0, 1, 0, 1)
     """

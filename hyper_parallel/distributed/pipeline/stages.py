@@ -77,6 +77,7 @@ def build_stage_modules(
     compile_backend: str | None = None,
     ac: str = "none",
     dtype: str = "fp32",
+    family: Any = None,
 ) -> list[nn.Module]:
     """Build, shard, materialize and initialize the stages ``pp_rank`` runs, on given meshes.
 
@@ -116,6 +117,8 @@ def build_stage_modules(
             model's blocks 1, 3, 5, ... by their index in the model, as at pp=1).
         dtype: ``"fp32"`` or ``"bf16"``: FSDP2's mixed-precision policy, or without
             FSDP the stage's forward under bf16 autocast (fp32 master weights).
+        family: The model's :class:`~hyper_parallel.dmodule.ModelFamily`: its routed
+            experts and their ``compile_experts`` hook, for ``compile_backend``.
 
     Returns:
         One module per local stage, in pipeline order.
@@ -140,6 +143,7 @@ def build_stage_modules(
             compile_backend=compile_backend,
             checkpointed=checkpointed,
             blocks_field=layout.layers,
+            family=family,
             split_backward=plan.schedule in SPLIT_BACKWARD_SCHEDULES,
             device_type=torch.device(device).type,
             who="build_stage_modules",

@@ -2,9 +2,10 @@
 
 Importing this package registers one :class:`~hyper_parallel.dmodule.ModelSpec` per
 preset (``qwen3-moe-debug``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``). Each spec's
-``config(**overrides)`` returns a ``Transformer.Config``; its ``extras`` hold the
-family, the sharding functions (``"ep"``, ``"tp"``, ``"tp_sp"``, ``"cp"``), the loss, ``num_params``,
-``num_expert_params`` and the pipeline stages (``"pipeline"``, :data:`PIPELINE`).
+``config(**overrides)`` returns a ``Transformer.Config``; its ``family`` (:data:`FAMILY`,
+a :class:`~hyper_parallel.dmodule.ModelFamily`) declares the sharding functions (``ep``,
+``tp``, ``tp_sp``, ``cp``), the loss, ``num_params``, ``num_expert_params``, the expert
+paths and the pipeline stages (:data:`PIPELINE`).
 
 Example::
 
@@ -12,7 +13,7 @@ Example::
     from hyper_parallel.dmodule import get_spec
 
     spec = get_spec("qwen3-moe-debug")
-    config = spec.extras["ep"](spec.config())
+    config = spec.sharding("ep")(spec.config())
     with torch.device("meta"):
         model = config.build()
     # model.parallelize(mesh["ep"]); model.to_empty(device="cpu"); model.init_states()
@@ -20,10 +21,8 @@ Example::
 
 from __future__ import annotations
 
-import functools
-
-from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
-from hyper_parallel.models.llama.loss import cross_entropy_loss as cross_entropy_loss
+from hyper_parallel.models.common.family import decoder_family, register_presets
+from hyper_parallel.models.common.loss import cross_entropy_loss as cross_entropy_loss
 from hyper_parallel.models.qwen3_moe.config import PRESETS as PRESETS
 from hyper_parallel.models.qwen3_moe.config import num_expert_params as num_expert_params
 from hyper_parallel.models.qwen3_moe.config import num_params as num_params
@@ -47,6 +46,7 @@ from hyper_parallel.models.qwen3_moe.stages import PIPELINE as PIPELINE
 
 __all__ = [
     "EXPERT_PARAMS",
+    "FAMILY",
     "PIPELINE",
     "PRESETS",
     "Attention",
@@ -69,30 +69,28 @@ __all__ = [
     "qwen3_moe_config",
 ]
 
-_DESCRIPTIONS = {
-    "qwen3-moe-debug": "Qwen3-MoE-style decoder, debug size: 8 experts, top-2 (trains in "
-    "seconds on CPU)",
-    "qwen3-30b-a3b": "Qwen3-30B-A3B shapes: 128 experts, top-8",
-    "qwen3-235b-a22b": "Qwen3-235B-A22B shapes: 128 experts, top-8",
-}
+FAMILY = decoder_family(
+    "qwen3_moe",
+    tp=apply_tp,
+    tp_sp=apply_tp_sp,
+    cp=apply_cp,
+    ep=apply_ep,
+    num_params=num_params,
+    num_expert_params=num_expert_params,
+    pipeline=PIPELINE,
+    expert_paths=("layers.*.moe.experts",),
+    compile_experts=GroupedExperts.compile_compute,
+)
+"""What the infrastructure needs to know about the Qwen3-MoE family (shared by its presets)."""
 
-for _name in PRESETS:
-    register_spec(
-        ModelSpec(
-            name=_name,
-            build_model_fn=functools.partial(preset_config, _name),
-            description=_DESCRIPTIONS[_name],
-            extras={
-                "family": "qwen3_moe",
-                "ep": apply_ep,
-                "cp": apply_cp,
-                "tp": apply_tp,
-                "tp_sp": apply_tp_sp,
-                "loss_fn": cross_entropy_loss,
-                "num_params": num_params,
-                "num_expert_params": num_expert_params,
-                "expert_paths": "layers.*.moe.experts",
-                "pipeline": PIPELINE,
-            },
-        )
-    )
+register_presets(
+    FAMILY,
+    PRESETS,
+    preset_config,
+    {
+        "qwen3-moe-debug": "Qwen3-MoE-style decoder, debug size: 8 experts, top-2 (trains in "
+        "seconds on CPU)",
+        "qwen3-30b-a3b": "Qwen3-30B-A3B shapes: 128 experts, top-8",
+        "qwen3-235b-a22b": "Qwen3-235B-A22B shapes: 128 experts, top-8",
+    },
+)
