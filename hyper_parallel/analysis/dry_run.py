@@ -387,11 +387,13 @@ def dry_run(
         A :class:`DryRunReport`.
 
     Raises:
-        ValueError: For a bad mesh (``LayoutError``, every problem at once), an axis
-            the dry run cannot trace yet (``pp``, ``ep``), a ``cp`` axis the plan does
-            not declare, a plan that ``parallelize`` refuses (run :func:`validate` for
-            the full list), or a plan that places states on a data axis while FSDP
-            shards over it.
+        ValueError: For a bad mesh (``LayoutError``, every problem at once), a ``pp``
+            axis (the dry run traces one pipeline's ranks; ``hyper-parallel plan`` cuts
+            the model into stages first), the run plan's errors (the trainer's and
+            ``validate``'s: a ``cp`` axis the plan does not declare, experts that do
+            not split over ``ep``, ...), a plan that ``parallelize`` refuses (run
+            :func:`validate` for the full list), or a plan that places states on a
+            data axis while FSDP shards over it.
         RuntimeError: When a real process group already exists.
 
     Example::

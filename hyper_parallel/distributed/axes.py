@@ -7,18 +7,19 @@ axes, size-1 axes included, so every name the plan uses resolves. Data axes
 (``dp_replicate``, ``dp_shard`` and their views) belong to FSDP and the data loader,
 not to a plan.
 
-The gate: :func:`axis_support_findings` (an axis the caller cannot run yet, e.g.
-``ep`` or ``pp`` for a dense model) and :func:`plan_axis_findings` (a ``cp`` axis
-the plan does not declare, the ``dp`` synonym used in a placement, a plan placing
-states on a data axis) return :class:`~hyper_parallel.dmodule.Finding`\\ s, which
-callers add to the layout's own :meth:`MeshLayout.findings` and report as one list.
+The checks: :func:`axis_support_findings` (an axis a tool does not handle, e.g.
+``pp`` for the dry run, which traces one pipeline's ranks) and
+:func:`plan_axis_findings` (a ``cp`` axis the plan does not declare, the ``dp``
+synonym used in a placement, a plan placing states on a data axis) return
+:class:`~hyper_parallel.dmodule.Finding`\\ s. The run plan
+(:class:`~hyper_parallel.distributed.run_plan.RunPlan`) gathers them with every
+other check of a run, once, for the trainer, ``validate``, ``plan`` and the demo.
 
 Example::
 
     layout = MeshLayout.parse("dp_shard=2,tp=2")
     axes = declared_axes(m.sharding_config for m in model.modules() if ...)  # ("tp",)
-    errors = axis_support_findings(layout, TRAINER_AXES, "the trainer")
-    errors += plan_axis_findings(layout, axes, fsdp=True)
+    errors = plan_axis_findings(layout, axes, fsdp=True)
     model.parallelize(plan_mesh(mesh, axes))
 """
 

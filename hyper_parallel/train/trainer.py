@@ -2,9 +2,13 @@
 
 The mesh is one :class:`~hyper_parallel.distributed.MeshLayout` (``TrainConfig.mesh``:
 ``pp``, ``dp_replicate``, ``dp_shard`` — alias ``dp`` —, ``cp``, ``tp``, ``ep``).
-:func:`check_config` is the one gate: every problem of the mesh, the axes, the model
-and the switches (including the combinations it does not run, each refused with the
-reason and the fix), before any process group exists. The model is built on the meta device from its registered
+Every decision about the run is made once, by its run plan (:func:`run_plan`, a
+:class:`~hyper_parallel.distributed.run_plan.RunPlan`): the submeshes, the gradient
+convention under ``cp`` and ``ep``, the micro-batches; its errors are the one gate
+(:func:`check_config`, which ``validate``, ``plan`` and the demo share): every problem
+of the mesh, the axes, the model and the switches, each with the reason and the fix,
+before any process group exists; one builder applies it to the whole model and to
+each pipeline stage. The model is built on the meta device from its registered
 :class:`~hyper_parallel.dmodule.model_spec.ModelSpec`, parallelized on the submesh
 of the axes its sharding declares (:func:`~hyper_parallel.distributed.plan_mesh`),
 each transformer block and then the root are wrapped with FSDP2's ``fully_shard``
