@@ -23,13 +23,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.distributed import precision
 from hyper_parallel.distributed.activation_checkpoint import _Checkpointed
 from hyper_parallel.distributed.compile import apply_compile
-from hyper_parallel.distributed.expert_parallel import expert_shard_placement
+from hyper_parallel.distributed.expert_parallel import shard_experts as shard_experts_over_efsdp
 from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_units
 from hyper_parallel.distributed.layout import ParallelMesh
 from hyper_parallel.dmodule._boundary import parallelize_entries
@@ -118,14 +117,7 @@ def apply_parallelism(
     _apply_plan(module, mesh, dense_mesh, entries, experts, plan_findings)
     mp_policy = precision.fsdp_policy(dtype)
     if mesh is not None and shard_experts:
-        efsdp = mesh["efsdp"].size()
-        for e in experts:
-            fully_shard(
-                e.module,
-                mesh=mesh.expert_fsdp_mesh(),  # efsdp; (edp_replicate, efsdp) with replicas
-                shard_placement_fn=expert_shard_placement(e.module, efsdp),
-                mp_policy=mp_policy,
-            )
+        shard_experts_over_efsdp(module, mesh, experts=experts, mp_policy=mp_policy)
     blocks = _blocks(module, blocks_field)
     if compile_backend is not None and blocks:
         apply_compile(

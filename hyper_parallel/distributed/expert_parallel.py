@@ -616,17 +616,31 @@ def parallelize_with_experts(
         parallelize_entries(model, ep_mesh, experts)
 
 
-def shard_experts(model: nn.Module, mesh: ParallelMesh, **fully_shard_kwargs: Any) -> list[str]:
+def shard_experts(
+    model: nn.Module,
+    mesh: ParallelMesh,
+    *,
+    experts: Sequence[PlanEntry] | None = None,
+    **fully_shard_kwargs: Any,
+) -> list[str]:
     """``fully_shard`` each routed-experts module over ``mesh["efsdp"]`` (before the blocks).
 
     Expert states are DTensors on ``ep``; FSDP2 shards them further over ``efsdp`` (a
     2-D (efsdp, ep) layout), and the dense FSDP of the enclosing blocks then leaves them
     alone. Run it after :func:`parallelize_with_experts` and before the blocks'
-    ``fully_shard``. Returns the wrapped paths.
+    ``fully_shard`` (:func:`~hyper_parallel.distributed.builder.apply_parallelism` does,
+    with the run's mixed-precision policy). Returns the wrapped paths.
+
+    Args:
+        model: The model (or stage), its experts already on ``ep``.
+        mesh: The run's mesh.
+        experts: The routed experts' plan entries; default the Module tree's own.
+        fully_shard_kwargs: Passed on to ``fully_shard`` (e.g. ``mp_policy``).
     """
     from torch.distributed.fsdp import fully_shard
 
-    _, experts = expert_entries(model)
+    if experts is None:
+        _, experts = expert_entries(model)
     fsdp_mesh = mesh.expert_fsdp_mesh()  # efsdp, or (edp_replicate, efsdp) with replicas
     for entry in experts:
         fully_shard(
