@@ -22,11 +22,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hyper_parallel.distributed.pipeline import (
-    MULTI_STAGE_SCHEDULES,
     SPLIT_BACKWARD_SCHEDULES,
     PipelinePlan,
     PipelineUnit,
     schedule_actions,
+    stages_per_rank_of,
 )
 
 __all__ = [
@@ -118,7 +118,7 @@ def rank_ops(
     Raises:
         ValueError: torch refuses the combination (too few micro-batches, ...).
     """
-    per_rank = stages_per_rank or (2 if schedule in MULTI_STAGE_SCHEDULES else 1)
+    per_rank = stages_per_rank_of(schedule, stages_per_rank)
     actions = schedule_actions(schedule, pp, num_microbatches, per_rank)
     ops = [[op for a in rank if (op := _from_torch(a)) is not None] for rank in actions]
     num_stages = pp * per_rank

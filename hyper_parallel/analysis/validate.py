@@ -54,9 +54,6 @@ from hyper_parallel._torch_private import FakeTensorMode, pytree
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement, Shard
-from hyper_parallel.distributed.axes import (
-    plan_mesh,
-)
 from hyper_parallel.distributed.fsdp import fsdp_mesh_findings
 from hyper_parallel.distributed.layout import (
     DATA_AXES,
@@ -411,7 +408,7 @@ def validate(
     elif trace:
         if seq_len is None:
             seq_len = _default_seq_len(layout)
-        findings += _trace(target, layout, findings, report, inputs, batch_size, seq_len)
+        findings += _trace(target, run, layout, findings, report, inputs, batch_size, seq_len)
     order = {"error": 0, "warning": 1, "info": 2}
     report.findings = sorted(_unique(findings), key=lambda f: order.get(f.severity, 3))
     return report
@@ -813,6 +810,7 @@ class _BoundaryTracer:
 
 def _trace(
     target: Target,
+    run: RunPlan,
     layout: MeshLayout,
     static: Sequence[Finding],
     report: ValidationReport,
@@ -841,7 +839,7 @@ def _trace(
         )
     try:
         with fake_world(layout) as world:
-            mesh = _plan_submesh(world, report.plan_axes)
+            mesh = _plan_submesh(world, run)
             shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
             return _trace_on(
                 target, model, mesh, kept, shape, report, inputs, batch_size, seq_len, mode
@@ -853,9 +851,9 @@ def _trace(
         return []
 
 
-def _plan_submesh(world: ParallelMesh, plan_axes: Sequence[str]) -> DeviceMesh:
-    """The submesh the plan is applied on (the trainer's); the tp axis for an empty plan."""
-    sub = plan_mesh(world, plan_axes)
+def _plan_submesh(world: ParallelMesh, run: RunPlan) -> DeviceMesh:
+    """The submesh the run plan applies the plan on; the tp axis for an empty plan."""
+    sub = run.plan_mesh(world)
     return sub if sub is not None else world.submesh(("tp",))
 
 

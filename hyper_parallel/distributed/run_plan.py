@@ -72,8 +72,6 @@ from hyper_parallel.distributed.expert_parallel import (
 from hyper_parallel.distributed.fsdp import fsdp_mesh_for
 from hyper_parallel.distributed.layout import DATA_AXES, DENSE_AXES, MeshLayout, ParallelMesh
 from hyper_parallel.distributed.pipeline import (
-    DEFAULT_STAGES_PER_RANK,
-    MULTI_STAGE_SCHEDULES,
     SPLIT_BACKWARD_SCHEDULES,
     PipelineLayout,
     PipelinePlan,
@@ -81,6 +79,7 @@ from hyper_parallel.distributed.pipeline import (
     check_pipeline,
     count_unit_flops,
     init_states_by_unit,
+    stages_per_rank_of,
 )
 from hyper_parallel.dmodule.findings import Finding, PlanEntry
 
@@ -113,9 +112,7 @@ def default_num_microbatches(pp: int, schedule: str, stages_per_rank: int | None
     """
     if pp <= 1:
         return 1
-    multi = schedule in MULTI_STAGE_SCHEDULES
-    per_rank = stages_per_rank or (DEFAULT_STAGES_PER_RANK if multi else 1)
-    return pp * per_rank
+    return pp * stages_per_rank_of(schedule, stages_per_rank)
 
 
 def raise_findings(findings: Iterable[Finding], where: str) -> None:

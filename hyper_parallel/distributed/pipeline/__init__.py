@@ -61,6 +61,7 @@ from hyper_parallel.distributed.pipeline.plan import pipeline_findings as pipeli
 from hyper_parallel.distributed.pipeline.plan import plan_pipeline as plan_pipeline
 from hyper_parallel.distributed.pipeline.plan import schedule_actions as schedule_actions
 from hyper_parallel.distributed.pipeline.plan import stage_ranks as stage_ranks
+from hyper_parallel.distributed.pipeline.plan import stages_per_rank_of as stages_per_rank_of
 from hyper_parallel.distributed.pipeline.plan import (
     tied_parameter_findings as tied_parameter_findings,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "plan_pipeline",
     "schedule_actions",
     "stage_ranks",
+    "stages_per_rank_of",
     "tied_parameter_findings",
     "unit_seed",
 ]

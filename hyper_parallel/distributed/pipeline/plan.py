@@ -32,6 +32,7 @@ __all__ = [
     "plan_pipeline",
     "schedule_actions",
     "stage_ranks",
+    "stages_per_rank_of",
     "tied_parameter_findings",
 ]
 
@@ -46,6 +47,16 @@ SPLIT_BACKWARD_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
 """Schedules that split the backward into input- and weight-gradient steps."""
 DEFAULT_STAGES_PER_RANK = 2
 """Stages per rank of the interleaved schedules when not given."""
+
+
+def stages_per_rank_of(schedule: str, stages_per_rank: int | None = None) -> int:
+    """Stages each rank runs: ``stages_per_rank`` when given, else 1 for the single-stage
+    schedules and :data:`DEFAULT_STAGES_PER_RANK` for the interleaved ones."""
+    if stages_per_rank:
+        return stages_per_rank
+    return DEFAULT_STAGES_PER_RANK if schedule in MULTI_STAGE_SCHEDULES else 1
+
+
 BALANCE = ("params", "flops")
 """What an automatic split balances: parameter count, or forward FLOPs per unit."""
 
@@ -487,7 +498,7 @@ def check_pipeline(
         )
     if findings:
         return None, findings
-    per_rank = stages_per_rank or (DEFAULT_STAGES_PER_RANK if multi else 1)
+    per_rank = stages_per_rank_of(schedule, stages_per_rank)
     stages, split_findings = _resolve_split(units, split or PipelineSplit(), pp * per_rank)
     findings += split_findings
     if stages is None:
