@@ -206,10 +206,10 @@ def compiled_cp_matches_eager(backend: str) -> dict[str, Any]:
 def compiled_moe_matches_eager(backend: str) -> dict[str, Any]:
     """qwen3-moe-debug on dp_shard x ep (every rank), built by the trainer, compiled vs eager.
 
-    The trainer's own build (``build_parallel_model``): routed experts on ``ep``, an
-    FSDP2 unit of their own over ``efsdp``, blocks FSDP2 over ``dp_shard``; the
-    compiled model's blocks go through ``apply_compile`` with ``backend`` (region by
-    region around the experts). Each rank feeds its own sequences, so the all-to-alls
+    The trainer's own build (its run plan through the one builder): routed experts on
+    ``ep``, an FSDP2 unit of their own over ``efsdp``, blocks FSDP2 over ``dp_shard``;
+    the compiled model's blocks are compiled with ``backend`` (the run plan's
+    ``compile_backend``; region by region around the experts). Each rank feeds its own sequences, so the all-to-alls
     move real tokens with split sizes that change per layer and step. Two
     forward+backward steps of the same shapes, gradients accumulating.
 
@@ -218,12 +218,11 @@ def compiled_moe_matches_eager(backend: str) -> dict[str, Any]:
         placed alike in both models), graphs compiled after each step, graph breaks,
         and whether the experts are an FSDP2 unit of their own.
     """
-    from functools import partial
-    from unittest import mock
+    import dataclasses
 
     from torch.distributed.fsdp import FSDPModule
 
-    from hyper_parallel.distributed.compile import apply_compile
+    from hyper_parallel.distributed.run_plan import build_model
     from hyper_parallel.train import trainer
 
     torch._dynamo.reset()
@@ -237,8 +236,10 @@ def compiled_moe_matches_eager(backend: str) -> dict[str, Any]:
     )
     mesh = trainer.build_mesh(cfg.mesh, "cpu")
     eager = trainer.build_parallel_model(cfg, mesh, "cpu")
-    with mock.patch.object(trainer, "apply_compile", partial(apply_compile, backend=backend)):
-        compiled = trainer.build_parallel_model(cfg.replace(compile=True), mesh, "cpu")
+    # The trainer's run plan with compile on, through the one builder, on ``backend``.
+    run = trainer.run_plan(cfg.replace(compile=True), layout=mesh.layout)
+    run = dataclasses.replace(run, compile_backend=backend)
+    compiled = build_model(run, mesh, "cpu", cfg.seed)
     rank = c10d.get_rank()
     out: dict[str, Any] = {"loss_diffs": [], "graphs": []}
     for step in range(2):
