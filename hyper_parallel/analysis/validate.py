@@ -319,8 +319,9 @@ def validate(
         trace: Run the boundary analysis (a forward pass on fake tensors).
         world_size: Ranks the job will have; an error when the mesh's size differs.
         schedule: With ``pp > 1``: the pipeline schedule (torch's name).
-        num_microbatches: With ``pp > 1``: micro-batches per step (default: the
-            number of stages).
+        num_microbatches: With ``pp > 1``: micro-batches per step (default: one per
+            stage, the run plan's rule,
+            :func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`).
         pipeline_split: With ``pp > 1``: the stage split (a
             :class:`~hyper_parallel.distributed.pipeline.PipelineSplit` or its dict
             form); ``None`` balances stages by parameter count.

@@ -5,7 +5,9 @@
 checks axes against plans and callers; each axis lives in a file of its own
 beside them (``fsdp``: FSDP2 and HSDP over the data axes; ``context_parallel``,
 ``expert_parallel``, ``pipeline``; the training switches ``compile``,
-``precision``, ``activation_checkpoint``).
+``precision``, ``activation_checkpoint``). ``run_plan`` decides a whole run once
+(:class:`RunPlan`: submeshes, gradient convention, micro-batches, every check) and
+``builder`` applies it, in one order, to a model, a pipeline stage or a fake model.
 """
 
 from hyper_parallel.distributed.axes import axis_support_findings as axis_support_findings
@@ -20,6 +22,7 @@ from hyper_parallel.distributed.layout import LayoutError as LayoutError
 from hyper_parallel.distributed.layout import MeshLayout as MeshLayout
 from hyper_parallel.distributed.layout import ParallelMesh as ParallelMesh
 from hyper_parallel.distributed.layout import as_layout as as_layout
+from hyper_parallel.distributed.run_plan import RunPlan as RunPlan
 
 __all__ = [
     "DENSE_AXES",
@@ -27,6 +30,7 @@ __all__ = [
     "LayoutError",
     "MeshLayout",
     "ParallelMesh",
+    "RunPlan",
     "apply_fsdp",
     "as_layout",
     "axis_support_findings",
