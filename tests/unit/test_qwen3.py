@@ -134,6 +134,16 @@ def test_shardings_compose_and_ep_is_refused_by_name() -> None:
         apply_tp(spec.config(), tp_size=3)
 
 
+def test_tied_embeddings_stay_tied_when_materialized_from_meta() -> None:
+    small = dict(vocab_size=256, dim=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    with torch.device("meta"):
+        model = preset_config("qwen3-0.6b", **small, ffn_dim=32).build()
+    model.to_empty(device="cpu")  # a new tensor per module: the model ties them again
+    assert model.output.weight is model.tok_embeddings.weight
+    model.init_states()
+    assert len(list(model.parameters())) == len(model.state_dict()) - 1
+
+
 def test_tied_embeddings_are_refused_across_pipeline_stages() -> None:
     from hyper_parallel.train import TrainConfig
     from hyper_parallel.train.trainer import check_config

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from hyper_parallel.models.common.decoder import Decoder, TransformerBlock
 
@@ -24,5 +26,15 @@ class Transformer(Decoder):
 
     def __init__(self, config: Transformer.Config) -> None:
         super().__init__(config)
-        if config.tie_embeddings:
+        self.tie_embeddings = config.tie_embeddings
+        self._tie()
+
+    def _tie(self) -> None:
+        if self.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Transformer:
+        # Moving meta parameters (``to_empty``) makes a new parameter per module: tie again.
+        super()._apply(fn, recurse)
+        self._tie()
+        return self
