@@ -1,16 +1,12 @@
 """Qwen3 dense decoders, built from the shared decoder parts (:mod:`hyper_parallel.models.common`).
 
-Importing this package registers ``qwen3-debug``, ``qwen3-0.6b``, ``qwen3-8b`` and
-``qwen3-32b`` (the published shapes: QK-norm per head, grouped-query attention,
-``head_dim`` independent of ``dim / num_heads``, tied embeddings for 0.6B). Their
-family (:data:`FAMILY`) declares tensor, sequence and context parallelism and the
-pipeline stages; a dense model has no experts for ``ep``.
+Registers ``qwen3-debug``, ``qwen3-0.6b``, ``qwen3-8b`` and ``qwen3-32b`` (published
+shapes: per-head QK-norm, GQA, ``head_dim`` apart from ``dim / num_heads``, tied
+embeddings for 0.6B); :data:`FAMILY` declares tp, tp+sp, cp and the pipeline stages.
 
 Example::
 
-    from hyper_parallel.dmodule import get_spec
-
-    spec = get_spec("qwen3-debug")
+    spec = hyper_parallel.dmodule.get_spec("qwen3-debug")
     model = spec.sharding("tp")(spec.config(), tp_size=2).build()
 """
 

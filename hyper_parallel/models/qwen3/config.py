@@ -92,7 +92,7 @@ def qwen3_config(
 
 
 def preset_config(name: str, **overrides: Any) -> Transformer.Config:
-    """Preset ``name``'s config, arguments of :func:`qwen3_config` overridden (errors name the fix)."""
+    """Preset ``name``'s config with arguments of :func:`qwen3_config` overridden."""
     return preset(PRESETS, qwen3_config, name, **overrides)
 
 
