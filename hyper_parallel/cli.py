@@ -528,7 +528,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
                     {
                         "name": s.name,
                         "description": s.description,
-                        "shardings": sorted(k for k in ("tp", "tp_sp") if s.family.sharding(k)),
+                        "shardings": list(s.family.shardings()),
                     }
                     for s in specs
                 ],
@@ -541,7 +541,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
     rows = [
         (
             s.name,
-            ", ".join(k for k in ("tp", "tp_sp") if s.family.sharding(k)) or "-",
+            ", ".join(s.family.shardings()) or "-",
             s.description,
         )
         for s in specs

@@ -1,12 +1,13 @@
 """``torch.compile`` per transformer block, as torchtitan applies it.
 
 Each block's ``forward`` (the blocks the model's family declares,
-:attr:`~hyper_parallel.dmodule.ModelFamily.blocks`, e.g. ``model.layers``) is compiled with ``fullgraph=True``,
-after the tensor-parallel plan and before FSDP2 wraps the block: the blocks share one
-compiled graph per shape class (same code, parameters as graph inputs), a graph break
-is an error rather than a silent slowdown, and module hooks (FSDP's all-gathers) stay
-outside the compiled region. Both boundary paths (the fast path and DTensor dispatch)
-trace without a break (see ``hyper_parallel.dmodule._fast``).
+:attr:`~hyper_parallel.dmodule.ModelFamily.blocks`, e.g. ``model.layers``) is compiled
+with ``fullgraph=True``, after the tensor-parallel plan and before FSDP2 wraps the
+block: the blocks share one compiled graph per shape class (same code, parameters as
+graph inputs), a graph break is an error rather than a silent slowdown, and module
+hooks (FSDP's all-gathers) stay outside the compiled region. Both boundary paths (the
+fast path and DTensor dispatch) trace without a break (see
+``hyper_parallel.dmodule._fast``).
 
 A block with routed experts (a mixture of experts) is compiled region by region
 instead, as torchtitan does: the experts module runs eagerly — under expert

@@ -38,8 +38,10 @@ def test_models_lists_the_registry(capsys):
     assert {
         "name": "llama3-70b",
         "description": "Llama 3 70B shapes",
-        "shardings": ["tp", "tp_sp"],
+        "shardings": ["tp", "tp_sp", "cp"],
     } in json.loads(out)
+    moe = next(m for m in json.loads(out) if m["name"] == "qwen3-moe-debug")
+    assert moe["shardings"] == ["tp", "tp_sp", "cp", "ep"]
 
 
 def test_plan_json_keys_and_values(capsys):

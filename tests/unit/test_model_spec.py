@@ -222,3 +222,16 @@ def test_the_trainer_refuses_pp_with_cp_for_a_family_without_a_positions_hook():
     assert [(f.field, f.path) for f in findings] == [("cp", "mesh")]
     assert "declares no set_positions" in findings[0].message
     assert check_config(TrainConfig(model="llama3-debug", mesh={"pp": 2, "cp": 2})) == []
+
+
+def test_extras_are_the_users_and_nothing_reads_them():
+    from hyper_parallel.distributed.axes import apply_model_axes
+    from hyper_parallel.distributed.layout import MeshLayout
+
+    def never(config: Any, **_: Any) -> Any:
+        raise AssertionError("extras were read")
+
+    spec = ModelSpec(name=_unique("extras"), model=Tiny.Config(), extras={"tp": never, "x": 1})
+    with pytest.raises(ValueError, match=rf"model '{spec.name}' does not support tp"):
+        apply_model_axes(spec, spec.config(), MeshLayout.parse("tp=2"))
+    assert all(get_spec(n).extras == {} for n in list_specs() if not n.startswith("test-"))

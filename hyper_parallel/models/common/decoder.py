@@ -273,8 +273,8 @@ def decoder_pipeline(
     Args:
         block_elements: ``(model config, block config) -> (replicated, tp-split)``: per
             token, the activation elements one block keeps for its backward (an
-            estimate for the dry run; default :func:`dense_block_elements`). The head keeps the norm's input and output and
-            the logits; the embedding its output.
+            estimate for the dry run; default :func:`dense_block_elements`). The head
+            keeps the norm's input and output and the logits; the embedding its output.
     """
 
     def elements(config: Any, unit: str) -> tuple[int, int]:

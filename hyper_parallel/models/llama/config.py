@@ -103,7 +103,7 @@ def llama3_config(
 
 
 def preset_config(name: str, **overrides: Any) -> Transformer.Config:
-    """Preset ``name``'s config, arguments of :func:`llama3_config` overridden (errors name the fix)."""
+    """Preset ``name``'s config with arguments of :func:`llama3_config` overridden."""
     return preset(PRESETS, llama3_config, name, **overrides)
 
 

@@ -50,7 +50,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_config(name: str, **overrides: Any) -> Transformer.Config:
-    """Preset ``name``'s config, arguments of :func:`qwen3_moe_config` overridden (errors name the fix)."""
+    """Preset ``name``'s config with arguments of :func:`qwen3_moe_config` overridden."""
     return preset(PRESETS, qwen3_moe_config, name, **overrides)
 
 
