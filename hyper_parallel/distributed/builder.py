@@ -31,8 +31,7 @@ from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.distributed.expert_parallel import shard_experts as shard_experts_over_efsdp
 from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_units
 from hyper_parallel.distributed.layout import ParallelMesh
-from hyper_parallel.dmodule._boundary import parallelize_entries
-from hyper_parallel.dmodule._checks import check_entries, errors_of
+from hyper_parallel.dmodule.entries import check_entries, errors_of, parallelize_entries
 from hyper_parallel.dmodule.findings import Finding, ParallelizeError, PlanEntry
 from hyper_parallel.dmodule.module import Module
 

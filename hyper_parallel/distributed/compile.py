@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from hyper_parallel.dmodule._boundary import Boundary, installed_forward
+from hyper_parallel.dmodule.entries import Boundary, installed_forward
 
 __all__ = ["BACKENDS", "apply_compile", "blocks_of"]
 

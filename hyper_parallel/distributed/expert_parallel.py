@@ -61,9 +61,10 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Shard
 from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh
-from hyper_parallel.dmodule._checks import state_owner
-from hyper_parallel.dmodule._fast import _contiguous_stride, _ParamView
 from hyper_parallel.dmodule.dispatch import Dispatch, register_dispatch
+from hyper_parallel.dmodule.entries import ParamView as _ParamView
+from hyper_parallel.dmodule.entries import contiguous_stride as _contiguous_stride
+from hyper_parallel.dmodule.entries import state_owner
 from hyper_parallel.dmodule.findings import Finding, PlanEntry
 from hyper_parallel.dmodule.sharding import DispatchConfig, ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import MeshAxisName
@@ -589,8 +590,12 @@ def parallelize_with_experts(
     Raises:
         ParallelizeError: Listing every problem of both sets.
     """
-    from hyper_parallel.dmodule._boundary import parallelize_entries
-    from hyper_parallel.dmodule._checks import ParallelizeError, check_entries, errors_of
+    from hyper_parallel.dmodule.entries import (
+        ParallelizeError,
+        check_entries,
+        errors_of,
+        parallelize_entries,
+    )
 
     dense, experts = expert_entries(model)
     ep_mesh = mesh["ep"]

@@ -127,3 +127,18 @@ def test_missing_names_the_torch_version(monkeypatch) -> None:
     monkeypatch.setitem(_torch_private.ATTRIBUTES, "torch.Tensor", ("_no_such_private_api",))
     (line,) = _torch_private.missing()
     assert torch.__version__ in line and "torch.Tensor._no_such_private_api" in line
+
+
+def test_the_axes_use_dmodule_through_public_modules() -> None:
+    offenders = []
+    for name, path in _modules().items():
+        if not name.startswith("hyper_parallel.distributed."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "hyper_parallel.dmodule._"
+            ):
+                offenders.append(f"{name}:{node.lineno}: {node.module}")
+    assert offenders == [], "use hyper_parallel.dmodule.entries / findings:\n" + "\n".join(
+        offenders
+    )
