@@ -321,28 +321,28 @@ class RunPlan:
         findings += ep_layout_findings(layout)
         if subject is not None and model is None:
             model = subject if isinstance(subject, nn.Module) else _meta_build(subject)
-            if entries is None:
-                entries = module_entries(model)
+        if entries is None and model is not None:
+            entries = module_entries(model)
         entries = tuple(entries or ())
         axes = declared_axes(entries)
         if subject is not None:
-            if layout.ep > 1:
-                findings += ep_plan_findings(layout, entries)
-                findings += ep_findings(model, layout)
-            findings += plan_axis_findings(
-                layout, axes, fsdp=fsdp, states_on_data=states_on_axes(entries, DATA_AXES)
-            )
-            if layout.cp > 1:
-                findings += cp_findings(
-                    model if isinstance(subject, nn.Module) else subject, layout, seq_len
-                )
+            assert model is not None
+            findings += _model_findings(layout, subject, model, entries, axes, fsdp, seq_len)
         split, plan, pipeline_found = None, None, []
         if isinstance(pipeline_split, Mapping):
             try:
                 split = PipelineSplit.from_dict(dict(pipeline_split))
             except ValueError as e:
-                findings.append(Finding("error", "pipeline", "pipeline_split", str(e), "fix it."))
-                pipeline_split = None
+                findings.append(
+                    Finding(
+                        "error",
+                        "pipeline",
+                        "pipeline_split",
+                        str(e),
+                        "give {'units_per_stage': n}, {'stages': [[unit, ...], ...]} or "
+                        "{'balance': 'params' | 'flops'}.",
+                    )
+                )
         else:
             split = pipeline_split
         if num_microbatches is None:
@@ -601,6 +601,29 @@ def _materialize(module: nn.Module, run: RunPlan, device: torch.device | str, se
 def _meta_build(config: Any) -> nn.Module:
     with torch.device("meta"):
         return config.build()
+
+
+def _model_findings(
+    layout: MeshLayout,
+    subject: Any,
+    model: nn.Module,
+    entries: Sequence[PlanEntry],
+    axes: Sequence[str],
+    fsdp: bool,
+    seq_len: int | None,
+) -> list[Finding]:
+    """The model's sharding against the mesh: experts over ``ep``, the plan's axes against
+    the data axes and ``cp``, context parallelism against the sequence and the heads."""
+    out: list[Finding] = []
+    if layout.ep > 1:
+        out += ep_plan_findings(layout, entries)
+        out += ep_findings(model, layout)
+    out += plan_axis_findings(
+        layout, axes, fsdp=fsdp, states_on_data=states_on_axes(entries, DATA_AXES)
+    )
+    if layout.cp > 1:
+        out += cp_findings(model if isinstance(subject, nn.Module) else subject, layout, seq_len)
+    return out
 
 
 def _unique(findings: Iterable[Finding]) -> list[Finding]:
