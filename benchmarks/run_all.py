@@ -65,6 +65,7 @@ SECTIONS = "abcdefmpo"
 # Keys whose number lists are repetitions (pooled by concatenation under --repeat).
 _REPETITIONS = ("times_us", "times_ms", "step_ms", "times")
 X = "\u00d7"  # the multiplication sign of the README's figures
+CHARTS = True  # --no-charts: render markdown without drawing the PNGs
 OURS, OURS_DT, TORCH, HAND = "ours (fast)", "ours (DTensor)", "torch styles", "hand-written"
 _PHASE = {"forward": "fwd", "backward": "bwd"}
 
@@ -590,6 +591,9 @@ def _bars(
     log: bool = False,
 ) -> str:
     """Grouped bars: median height, min-max whiskers; saved as results/<name>.png."""
+    if not CHARTS:  # --no-charts: the name only (the markdown still links it)
+        charts.append(f"{name}.png")
+        return f"{name}.png"
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(groups) + 2), 4.0))
     width = 0.8 / max(1, len(series))
@@ -731,9 +735,12 @@ def main(argv: list[str] | None = None) -> int:
         "--write-readme", action="store_true", help="rewrite the README's performance table"
     )
     parser.add_argument("--results-dir", help="where latest.* and charts go (default results/)")
+    parser.add_argument("--no-charts", action="store_true", help="do not redraw the PNG charts")
     args = parser.parse_args(argv)
     if args.results_dir:
         globals()["RESULTS"] = Path(args.results_dir)
+    if args.no_charts:
+        globals()["CHARTS"] = False
     RESULTS.mkdir(parents=True, exist_ok=True)
     reps = "8" if args.quick else "30"
     gloo_reps = "5" if args.quick else "15"

@@ -111,6 +111,25 @@ def test_moe_pp2_ep2_trains_like_one_device(dist, schedule):
     ] == [["0"], ["0"], ["1"], ["1"]]
 
 
+def test_moe_interleaved_1f1b_with_ep_trains_like_one_device(dist):
+    # Two stages per pp rank, each dispatching over that rank's ep group.
+    overrides = {"aux_loss_coef": 0.1, "num_layers": 4}
+    results = dist.run(
+        train_vs_one_device,
+        "pp=2,dp_shard=2,ep=2",
+        "Interleaved1F1B",
+        2,
+        NUM_STEPS,
+        None,
+        overrides,
+        False,
+        None,
+        "qwen3-moe-debug",
+    )
+    _check_parity(_dedupe(results, 2), overrides, "qwen3-moe-debug")
+    assert [len(r["stages"]) for r in results] == [2, 2, 2, 2]
+
+
 def test_pp2_dp_replicate2_hsdp(dist):
     results = dist.run(train_vs_one_device, "pp=2,dp_replicate=2", "1F1B", 2, NUM_STEPS)
     _check_parity(_dedupe(results, 2))

@@ -59,8 +59,14 @@ def test_only_keeps_the_other_sections_and_stamps_the_new_one(run_all, tmp_path,
         return counts
 
     monkeypatch.setattr(run_all, "_run", fake_run)
-    monkeypatch.setattr(run_all, "RESULTS", run_all.RESULTS)
-    assert run_all.main(["--only", "o", "--repeat", "2", "--results-dir", str(tmp_path)]) == 0
+    monkeypatch.setattr(run_all, "RESULTS", run_all.RESULTS)  # restored after the test
+    monkeypatch.setattr(run_all, "CHARTS", run_all.CHARTS)
+    assert (
+        run_all.main(
+            ["--only", "o", "--repeat", "2", "--results-dir", str(tmp_path), "--no-charts"]
+        )
+        == 0
+    )
     after = run_all.load_results(tmp_path / "latest.json")
     assert calls == ["bench_op_counts.py", "bench_op_counts.py"]
     assert {k: v for k, v in after.items() if k != "o"} == before
