@@ -69,7 +69,9 @@ def test_only_keeps_the_other_sections_and_stamps_the_new_one(run_all, tmp_path,
     )
     after = run_all.load_results(tmp_path / "latest.json")
     assert calls == ["bench_op_counts.py", "bench_op_counts.py"]
-    assert {k: v for k, v in after.items() if k != "o"} == before
+    assert {k: v for k, v in after.items() if k != "o"} == {
+        k: v for k, v in before.items() if k != "o"
+    }
     stamp = after["o"]["stamp"]
     assert stamp["repeats"] == 2 and stamp["commit"] != "unknown"
     assert isinstance(stamp["dirty"], bool)
