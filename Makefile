@@ -36,7 +36,7 @@ demo: $(STAMP)
 	$(VENV)/bin/hyper-parallel demo --mesh dp=2,tp=2
 
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/run_all.py --write-readme
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache outputs

@@ -9,7 +9,13 @@ number generator states. DCP stores every DTensor with its
 global shape, so a checkpoint saved at one mesh loads at any other (dp=2 x tp=2 →
 tp=4, or into one process with no process group) and the parameters are bitwise the
 same. A step directory counts as complete once DCP has written its ``.metadata``
-file, which happens after every rank has written its shards.
+file, which happens after every rank has written its shards, and once the
+checksums manifest (``checksums.json``: every file's size and CRC-32, each rank's
+shards hashed by that rank) is in place. :func:`latest_checkpoint` verifies the
+manifest and passes over a checkpoint whose files were truncated or corrupted after
+the save, with a warning naming the bad file, so a restart never picks it again
+(the previous complete checkpoint is used); :func:`load_checkpoint` refuses one.
+A checkpoint saved before manifests existed (``.metadata`` only) still loads.
 
 Example::
 
@@ -23,9 +29,11 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,10 +49,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["checkpoint_path", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "checkpoint_path",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _METADATA = ".metadata"  # written by DCP's coordinator after all ranks finished
+_MANIFEST = "checksums.json"  # written after .metadata: every file's size and CRC-32
+_CHUNK = 1 << 22
 
 
 def checkpoint_path(checkpoint_dir: str | os.PathLike[str], step: int) -> str:
@@ -58,7 +74,8 @@ def latest_checkpoint(
     """The complete checkpoint with the highest step under ``checkpoint_dir``, if any.
 
     A step directory without DCP's ``.metadata`` (a save interrupted by a crash) is
-    skipped. With a process group, rank 0 looks and tells the others, so every rank
+    skipped; so, with a ``RuntimeWarning`` naming the bad file, is one whose files do
+    not match their saved sizes and checksums (:func:`verify_checkpoint`). With a process group, rank 0 looks and tells the others, so every rank
     resumes from the same step even if they see the file system at different times.
 
     Args:
@@ -84,7 +101,89 @@ def _latest_on_disk(checkpoint_dir: str) -> str | None:
         match = _STEP_DIR.match(name)
         if match and os.path.isfile(os.path.join(checkpoint_dir, name, _METADATA)):
             steps.append((int(match.group(1)), name))
-    return os.path.join(checkpoint_dir, max(steps)[1]) if steps else None
+    for _, name in sorted(steps, reverse=True):
+        path = os.path.join(checkpoint_dir, name)
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        warnings.warn(
+            f"latest_checkpoint: skipping {path}: {problem}; using an earlier complete "
+            "checkpoint instead (delete or move the damaged one).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return None
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _file_record(path: str) -> dict[str, int]:
+    return {"size": os.path.getsize(path), "crc32": _crc32(path)}
+
+
+def verify_checkpoint(path: str | os.PathLike[str], *, contents: bool = True) -> str | None:
+    """What is wrong with the checkpoint at ``path``, or ``None`` if it is intact.
+
+    Checks DCP's ``.metadata`` is there and, where the checksums manifest exists,
+    that every file it lists has its recorded size and (``contents=True``) CRC-32.
+    A checkpoint without a manifest (saved before manifests existed) passes on its
+    ``.metadata`` alone.
+
+    Returns:
+        ``None``, or one sentence naming the first bad file.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, _METADATA)):
+        return f"no {_METADATA} (the save did not finish)"
+    manifest_path = os.path.join(path, _MANIFEST)
+    if not os.path.isfile(manifest_path):
+        return None
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{manifest_path} is unreadable ({e})"
+    for name, record in sorted(manifest.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        size = os.path.getsize(file)
+        if size != record["size"]:
+            return f"{file} has {size} bytes, {record['size']} were saved (truncated?)"
+        if contents and _crc32(file) != record["crc32"]:
+            return f"{file} does not match its saved CRC-32 (corrupted)"
+    return None
+
+
+def _write_manifest(path: str, distributed: bool) -> None:
+    """Each rank hashes the shard files it wrote; rank 0 writes the manifest last."""
+    rank = _rank(distributed)
+    names = sorted(os.listdir(path))
+    mine = {n: _file_record(os.path.join(path, n)) for n in names if n.startswith(f"__{rank}_")}
+    gathered: list[Any] = [mine]
+    if distributed and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return
+    files: dict[str, dict[str, int]] = {}
+    for part in gathered:
+        files.update(part)
+    for name in names:  # .metadata and anything not named by rank
+        if name not in files and name != _MANIFEST and os.path.isfile(os.path.join(path, name)):
+            files[name] = _file_record(os.path.join(path, name))
+    tmp = os.path.join(path, f".{_MANIFEST}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, _MANIFEST))
 
 
 def _distributed(distributed: bool | None) -> bool:
@@ -189,8 +288,61 @@ def save_checkpoint(
     state["train"] = dict(train_state or {})
     # Keyed by rank: each rank's generator state is its own, not a replicated value.
     state["rng"] = {f"rank{_rank(distributed)}": _rng_state()}
+    if _rank(distributed) == 0:
+        # Saving over an earlier save of this step: until this one completes, the
+        # directory must not look complete (DCP rewrites .metadata last).
+        for stale in (_MANIFEST, _METADATA):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(os.fspath(path), stale))
     with _single_process_notice_muted(distributed):
         dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not distributed)
+    _write_manifest(os.fspath(path), distributed)
+
+
+def _check_same_model(
+    path: str, model_state: dict[str, Any], metadata: dict[str, Any], *, pipeline: bool
+) -> None:
+    """Raise a ``ValueError`` naming every parameter whose name or global shape differs."""
+    saved = {
+        k.split(".", 1)[1]: tuple(getattr(v, "size", ()))
+        for k, v in metadata.items()
+        if k.startswith("model.")
+    }
+    mine = {k: tuple(v.shape) for k, v in model_state.items() if hasattr(v, "shape")}
+    missing = sorted(set(mine) - set(saved))
+    shapes = sorted(
+        f"{k}: saved {saved[k]}, model {mine[k]}"
+        for k in mine
+        if k in saved and saved[k] != mine[k]
+    )
+    # A pipeline rank holds some stages; a whole model must hold every saved name.
+    unexpected = [] if pipeline else sorted(set(saved) - set(mine))
+    if not (missing or shapes or unexpected):
+        return
+    lines = (
+        [
+            f"missing in the checkpoint: {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        ]
+        if missing
+        else []
+    )
+    lines += (
+        [f"not in the model: {', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else "")]
+        if unexpected
+        else []
+    )
+    lines += (
+        [f"other shape: {'; '.join(shapes[:8])}" + (" ..." if len(shapes) > 8 else "")]
+        if shapes
+        else []
+    )
+    raise ValueError(
+        f"load_checkpoint: {path!r} was saved from another model configuration: "
+        + "; ".join(lines)
+        + ". Resume with the model and model_overrides it was saved with, or start a new "
+        "checkpoint_dir."
+    )
 
 
 def load_checkpoint(
@@ -220,8 +372,10 @@ def load_checkpoint(
         The ``train_state`` that was saved.
 
     Raises:
-        ValueError: ``path`` is not a complete checkpoint, or it has no optimizer
-            state but one was asked for.
+        ValueError: ``path`` is not a complete checkpoint, a file has another size
+            than was saved, the model's parameters differ from the saved ones (names
+            or shapes: another model config), or it has no optimizer state but one
+            was asked for.
     """
     distributed = _distributed(distributed)
     rank = _rank(distributed)
@@ -231,7 +385,14 @@ def load_checkpoint(
             f"load_checkpoint: {path!r} is not a complete checkpoint (no {_METADATA}); "
             "pass a step directory such as latest_checkpoint(checkpoint_dir) returns."
         )
-    saved_keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    problem = verify_checkpoint(path, contents=False)  # sizes: cheap on every rank
+    if problem is not None:
+        raise ValueError(
+            f"load_checkpoint: {path!r} is damaged: {problem}. Load an earlier checkpoint "
+            "(latest_checkpoint(checkpoint_dir) skips damaged ones)."
+        )
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved_keys = set(metadata)
     if optimizer is not None and not any(k.startswith("optimizer.") for k in saved_keys):
         raise ValueError(
             f"load_checkpoint: {path!r} holds no optimizer state (saved with the model "
@@ -240,6 +401,7 @@ def load_checkpoint(
     parts = _model_parts(model, optimizer)
     per_part = [tuple(map(list, _part_state(m, o))) for m, o in parts]
     state: dict[str, Any] = _merged_state(parts, with_optimizer=optimizer is not None)
+    _check_same_model(path, state["model"], metadata, pipeline=not isinstance(model, nn.Module))
     train_keys = sorted(k.split(".", 1)[1] for k in saved_keys if k.startswith("train."))
     state["train"] = dict.fromkeys(train_keys)
     rng = {

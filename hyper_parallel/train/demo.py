@@ -6,10 +6,15 @@ tp=2, or dp_replicate=2 x dp_shard=2 for HSDP: four CPU processes) running
 model with the same seed and data in this process, prints both loss columns side
 by side, plots them, and ends with one line::
 
-    parity: steps=30 max_abs_loss_diff=1.19e-06 tol=1e-4 PASS
+    parity: steps=30 max_abs_loss_diff=1.19e-06 tol=1e-4 max_rel_grad_err=2.1e-06 grad_rtol=1e-3 PASS
 
-(``FAIL`` and a non-zero exit status when the largest difference exceeds the
-tolerance or the distributed run fails). Why the two agree: ``init_states`` gives
+(``FAIL`` and a non-zero exit status when the largest loss difference exceeds the
+tolerance, when any parameter's first-step gradient differs from the one-process
+gradient by more than ``grad_rtol`` relative to its norm, when any value is NaN or
+infinite, or when the distributed run fails). A loss curve alone cannot see a
+gradient 2x too large — AdamW's update is the same for a scaled gradient and
+clipping rescales the norm — so each parameter's gradient of the first step (before
+clipping) is compared too. Why the two agree: ``init_states`` gives
 every mesh the single-process initial values; every step's global batch is the
 same and each data-parallel rank takes an equal slice; FSDP (HSDP) averages the data
 ranks' gradients, which is the gradient of the global-batch mean loss; everything is
@@ -29,19 +34,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from hyper_parallel.distributed.layout import MeshLayout
 from hyper_parallel.train.arguments import add_train_arguments, config_from_args
+from hyper_parallel.train.run import full_gradients
 from hyper_parallel.train.trainer import TrainConfig, Trainer, check_config
 
-__all__ = ["add_arguments", "main", "run"]
+__all__ = ["GradComparison", "add_arguments", "compare_gradients", "main", "run"]
 
 DEFAULT_TOL = 1e-4
 BF16_TOL = 2e-2
@@ -51,6 +59,61 @@ casts vs autocast), on losses around 2-6 nats; dp=2 x tp=2 measured 2.4e-3 over 
 
 
 DEFAULT_MESH = {"dp_shard": 2, "tp": 2}
+
+GRAD_RTOL = 1e-3
+"""Largest ``||g - g_ref|| / ||g_ref||`` of any parameter's first-step gradient (fp32): far
+below the relative error 1 of a gradient 2x too large or zero, far above fp32 rounding."""
+BF16_GRAD_RTOL = 0.1
+"""The same under ``--dtype bf16`` (both runs round to bf16, differently); still far below 1."""
+
+
+@dataclass(frozen=True)
+class GradComparison:
+    """Per-parameter first-step gradients of the distributed run against one process."""
+
+    max_rel_err: float  # NaN when a gradient is missing or not finite
+    worst: str  # the parameter with the largest relative error
+    problems: tuple[str, ...]  # missing, non-finite or zero-reference parameters
+
+    def ok(self, rtol: float) -> bool:
+        """True when every gradient is present, finite and within ``rtol``."""
+        return not self.problems and self.max_rel_err <= rtol
+
+
+def compare_gradients(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> GradComparison:
+    """Relative error ``||a - e|| / ||e||`` of every parameter's gradient; NaN-safe.
+
+    A NaN or Inf, a parameter on one side only, or a nonzero gradient where the
+    reference is zero is a problem (and makes ``max_rel_err`` NaN or inf); so is
+    comparing nothing.
+    """
+    problems: list[str] = []
+    worst, max_rel = "", 0.0
+    for name in sorted(set(actual) | set(expected)):
+        a, e = actual.get(name), expected.get(name)
+        if a is None or e is None:
+            problems.append(
+                f"{name}: missing in the {'distributed' if a is None else 'reference'} run"
+            )
+            continue
+        a, e = a.detach().double(), e.detach().double()
+        if a.shape != e.shape:
+            problems.append(f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}")
+            continue
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(e).all())):
+            problems.append(f"{name}: NaN or Inf")
+            continue
+        err, ref = float((a - e).norm()), float(e.norm())
+        rel = err / ref if ref > 0 else (0.0 if err == 0 else math.inf)
+        if rel > max_rel or not worst:
+            worst, max_rel = name, rel
+    if not actual and not expected:
+        problems.append("no gradients compared")
+    if problems:
+        max_rel = math.nan
+    return GradComparison(max_rel, worst, tuple(problems))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,13 +158,18 @@ def _format_tol(tol: float) -> str:
 
 
 def _launch_ranks(cfg: TrainConfig, out_dir: str) -> tuple[int, dict | None]:
-    """Run ``cfg`` under torchrun; returns its exit status and rank 0's metrics."""
+    """Run ``cfg`` under torchrun; returns its exit status and rank 0's metrics.
+
+    The metrics carry ``grads``: the first step's full gradients by parameter name.
+    """
     config_path = os.path.join(out_dir, "train_config.json")
     metrics_path = os.path.join(out_dir, "distributed_metrics.json")
+    grads_path = os.path.join(out_dir, "distributed_first_grads.pt")
     with open(config_path, "w", encoding="utf-8") as f:
         json.dump(cfg.to_dict(), f, indent=1)
-    if os.path.exists(metrics_path):
-        os.remove(metrics_path)
+    for stale in (metrics_path, grads_path):
+        if os.path.exists(stale):
+            os.remove(stale)
     cmd = [
         sys.executable,
         "-m",
@@ -115,24 +183,35 @@ def _launch_ranks(cfg: TrainConfig, out_dir: str) -> tuple[int, dict | None]:
         config_path,
         "--metrics-out",
         metrics_path,
+        "--grads-out",
+        grads_path,
     ]
     # CPU ranks with gloo on any machine (a GPU box would otherwise pick NCCL, one
     # GPU per rank); one thread per rank, as the ranks already share the cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     status = subprocess.run(cmd, env=env, check=False).returncode
-    if status != 0 or not os.path.exists(metrics_path):
+    if status != 0 or not os.path.exists(metrics_path) or not os.path.exists(grads_path):
         return status or 1, None
     with open(metrics_path, encoding="utf-8") as f:
-        return 0, json.load(f)
+        metrics = json.load(f)
+    metrics["grads"] = torch.load(grads_path, weights_only=True)
+    return 0, metrics
 
 
-def _train_here(cfg: TrainConfig) -> list[float]:
-    """The same run in this process, on one device."""
+def _train_here(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same run in this process, on one device: its losses and first-step gradients."""
     threads = torch.get_num_threads()
     # The debug model is tiny: extra threads only contend for the cores.
     torch.set_num_threads(1)
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep_first(step: int, model_parts: list[torch.nn.Module]) -> None:
+        if step == 0:
+            grads.update(full_gradients(model_parts))
+
     try:
-        return Trainer(cfg, device="cpu").fit().losses
+        losses = Trainer(cfg, device="cpu", grad_callback=keep_first).fit().losses
+        return losses, grads
     finally:
         torch.set_num_threads(threads)
 
@@ -178,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = cfg.dtype
     tol = args.tol if args.tol is not None else (BF16_TOL if dtype == "bf16" else DEFAULT_TOL)
     tol_text = _format_tol(tol)
+    grad_rtol = BF16_GRAD_RTOL if dtype == "bf16" else GRAD_RTOL
+    grad_text = f"max_rel_grad_err={{}} grad_rtol={_format_tol(grad_rtol)}"
     if world < 2:
         print(
             f"demo: mesh {mesh} has one rank; give at least two, e.g. --mesh dp=2,tp=2.",
@@ -208,7 +289,10 @@ def run(args: argparse.Namespace) -> int:
     status, metrics = _launch_ranks(cfg, out_dir)
     if metrics is None:
         print(f"demo: the distributed run failed (exit status {status}); see the output above.")
-        print(f"parity: steps={cfg.num_steps} max_abs_loss_diff=nan tol={tol_text} FAIL")
+        print(
+            f"parity: steps={cfg.num_steps} max_abs_loss_diff=nan tol={tol_text} "
+            f"{grad_text.format('nan')} FAIL"
+        )
         return status or 1
     print(
         f"[2/2] the same training in this process, one device, {cfg.dtype}, eager, no AC",
@@ -216,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     )
     # The reference keeps the precision policy (bf16 is a different computation) but
     # runs eagerly without checkpointing: compile and AC must not change the result.
-    one_losses = _train_here(
+    one_losses, one_grads = _train_here(
         cfg.replace(
             mesh={},
             sequence_parallel=False,
@@ -238,11 +322,19 @@ def run(args: argparse.Namespace) -> int:
     if _plot(plot_path, steps, dist_losses, one_losses, f"{label} ({style})"):
         print(f"plot: {plot_path}")
     print(f"time: {time.perf_counter() - t0:.1f} s")
-    max_diff = max(diffs)
-    ok = max_diff <= tol
+    grads = compare_gradients(metrics["grads"], one_grads)
+    print(
+        f"first-step gradients: {len(one_grads)} parameters, largest relative error "
+        f"{grads.max_rel_err:.2e} ({grads.worst or '-'}), bound {grad_rtol:g}"
+    )
+    for problem in grads.problems[:10]:
+        print(f"  gradient problem: {problem}")
+    # NaN-safe: Python's max() skips a NaN that is not first; any NaN fails.
+    max_diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=math.nan)
+    ok = max_diff <= tol and len(diffs) == cfg.num_steps and grads.ok(grad_rtol)
     print(
         f"parity: steps={len(steps)} max_abs_loss_diff={max_diff:.2e} tol={tol_text} "
-        f"{'PASS' if ok else 'FAIL'}"
+        f"{grad_text.format(f'{grads.max_rel_err:.2e}')} {'PASS' if ok else 'FAIL'}"
     )
     return 0 if ok else 1
 

@@ -32,6 +32,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,45 @@ from hyper_parallel.train.arguments import (
 )
 from hyper_parallel.train.trainer import Trainer, check_config, default_device
 
-__all__ = ["add_train_arguments", "config_from_args", "main", "parse_mesh"]
+__all__ = ["add_train_arguments", "config_from_args", "full_gradients", "main", "parse_mesh"]
+
+
+def full_gradients(model_parts: list[torch.nn.Module], pp: int = 1) -> dict[str, torch.Tensor]:
+    """Every parameter's whole gradient by name, in fp32 on the CPU (a collective).
+
+    Sharded gradients are gathered with ``full_tensor``; under ``pp > 1`` the stages'
+    parameters are gathered from every rank. Every rank calls it and gets them all.
+    """
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            grad = p.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor):
+                grad = grad.full_tensor()
+            out[name] = grad.detach().to("cpu", torch.float32).clone()
+    if pp > 1 and dist.is_initialized():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, out)
+        for part_grads in gathered:
+            out.update(part_grads)
+    return out
+
+
+def _first_grads_writer(path: str, pp: int) -> Callable[[int, list[torch.nn.Module]], None]:
+    """A ``grad_callback`` that saves the first step's gradients to ``path`` (rank 0)."""
+
+    def write(step: int, model_parts: list[torch.nn.Module]) -> None:
+        if step != 0:
+            return
+        grads = full_gradients(model_parts, pp)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            torch.save(grads, path)
+
+    return write
 
 
 # The run options are defined once (hyper_parallel.train.arguments); re-exported here.
@@ -114,6 +153,10 @@ def main(
     )
     add_train_arguments(parser)
     parser.add_argument("--metrics-out", help="rank 0 writes steps, losses and timing here (JSON)")
+    parser.add_argument(
+        "--grads-out",
+        help="rank 0 saves the first step's full gradients here (torch.save), before clipping",
+    )
     args = parser.parse_args(argv)
     # Every problem of the run (the mesh against the ranks torchrun started, axes the
     # trainer cannot run, the model's shapes) is reported before any process group.
@@ -130,7 +173,10 @@ def main(
     _init_process_group()
     try:
         try:
-            trainer = Trainer(cfg, step_callback=step_callback)
+            grad_callback = (
+                _first_grads_writer(args.grads_out, cfg.layout.pp) if args.grads_out else None
+            )
+            trainer = Trainer(cfg, step_callback=step_callback, grad_callback=grad_callback)
         except ValueError as e:  # a run that cannot start: say why, no traceback
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
             return 2

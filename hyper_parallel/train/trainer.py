@@ -593,6 +593,9 @@ class Trainer:
         device: Where states live; defaults to :func:`default_device`.
         step_callback: Called as ``fn(step, loss)`` after every step on every rank
             (after any checkpoint of that step is written).
+        grad_callback: Called as ``fn(step, model_parts)`` on every rank once the
+            step's gradients are final (reduced, scaled, experts rescaled) and before
+            clipping; the demo reads the first step's gradients there.
 
     Raises:
         ValueError: Every problem :func:`check_config` finds (a bad mesh, an axis the
@@ -610,6 +613,7 @@ class Trainer:
         *,
         device: torch.device | str | None = None,
         step_callback: Callable[[int, float], None] | None = None,
+        grad_callback: Callable[[int, list[nn.Module]], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(device if device is not None else default_device())
@@ -674,6 +678,7 @@ class Trainer:
         self.step = 0
         self.resumed_from = 0
         self.step_callback = step_callback
+        self.grad_callback = grad_callback
         if cfg.resume:
             assert cfg.checkpoint_dir is not None  # checked by TrainConfig
             path = latest_checkpoint(cfg.checkpoint_dir, distributed=self.mesh is not None)
@@ -747,6 +752,8 @@ class Trainer:
             loss = loss * self.run.loss_divisor  # this rank's mean (the schedule's was scaled)
             # After the schedule's reduction and 1 / M scaling: the run plan's convention.
             self.run.finish_gradients(self.model_parts)
+            if self.grad_callback is not None:
+                self.grad_callback(self.step, self.model_parts)
             params = [p for m in self.model_parts for p in m.parameters()]
             grad_norm = clip_grad_norm_(params, max_norm, group=self.mesh["pp"].get_group())
         else:
@@ -754,6 +761,8 @@ class Trainer:
             logits = self.model(batch.inputs, **batch.model_kwargs)
             loss = self.loss_fn(loss_logits(logits), batch.targets)
             self.backward(loss)
+            if self.grad_callback is not None:
+                self.grad_callback(self.step, self.model_parts)
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
         for optimizer in self.optimizers:
             optimizer.step()

@@ -26,6 +26,7 @@ from hyper_parallel.models.llama import (
     cross_entropy_loss,
     preset_config,
 )
+from tests._compare import diff, diffs
 from tests.distributed.llama_checks import _KINDS
 
 TP_LAYOUTS = {"tp": apply_tp, "tp_sp": apply_tp_sp}
@@ -155,7 +156,7 @@ def compare_with_one_device(
         full = grad.full_tensor() if isinstance(grad, DTensor) else grad
         if not any(pl.is_partial() for pl in grad.placements):
             c10d.all_reduce(full, group=cp_group)  # replicated per rank: sum the ranks'
-        grad_diffs[name] = (full / cp_size - p.grad).abs().max().item()
+        grad_diffs[name] = diff(full / cp_size, p.grad)
 
     # Which runtime path each configured module took: a fast-path pattern, or DTensor.
     paths = {
@@ -287,9 +288,9 @@ def compare_with_fsdp(mesh_text: str, tp_layout: str | None, seq_len: int) -> di
     ref_loss.backward()
     params = dict(model.named_parameters())
     return {
-        "grad_diffs": {
-            n: (params[n].grad.full_tensor() - p.grad).abs().max().item()
-            for n, p in reference.named_parameters()
-        },
+        "grad_diffs": diffs(
+            {n: params[n].grad for n in params},
+            {n: p.grad for n, p in reference.named_parameters()},
+        ),
         "param_placements": {n: [str(x) for x in p.placements] for n, p in params.items()},
     }

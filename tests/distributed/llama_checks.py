@@ -16,6 +16,7 @@ from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.dmodule import fast_path
 from hyper_parallel.models.llama import apply_tp, apply_tp_sp, cross_entropy_loss, preset_config
+from tests._compare import diffs, worst_abs
 from tests.distributed.models import PathLog
 
 LAYOUTS = {"tp": apply_tp, "tp_sp": apply_tp_sp}
@@ -104,7 +105,9 @@ def compare_with_one_device(
 
     params = dict(model.named_parameters())
     ref_params = dict(reference.named_parameters())
-    init_diff = max((params[n].full_tensor() - p).abs().max().item() for n, p in ref_params.items())
+    init_diff = worst_abs(
+        [(params[n].full_tensor() - p).abs().max().item() for n, p in ref_params.items()]
+    )
 
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (2, seq_len + 1), generator=generator)
@@ -126,10 +129,9 @@ def compare_with_one_device(
         "init_diff": init_diff,
         "logits_diff": (logits.full_tensor() - ref_logits).abs().max().item(),
         "loss_diff": abs(loss.full_tensor().item() - ref_loss.item()),
-        "grad_diffs": {
-            n: (params[n].grad.full_tensor() - p.grad).abs().max().item()
-            for n, p in ref_params.items()
-        },
+        "grad_diffs": diffs(
+            {n: params[n].grad for n in ref_params}, {n: p.grad for n, p in ref_params.items()}
+        ),
         "counts": {
             "forward": collective_counts(forward),
             "loss": collective_counts(loss_mode),

@@ -27,6 +27,7 @@ from hyper_parallel.models.qwen3_moe import (
     cross_entropy_loss,
     preset_config,
 )
+from tests._compare import Diff, diff, worst_abs
 from tests.distributed.models import comm_counts
 
 BATCH, SEQ = 4, 12
@@ -51,7 +52,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _max_diffs(model: torch.nn.Module, reference: torch.nn.Module, mesh: Any) -> dict[str, float]:
+def _max_diffs(model: torch.nn.Module, reference: torch.nn.Module, mesh: Any) -> dict[str, Diff]:
     """Largest |grad - reference grad| per parameter, after the data-parallel reduction.
 
     Expert weights (DTensors on ``ep``) are this rank's experts; dense DTensors (on
@@ -70,7 +71,7 @@ def _max_diffs(model: torch.nn.Module, reference: torch.nn.Module, mesh: Any) ->
         else:
             grad = _all_reduce(_full(p.grad), mesh["batch"]) / num_batch
             expected = ref[name].grad
-        diffs[name] = (grad - expected).abs().max().item()
+        diffs[name] = diff(grad, expected)
     assert set(diffs) == set(ref)
     return diffs
 
@@ -95,7 +96,9 @@ def _compare(model: torch.nn.Module, reference: torch.nn.Module, mesh: Any) -> d
     return {
         "logits": (_full(logits) - ref_logits[rows]).abs().max().item(),
         "loss": (global_loss - ref_loss.detach()).abs().item(),
-        "aux": max((a - r.moe.aux_loss).abs().item() for a, r in zip(aux, reference.layers)),
+        "aux": worst_abs(
+            [(a - r.moe.aux_loss).abs().item() for a, r in zip(aux, reference.layers)]
+        ),
         "grads": _max_diffs(model, reference, mesh),
         "forward_comms": _counts(forward_comms),
         "backward_comms": _counts(backward_comms),
@@ -172,10 +175,7 @@ def experts_parity(
     per = num_experts // mesh["ep"].size()
     first = mesh["ep"].get_local_rank() * per
     grads = {
-        name: (_all_reduce(p.grad.to_local(), mesh["efsdp"]) - ref.grad[first : first + per])
-        .abs()
-        .max()
-        .item()
+        name: diff(_all_reduce(p.grad.to_local(), mesh["efsdp"]), ref.grad[first : first + per])
         for (name, p), ref in zip(experts.named_parameters(), reference.parameters())
     }
     dispatch = experts.forward
@@ -238,9 +238,9 @@ def hf_plan_parity(family: str, plan_file: str) -> dict[str, Any]:
             local = p.grad.to_local()
             start = mesh.get_local_rank() * local.shape[0]
             expected = ref_params[name].grad[start : start + local.shape[0]]
-            grads[name] = (local - expected).abs().max().item()
+            grads[name] = diff(local, expected)
         else:
-            grads[name] = (_all_reduce(p.grad, mesh) - ref_params[name].grad).abs().max().item()
+            grads[name] = diff(_all_reduce(p.grad, mesh), ref_params[name].grad)
     return {
         "logits": (out.logits - ref_out.logits[rows]).abs().max().item(),
         "loss": (loss - ref_out.loss.detach()).abs().item(),
@@ -293,7 +293,7 @@ def dcp_load(path: str, mesh_text: str) -> list[str]:
     return wrong
 
 
-def trainer_parity(mesh_text: str) -> dict[str, float]:
+def trainer_parity(mesh_text: str) -> dict[str, Diff]:
     """The trainer's build (experts on ep, FSDP2 on fsdp/efsdp) vs its one-device build.
 
     One forward/backward on the same global batch; gradients after the trainer's
@@ -319,18 +319,20 @@ def trainer_parity(mesh_text: str) -> dict[str, float]:
     diffs = {}
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        diffs[name] = (grad - ref[name].grad).abs().max().item()
+        diffs[name] = diff(grad, ref[name].grad)
     global_loss = _all_reduce(loss.detach(), mesh["batch"]) / mesh["batch"].size()
-    diffs["<loss>"] = (global_loss - ref_loss.detach()).abs().item()
+    diffs["<loss>"] = diff(global_loss, ref_loss.detach())
     return diffs
 
 
 def trainer_bf16_loss(mesh_text: str) -> dict[str, Any]:
     """The trainer's bf16 build (FSDP2 bf16 policy, experts' unit too) vs one fp32 device.
 
-    Returns the experts' compute dtype inside the forward, and the global loss's
-    difference from the one-device fp32 loss on the same batch.
+    Returns the experts' compute dtype inside the forward, the global loss's
+    difference from the one-device fp32 loss on the same batch, and every gradient's
+    difference (after the trainer's expert rescale) from the fp32 one-device gradient.
     """
+    from hyper_parallel.distributed.expert_parallel import rescale_expert_grads
     from hyper_parallel.train import TrainConfig, build_parallel_model
     from hyper_parallel.train.trainer import build_mesh
 
@@ -347,9 +349,17 @@ def trainer_bf16_loss(mesh_text: str) -> dict[str, Any]:
     loss = cross_entropy_loss(model(tokens[rows, :-1]).float(), tokens[rows, 1:])
     loss.backward()
     hook.remove()
+    rescale_expert_grads(model, layout)
     ref_loss = cross_entropy_loss(reference(tokens[:, :-1]), tokens[:, 1:])
+    ref_loss.backward()
     global_loss = _all_reduce(loss.detach(), mesh["batch"]) / mesh["batch"].size()
-    return {"expert_dtype": seen[0], "loss_diff": (global_loss - ref_loss.detach()).abs().item()}
+    ref = dict(reference.named_parameters())
+    grads = {n: diff(_full(p.grad), ref[n].grad) for n, p in model.named_parameters()}
+    return {
+        "expert_dtype": seen[0],
+        "loss_diff": (global_loss - ref_loss.detach()).abs().item(),
+        "grads": grads,
+    }
 
 
 def tp_model_parity(
@@ -459,13 +469,13 @@ def cp_model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> 
                 full = _all_reduce(full, cp_mesh)  # replicated per rank: sum the ranks'
             grad = _all_reduce(full, mesh["batch"]) / num_batch
             expected = ref[name].grad
-        grads[name] = (grad - expected).abs().max().item()
+        grads[name] = diff(grad, expected)
     assert set(grads) == set(ref)
     return {
         "logits": (cp.unshard_sequence(logits, cp_mesh) - ref_logits).abs().max().item(),
         "loss": (global_loss - ref_loss.detach()).abs().item(),
-        "aux": max(
-            (layer.moe.aux_loss - r).abs().item() for layer, r in zip(model.layers, ref_aux)
+        "aux": worst_abs(
+            [(layer.moe.aux_loss - r).abs().item() for layer, r in zip(model.layers, ref_aux)]
         ),
         "grads": grads,
         "forward_comms": _counts(forward_comms),
@@ -479,7 +489,7 @@ def cp_model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> 
     }
 
 
-def trainer_cp_parity(mesh_text: str, seq: int = SEQ) -> dict[str, float]:
+def trainer_cp_parity(mesh_text: str, seq: int = SEQ) -> dict[str, Diff]:
     """The trainer's build with ``cp`` (FSDP2 over ``dp_shard x cp``, experts on ``ep``)
     vs its one-device build: each rank runs its rows' head-tail part of the sequence with
     global positions; gradients after the trainer's expert-gradient rescaling.
@@ -512,8 +522,8 @@ def trainer_cp_parity(mesh_text: str, seq: int = SEQ) -> dict[str, float]:
     diffs = {}
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        diffs[name] = (grad - ref[name].grad).abs().max().item()
+        diffs[name] = diff(grad, ref[name].grad)
     ranks = mesh["batch"].size() * cp_size
     global_loss = _all_reduce(_all_reduce(loss.detach(), mesh["batch"]), mesh["cp"]) / ranks
-    diffs["<loss>"] = (global_loss - ref_loss.detach()).abs().item()
+    diffs["<loss>"] = diff(global_loss, ref_loss.detach())
     return diffs

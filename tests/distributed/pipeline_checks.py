@@ -35,6 +35,7 @@ from hyper_parallel.models.llama import (
     cross_entropy_loss,
     preset_config,
 )
+from tests._compare import diff, worst_abs
 
 BATCH = 8
 SEQ_LEN = 16
@@ -168,8 +169,8 @@ def train_vs_one_device(
     router_aux = _router_aux_grads(reference, *_batch(0)) if layout.ep > 1 else {}
     ref_params = dict(reference.named_parameters())
     params = {n: p for m in modules for n, p in m.named_parameters()}
-    init_diff = max(
-        (_full(p).detach() - ref_params[n]).abs().max().item() for n, p in params.items()
+    init_diff = worst_abs(
+        [(_full(p).detach() - ref_params[n]).abs().max().item() for n, p in params.items()]
     )
 
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=LR)
@@ -208,10 +209,7 @@ def train_vs_one_device(
         ref_loss.backward()
         ref_losses.append(ref_loss.item())
         if step == 0:
-            grad_diffs = {
-                n: (_full(p.grad) - ref_params[n].grad).abs().max().item()
-                for n, p in params.items()
-            }
+            grad_diffs = {n: diff(p.grad, ref_params[n].grad) for n, p in params.items()}
             grad_scales = {n: ref_params[n].grad.abs().max().item() for n in params}
         opt.step()
         ref_opt.step()
@@ -294,8 +292,8 @@ def checkpoint_across_meshes(path: str) -> dict[str, Any]:
     c10d.all_gather_object(gathered, saved)
     reference = {k: v for part in gathered for k, v in part.items()}
 
-    def diff(states: dict[str, torch.Tensor]) -> float:
-        return max((states[k] - reference[k]).abs().max().item() for k in states)
+    def state_diff(states: dict[str, torch.Tensor]) -> float:
+        return worst_abs([(states[k] - reference[k]).abs().max().item() for k in states])
 
     result: dict[str, Any] = {"num_saved": len(reference)}
     # pp=2 x tp=2, interleaved: 4 stages, another split of the same names.
@@ -303,7 +301,7 @@ def checkpoint_across_meshes(path: str) -> dict[str, Any]:
     other_opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in other]
     result["train_state"] = load_checkpoint(path, model=other, optimizer=other_opts)
     states = _full_states(other, other_opts)
-    result["interleaved"] = (diff(states), len(states))
+    result["interleaved"] = (state_diff(states), len(states))
     # pp=1 x tp=4: the whole model, tensor parallel on 4 ranks.
     tp_mesh = MeshLayout.parse("tp=4").build("cpu")["tp"]
     with torch.device("meta"):
@@ -313,13 +311,13 @@ def checkpoint_across_meshes(path: str) -> dict[str, Any]:
     whole_opt = torch.optim.AdamW(whole.parameters(), lr=LR)
     load_checkpoint(path, model=whole, optimizer=whole_opt)
     states = _full_states([whole], [whole_opt])
-    result["tp4"] = (diff(states), len(states))
+    result["tp4"] = (state_diff(states), len(states))
     # One process, no process group.
     if c10d.get_rank() == 0:
         single = preset_config("llama3-debug").build()
         load_checkpoint(path, model=single, distributed=False)
         states = {n: p.detach() for n, p in single.named_parameters()}
-        result["one_process"] = (diff(states), len(states))
+        result["one_process"] = (state_diff(states), len(states))
     c10d.barrier()
     return result
 

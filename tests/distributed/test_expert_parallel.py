@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._compare import BF16_GRAD_RTOL, FP32_RTOL, check, merge_ranks
 from tests.distributed import moe_checks
 
 pytestmark = pytest.mark.distributed
@@ -21,8 +22,7 @@ TOL = 1e-5
 def _assert_close(result: dict, keys: tuple[str, ...]) -> None:
     for key in keys:
         assert result[key] < TOL, (key, result[key])
-    worst = max(result["grads"].items(), key=lambda kv: kv[1])
-    assert worst[1] < TOL, worst
+    check(result["grads"], atol=TOL, rtol=FP32_RTOL)
 
 
 def test_debug_moe_at_ep2_equals_one_device(dist) -> None:
@@ -57,8 +57,12 @@ _ALL_TO_RANK0 = [[[0, 1], [2, 3], [1, 2]], [[3, 0], [0, 2]]]  # rank 1 receives 
 @pytest.mark.parametrize("routes", [_SKEWED, _ALL_TO_RANK0], ids=["skewed", "one_rank_idle"])
 def test_experts_with_zero_tokens_for_some_experts_and_ranks(dist, routes) -> None:
     results = dist.run(moe_checks.experts_parity, "dp_shard=2,ep=2", routes)
+    # A rank that receives no tokens has zero expert gradients (so has the reference):
+    # the ranks' gradients are judged together (zero must then be exactly zero).
+    check(merge_ranks([r["grads"] for r in results]), atol=TOL, rtol=FP32_RTOL)
     for r in results:
-        _assert_close(r, ("out", "x_grad"))
+        for key in ("out", "x_grad"):
+            assert r[key] < TOL, (key, r[key])
         assert r["forward_comms"] == {"all_to_all_single": 3}
         assert r["backward_comms"] == {"all_to_all_single": 2}
         assert r["paths_equal"], "grouped_forward and the module's forward differ"
@@ -83,8 +87,7 @@ def test_hugging_face_moe_from_plan_file_equals_one_device(dist, family) -> None
 
 def test_trainer_build_at_dp_shard2_ep2_equals_one_device(dist) -> None:
     for diffs in dist.run(moe_checks.trainer_parity, "dp_shard=2,ep=2"):
-        worst = max(diffs.items(), key=lambda kv: kv[1])
-        assert worst[1] < TOL, worst
+        check(diffs, atol=TOL, rtol=FP32_RTOL)
 
 
 def test_trainer_build_in_bf16_casts_the_experts_too(dist) -> None:
@@ -92,6 +95,8 @@ def test_trainer_build_in_bf16_casts_the_experts_too(dist) -> None:
     for r in dist.run(moe_checks.trainer_bf16_loss, "dp_shard=2,ep=2"):
         assert r["expert_dtype"] == torch.bfloat16
         assert r["loss_diff"] < 2e-2, r["loss_diff"]  # the demo's bf16 tolerance
+        # Every gradient against the fp32 one-device one: a 2x or zero gradient fails.
+        check(r["grads"], rtol=BF16_GRAD_RTOL, expect_count=len(r["grads"]))
 
 
 def _assert_tp_layout(r: dict, ep: bool) -> None:
@@ -145,5 +150,4 @@ def test_context_parallel_moe_with_ep_borrowing_cp_equals_one_device(dist, mesh)
 def test_trainer_build_at_cp2_ep2_equals_one_device(dist) -> None:
     # FSDP2 over dp_shard x cp averages the dense gradients; experts rescaled by ep / tp.
     for diffs in dist.run(moe_checks.trainer_cp_parity, "cp=2,ep=2"):
-        worst = max(diffs.items(), key=lambda kv: kv[1])
-        assert worst[1] < TOL, worst
+        check(diffs, atol=TOL, rtol=FP32_RTOL)

@@ -15,7 +15,8 @@ from hyper_parallel.distributed.activation_checkpoint import (
 from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.distributed.precision import autocast, fsdp_policy, loss_logits
 from hyper_parallel.train import TrainConfig, Trainer
-from hyper_parallel.train.run import add_train_arguments, config_from_args
+from hyper_parallel.train.run import add_train_arguments, config_from_args, full_gradients
+from tests._compare import BF16_GRAD_RTOL, FP32_RTOL, check, diffs, worst_abs
 
 TINY = dict(
     num_steps=2,
@@ -83,12 +84,25 @@ def _run(**switches):
     return losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
+def _first_grads(**switches) -> dict[str, torch.Tensor]:
+    """The trainer's first-step gradients (its own step: autocast, scaling), before clipping."""
+    grads: dict[str, torch.Tensor] = {}
+
+    def keep(step: int, parts: list[nn.Module]) -> None:
+        grads.update(full_gradients(parts))
+
+    torch.manual_seed(0)
+    Trainer(TrainConfig(**TINY, **switches), device="cpu", grad_callback=keep).train_step()
+    return grads
+
+
 def test_activation_checkpointing_equals_no_checkpointing():
     losses, params = _run()
     for ac in ("full", "selective"):
         ac_losses, ac_params = _run(ac=ac)
-        assert max(abs(a - b) for a, b in zip(losses, ac_losses)) <= 1e-6
-        assert max((params[n] - p).abs().max().item() for n, p in ac_params.items()) <= 1e-6
+        assert worst_abs([abs(a - b) for a, b in zip(losses, ac_losses)]) <= 1e-6
+        assert worst_abs([(params[n] - p).abs().max().item() for n, p in ac_params.items()]) <= 1e-6
+        check(diffs(_first_grads(ac=ac), _first_grads()), atol=1e-6, rtol=FP32_RTOL)
 
 
 def test_bf16_keeps_fp32_master_weights_and_stays_close():
@@ -96,7 +110,9 @@ def test_bf16_keeps_fp32_master_weights_and_stays_close():
     bf16_losses, params = _run(dtype="bf16")
     assert all(p.dtype == torch.float32 for p in params.values())
     assert bf16_losses != losses  # computed in bf16
-    assert max(abs(a - b) for a, b in zip(losses, bf16_losses)) <= 2e-2
+    assert worst_abs([abs(a - b) for a, b in zip(losses, bf16_losses)]) <= 2e-2
+    # Every gradient of the first step against fp32: a 2x or zero gradient fails.
+    check(diffs(_first_grads(dtype="bf16"), _first_grads()), rtol=BF16_GRAD_RTOL)
 
 
 def test_compile_with_expert_parallel_is_accepted():
