@@ -221,9 +221,7 @@ def _common(raw: dict[str, Any], used: set[str], problems: list) -> None:
     used.add("layer_types")
     layer_types = raw.get("layer_types")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        problems.append(
-            ("layer_types", sorted(set(layer_types)), "only 'full_attention' layers")
-        )
+        problems.append(("layer_types", sorted(set(layer_types)), "only 'full_attention' layers"))
 
 
 def read_hf_config(source: str | os.PathLike[str] | dict[str, Any]) -> HFConfig:

@@ -38,7 +38,6 @@ from torch.distributed.tensor import DTensor
 from hyper_parallel.checkpoint_hf._torch_private import shard_indices
 from hyper_parallel.checkpoint_hf.config import (
     HFConfig,
-    family_of_model_config,
     hf_config_from_model,
     read_hf_config,
 )
@@ -156,8 +155,10 @@ def _check(
     by_ours = {m.ours: m for m in maps}
     shapes = _global_shapes(config)
     for name in sorted(set(params) - set(by_ours)):
-        problems.append(f"parameter {name}: no Hugging Face tensor maps to it (model is not a "
-                        f"{config.family} of this config)")
+        problems.append(
+            f"parameter {name}: no Hugging Face tensor maps to it (model is not a "
+            f"{config.family} of this config)"
+        )
     used = {n for m in maps for n in m.hf}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     for name in sorted(set(files) - used - optional):
@@ -201,7 +202,9 @@ def _box(index: list[torch.Tensor]) -> tuple[tuple[slice, ...], list[torch.Tenso
     return tuple(box), picks
 
 
-def _read(reader: _Files, file: str, name: str, index: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+def _read(
+    reader: _Files, file: str, name: str, index: list[torch.Tensor]
+) -> tuple[torch.Tensor, int]:
     """The elements ``index`` (per dim) of tensor ``name``; and the bytes read."""
     box, picks = _box(index)
     data = reader.slice(file, name)[box]
@@ -218,9 +221,7 @@ def _local_index(param: torch.Tensor) -> list[torch.Tensor]:
     return [torch.arange(n) for n in param.shape]
 
 
-def load_hf(
-    model: nn.Module | Iterable[nn.Module], path: str | os.PathLike[str]
-) -> LoadReport:
+def load_hf(model: nn.Module | Iterable[nn.Module], path: str | os.PathLike[str]) -> LoadReport:
     """Fill ``model`` (a module, or this rank's pipeline stages) from a Hugging Face checkpoint.
 
     The model must have been built from the checkpoint's config (e.g.
@@ -430,4 +431,3 @@ def save_hf(
     if distributed:
         dist.barrier()
     return result
-

@@ -64,7 +64,9 @@ def rotary_rows(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
     return head * head_dim + j // 2 + (j % 2) * (head_dim // 2)
 
 
-def family_maps(family: str, config: object, *, tie_word_embeddings: bool = False) -> list[TensorMap]:
+def family_maps(
+    family: str, config: object, *, tie_word_embeddings: bool = False
+) -> list[TensorMap]:
     """Every parameter of a model of ``family`` built from our ``config``, mapped.
 
     Args:
@@ -94,8 +96,12 @@ def family_maps(family: str, config: object, *, tie_word_embeddings: bool = Fals
         elif family == "qwen3_moe":
             experts = range(block.moe.experts.num_experts)
             maps += [
-                TensorMap(ours + "attention.q_norm.weight", (hf + "self_attn.q_norm.weight",), head_dim),
-                TensorMap(ours + "attention.k_norm.weight", (hf + "self_attn.k_norm.weight",), head_dim),
+                TensorMap(
+                    ours + "attention.q_norm.weight", (hf + "self_attn.q_norm.weight",), head_dim
+                ),
+                TensorMap(
+                    ours + "attention.k_norm.weight", (hf + "self_attn.k_norm.weight",), head_dim
+                ),
                 TensorMap(ours + "moe.router.weight", (hf + "mlp.gate.weight",)),
             ]
             for w, name in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):

@@ -48,7 +48,9 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
         old_len = self.original_max_position_embeddings
         wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / self.low_freq_factor, inv_freq / self.factor, inv_freq)
+        scaled = torch.where(
+            wavelen > old_len / self.low_freq_factor, inv_freq / self.factor, inv_freq
+        )
         smooth = (old_len / wavelen - self.low_freq_factor) / (
             self.high_freq_factor - self.low_freq_factor
         )
