@@ -1,4 +1,4 @@
-"""The Hugging Face subcommands of ``hyper-parallel``: ``verify-hf``, ``export-hf``, ``generate``.
+"""Subcommands of ``hyper-parallel``: ``verify-hf``, ``export-hf``, ``generate``, ``tokenize``.
 
 :func:`add_commands` adds them to the command line's subparsers (one call in
 :mod:`hyper_parallel.cli`); each returns an exit status (0 success, 1 failure, 2 a
@@ -23,7 +23,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def add_commands(sub: Any) -> None:
-    """Add ``verify-hf``, ``export-hf`` and ``generate`` to ``sub`` (argparse subparsers)."""
+    """Add ``verify-hf``, ``export-hf``, ``generate``, ``tokenize`` to ``sub`` (argparse subparsers)."""
     from hyper_parallel.checkpoint_hf import verify
 
     v = sub.add_parser(
@@ -72,6 +72,21 @@ def add_commands(sub: Any) -> None:
     g.add_argument("--format", choices=("text", "json"), default="text")
     g.set_defaults(func=_generate)
 
+    t = sub.add_parser(
+        "tokenize",
+        help="tokenize text files (.txt, .jsonl) once into a token file for --data",
+        description="Tokenize .txt (one document each) and .jsonl (one per line) files with a "
+        "tokenizers tokenizer.json on several processes; documents are separated by EOS.",
+    )
+    t.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt or .jsonl files")
+    t.add_argument("--tokenizer", required=True, help="tokenizers tokenizer.json")
+    t.add_argument("--out", required=True, help="token file to write: .bin or .npy")
+    t.add_argument("--text-field", default="text", help="the .jsonl field (default text)")
+    t.add_argument("--eos-id", type=int, default=None, help="separator id (default: its EOS)")
+    t.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="processes")
+    t.add_argument("--no-progress", dest="progress", action="store_false")
+    t.set_defaults(func=_tokenize)
+
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -97,6 +112,26 @@ def _export(args: argparse.Namespace) -> int:
         print(f"hyper-parallel export-hf: error: {err}", file=sys.stderr)
         return 2
     print(f"export-hf: wrote {len(files)} safetensors file(s), index and config.json to {args.out}")
+    return 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    from hyper_parallel.train.tokens import tokenize_files
+
+    try:
+        count = tokenize_files(
+            args.inputs,
+            args.out,
+            tokenizer=args.tokenizer,
+            text_field=args.text_field,
+            eos=args.eos_id,
+            workers=max(1, args.workers),
+            progress=args.progress,
+        )
+    except ValueError as err:
+        print(f"hyper-parallel tokenize: error: {err}", file=sys.stderr)
+        return 2
+    print(f"tokenize: {count} tokens from {len(args.inputs)} file(s) -> {args.out}")
     return 0
 
 

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.train import run_hooks
 from hyper_parallel.train.run import _json_object, _mesh_argument
 from hyper_parallel.train.trainer import TrainConfig, Trainer, check_config
 
@@ -113,6 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="outputs/demo",
         help="where the plot and logs go (default outputs/demo)",
     )
+    run_hooks.add_arguments(parser, defaults=True)
 
 
 def _style(layout: MeshLayout, sequence_parallel: bool) -> str:
@@ -235,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
             compile=getattr(args, "compile", False),
             dtype=dtype,
             ac=getattr(args, "ac", "none"),
+            **{f: getattr(args, f) for f in run_hooks.HF_ARGUMENT_FIELDS if hasattr(args, f)},
         )
         # Every problem (axes the trainer cannot run, shapes that do not fit the mesh)
         # is reported here, before any rank starts.
@@ -272,7 +275,15 @@ def run(args: argparse.Namespace) -> int:
     # The reference keeps the precision policy (bf16 is a different computation) but
     # runs eagerly without checkpointing: compile and AC must not change the result.
     one_losses = _train_here(
-        cfg.replace(mesh={}, sequence_parallel=False, log_every=0, compile=False, ac="none")
+        cfg.replace(
+            mesh={},
+            sequence_parallel=False,
+            log_every=0,
+            compile=False,
+            ac="none",
+            save_hf=None,
+            tensorboard=None,
+        )
     )
     steps, dist_losses = metrics["steps"], metrics["losses"]
     diffs = [abs(a - b) for a, b in zip(dist_losses, one_losses, strict=True)]

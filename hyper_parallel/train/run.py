@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout
+from hyper_parallel.train import run_hooks
 from hyper_parallel.train.trainer import TrainConfig, Trainer, check_config, default_device
 
 __all__ = ["add_train_arguments", "config_from_args", "main", "parse_mesh"]
@@ -161,6 +162,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="no progress bar",
     )
+    run_hooks.add_arguments(parser)
 
 
 _FIELDS_FROM_ARGS = (
@@ -188,6 +190,7 @@ _FIELDS_FROM_ARGS = (
     "compile",
     "dtype",
     "ac",
+    *run_hooks.HF_ARGUMENT_FIELDS,
 )
 
 
