@@ -41,6 +41,12 @@ ARCHITECTURES: dict[str, str] = {
 }
 """``architectures[0]`` of a ``config.json`` -> our family."""
 
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
 SPEC_NAMES = {"llama": "llama3-hf", "qwen3_moe": "qwen3-moe-hf"}
 
 # Fields that change no number our model computes (metadata, generation defaults,
@@ -239,7 +245,8 @@ def read_hf_config(source: str | os.PathLike[str] | dict[str, Any]) -> HFConfig:
     """
     raw, where = _load(source)
     archs = raw.get("architectures") or []
-    arch = archs[0] if archs else None
+    # Configs built in code (not yet saved) name only their model_type.
+    arch = archs[0] if archs else _MODEL_TYPES.get(raw.get("model_type", ""))
     family = ARCHITECTURES.get(arch or "")
     if family is None:
         raise HFConfigError(
