@@ -243,18 +243,6 @@ def open_corpus(
     return tokens
 
 
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(tokenizer: str) -> None:
-    _WORKER["tokenizer"] = load_tokenizer(tokenizer)
-
-
-def _encode(documents: list[str]) -> list[list[int]]:
-    encodings = _WORKER["tokenizer"].encode_batch(documents, add_special_tokens=False)
-    return [e.ids for e in encodings]
-
-
 def tokenize_files(
     paths: Sequence[str],
     out: str,
@@ -274,6 +262,8 @@ def tokenize_files(
         ValueError: See :func:`open_corpus` (missing tokenizer, unknown files, empty corpus).
     """
     import multiprocessing as mp
+
+    from hyper_parallel import _tokenize_worker as worker
 
     tok = load_tokenizer(tokenizer)
     separator = eos_id(tok, eos)
@@ -302,11 +292,11 @@ def tokenize_files(
     pieces: list[np.ndarray] = []
     if workers > 1:
         context = mp.get_context("spawn")
-        pool = context.Pool(workers, initializer=_init_worker, initargs=(tokenizer,))
-        results = pool.imap(_encode, chunks())
+        pool = context.Pool(workers, initializer=worker.init, initargs=(tokenizer,))
+        results = pool.imap(worker.encode, chunks())
     else:
-        _init_worker(tokenizer)
-        pool, results = None, map(_encode, chunks())
+        worker.init(tokenizer)
+        pool, results = None, map(worker.encode, chunks())
     try:
         for encoded in results:
             for ids in encoded:
