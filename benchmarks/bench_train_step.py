@@ -70,7 +70,7 @@ def _build(contender: str, cfg: Any, mesh: Any, backend: str) -> torch.nn.Module
     fully_shard(model, mesh=mesh["dp"])
     model.to_empty(device="cpu")
     # The trainer's init (per pipeline unit), so every contender starts from the same values.
-    init_states_by_unit(model, get_spec(cfg.model).extras["pipeline"], cfg.seed)
+    init_states_by_unit(model, get_spec(cfg.model).pipeline(), cfg.seed)
     return model
 
 

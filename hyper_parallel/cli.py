@@ -281,7 +281,7 @@ def _subject(args: argparse.Namespace) -> _Subject:
                 f"{args.model} cannot be sharded over {layout}: {e}",
                 [_finding("", "mesh", str(e), "use axis sizes that divide the head counts.")],
             ) from None
-    return _Subject(args.model, config, plan, spec.extras.get("loss_fn"), args.seq or _SEQ_LEN)
+    return _Subject(args.model, config, plan, spec.family.loss_fn, args.seq or _SEQ_LEN)
 
 
 def _finding(path: str, field: str, message: str, fix: str) -> Any:
@@ -383,7 +383,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, sharded: Any) -> dict[
     from hyper_parallel.distributed.pipeline import MULTI_STAGE_SCHEDULES, PipelineError
     from hyper_parallel.dmodule.model_spec import get_spec
 
-    stages = get_spec(args.model).extras.get("pipeline") if args.model else None
+    stages = get_spec(args.model).family.pipeline if args.model else None
     if stages is None or args.plan is not None:
         raise _PlanError(
             f"pp={layout.pp}: the dry run cuts registered models into pipeline stages; "
@@ -409,7 +409,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, sharded: Any) -> dict[
             param_dtype=getattr(torch, _DTYPES[args.dtype]),
             ac=args.ac,
             dtype="bf16" if args.dtype == "bf16" else "fp32",
-            loss_fn=get_spec(args.model).extras.get("loss_fn"),
+            loss_fn=get_spec(args.model).family.loss_fn,
         )
     except PipelineError as e:
         raise _PlanError(str(e), e.findings) from None
@@ -505,7 +505,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
                     {
                         "name": s.name,
                         "description": s.description,
-                        "shardings": sorted(k for k in ("tp", "tp_sp") if k in s.extras),
+                        "shardings": sorted(k for k in ("tp", "tp_sp") if s.family.sharding(k)),
                     }
                     for s in specs
                 ],
@@ -516,7 +516,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from hyper_parallel.analysis._format import table
 
     rows = [
-        (s.name, ", ".join(k for k in ("tp", "tp_sp") if k in s.extras) or "-", s.description)
+        (
+            s.name,
+            ", ".join(k for k in ("tp", "tp_sp") if s.family.sharding(k)) or "-",
+            s.description,
+        )
         for s in specs
     ]
     print(table(["model", "shardings", "description"], rows))

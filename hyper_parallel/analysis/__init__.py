@@ -6,7 +6,7 @@ Example::
     from hyper_parallel.dmodule import get_spec
 
     spec = get_spec("llama3-70b")
-    config = spec.extras["tp"](spec.config())
+    config = spec.sharding("tp")(spec.config())
     print(validate(config, {"dp": 128, "tp": 8}).to_table())
 """
 

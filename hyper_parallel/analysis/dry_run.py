@@ -409,7 +409,7 @@ def dry_run(
         from hyper_parallel.dmodule import get_spec
 
         spec = get_spec("llama3-70b")
-        report = dry_run(spec.extras["tp"](spec.config()), {"dp_shard": 128, "tp": 8})
+        report = dry_run(spec.sharding("tp")(spec.config()), {"dp_shard": 128, "tp": 8})
         print(report.per_rank.total, report.collectives)
     """
     start = time.perf_counter()
@@ -499,6 +499,21 @@ class _Run:
     activation_bytes: int = 0
 
 
+def _declared_blocks(model: nn.Module) -> str | None:
+    """The attribute holding ``model``'s blocks, as its family (or, for a pipeline stage,
+    its family's pipeline description) declares it; ``None`` when none does."""
+    from hyper_parallel.dmodule.model_spec import family_of, get_spec, list_specs
+
+    family = family_of(model)
+    if family is not None:
+        return family.blocks
+    for name in list_specs():
+        layout = get_spec(name).family.pipeline
+        if layout is not None and isinstance(model, layout.stage):
+            return layout.layers
+    return None
+
+
 def _trace_step(
     target: Target,
     world: ParallelMesh,
@@ -570,8 +585,9 @@ def _trace_step(
     recorder = CollectiveRecorder(*_recorder_groups(world, fsdp_mesh))
     comm = CommDebugMode()
     # The blocks activation checkpointing applies to: the list of identical layers (the
-    # trainer's model.layers; a pipeline stage keys its blocks by their index in a dict).
-    blocks = getattr(model, target.layers_field or "layers", None)
+    # family's blocks; a pipeline stage keys its blocks by their index in a dict).
+    field = target.layers_field or _declared_blocks(model)
+    blocks = getattr(model, field, None) if field else None
     if isinstance(blocks, nn.ModuleDict):
         blocks = nn.ModuleList(blocks.values())
     saved = SavedActivations(model, list(blocks) if isinstance(blocks, nn.ModuleList) else [])

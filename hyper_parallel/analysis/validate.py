@@ -345,7 +345,8 @@ def validate(
             form); ``None`` balances stages by parameter count.
         stages_per_rank: With ``pp > 1``: stages per rank (interleaved schedules).
         pipeline: With ``pp > 1``: how the model is cut into stages; by default the
-            ``extras["pipeline"]`` of the registered model of the same class.
+            pipeline of the registered model of the same class (its family's
+            :attr:`~hyper_parallel.dmodule.ModelFamily.pipeline`).
 
     Returns:
         A :class:`ValidationReport`; ``report.ok`` is ``False`` when there are errors.
@@ -360,7 +361,7 @@ def validate(
         from hyper_parallel.dmodule import get_spec
 
         spec = get_spec("llama3-8b")
-        report = validate(spec.extras["tp"](spec.config()), {"dp": 16, "tp": 8})
+        report = validate(spec.sharding("tp")(spec.config()), {"dp": 16, "tp": 8})
         print(report.to_table())
     """
     mesh_findings: list[Finding] = []
@@ -461,7 +462,7 @@ def _pipeline_part(
                 "mesh",
                 "pp",
                 f"pp={layout.pp}, but {type(model).__name__} declares no pipeline stages "
-                "(no registered ModelSpec of this class has extras['pipeline']).",
+                "(no registered model of this class declares ModelFamily.pipeline).",
                 "pass validate(..., pipeline=PipelineLayout(...)) describing its units, or "
                 "leave pp out of the mesh.",
             )
@@ -514,16 +515,11 @@ def _pipeline_part(
 
 
 def _registered_pipeline(model: nn.Module) -> PipelineLayout | None:
-    """The ``extras["pipeline"]`` of a registered model of ``model``'s class."""
-    from hyper_parallel.dmodule.model_spec import get_spec, list_specs
+    """The pipeline description of the registered family of ``model``'s class."""
+    from hyper_parallel.dmodule.model_spec import family_of
 
-    config_type = getattr(type(model), "Config", None)
-    for name in list_specs():
-        spec = get_spec(name)
-        layout = spec.extras.get("pipeline")
-        if layout is not None and config_type is type(spec.config()):
-            return layout
-    return None
+    family = family_of(model)
+    return family.pipeline if family is not None else None
 
 
 def _default_seq_len(layout: MeshLayout) -> int:

@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["TensorMap", "family_maps", "rotary_rows", "to_hf_tensors"]
+__all__ = ["HF_FAMILIES", "HFFamily", "TensorMap", "family_maps", "rotary_rows", "to_hf_tensors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,3 +134,29 @@ def to_hf_tensors(entry: TensorMap, full: torch.Tensor) -> dict[str, torch.Tenso
             piece = piece[inverse]
         out[name] = piece.contiguous()
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HFFamily:
+    """A family's Hugging Face description (the ``hf`` slot of its ``ModelFamily``).
+
+    Args:
+        name: Our family name (``"llama"``, ``"qwen3_moe"``).
+        architectures: The ``config.json`` architectures it reads.
+        spec: The registered spec whose factory takes the converted config.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    spec: str
+
+    def maps(self, config: object, *, tie_word_embeddings: bool = False) -> list[TensorMap]:
+        """:func:`family_maps` of this family."""
+        return family_maps(self.name, config, tie_word_embeddings=tie_word_embeddings)
+
+
+HF_FAMILIES: dict[str, HFFamily] = {
+    "llama": HFFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "llama3-hf"),
+    "qwen3_moe": HFFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3-moe-hf"),
+}
+"""Every family with a Hugging Face mapping."""

@@ -2,7 +2,9 @@
 
 Each is its family's factory (``llama3_config``, ``qwen3_moe_config``) taking the
 keyword arguments :func:`~hyper_parallel.checkpoint_hf.config.read_hf_config` writes,
-with the family's sharding, loss and pipeline (the ``extras`` of its presets). So a
+with its presets' :class:`~hyper_parallel.dmodule.model_spec.ModelFamily` (sharding,
+loss, pipeline), whose ``hf`` slot holds the family's Hugging Face description
+(:data:`~hyper_parallel.checkpoint_hf.mapping.HF_FAMILIES`). So a
 checkpoint's model runs wherever a preset does: ``TrainConfig(model="llama3-hf",
 model_overrides=cfg.model_overrides)``, ``plan``, ``validate``, the dry run.
 ``llama3-hf`` also takes ``rope_scaling`` (Llama 3.x frequency scaling, see
@@ -12,8 +14,10 @@ debug preset.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from hyper_parallel.checkpoint_hf.mapping import HF_FAMILIES
 from hyper_parallel.dmodule.model_spec import ModelSpec, get_spec, list_specs, register_spec
 
 __all__ = ["llama_hf_config", "qwen3_moe_hf_config", "register_specs"]
@@ -55,13 +59,13 @@ def register_specs() -> None:
     ):
         if name in known:
             continue
-        extras = dict(get_spec(base).extras)
-        extras["hf_family"] = family
+        base_family = get_spec(base).family
         register_spec(
             ModelSpec(
                 name=name,
                 build_model_fn=factory,
                 description=f"{base.split('-')[0]} family from a Hugging Face config.json",
-                extras=extras,
+                family=dataclasses.replace(base_family, hf=HF_FAMILIES[family]),
+                extras={"hf_family": family},
             )
         )

@@ -68,15 +68,19 @@ class _Checkpointed:
         return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> list[int]:
-    """Checkpoint the blocks of ``model.layers`` that ``mode`` selects, in place.
+def apply_activation_checkpointing(
+    model: nn.Module, mode: str, *, blocks: str | None = "layers"
+) -> list[int]:
+    """Checkpoint the blocks of ``model.<blocks>`` that ``mode`` selects, in place.
 
     Apply after the tensor-parallel plan and ``torch.compile`` (it wraps the compiled
     forward; see :mod:`hyper_parallel.distributed.compile`) and before FSDP2.
 
     Args:
-        model: A model with a ``layers`` container.
+        model: A model with a container of blocks.
         mode: ``"none"``, ``"full"`` or ``"selective"`` (see the module docstring).
+        blocks: The attribute holding the blocks (the family's
+            :attr:`~hyper_parallel.dmodule.ModelFamily.blocks`).
 
     Returns:
         The indices of the checkpointed blocks.
@@ -89,8 +93,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> list[int]:
         apply_activation_checkpointing(model, "full")
     """
     check_mode(mode)
-    blocks = blocks_of(model, what="apply_activation_checkpointing")
-    chosen = checkpointed_blocks(len(blocks), mode)
+    units = blocks_of(model, what="apply_activation_checkpointing", blocks=blocks)
+    chosen = checkpointed_blocks(len(units), mode)
     for i in chosen:
-        blocks[i].forward = _Checkpointed(blocks[i].forward)  # type: ignore[method-assign]
+        units[i].forward = _Checkpointed(units[i].forward)  # type: ignore[method-assign]
     return chosen

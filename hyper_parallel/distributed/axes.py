@@ -71,27 +71,22 @@ def apply_model_axes(
 ) -> Any:
     """``config`` with the spec's sharding for every model axis of size > 1 in ``layout``.
 
-    For each axis of :data:`MODEL_AXES` the spec's ``extras[axis]`` sharding function
-    (``extras["tp_sp"]`` for tp with ``sequence_parallel``) is applied, with
+    For each axis of :data:`MODEL_AXES` the spec's sharding function
+    (:meth:`~hyper_parallel.dmodule.ModelSpec.sharding`: its family's ``tp``, ``tp_sp``
+    for tp with ``sequence_parallel``, ``cp``, ``ep``) is applied, with
     ``<axis>_size=`` when it takes one; so the config declares exactly the active model
     axes, as the trainer, the dry run and ``validate`` expect.
 
     Raises:
-        ValueError: The spec has no sharding function for an active axis, or the
-            function refuses the size (e.g. heads not divisible by tp).
+        ValueError: The model does not support an active axis (the message names the
+            model and the axis), or the function refuses the size (e.g. heads not
+            divisible by tp).
     """
     for axis in MODEL_AXES:
         size = layout.size(axis)
         if size == 1:
             continue
-        key = "tp_sp" if axis == "tp" and sequence_parallel else axis
-        fn = spec.extras.get(key)
-        if not callable(fn):
-            raise ValueError(
-                f"model {spec.name!r} has no {key!r} sharding function in its "
-                f"ModelSpec.extras (has: {sorted(k for k, v in spec.extras.items() if callable(v))}"
-                f"); register one, or leave {axis} out of the mesh."
-            )
+        fn = spec.sharding(axis, sequence_parallel=sequence_parallel)
         kwargs = {}
         if f"{axis}_size" in inspect.signature(fn).parameters:
             kwargs[f"{axis}_size"] = size

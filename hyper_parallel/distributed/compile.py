@@ -1,6 +1,7 @@
 """``torch.compile`` per transformer block, as torchtitan applies it.
 
-Each block's ``forward`` of ``model.layers`` is compiled with ``fullgraph=True``,
+Each block's ``forward`` (the blocks the model's family declares,
+:attr:`~hyper_parallel.dmodule.ModelFamily.blocks`, e.g. ``model.layers``) is compiled with ``fullgraph=True``,
 after the tensor-parallel plan and before FSDP2 wraps the block: the blocks share one
 compiled graph per shape class (same code, parameters as graph inputs), a graph break
 is an error rather than a silent slowdown, and module hooks (FSDP's all-gathers) stay
@@ -14,7 +15,7 @@ not trace, and its dispatch's all-to-alls take split sizes that change with the
 routing on every call — and everything else is compiled with ``fullgraph=True``:
 each child of the block without experts inside (norms, attention), each child of
 the module holding the experts (the router, the balance statistics), and the
-experts' own maths (``compile_compute``, token count unbacked), so only the
+experts' own maths (the family's ``compile_experts`` hook, token count unbacked), so only the
 residual adds, the routing glue and the dispatch run between compiled regions.
 
 Sequence lengths: a block on the fast path compiles once per shape class — static for
@@ -38,7 +39,7 @@ activations are DTensors: it saves the DeviceMesh as a tensor.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,34 +54,54 @@ BACKENDS = ("inductor", "aot_eager", "eager")
 """Backends the trainer accepts: torch's default code generator, and two for debugging."""
 
 
-def blocks_of(model: nn.Module, *, what: str) -> list[nn.Module]:
-    """The transformer blocks of ``model.layers`` (a ``ModuleList`` or ``ModuleDict``).
+def blocks_of(model: nn.Module, *, what: str, blocks: str | None = "layers") -> list[nn.Module]:
+    """The transformer blocks of ``model.<blocks>`` (a ``ModuleList`` or ``ModuleDict``).
+
+    Args:
+        model: The model (or a pipeline stage).
+        what: The caller, for the error.
+        blocks: The attribute holding the blocks (the family's
+            :attr:`~hyper_parallel.dmodule.ModelFamily.blocks`).
 
     Raises:
-        ValueError: The model has no ``layers`` container; ``what`` names the caller.
+        ValueError: The model has no such container; ``what`` names the caller.
     """
-    layers = getattr(model, "layers", None)
+    layers = getattr(model, blocks, None) if blocks else None
     if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
         raise ValueError(
-            f"{what}: {type(model).__name__} has no `layers` ModuleList of transformer "
-            "blocks; the trainer applies it to each block of model.layers."
+            f"{what}: {type(model).__name__} has no {blocks!r} ModuleList of transformer "
+            "blocks; it applies to each block the model's family declares "
+            "(ModelFamily.blocks)."
         )
     return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 
-def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
-    """Compile every block of ``model.layers`` in place with ``fullgraph=True``.
+def apply_compile(
+    model: nn.Module,
+    *,
+    backend: str = "inductor",
+    blocks: str | None = "layers",
+    experts: Sequence[nn.Module] = (),
+    compile_experts: Callable[[nn.Module, str], None] | None = None,
+) -> None:
+    """Compile every block of ``model.<blocks>`` in place with ``fullgraph=True``.
 
     The blocks stay the same modules (only ``forward`` is replaced by its compiled
-    form), so ``model.layers``, parameter names and checkpoints are unchanged. A block
+    form), so the blocks, parameter names and checkpoints are unchanged. A block
     holding routed experts is compiled region by region around them (module docstring).
 
     Args:
-        model: A model with a ``layers`` container, already parallelized.
+        model: A model with a container of blocks, already parallelized.
         backend: A ``torch.compile`` backend from :data:`BACKENDS`.
+        blocks: The attribute holding the blocks (``ModelFamily.blocks``).
+        experts: The routed-experts modules (``ModelFamily.expert_modules``); experts
+            with a dispatch in their plan entry or an FSDP2 unit of their own are
+            recognised without it.
+        compile_experts: ``(experts, backend) -> None``, compiles the experts' own
+            maths (``ModelFamily.compile_experts``); ``None``: they run eagerly.
 
     Raises:
-        ValueError: For an unknown backend, or a model without ``layers``.
+        ValueError: For an unknown backend, or a model without those blocks.
 
     Example::
 
@@ -92,39 +113,44 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor") -> None:
             f"apply_compile: backend {backend!r} is not one of {list(BACKENDS)}; use "
             "'inductor' (default) or 'aot_eager' to debug."
         )
-    for block in blocks_of(model, what="apply_compile"):
-        if _holds_experts(block):
-            _compile_around_experts(block, backend)
+    known = {id(m) for m in experts}
+    for block in blocks_of(model, what="apply_compile", blocks=blocks):
+        if _holds_experts(block, known):
+            _compile_around_experts(block, backend, known, compile_experts)
         else:
             block.forward = _compile(block, backend)
 
 
-def _is_experts(module: nn.Module) -> bool:
-    """Routed experts: a dispatch in their plan entry, an FSDP2 unit of their own, or
-    maths of their own to compile (``compile_compute``)."""
+def _is_experts(module: nn.Module, known: set[int]) -> bool:
+    """Routed experts: declared by the family, a dispatch in their plan entry, or an
+    FSDP2 unit of their own."""
     config = getattr(module, "sharding_config", None)
     return (
-        getattr(config, "dispatch", None) is not None
+        id(module) in known
+        or getattr(config, "dispatch", None) is not None
         or isinstance(module, FSDPModule)
-        or callable(getattr(module, "compile_compute", None))
     )
 
 
-def _holds_experts(module: nn.Module) -> bool:
-    return any(_is_experts(m) for m in module.modules() if m is not module)
+def _holds_experts(module: nn.Module, known: set[int]) -> bool:
+    return any(_is_experts(m, known) for m in module.modules() if m is not module)
 
 
-def _compile_around_experts(module: nn.Module, backend: str) -> None:
+def _compile_around_experts(
+    module: nn.Module,
+    backend: str,
+    known: set[int],
+    compile_experts: Callable[[nn.Module, str], None] | None,
+) -> None:
     """Compile each child of ``module`` that holds no experts; recurse into the one that
-    does; compile the experts' own maths where they offer it. ``module``'s own
+    does; compile the experts' own maths where the family offers it. ``module``'s own
     forward (residual adds, routing glue) stays eager."""
     for child in module.children():
-        if _is_experts(child):
-            compile_compute = getattr(child, "compile_compute", None)
-            if callable(compile_compute):
-                compile_compute(backend)
-        elif _holds_experts(child):
-            _compile_around_experts(child, backend)
+        if _is_experts(child, known):
+            if compile_experts is not None:
+                compile_experts(child, backend)
+        elif _holds_experts(child, known):
+            _compile_around_experts(child, backend, known, compile_experts)
         else:
             child.forward = _compile(child, backend)
 

@@ -235,26 +235,14 @@ def _handles_positions(model_config: Any) -> bool:
 
 
 def _attention_heads(model_config: Any) -> list[tuple[str, int, int]]:
-    """``(path, query heads, key/value heads)`` of each attention block a config describes.
+    """``(path, query heads, key/value heads)`` of each attention, as the model's family
+    declares them (:attr:`~hyper_parallel.dmodule.ModelFamily.attention_heads`)."""
+    from hyper_parallel.dmodule.model_spec import family_of
 
-    An attention that repeats its key/value heads per query head before the core
-    (``repeat_kv``, e.g. Qwen3-MoE's tensor-parallel layout with fewer key/value heads
-    than ranks) counts as having as many key/value heads as query heads.
-    """
-    out = []
-    for i, layer in enumerate(getattr(model_config, "layers", None) or []):
-        attention = getattr(layer, "attention", None)
-        head_dim = getattr(attention, "head_dim", None)
-        if not head_dim:
-            continue
-        wq, wk = getattr(attention, "wq", None), getattr(attention, "wk", None)
-        if wq is None or wk is None:
-            continue
-        num_heads = wq.out_features // head_dim
-        repeated = getattr(attention, "repeat_kv", False)
-        num_kv_heads = num_heads if repeated else wk.out_features // head_dim
-        out.append((f"layers.{i}.attention", num_heads, num_kv_heads))
-    return out
+    family = family_of(model_config)
+    if family is None or family.attention_heads is None:
+        return []
+    return family.attention_heads(model_config)
 
 
 def _sequence_parallel(model_config: Any) -> bool:

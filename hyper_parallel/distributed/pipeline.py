@@ -26,7 +26,7 @@ Example::
 
     from hyper_parallel.dmodule import get_spec
     spec = get_spec("llama3-debug")
-    layout, config = spec.extras["pipeline"], spec.config()
+    layout, config = spec.pipeline(), spec.config()
     plan = plan_pipeline(layout.units(config), pp=2, schedule="1F1B", num_microbatches=4)
     # on each rank of a mesh with a pp axis:
     # modules = build_stage_modules(config, layout, plan, pp_rank, device="cpu", seed=0)
@@ -607,7 +607,7 @@ def pipeline_findings(units: Sequence[PipelineUnit], **options: Any) -> list[Fin
     Example:
         >>> from hyper_parallel.dmodule import get_spec
         >>> spec = get_spec("llama3-debug")
-        >>> units = spec.extras["pipeline"].units(spec.config())
+        >>> units = spec.pipeline().units(spec.config())
         >>> [f.field for f in pipeline_findings(units, pp=2, schedule="1F1B",
         ...                                      num_microbatches=1)]
         ['num_microbatches']
@@ -644,7 +644,7 @@ def plan_pipeline(
     Example:
         >>> from hyper_parallel.dmodule import get_spec
         >>> spec = get_spec("llama3-debug")
-        >>> units = spec.extras["pipeline"].units(spec.config())
+        >>> units = spec.pipeline().units(spec.config())
         >>> plan_pipeline(units, pp=2, schedule="Interleaved1F1B", num_microbatches=4).ranks
         (0, 1, 0, 1)
     """
@@ -897,6 +897,7 @@ def build_stage_modules(
     compile_backend: str | None = None,
     ac: str = "none",
     dtype: str = "fp32",
+    family: Any = None,
 ) -> list[nn.Module]:
     """Build, shard, materialize and initialize the stages ``pp_rank`` runs.
 
@@ -943,6 +944,8 @@ def build_stage_modules(
             model, as at pp=1).
         dtype: ``"fp32"`` or ``"bf16"``: FSDP2's mixed-precision policy, or without
             FSDP the stage's forward under bf16 autocast (fp32 master weights).
+        family: The model's :class:`~hyper_parallel.dmodule.ModelFamily`: its routed
+            experts and their ``compile_experts`` hook, for ``compile_backend``.
 
     Returns:
         One module per local stage, in pipeline order.
@@ -963,7 +966,13 @@ def build_stage_modules(
             module.parallelize(tp_mesh)
         blocks = getattr(module, layout.layers)
         if compile_backend is not None and len(blocks):
-            apply_compile(module, backend=compile_backend)
+            apply_compile(
+                module,
+                backend=compile_backend,
+                blocks=layout.layers,
+                experts=[m for _, m in family.expert_modules(module)] if family else (),
+                compile_experts=family.compile_experts if family else None,
+            )
             if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
                 _compile_without_donated_buffers()
         for key, block in blocks.items():

@@ -6,7 +6,9 @@ from hyper_parallel.dmodule._fast import fast_path as fast_path
 from hyper_parallel.dmodule._fast import set_fast_path as set_fast_path
 from hyper_parallel.dmodule.model import BaseModel as BaseModel
 from hyper_parallel.dmodule.model import ModelConfigConverter as ModelConfigConverter
+from hyper_parallel.dmodule.model_spec import ModelFamily as ModelFamily
 from hyper_parallel.dmodule.model_spec import ModelSpec as ModelSpec
+from hyper_parallel.dmodule.model_spec import family_of as family_of
 from hyper_parallel.dmodule.model_spec import get_spec as get_spec
 from hyper_parallel.dmodule.model_spec import list_specs as list_specs
 from hyper_parallel.dmodule.model_spec import register_spec as register_spec
@@ -35,6 +37,7 @@ __all__ = [
     "LocalMapConfig",
     "MeshAxisName",
     "ModelConfigConverter",
+    "ModelFamily",
     "ModelSpec",
     "Module",
     "ModuleDict",
@@ -45,6 +48,7 @@ __all__ = [
     "ShardingConfig",
     "colwise",
     "dump_plan",
+    "family_of",
     "fast_path",
     "get_spec",
     "list_specs",

@@ -208,7 +208,7 @@ def train_flops_per_sequence(cfg: Any) -> float | None:
     from hyper_parallel.dmodule.model_spec import get_spec
 
     spec = get_spec(cfg.model)
-    layout = spec.extras.get("pipeline")
+    layout = spec.family.pipeline
     if layout is None:
         return None
     try:

@@ -66,7 +66,7 @@ from hyper_parallel.distributed.expert_parallel import (
     rescale_expert_grads,
     shard_experts,
 )
-from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for, fsdp_units
+from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_mesh_for
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
 from hyper_parallel.distributed.pipeline import (
     PipelineSplit,
@@ -369,8 +369,8 @@ def model_config(cfg: TrainConfig, tp: int | None = None) -> Any:
     """The model config ``cfg`` trains, with the sharding of every active model axis.
 
     For each axis of :data:`~hyper_parallel.distributed.axes.MODEL_AXES` of size > 1
-    the spec's sharding function (``extras["tp"]``, ``extras["tp_sp"]`` with sequence
-    parallel) is applied (:func:`~hyper_parallel.distributed.axes.apply_model_axes`), so the
+    the spec's sharding function (its family's ``tp``, ``tp_sp`` with sequence
+    parallel, ``cp``, ``ep``) is applied (:func:`~hyper_parallel.distributed.axes.apply_model_axes`), so the
     config declares exactly the active model axes. Needs no process group, so a
     launcher can check a run before starting ranks.
 
@@ -437,15 +437,19 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Findin
 
 def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
     spec = get_spec(cfg.model)
-    stages = spec.extras.get("pipeline")
-    if stages is None:
+    try:
+        spec.pipeline()
+    except ValueError as e:
+        return [Finding("error", "mesh", "pp", str(e), "leave pp out of the mesh.")]
+    if layout.cp > 1 and spec.family.set_positions is None:
         return [
             Finding(
                 "error",
                 "mesh",
-                "pp",
-                f"model {cfg.model!r} declares no pipeline stages (ModelSpec.extras['pipeline']).",
-                "leave pp out of the mesh, or register the model's PipelineLayout.",
+                "cp",
+                f"model {cfg.model!r} with pp and cp: its family declares no set_positions "
+                "hook to hand each pipeline stage its tokens' positions.",
+                "leave cp or pp out of the mesh, or declare ModelFamily.set_positions.",
             )
         ]
     try:
@@ -477,8 +481,8 @@ def build_parallel_model(
     (:func:`model_config`) → ``model.parallelize`` on the submesh of the axes that
     sharding declares (:func:`~hyper_parallel.distributed.plan_mesh`) →
     ``torch.compile`` per block (``cfg.compile``) → activation checkpointing
-    (``cfg.ac``) → ``fully_shard`` (with ``cfg.dtype``'s mixed precision) each block of
-    ``model.layers`` and the root over
+    (``cfg.ac``) → ``fully_shard`` (with ``cfg.dtype``'s mixed precision) each block
+    the family declares (:attr:`~hyper_parallel.dmodule.ModelFamily.blocks`) and the root over
     :func:`~hyper_parallel.distributed.fsdp.fsdp_mesh_for` (FSDP on ``fsdp`` = dp_shard
     x cp, HSDP with dp_replicate; on the model's own mesh under cp, see
     :func:`~hyper_parallel.distributed.axes.fsdp_shards_over_cp`)
@@ -496,13 +500,14 @@ def build_parallel_model(
 
     Raises:
         ValueError: The model spec has no sharding function for an active axis, or
-            its model has no ``layers`` to shard.
+            its family declares no ``blocks`` to shard.
 
     Example:
         >>> model = build_parallel_model(TrainConfig(), mesh=None)
     """
     device = torch.device(device if device is not None else default_device())
     layout = mesh.layout if mesh is not None else MeshLayout()
+    family = get_spec(cfg.model).family
     config = _model_config(cfg, layout)
     with torch.device("meta"):
         model = config.build()
@@ -523,17 +528,16 @@ def build_parallel_model(
     # Plan, compile (per block), activation checkpointing around the compiled blocks,
     # then FSDP (see hyper_parallel.distributed.compile for why AC goes outside).
     if cfg.compile:
-        apply_compile(model)
+        apply_compile(
+            model,
+            blocks=family.blocks,
+            experts=[m for _, m in family.expert_modules(model)],
+            compile_experts=family.compile_experts,
+        )
     if cfg.ac != "none":
-        apply_activation_checkpointing(model, cfg.ac)
+        apply_activation_checkpointing(model, cfg.ac, blocks=family.blocks)
     if fsdp_mesh is not None:
-        units = fsdp_units(model)
-        if not units:
-            raise ValueError(
-                f"build_parallel_model: {type(model).__name__} has no `layers` ModuleList "
-                "of transformer blocks to wrap with fully_shard; the trainer shards each "
-                "block of model.layers and then the root."
-            )
+        units = family.blocks_of(model)
         paths = apply_fsdp(model, fsdp_mesh, units, mp_policy=precision.fsdp_policy(cfg.dtype))
         if layout.cp > 1:
             # One convention under cp (Trainer.backward): each rank's loss is scaled by
@@ -555,7 +559,7 @@ def build_parallel_model(
 def _init_states(model: nn.Module, cfg: TrainConfig) -> None:
     """Initialize per pipeline unit when the model declares stages (the same values at
     any pp, see :func:`~hyper_parallel.distributed.pipeline.init_states_by_unit`)."""
-    stages = get_spec(cfg.model).extras.get("pipeline")
+    stages = get_spec(cfg.model).family.pipeline
     if stages is not None:
         init_states_by_unit(model, stages, cfg.seed)
     else:
@@ -567,7 +571,7 @@ def _pipeline_units(cfg: TrainConfig, split: PipelineSplit | None) -> list[Any]:
     """The model's pipeline units; with their FLOPs at ``cfg.seq_len`` to balance by FLOPs."""
     spec = get_spec(cfg.model)
     seq_len = cfg.seq_len if split is not None and split.balance == "flops" else None
-    return spec.extras["pipeline"].units(spec.config(**cfg.model_overrides), seq_len=seq_len)
+    return spec.pipeline().units(spec.config(**cfg.model_overrides), seq_len=seq_len)
 
 
 def build_pipeline_stages(
@@ -586,7 +590,7 @@ def build_pipeline_stages(
     """
     device = torch.device(device if device is not None else default_device())
     spec = get_spec(cfg.model)
-    stages = spec.extras["pipeline"]
+    stages = spec.pipeline()
     config = _model_config(cfg, mesh.layout)
     split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
     plan = plan_pipeline(
@@ -612,6 +616,7 @@ def build_pipeline_stages(
         compile_backend="inductor" if cfg.compile else None,
         ac=cfg.ac,
         dtype=cfg.dtype,
+        family=spec.family,
     )
     return modules, plan
 
@@ -783,8 +788,9 @@ class Trainer:
         self.cp_size = layout.cp
         self.cp_rank = 0 if self.mesh is None else self.mesh.local_rank("cp")
         spec = get_spec(cfg.model)
-        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = spec.extras.get(
-            "loss_fn", _cross_entropy
+        self.family = spec.family
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            spec.family.loss_fn or _cross_entropy
         )
         # Under pp > 1 this rank holds some stages (model parts) and runs torch's schedule.
         self.schedule: Any = None
@@ -809,8 +815,11 @@ class Trainer:
             for m in self.model_parts
         ]
         self.optimizer = self.optimizers[0]
-        embedding = getattr(spec.config(**cfg.model_overrides), "tok_embeddings", None)
-        vocab_size = getattr(embedding, "num_embeddings", None)
+        vocab_size = (
+            spec.family.vocab_size(spec.config(**cfg.model_overrides))
+            if spec.family.vocab_size is not None
+            else None
+        )
         self.data = run_hooks.build_data(cfg, vocab_size)
         if self.data is None:
             tokens = load_tokens(cfg.text)
@@ -894,9 +903,9 @@ class Trainer:
             # Stages receive only the previous stage's output: each holds its cp
             # positions (the same for every micro-batch) itself.
             positions = batch.model_kwargs.get("positions")
-            for part in self.model_parts:
-                if hasattr(part, "set_positions"):
-                    part.set_positions(positions)
+            if self.family.set_positions is not None:
+                for part in self.model_parts:
+                    self.family.set_positions(part, positions)
             # The batch mean over micro-batches, on every pp rank.
             loss = pipeline_step(
                 self.schedule, self.pipeline_plan, self.mesh["pp"], batch.inputs, batch.targets

@@ -65,7 +65,7 @@ def _setup(
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
     spec = get_spec(model)
-    stages = spec.extras["pipeline"]
+    stages = spec.pipeline()
     config = spec.config(**overrides)
     units = stages.units(config)
     batch = BATCH // (layout.dp_replicate * layout.dp_shard)
@@ -81,7 +81,7 @@ def _setup(
     sharded = tp_fn(config, tp_size=layout.tp) if layout.tp > 1 else config
     tp_mesh, fsdp_mesh = (mesh["tp"] if layout.tp > 1 else None), mesh.fsdp_mesh()
     if layout.ep > 1:  # the routed experts on this pp rank's ep mesh (FSDP2 over efsdp)
-        sharded = spec.extras["ep"](sharded)
+        sharded = spec.sharding("ep")(sharded)
         switches = {**(switches or {}), "expert_mesh": mesh}
     if layout.cp > 1:  # the trainer's meshes: FSDP2 over cp on the stage's (cp,) mesh
         sharded = apply_cp(sharded, cp_size=layout.cp)
@@ -164,7 +164,7 @@ def train_vs_one_device(
     )
     dtype = (switches or {}).get("dtype", "fp32")
     reference = config.build()
-    init_states_by_unit(reference, get_spec(model).extras["pipeline"], 0)
+    init_states_by_unit(reference, get_spec(model).pipeline(), 0)
     router_aux = _router_aux_grads(reference, *_batch(0)) if layout.ep > 1 else {}
     ref_params = dict(reference.named_parameters())
     params = {n: p for m in modules for n, p in m.named_parameters()}

@@ -116,7 +116,7 @@ def test_mesh_product_must_match_the_ranks_torchrun_starts(capsys, monkeypatch):
 @pytest.mark.parametrize(
     ("mesh", "message"),
     [
-        ("dp=2,ep=2", "model 'llama3-debug' has no 'ep' sharding function"),
+        ("dp=2,ep=2", "model 'llama3-debug' does not support ep"),
         ("pp=8", "the split cannot place a unit on every stage"),
         ("cp=2", "cannot be split head-tail over cp=2"),  # --seq-len 30: not 2 x cp chunks
     ],
@@ -138,7 +138,7 @@ def test_axes_the_trainer_cannot_run_are_refused_by_name(capsys, monkeypatch, me
         (command, mesh, message)
         for command in ("plan", "validate")
         for mesh, message in [
-            ("dp=2,ep=2", "model 'llama3-debug' has no 'ep' sharding function"),
+            ("dp=2,ep=2", "model 'llama3-debug' does not support ep"),
             ("cp=2,tp=2", "cannot be split head-tail over cp=2"),
         ]
     ],

@@ -63,7 +63,7 @@ PRESETS = {
 def test_preset_parameter_count(name):
     spec = get_spec(name)
     expected = model_numel(*PRESETS[name])
-    assert spec.extras["num_params"](spec.config()) == expected
+    assert spec.family.num_params(spec.config()) == expected
     published = {"llama3-8b": 8.03e9, "llama3-70b": 70.55e9, "llama3-405b": 405.85e9}
     if name in published:
         assert expected == pytest.approx(published[name], rel=1e-3)
@@ -74,8 +74,8 @@ def run(
 ) -> DryRunReport:
     config = DEBUG.config(num_layers=num_layers)
     if sharding:
-        config = DEBUG.extras[sharding](config)
-    kw.setdefault("loss_fn", DEBUG.extras["loss_fn"])
+        config = DEBUG.sharding("tp", sequence_parallel=sharding == "tp_sp")(config)
+    kw.setdefault("loss_fn", DEBUG.family.loss_fn)
     return dry_run(config, mesh or {"dp": 2, "tp": 2}, batch_size=2, seq_len=16, **kw)
 
 
@@ -91,7 +91,7 @@ def test_dry_run_preset_parameter_count():
     report = run(num_layers=3)
     assert report.num_params == model_numel(V, D, 3, H, KV, F)
     spec = get_spec("llama3-8b")
-    big = dry_run(spec.extras["tp"](spec.config()), {"dp": 4, "tp": 8}, seq_len=16)
+    big = dry_run(spec.sharding("tp")(spec.config()), {"dp": 4, "tp": 8}, seq_len=16)
     assert big.num_params == model_numel(*PRESETS["llama3-8b"])
     assert big.traced_layers == (1, 2) and big.num_layers == 32
 
@@ -206,8 +206,8 @@ def test_no_fsdp_has_no_traced_dp_collectives():
 
 
 def test_extrapolated_depth_equals_full_trace():
-    config = DEBUG.extras["tp_sp"](DEBUG.config(num_layers=4))
-    kw = dict(batch_size=2, seq_len=16, loss_fn=DEBUG.extras["loss_fn"])
+    config = DEBUG.sharding("tp", sequence_parallel=True)(DEBUG.config(num_layers=4))
+    kw = dict(batch_size=2, seq_len=16, loss_fn=DEBUG.family.loss_fn)
     extrapolated = dry_run(config, {"dp": 2, "tp": 2}, **kw)
     with torch.device("meta"):
         built = config.build()  # a built model is traced at its full depth
@@ -351,7 +351,7 @@ def test_llama3_70b_on_1024_ranks():
     spec = get_spec("llama3-70b")
     mesh = {"dp": 128, "tp": 8}
     report = dry_run(
-        spec.extras["tp"](spec.config()), mesh, seq_len=2048, loss_fn=spec.extras["loss_fn"]
+        spec.sharding("tp")(spec.config()), mesh, seq_len=2048, loss_fn=spec.family.loss_fn
     )
     assert report.world_size == 1024
     assert report.num_params == model_numel(*PRESETS["llama3-70b"])

@@ -104,7 +104,7 @@ def test_ep_with_a_split_backward_schedule_is_refused_by_trainer_and_validate(sc
     assert [(f.field, f.path) for f in findings] == [("ep", "mesh")], [str(f) for f in findings]
     assert "input- and weight-gradient steps" in findings[0].message
     assert "use 1F1B, GPipe or Interleaved1F1B" in findings[0].fix
-    config = get_spec("qwen3-moe-debug").extras["ep"](preset_config("qwen3-moe-debug"))
+    config = get_spec("qwen3-moe-debug").sharding("ep")(preset_config("qwen3-moe-debug"))
     report = validate(config, mesh, schedule=schedule, num_microbatches=4, trace=False)
     assert [f.message for f in report.errors] == [findings[0].message]
     # The same mesh with a full-backward schedule, and the schedule without ep, run.

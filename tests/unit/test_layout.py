@@ -123,7 +123,7 @@ def test_declared_axes_and_plan_submesh():
     from hyper_parallel.dmodule.module import Module
 
     spec = get_spec("llama3-debug")
-    config = spec.extras["tp"](spec.config(num_layers=1))
+    config = spec.sharding("tp")(spec.config(num_layers=1))
     configs = [c.sharding_config for _, c, _, _ in config.traverse(Module.Config)]
     assert declared_axes(configs) == ("tp",)
     assert declared_axes([spec.config().sharding_config]) == ()
@@ -194,7 +194,7 @@ def test_validate_warns_about_the_hsdp_trap():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         user_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        report = validate(get_spec("llama3-debug").extras["tp"](config), user_mesh, trace=False)
+        report = validate(get_spec("llama3-debug").sharding("tp")(config), user_mesh, trace=False)
     finally:
         dist.destroy_process_group()
     (trap,) = [f for f in report.warnings if "HSDP" in f.message]

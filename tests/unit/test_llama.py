@@ -82,15 +82,21 @@ def test_preset_shapes():
     assert config.tok_embeddings.num_embeddings == config.output.out_features == 128256
 
 
-def test_registry_has_every_preset_with_sharding_extras():
+def test_registry_has_every_preset_with_its_typed_family():
     assert set(PRESETS) <= set(list_specs())
     for name in PRESETS:
         spec = get_spec(name)
         assert isinstance(spec, ModelSpec)
-        assert spec.extras["family"] == "llama3"
-        assert spec.extras["tp"] is apply_tp and spec.extras["tp_sp"] is apply_tp_sp
-        assert spec.extras["loss_fn"] is cross_entropy_loss
-        assert spec.extras["num_params"] is num_params
+        family = spec.family
+        assert family.name == "llama3" and family.blocks == "layers"
+        assert spec.sharding("tp") is apply_tp
+        assert spec.sharding("tp", sequence_parallel=True) is apply_tp_sp
+        assert family.loss_fn is cross_entropy_loss and family.num_params is num_params
+        assert family.ep is None and family.expert_paths == ()
+        with pytest.raises(
+            ValueError, match=rf"model '{name}' does not support ep \(Llama is dense"
+        ):
+            spec.sharding("ep")
     config = get_spec("llama3-8b").config(num_layers=2, max_seq_len=128)
     assert len(config.layers) == 2 and config.rope.max_seq_len == 128
 

@@ -13,8 +13,10 @@ from torch import nn
 from hyper_parallel.dmodule import (
     BaseModel,
     ModelConfigConverter,
+    ModelFamily,
     ModelSpec,
     Module,
+    family_of,
     get_spec,
     list_specs,
     register_spec,
@@ -148,3 +150,75 @@ def test_get_spec_unknown_lists_known_names():
     message = str(info.value)
     assert "'no-such-model'" in message and known in message
     assert all(n in message for n in list_specs())
+
+
+# --------------------------------------------------------------------------- ModelFamily
+
+
+def test_a_family_without_an_axis_is_refused_naming_the_model_and_the_axis():
+    family = ModelFamily(name="tiny", axis_refusals={"cp": "it has no sequence"})
+    spec = ModelSpec(name=_unique("fam"), model=Tiny.Config(), family=family)
+    with pytest.raises(ValueError, match=rf"model '{spec.name}' does not support cp \(it has no"):
+        spec.sharding("cp")
+    with pytest.raises(ValueError, match=r"does not support tp_sp \(its family declares no .*"):
+        spec.sharding("tp", sequence_parallel=True)
+    with pytest.raises(ValueError, match=rf"model '{spec.name}' declares no pipeline stages"):
+        spec.pipeline()
+    with pytest.raises(ValueError, match="'dp' is not a model axis"):
+        family.sharding("dp")
+    assert ModelSpec(name="d", model=Tiny.Config()).family == ModelFamily()  # declares nothing
+
+
+def test_family_fields_are_checked_where_they_are_written():
+    with pytest.raises(TypeError, match=r"ModelFamily 'f': tp must be a sharding function"):
+        ModelFamily(name="f", tp="apply_tp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"axis_refusals names \['pp'\]"):
+        ModelFamily(name="f", axis_refusals={"pp": "no"})
+    with pytest.raises(ValueError, match=r"\['tp'\] have a sharding function and a refusal"):
+        ModelFamily(name="f", tp=lambda c: c, axis_refusals={"tp": "no"})
+    with pytest.raises(TypeError, match=r"expert_paths must be a tuple.*\('a\.\*\.b',\)"):
+        ModelFamily(name="f", expert_paths="a.*.b")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="family must be a ModelFamily"):
+        ModelSpec(name="x", model=Tiny.Config(), family={"tp": None})  # type: ignore[arg-type]
+
+
+def test_family_declares_blocks_and_expert_paths_by_name():
+    model = Tiny.Config().build()
+    family = ModelFamily(name="tiny", blocks="layers", expert_paths=("layers.*",))
+    assert [p for p, _ in family.blocks_of(model)] == ["layers.0", "layers.1"]
+    assert [p for p, _ in family.expert_modules(model)] == ["layers.0", "layers.1"]
+    with pytest.raises(ValueError, match=r"family 'other': Tiny has no blocks \(.*'stack'"):
+        ModelFamily(name="other", blocks="stack").blocks_of(model)
+
+
+def test_family_of_finds_a_registered_family_by_config_class():
+    class Lone(BaseModel):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseModel.Config):
+            dim: int = 2
+
+        def __init__(self, config: Lone.Config) -> None:
+            super().__init__()
+
+    assert family_of(Lone.Config()) is None
+    family = ModelFamily(name="lone")
+    register_spec(ModelSpec(name=_unique("lone"), model=Lone.Config(), family=family))
+    assert family_of(Lone.Config(dim=3)) is family
+    assert family_of(Lone.Config().build()) is family
+    assert family_of(get_spec("llama3-debug").config()).name == "llama3"
+
+
+def test_the_trainer_refuses_pp_with_cp_for_a_family_without_a_positions_hook():
+    import dataclasses
+
+    from hyper_parallel.train import TrainConfig
+    from hyper_parallel.train.trainer import check_config
+
+    llama = get_spec("llama3-debug")
+    name = _unique("no-positions")
+    family = dataclasses.replace(llama.family, set_positions=None)
+    register_spec(ModelSpec(name=name, build_model_fn=llama.build_model_fn, family=family))
+    findings = check_config(TrainConfig(model=name, mesh={"pp": 2, "cp": 2}))
+    assert [(f.field, f.path) for f in findings] == [("cp", "mesh")]
+    assert "declares no set_positions" in findings[0].message
+    assert check_config(TrainConfig(model="llama3-debug", mesh={"pp": 2, "cp": 2})) == []

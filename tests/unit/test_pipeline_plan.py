@@ -97,7 +97,7 @@ def test_405b_at_pp16_is_balanced_by_parameters():
     plan = plan_pipeline(units, pp=16, schedule="1F1B", num_microbatches=16)
     sizes = {u.name: u.num_params for u in units}
     totals = [sum(sizes[n] for n in s) for s in plan.stages]
-    assert len(totals) == 16 and sum(totals) == spec.extras["num_params"](spec.config())
+    assert len(totals) == 16 and sum(totals) == spec.family.num_params(spec.config())
     # No stage is more than one block heavier than the lightest.
     assert max(totals) - min(totals) <= sizes["layers.0"]
 

@@ -189,7 +189,11 @@ def test_aux_loss_gradient_is_attached_with_its_coefficient() -> None:
 
 def test_debug_spec_trains() -> None:
     spec = get_spec("qwen3-moe-debug")
-    assert spec.extras["family"] == "qwen3_moe"
+    assert spec.family.name == "qwen3_moe"
+    assert spec.family.shardings() == ("tp", "tp_sp", "cp", "ep")
+    assert [p for p, _ in spec.family.expert_modules(spec.build(num_layers=1))] == [
+        "layers.0.moe.experts"
+    ]
     torch.manual_seed(0)
     model = spec.build()
     model.init_states()
@@ -294,7 +298,7 @@ def test_apply_cp_is_registered_and_refuses_bad_sizes_and_a_second_application()
     from hyper_parallel.models.qwen3_moe import apply_cp
 
     spec = get_spec("qwen3-moe-debug")
-    assert spec.extras["cp"] is apply_cp
+    assert spec.sharding("cp") is apply_cp
     config = preset_config("qwen3-moe-debug")
     before = repr(config)
     for bad in (0, 2.0, True):

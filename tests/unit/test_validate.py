@@ -223,7 +223,10 @@ def test_bad_mesh_and_model_are_rejected():
 @pytest.mark.parametrize("sharding", ["tp", "tp_sp"])
 def test_llama_debug_plans_are_valid(sharding):
     spec = get_spec("llama3-debug")
-    report = validate(spec.extras[sharding](spec.config()), {"dp": 2, "tp": 2})
+    report = validate(
+        spec.sharding("tp", sequence_parallel=sharding == "tp_sp")(spec.config()),
+        {"dp": 2, "tp": 2},
+    )
     assert report.ok, report.to_table()
     assert report.traced
     if sharding == "tp_sp":
@@ -238,7 +241,7 @@ def test_llama_debug_plans_are_valid(sharding):
 
 def test_llama_heads_not_divisible_by_tp_fail_with_the_module_path():
     spec = get_spec("llama3-debug")  # 4 key/value heads
-    report = validate(spec.extras["tp"](spec.config()), {"tp": 8})
+    report = validate(spec.sharding("tp")(spec.config()), {"tp": 8})
     assert not report.ok
     assert any(f.path.startswith("layers.0.attention") for f in report.errors), report.to_table()
 
@@ -298,7 +301,7 @@ def _findings(report: ValidationReport, severity: str, path: str) -> list[str]:
 )
 def test_key_value_heads_split_over_tp_is_an_error_with_path_axis_and_fix(tp, relation, sizes):
     spec = get_spec("llama3-debug")  # 4 key/value heads of head_dim 8
-    report = validate(spec.extras["tp"](spec.config()), {"tp": tp}, trace=False)
+    report = validate(spec.sharding("tp")(spec.config()), {"tp": tp}, trace=False)
     for proj in ("wk", "wv"):
         (text,) = _findings(report, "error", f"layers.1.attention.{proj}")
         assert text.startswith("state_shardings['weight'] | 4 heads (32 features / head_dim 8")
@@ -327,7 +330,9 @@ def test_vocabulary_not_divisible_is_a_warning_with_the_padding():
 
 def test_sequence_parallel_length_not_divisible_is_a_warning_naming_the_axis():
     spec = get_spec("llama3-debug")
-    report = validate(spec.extras["tp_sp"](spec.config()), {"tp": 2}, seq_len=15)
+    report = validate(
+        spec.sharding("tp", sequence_parallel=True)(spec.config()), {"tp": 2}, seq_len=15
+    )
     assert report.ok and report.traced
     (text,) = _findings(report, "warning", "layers.0.attention_norm")
     assert "dim 1 has size 15" in text and "(axis 'tp'): shards of 8 and 7" in text

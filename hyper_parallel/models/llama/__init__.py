@@ -2,8 +2,9 @@
 
 Importing this package registers one :class:`~hyper_parallel.dmodule.ModelSpec` per
 preset (``llama3-debug``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``). Each spec's
-``config(**overrides)`` returns a ``Transformer.Config``; its ``extras`` hold the
-family, the sharding functions (``"tp"``, ``"tp_sp"``, ``"cp"``), the loss and ``num_params``.
+``config(**overrides)`` returns a ``Transformer.Config``; its ``family`` (:data:`FAMILY`,
+a :class:`~hyper_parallel.dmodule.ModelFamily`) declares the sharding functions (``tp``,
+``tp_sp``, ``cp``; no ``ep``), the loss, ``num_params``, the blocks and the pipeline stages.
 
 Example::
 
@@ -12,7 +13,7 @@ Example::
     from hyper_parallel.models.llama import apply_tp, cross_entropy_loss
 
     spec = get_spec("llama3-debug")
-    config = spec.extras["tp"](spec.config())   # or apply_tp(preset_config("llama3-debug"))
+    config = spec.sharding("tp")(spec.config())   # or apply_tp(preset_config("llama3-debug"))
     with torch.device("meta"):
         model = config.build()
     # model.parallelize(mesh["tp"]); model.to_empty(device="cpu"); model.init_states()
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import functools
 
-from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
+from hyper_parallel.dmodule.model_spec import ModelFamily, ModelSpec, register_spec
 from hyper_parallel.models.llama.config import PRESETS as PRESETS
 from hyper_parallel.models.llama.config import llama3_config as llama3_config
 from hyper_parallel.models.llama.config import num_params as num_params
@@ -43,10 +44,12 @@ from hyper_parallel.models.llama.model import causal_mask as causal_mask
 from hyper_parallel.models.llama.sharding import apply_cp as apply_cp
 from hyper_parallel.models.llama.sharding import apply_tp as apply_tp
 from hyper_parallel.models.llama.sharding import apply_tp_sp as apply_tp_sp
+from hyper_parallel.models.llama.sharding import attention_heads as attention_heads
 from hyper_parallel.models.llama.stages import PIPELINE as PIPELINE
 from hyper_parallel.models.llama.stages import TransformerStage as TransformerStage
 
 __all__ = [
+    "FAMILY",
     "PIPELINE",
     "PRESETS",
     "Attention",
@@ -61,12 +64,29 @@ __all__ = [
     "apply_rotary_emb",
     "apply_tp",
     "apply_tp_sp",
+    "attention_heads",
     "causal_mask",
     "cross_entropy_loss",
     "llama3_config",
     "num_params",
     "preset_config",
 ]
+
+FAMILY = ModelFamily(
+    name="llama3",
+    tp=apply_tp,
+    tp_sp=apply_tp_sp,
+    cp=apply_cp,
+    axis_refusals={"ep": "Llama is dense: it has no routed experts to place on ep"},
+    loss_fn=cross_entropy_loss,
+    num_params=num_params,
+    vocab_size=lambda config: config.tok_embeddings.num_embeddings,
+    blocks="layers",
+    pipeline=PIPELINE,
+    attention_heads=attention_heads,
+    set_positions=TransformerStage.set_positions,
+)
+"""What the infrastructure needs to know about the Llama family (shared by its presets)."""
 
 _DESCRIPTIONS = {
     "llama3-debug": "Llama-3-style decoder, debug size (trains in seconds on CPU)",
@@ -81,14 +101,6 @@ for _name in PRESETS:
             name=_name,
             build_model_fn=functools.partial(preset_config, _name),
             description=_DESCRIPTIONS[_name],
-            extras={
-                "family": "llama3",
-                "tp": apply_tp,
-                "tp_sp": apply_tp_sp,
-                "cp": apply_cp,
-                "loss_fn": cross_entropy_loss,
-                "num_params": num_params,
-                "pipeline": PIPELINE,
-            },
+            family=FAMILY,
         )
     )

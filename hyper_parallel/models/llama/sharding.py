@@ -48,7 +48,7 @@ from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
 from hyper_parallel.models.llama.model import Linear, Transformer
 
-__all__ = ["apply_cp", "apply_tp", "apply_tp_sp"]
+__all__ = ["apply_cp", "apply_tp", "apply_tp_sp", "attention_heads"]
 
 # Activation layouts inside an attention block: (batch, seq, heads, head_dim).
 _HEADS_DIM = 2
@@ -438,3 +438,25 @@ def _check_not_applied(config: Transformer.Config, axis: MeshAxisName | str, fn:
             f"apply_cp(apply_tp(preset_config(...)))), and give different axes different "
             "names."
         )
+
+
+def attention_heads(config: Any) -> list[tuple[str, int, int]]:
+    """``(path, query heads, key/value heads)`` of each attention of a decoder config.
+
+    An attention that repeats its key/value heads per query head before the core
+    (``repeat_kv``, e.g. Qwen3-MoE's tensor-parallel layout with fewer key/value heads
+    than ranks) counts as having as many key/value heads as query heads.
+
+    Example:
+        >>> from hyper_parallel.models.llama import preset_config
+        >>> attention_heads(preset_config("llama3-debug"))[0]
+        ('layers.0.attention', 8, 4)
+    """
+    out = []
+    for i, layer in enumerate(config.layers):
+        attention = layer.attention
+        num_heads = attention.wq.out_features // attention.head_dim
+        repeated = getattr(attention, "repeat_kv", False)
+        num_kv_heads = num_heads if repeated else attention.wk.out_features // attention.head_dim
+        out.append((f"layers.{i}.attention", num_heads, num_kv_heads))
+    return out

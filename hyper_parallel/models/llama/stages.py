@@ -149,4 +149,4 @@ PIPELINE = PipelineLayout(
     activation_layout=_activation_layout,
     activation_elements=_activation_elements,
 )
-"""The Llama decoder's pipeline description (registered as ``extras["pipeline"]``)."""
+"""The Llama decoder's pipeline description (its family's ``pipeline``)."""

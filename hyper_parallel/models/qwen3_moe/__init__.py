@@ -2,9 +2,10 @@
 
 Importing this package registers one :class:`~hyper_parallel.dmodule.ModelSpec` per
 preset (``qwen3-moe-debug``, ``qwen3-30b-a3b``, ``qwen3-235b-a22b``). Each spec's
-``config(**overrides)`` returns a ``Transformer.Config``; its ``extras`` hold the
-family, the sharding functions (``"ep"``, ``"tp"``, ``"tp_sp"``, ``"cp"``), the loss, ``num_params``,
-``num_expert_params`` and the pipeline stages (``"pipeline"``, :data:`PIPELINE`).
+``config(**overrides)`` returns a ``Transformer.Config``; its ``family`` (:data:`FAMILY`,
+a :class:`~hyper_parallel.dmodule.ModelFamily`) declares the sharding functions (``ep``,
+``tp``, ``tp_sp``, ``cp``), the loss, ``num_params``, ``num_expert_params``, the expert
+paths and the pipeline stages (:data:`PIPELINE`).
 
 Example::
 
@@ -12,7 +13,7 @@ Example::
     from hyper_parallel.dmodule import get_spec
 
     spec = get_spec("qwen3-moe-debug")
-    config = spec.extras["ep"](spec.config())
+    config = spec.sharding("ep")(spec.config())
     with torch.device("meta"):
         model = config.build()
     # model.parallelize(mesh["ep"]); model.to_empty(device="cpu"); model.init_states()
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 import functools
 
-from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
+from hyper_parallel.dmodule.model_spec import ModelFamily, ModelSpec, register_spec
 from hyper_parallel.models.llama.loss import cross_entropy_loss as cross_entropy_loss
+from hyper_parallel.models.llama.sharding import attention_heads
+from hyper_parallel.models.llama.stages import TransformerStage
 from hyper_parallel.models.qwen3_moe.config import PRESETS as PRESETS
 from hyper_parallel.models.qwen3_moe.config import num_expert_params as num_expert_params
 from hyper_parallel.models.qwen3_moe.config import num_params as num_params
@@ -47,6 +50,7 @@ from hyper_parallel.models.qwen3_moe.stages import PIPELINE as PIPELINE
 
 __all__ = [
     "EXPERT_PARAMS",
+    "FAMILY",
     "PIPELINE",
     "PRESETS",
     "Attention",
@@ -69,6 +73,25 @@ __all__ = [
     "qwen3_moe_config",
 ]
 
+FAMILY = ModelFamily(
+    name="qwen3_moe",
+    tp=apply_tp,
+    tp_sp=apply_tp_sp,
+    cp=apply_cp,
+    ep=apply_ep,
+    loss_fn=cross_entropy_loss,
+    num_params=num_params,
+    num_expert_params=num_expert_params,
+    vocab_size=lambda config: config.tok_embeddings.num_embeddings,
+    blocks="layers",
+    pipeline=PIPELINE,
+    expert_paths=("layers.*.moe.experts",),
+    attention_heads=attention_heads,
+    set_positions=TransformerStage.set_positions,
+    compile_experts=GroupedExperts.compile_compute,
+)
+"""What the infrastructure needs to know about the Qwen3-MoE family (shared by its presets)."""
+
 _DESCRIPTIONS = {
     "qwen3-moe-debug": "Qwen3-MoE-style decoder, debug size: 8 experts, top-2 (trains in "
     "seconds on CPU)",
@@ -82,17 +105,6 @@ for _name in PRESETS:
             name=_name,
             build_model_fn=functools.partial(preset_config, _name),
             description=_DESCRIPTIONS[_name],
-            extras={
-                "family": "qwen3_moe",
-                "ep": apply_ep,
-                "cp": apply_cp,
-                "tp": apply_tp,
-                "tp_sp": apply_tp_sp,
-                "loss_fn": cross_entropy_loss,
-                "num_params": num_params,
-                "num_expert_params": num_expert_params,
-                "expert_paths": "layers.*.moe.experts",
-                "pipeline": PIPELINE,
-            },
+            family=FAMILY,
         )
     )

@@ -67,4 +67,4 @@ PIPELINE = PipelineLayout(
     activation_layout=_activation_layout,
     activation_elements=_activation_elements,
 )
-"""The Qwen3-MoE decoder's pipeline description (registered as ``extras["pipeline"]``)."""
+"""The Qwen3-MoE decoder's pipeline description (its family's ``pipeline``)."""
