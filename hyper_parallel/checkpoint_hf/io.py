@@ -136,6 +136,10 @@ class _Files:
             handle = self._handles[file] = safe_open(file, framework="pt")
         return handle.get_slice(name)
 
+    def close(self) -> None:
+        """Drop every handle (and its memory map)."""
+        self._handles.clear()
+
 
 def _global_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
     """Our parameters' global shapes, from a model built on the meta device."""
@@ -258,29 +262,38 @@ def load_hf(model: nn.Module | Iterable[nn.Module], path: str | os.PathLike[str]
     problems = _check(config, maps, files, reader, params)
     if problems:
         raise HFCheckpointError(f"load_hf({path})", problems)
-    nbytes = count = 0
+    reader.close()  # headers only so far
+    # One read job per (parameter, Hugging Face tensor), grouped by file: each file is
+    # opened (mapped) once and closed before the next, so what a rank holds besides its
+    # states is one slice.
+    jobs: dict[str, list[tuple[str, torch.Tensor, list[torch.Tensor]]]] = {}
+    count = 0
+    for m in maps:
+        param = params.get(m.ours)
+        if param is None:
+            continue  # another pipeline stage's
+        count += 1
+        local = param.to_local() if isinstance(param, DTensor) else param.data
+        if local.numel() == 0:
+            continue
+        index = _local_index(param)
+        if m.stacked:
+            for k, expert in enumerate(index[0].tolist()):
+                rows = [m.hf_rows(index[1]), *index[2:]]
+                name = m.hf[expert]
+                jobs.setdefault(files[name], []).append((name, local[k], rows))
+        else:
+            rows = [m.hf_rows(index[0]), *index[1:]]
+            jobs.setdefault(files[m.hf[0]], []).append((m.hf[0], local, rows))
+    nbytes = 0
     with torch.no_grad():
-        for m in maps:
-            param = params.get(m.ours)
-            if param is None:
-                continue  # another pipeline stage's
-            local = param.to_local() if isinstance(param, DTensor) else param.data
-            if local.numel() == 0:
-                count += 1
-                continue
-            index = _local_index(param)
-            if m.stacked:
-                for k, expert in enumerate(index[0].tolist()):
-                    rows = [m.hf_rows(index[1]), *index[2:]]
-                    data, n = _read(reader, files[m.hf[expert]], m.hf[expert], rows)
-                    local[k].copy_(data)
-                    nbytes += n
-            else:
-                rows = [m.hf_rows(index[0]), *index[1:]]
-                data, n = _read(reader, files[m.hf[0]], m.hf[0], rows)
-                local.copy_(data)
+        for file in sorted(jobs):
+            for name, target, rows in jobs[file]:
+                data, n = _read(reader, file, name, rows)
+                target.copy_(data)
                 nbytes += n
-            count += 1
+                del data
+            reader.close()
     return LoadReport(
         tensors=count, bytes_read=nbytes, seconds=time.perf_counter() - t0, config=config
     )

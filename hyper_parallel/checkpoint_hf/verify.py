@@ -52,7 +52,9 @@ def batch_tokens(vocab_size: int, batch: int, seq_len: int, seed: int = 0) -> to
     return torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
 
 
-def _run_config(path: str, mesh: dict[str, int], batch: int, seq_len: int) -> Any:
+def _run_config(
+    path: str, mesh: dict[str, int], batch: int, seq_len: int, sequence_parallel: bool = False
+) -> Any:
     from hyper_parallel.train.trainer import TrainConfig
 
     cfg = read_hf_config(path)
@@ -60,6 +62,7 @@ def _run_config(path: str, mesh: dict[str, int], batch: int, seq_len: int) -> An
         model=cfg.spec,
         model_overrides=cfg.model_overrides,
         mesh=mesh,
+        sequence_parallel=sequence_parallel,
         global_batch_size=batch,
         seq_len=seq_len,
         num_microbatches=None,
@@ -102,7 +105,12 @@ class LoadedModel:
 
 
 def load_on_mesh(
-    path: str, mesh: dict[str, int], *, batch: int = 4, seq_len: int = 16
+    path: str,
+    mesh: dict[str, int],
+    *,
+    batch: int = 4,
+    seq_len: int = 16,
+    sequence_parallel: bool = False,
 ) -> LoadedModel:
     """Build the checkpoint's model for ``mesh`` (the running process group) and load it.
 
@@ -114,7 +122,7 @@ def load_on_mesh(
         build_pipeline_stages,
     )
 
-    run = _run_config(path, mesh, batch, seq_len)
+    run = _run_config(path, mesh, batch, seq_len, sequence_parallel)
     layout = run.layout
     device = torch.device("cpu")
     pmesh = build_mesh(layout, device)
@@ -135,7 +143,7 @@ def load_on_mesh(
 
 
 def mesh_logits(
-    path: str, mesh: dict[str, int], tokens: torch.Tensor
+    path: str, mesh: dict[str, int], tokens: torch.Tensor, sequence_parallel: bool = False
 ) -> tuple[torch.Tensor | None, float]:
     """Load ``path`` on ``mesh`` (the running process group) and run ``tokens`` through it.
 
@@ -145,7 +153,13 @@ def mesh_logits(
     """
     from hyper_parallel.distributed import context_parallel
 
-    loaded = load_on_mesh(path, mesh, batch=tokens.shape[0], seq_len=tokens.shape[1])
+    loaded = load_on_mesh(
+        path,
+        mesh,
+        batch=tokens.shape[0],
+        seq_len=tokens.shape[1],
+        sequence_parallel=sequence_parallel,
+    )
     parts, schedule, plan, pmesh = loaded.parts, loaded.schedule, loaded.plan, loaded.mesh
     layout, report = loaded.run.layout, loaded.report
     dp_size = layout.size("batch")
@@ -219,7 +233,7 @@ def _worker(args: argparse.Namespace) -> int:
     _init_process_group()
     tokens = torch.load(args.tokens)
     try:
-        logits, _ = mesh_logits(args.dir, json.loads(args.mesh_json), tokens)
+        logits, _ = mesh_logits(args.dir, json.loads(args.mesh_json), tokens, args.sp)
         if logits is not None:
             torch.save(logits, args.out)
     finally:
@@ -242,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = read_hf_config(args.dir)
         layout = MeshLayout.from_sizes(args.mesh)
-        run_cfg = _run_config(args.dir, layout.active(), args.batch, args.seq_len)
+        run_cfg = _run_config(args.dir, layout.active(), args.batch, args.seq_len, args.sp)
         problems = check_config(run_cfg, layout.world_size)
     except (ValueError, FileNotFoundError) as e:
         print(f"verify-hf: {e}", file=sys.stderr)
@@ -280,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
             tokens_path,
             "--out",
             out_path,
+            *(["--sp"] if args.sp else []),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         status = subprocess.run(cmd, env=env, check=False).returncode
@@ -309,6 +324,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default={"tp": 2},
         help="mesh of local ranks, e.g. tp=2, dp_shard=2,tp=2, pp=2, cp=2, ep=2 (default tp=2)",
     )
+    parser.add_argument("--sp", action="store_true", help="sequence parallel on top of tp")
     parser.add_argument("--batch", type=int, default=4, help="sequences in the batch (default 4)")
     parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random batch")
@@ -321,6 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--worker" in argv:
         worker = argparse.ArgumentParser()
         worker.add_argument("--worker", action="store_true")
+        worker.add_argument("--sp", action="store_true")
         for name in ("--dir", "--mesh-json", "--tokens", "--out"):
             worker.add_argument(name, required=True)
         return _worker(worker.parse_args(argv))

@@ -72,12 +72,13 @@ def write_checkpoint(
     return path
 
 
-def rank_logits(path: str, mesh: dict[str, int], tokens: torch.Tensor) -> Any:
-    """On every rank: load ``path`` on ``mesh``; rank 0 returns the batch's logits."""
+def rank_logits(path: str, mesh: dict[str, int], tokens: torch.Tensor, sp: bool = False) -> Any:
+    """On every rank: load ``path`` on ``mesh`` (``sp``: sequence parallel); rank 0 returns
+    the batch's logits."""
     from hyper_parallel.checkpoint_hf.verify import mesh_logits
 
     torch.manual_seed(123)  # the random init is overwritten by the checkpoint
-    logits, _ = mesh_logits(path, mesh, tokens)
+    logits, _ = mesh_logits(path, mesh, tokens, sp)
     return logits
 
 

@@ -49,6 +49,14 @@ def test_logits_equal_transformers(dist, checkpoints, family, mesh):
     assert (logits - reference).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_tensor_and_sequence_parallel_logits_equal_transformers(dist, checkpoints, family):
+    tokens, paths = checkpoints
+    path, reference = paths[family, torch.float32]
+    logits = dist.run(rank_logits, path, {"tp": 2}, tokens, True)[0]
+    assert (logits - reference).abs().max().item() <= TOL
+
+
 def test_bf16_checkpoint_loads_into_fp32_states(dist, checkpoints):
     # transformers upcasts the bf16 file to fp32 as well: the same numbers.
     tokens, paths = checkpoints
