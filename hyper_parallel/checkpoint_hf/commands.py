@@ -196,11 +196,17 @@ def _generate(args: argparse.Namespace) -> int:
             eos, dirs = cfg.eos_token_ids, [args.hf_checkpoint]
         else:
             from hyper_parallel.checkpoint_hf.config import read_hf_config
-            from hyper_parallel.checkpoint_hf.export import load_trainer_checkpoint
+            from hyper_parallel.checkpoint_hf.export import (
+                checkpoint_record,
+                load_trainer_checkpoint,
+            )
 
             model, _, hf_config = load_trainer_checkpoint(args.checkpoint)
             eos = read_hf_config(hf_config).eos_token_ids if hf_config else []
-            dirs = [args.checkpoint, os.path.dirname(os.path.abspath(args.checkpoint))]
+            # The run's tokenizer (recorded), else one next to the checkpoint.
+            recorded = (checkpoint_record(args.checkpoint) or {}).get("tokenizer")
+            dirs = [os.path.dirname(recorded)] if recorded else []
+            dirs += [args.checkpoint, os.path.dirname(os.path.abspath(args.checkpoint))]
         vocab = model.tok_embeddings.num_embeddings
         tokenizer = load_tokenizer(args.tokenizer, dirs, vocab)
         prompt = tokenizer.encode(args.prompt)

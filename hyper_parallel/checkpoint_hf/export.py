@@ -18,20 +18,52 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MODEL_KEY", "export_hf", "load_trainer_checkpoint", "model_record"]
+__all__ = [
+    "MODEL_KEY",
+    "checkpoint_record",
+    "export_hf",
+    "load_trainer_checkpoint",
+    "model_record",
+]
 
 MODEL_KEY = "model_json"
 """The key of the model record in a checkpoint's ``train`` state."""
 
 
 def model_record(
-    model: str, model_overrides: dict[str, Any], hf_config: dict[str, Any] | None
+    model: str,
+    model_overrides: dict[str, Any],
+    hf_config: dict[str, Any] | None,
+    tokenizer: str | None = None,
 ) -> str:
-    """The JSON the trainer stores under ``train.model_json``."""
-    return json.dumps(
-        {"model": model, "model_overrides": model_overrides, "hf_config": hf_config},
-        sort_keys=True,
-    )
+    """The JSON the trainer stores under ``train.model_json`` (``tokenizer``: the run's)."""
+    record: dict[str, Any] = {
+        "model": model,
+        "model_overrides": model_overrides,
+        "hf_config": hf_config,
+    }
+    if tokenizer is not None:
+        record["tokenizer"] = os.path.abspath(tokenizer)
+    return json.dumps(record, sort_keys=True)
+
+
+def _step_dir(path: str) -> str:
+    from hyper_parallel.train.checkpoint import latest_checkpoint
+
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    latest = latest_checkpoint(path, distributed=False)
+    if latest is None:
+        raise ValueError(
+            f"{path} is neither a complete checkpoint (step directory with .metadata) nor a "
+            "directory holding one."
+        )
+    return latest
+
+
+def checkpoint_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The model record of a trainer checkpoint (step or checkpoint directory), if it has one."""
+    return _saved_record(_step_dir(os.fspath(path)))
 
 
 def _saved_record(path: str) -> dict[str, Any] | None:
@@ -69,18 +101,10 @@ def load_trainer_checkpoint(
     from hyper_parallel.checkpoint_hf.config import read_hf_config
     from hyper_parallel.checkpoint_hf.specs import register_specs
     from hyper_parallel.dmodule.model_spec import get_spec
-    from hyper_parallel.train.checkpoint import latest_checkpoint, load_checkpoint
+    from hyper_parallel.train.checkpoint import load_checkpoint
 
     register_specs()
-    path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        latest = latest_checkpoint(path, distributed=False)
-        if latest is None:
-            raise ValueError(
-                f"export-hf: {path} is neither a complete checkpoint (step directory with "
-                ".metadata) nor a directory holding one."
-            )
-        path = latest
+    path = _step_dir(os.fspath(path))
     record = _saved_record(path)
     if record is None:
         if hf_config is not None:

@@ -156,7 +156,7 @@ def model_record(cfg: Any) -> str:
         from hyper_parallel.checkpoint_hf.config import read_hf_config
 
         hf_config = read_hf_config(cfg.hf_checkpoint).raw
-    return record(cfg.model, dict(cfg.model_overrides), hf_config)
+    return record(cfg.model, dict(cfg.model_overrides), hf_config, tokenizer_path(cfg))
 
 
 def save_weights(cfg: Any, parts: list[Any]) -> None:
