@@ -275,7 +275,11 @@ class ModelSpec:
 
 _REGISTRY: dict[str, ModelSpec] = {}
 # Packages that register specs when imported; loaded on first lookup.
-_BUILTIN_PACKAGES = ("hyper_parallel.models.llama", "hyper_parallel.models.qwen3_moe")
+_BUILTIN_PACKAGES = (
+    "hyper_parallel.models.llama",
+    "hyper_parallel.models.qwen3",
+    "hyper_parallel.models.qwen3_moe",
+)
 
 
 def register_spec(spec: ModelSpec) -> ModelSpec:

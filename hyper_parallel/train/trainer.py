@@ -456,6 +456,8 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
         split = PipelineSplit.from_dict(cfg.pipeline_split) if cfg.pipeline_split else None
     except ValueError as e:
         return [Finding("error", "pipeline_split", "", str(e), "fix the split.")]
+    with torch.device("meta"):  # to find weights tied across stages (tied embeddings)
+        model = spec.build(**cfg.model_overrides)
     return pipeline_findings(
         _pipeline_units(cfg, split),
         pp=layout.pp,
@@ -463,6 +465,7 @@ def _pipeline_findings(cfg: TrainConfig, layout: MeshLayout) -> list[Finding]:
         num_microbatches=cfg.microbatches,
         split=split,
         batch_size=cfg.global_batch_size // cfg.dp,
+        model=model,
     ) + ep_schedule_findings(layout, cfg.schedule)
 
 

@@ -11,6 +11,7 @@ from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shar
 from hyper_parallel.distributed import MeshLayout
 from hyper_parallel.distributed import context_parallel as cp
 from hyper_parallel.dmodule import Module
+from hyper_parallel.models.common.layers import CausalMask, Linear
 from hyper_parallel.models.llama import (
     ScaledDotProductAttention,
     apply_cp,
@@ -19,7 +20,6 @@ from hyper_parallel.models.llama import (
     causal_mask,
     preset_config,
 )
-from hyper_parallel.models.llama.model import CausalMask, Linear
 
 # --------------------------------------------------------------------------- the split
 

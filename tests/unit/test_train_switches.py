@@ -49,7 +49,7 @@ def test_selective_checkpoints_every_second_block():
 
 
 def test_switches_need_a_model_with_layers_and_a_known_backend():
-    with pytest.raises(ValueError, match="no .layers. ModuleList.*ModelFamily.blocks"):
+    with pytest.raises(ValueError, match=r"no 'layers' ModuleList.*ModelFamily\.blocks"):
         apply_activation_checkpointing(nn.Linear(2, 2), "full")
     with pytest.raises(ValueError, match="'inductor'"):
         apply_compile(nn.Linear(2, 2), backend="xla")

@@ -22,31 +22,28 @@ Example::
 
 from __future__ import annotations
 
-import functools
-
-from hyper_parallel.dmodule.model_spec import ModelFamily, ModelSpec, register_spec
+from hyper_parallel.models.common.decoder import TransformerStage as TransformerStage
+from hyper_parallel.models.common.family import dense_family, register_presets
+from hyper_parallel.models.common.layers import Attention as Attention
+from hyper_parallel.models.common.layers import FeedForward as FeedForward
+from hyper_parallel.models.common.layers import RMSNorm as RMSNorm
+from hyper_parallel.models.common.layers import RotaryEmbedding as RotaryEmbedding
+from hyper_parallel.models.common.layers import (
+    ScaledDotProductAttention as ScaledDotProductAttention,
+)
+from hyper_parallel.models.common.layers import apply_rotary_emb as apply_rotary_emb
+from hyper_parallel.models.common.layers import causal_mask as causal_mask
+from hyper_parallel.models.common.loss import cross_entropy_loss as cross_entropy_loss
+from hyper_parallel.models.common.sharding import attention_heads as attention_heads
 from hyper_parallel.models.llama.config import PRESETS as PRESETS
 from hyper_parallel.models.llama.config import llama3_config as llama3_config
 from hyper_parallel.models.llama.config import num_params as num_params
 from hyper_parallel.models.llama.config import preset_config as preset_config
-from hyper_parallel.models.llama.loss import cross_entropy_loss as cross_entropy_loss
-from hyper_parallel.models.llama.model import Attention as Attention
-from hyper_parallel.models.llama.model import FeedForward as FeedForward
-from hyper_parallel.models.llama.model import RMSNorm as RMSNorm
-from hyper_parallel.models.llama.model import RotaryEmbedding as RotaryEmbedding
-from hyper_parallel.models.llama.model import (
-    ScaledDotProductAttention as ScaledDotProductAttention,
-)
 from hyper_parallel.models.llama.model import Transformer as Transformer
 from hyper_parallel.models.llama.model import TransformerBlock as TransformerBlock
-from hyper_parallel.models.llama.model import apply_rotary_emb as apply_rotary_emb
-from hyper_parallel.models.llama.model import causal_mask as causal_mask
 from hyper_parallel.models.llama.sharding import apply_cp as apply_cp
 from hyper_parallel.models.llama.sharding import apply_tp as apply_tp
 from hyper_parallel.models.llama.sharding import apply_tp_sp as apply_tp_sp
-from hyper_parallel.models.llama.sharding import attention_heads as attention_heads
-from hyper_parallel.models.llama.stages import PIPELINE as PIPELINE
-from hyper_parallel.models.llama.stages import TransformerStage as TransformerStage
 
 __all__ = [
     "FAMILY",
@@ -72,35 +69,25 @@ __all__ = [
     "preset_config",
 ]
 
-FAMILY = ModelFamily(
-    name="llama3",
-    tp=apply_tp,
-    tp_sp=apply_tp_sp,
-    cp=apply_cp,
-    axis_refusals={"ep": "Llama is dense: it has no routed experts to place on ep"},
-    loss_fn=cross_entropy_loss,
-    num_params=num_params,
-    vocab_size=lambda config: config.tok_embeddings.num_embeddings,
-    blocks="layers",
-    pipeline=PIPELINE,
-    attention_heads=attention_heads,
-    set_positions=TransformerStage.set_positions,
+FAMILY = dense_family(
+    "llama3",
+    (apply_tp, apply_tp_sp, apply_cp),
+    num_params,
+    why_no_ep="Llama is dense: it has no routed experts to place on ep",
 )
 """What the infrastructure needs to know about the Llama family (shared by its presets)."""
 
-_DESCRIPTIONS = {
-    "llama3-debug": "Llama-3-style decoder, debug size (trains in seconds on CPU)",
-    "llama3-8b": "Llama 3 8B shapes",
-    "llama3-70b": "Llama 3 70B shapes",
-    "llama3-405b": "Llama 3 405B shapes",
-}
+PIPELINE = FAMILY.pipeline
+"""How the model is cut into pipeline stages (the shared decoder's units)."""
 
-for _name in PRESETS:
-    register_spec(
-        ModelSpec(
-            name=_name,
-            build_model_fn=functools.partial(preset_config, _name),
-            description=_DESCRIPTIONS[_name],
-            family=FAMILY,
-        )
-    )
+register_presets(
+    FAMILY,
+    PRESETS,
+    preset_config,
+    {
+        "llama3-debug": "Llama-3-style decoder, debug size (trains in seconds on CPU)",
+        "llama3-8b": "Llama 3 8B shapes",
+        "llama3-70b": "Llama 3 70B shapes",
+        "llama3-405b": "Llama 3 405B shapes",
+    },
+)

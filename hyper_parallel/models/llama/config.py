@@ -8,23 +8,16 @@
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 
-from torch import nn
-
-from hyper_parallel.models.llama.model import (
-    Attention,
-    Embedding,
-    FeedForward,
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    ScaledDotProductAttention,
-    Transformer,
-    TransformerBlock,
+from hyper_parallel.models.common.config import (
+    decoder_config,
+    decoder_num_params,
+    dense_block_config,
+    preset,
+    swiglu_params,
 )
+from hyper_parallel.models.llama.model import Transformer
 
 __all__ = ["PRESETS", "llama3_config", "num_params", "preset_config"]
 
@@ -46,11 +39,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         ffn_dim=53248,
     ),
 }  # fmt: skip
-
-
-def _normal(std: float) -> functools.partial:
-    # Truncated at three standard deviations, as in torchtitan's Llama initialization.
-    return functools.partial(nn.init.trunc_normal_, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
 
 def llama3_config(
@@ -102,70 +90,21 @@ def llama3_config(
             f"head_dim, and num_heads by num_kv_heads={num_kv_heads}; choose sizes that divide."
         )
     head_dim = dim // num_heads
-
-    def linear(in_features: int, out_features: int, std: float) -> Linear.Config:
-        return Linear.Config(
-            in_features=in_features,
-            out_features=out_features,
-            bias=False,
-            param_init={"weight": _normal(std)},
-        )
-
-    def norm() -> RMSNorm.Config:
-        return RMSNorm.Config(dim=dim, eps=norm_eps, param_init={"weight": nn.init.ones_})
-
-    def block(layer_id: int) -> TransformerBlock.Config:
-        out_std = init_std / math.sqrt(2 * (layer_id + 1))
-        return TransformerBlock.Config(
-            attention_norm=norm(),
-            attention=Attention.Config(
-                head_dim=head_dim,
-                wq=linear(dim, num_heads * head_dim, init_std),
-                wk=linear(dim, num_kv_heads * head_dim, init_std),
-                wv=linear(dim, num_kv_heads * head_dim, init_std),
-                wo=linear(num_heads * head_dim, dim, out_std),
-                inner_attention=ScaledDotProductAttention.Config(),
-            ),
-            ffn_norm=norm(),
-            feed_forward=FeedForward.Config(
-                w1=linear(dim, ffn_dim, init_std),
-                w2=linear(ffn_dim, dim, out_std),
-                w3=linear(dim, ffn_dim, out_std),
-            ),
-        )
-
-    return Transformer.Config(
-        tok_embeddings=Embedding.Config(
-            num_embeddings=vocab_size,
-            embedding_dim=dim,
-            param_init={"weight": functools.partial(nn.init.normal_, mean=0.0, std=1.0)},
-        ),
-        rope=RotaryEmbedding.Config(head_dim=head_dim, max_seq_len=max_seq_len, theta=rope_theta),
-        layers=[block(i) for i in range(num_layers)],
-        norm=norm(),
-        output=linear(dim, vocab_size, dim**-0.5),
+    heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    norms = dict(dim=dim, norm_eps=norm_eps)
+    blocks = [
+        dense_block_config(i, ffn_dim=ffn_dim, init_std=init_std, **heads, **norms)
+        for i in range(num_layers)
+    ]
+    rope = dict(rope_theta=rope_theta, max_seq_len=max_seq_len)
+    return decoder_config(
+        Transformer.Config, blocks, vocab_size=vocab_size, head_dim=head_dim, **norms, **rope
     )
 
 
 def preset_config(name: str, **overrides: Any) -> Transformer.Config:
-    """The config of preset ``name`` with some hyperparameters changed.
-
-    Example:
-        >>> preset_config("llama3-8b", num_layers=2).layers.__len__()
-        2
-
-    Raises:
-        ValueError: For an unknown preset (the message lists the known ones) or an
-            override that is not an argument of :func:`llama3_config`.
-    """
-    if name not in PRESETS:
-        raise ValueError(f"preset_config: no preset {name!r}; known presets: {sorted(PRESETS)}.")
-    try:
-        return llama3_config(**{**PRESETS[name], **overrides})
-    except TypeError as e:
-        raise ValueError(
-            f"preset_config({name!r}): {e}; overrides are arguments of llama3_config."
-        ) from None
+    """Preset ``name``'s config, arguments of :func:`llama3_config` overridden (errors name the fix)."""
+    return preset(PRESETS, llama3_config, name, **overrides)
 
 
 def num_params(config: Transformer.Config) -> int:
@@ -175,14 +114,4 @@ def num_params(config: Transformer.Config) -> int:
         >>> num_params(preset_config("llama3-70b"))
         70553706496
     """
-
-    def linear(c: Linear.Config) -> int:
-        return c.in_features * c.out_features + (c.out_features if c.bias else 0)
-
-    total = config.tok_embeddings.num_embeddings * config.tok_embeddings.embedding_dim
-    for layer in config.layers:
-        attention, ffn = layer.attention, layer.feed_forward
-        total += layer.attention_norm.dim + layer.ffn_norm.dim
-        total += sum(linear(c) for c in (attention.wq, attention.wk, attention.wv, attention.wo))
-        total += sum(linear(c) for c in (ffn.w1, ffn.w2, ffn.w3))
-    return total + config.norm.dim + linear(config.output)
+    return decoder_num_params(config, lambda layer: swiglu_params(layer.feed_forward))

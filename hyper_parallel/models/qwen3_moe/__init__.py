@@ -21,12 +21,8 @@ Example::
 
 from __future__ import annotations
 
-import functools
-
-from hyper_parallel.dmodule.model_spec import ModelFamily, ModelSpec, register_spec
-from hyper_parallel.models.llama.loss import cross_entropy_loss as cross_entropy_loss
-from hyper_parallel.models.llama.sharding import attention_heads
-from hyper_parallel.models.llama.stages import TransformerStage
+from hyper_parallel.models.common.family import decoder_family, register_presets
+from hyper_parallel.models.common.loss import cross_entropy_loss as cross_entropy_loss
 from hyper_parallel.models.qwen3_moe.config import PRESETS as PRESETS
 from hyper_parallel.models.qwen3_moe.config import num_expert_params as num_expert_params
 from hyper_parallel.models.qwen3_moe.config import num_params as num_params
@@ -73,38 +69,28 @@ __all__ = [
     "qwen3_moe_config",
 ]
 
-FAMILY = ModelFamily(
-    name="qwen3_moe",
+FAMILY = decoder_family(
+    "qwen3_moe",
     tp=apply_tp,
     tp_sp=apply_tp_sp,
     cp=apply_cp,
     ep=apply_ep,
-    loss_fn=cross_entropy_loss,
     num_params=num_params,
     num_expert_params=num_expert_params,
-    vocab_size=lambda config: config.tok_embeddings.num_embeddings,
-    blocks="layers",
     pipeline=PIPELINE,
     expert_paths=("layers.*.moe.experts",),
-    attention_heads=attention_heads,
-    set_positions=TransformerStage.set_positions,
     compile_experts=GroupedExperts.compile_compute,
 )
 """What the infrastructure needs to know about the Qwen3-MoE family (shared by its presets)."""
 
-_DESCRIPTIONS = {
-    "qwen3-moe-debug": "Qwen3-MoE-style decoder, debug size: 8 experts, top-2 (trains in "
-    "seconds on CPU)",
-    "qwen3-30b-a3b": "Qwen3-30B-A3B shapes: 128 experts, top-8",
-    "qwen3-235b-a22b": "Qwen3-235B-A22B shapes: 128 experts, top-8",
-}
-
-for _name in PRESETS:
-    register_spec(
-        ModelSpec(
-            name=_name,
-            build_model_fn=functools.partial(preset_config, _name),
-            description=_DESCRIPTIONS[_name],
-            family=FAMILY,
-        )
-    )
+register_presets(
+    FAMILY,
+    PRESETS,
+    preset_config,
+    {
+        "qwen3-moe-debug": "Qwen3-MoE-style decoder, debug size: 8 experts, top-2 (trains in "
+        "seconds on CPU)",
+        "qwen3-30b-a3b": "Qwen3-30B-A3B shapes: 128 experts, top-8",
+        "qwen3-235b-a22b": "Qwen3-235B-A22B shapes: 128 experts, top-8",
+    },
+)

@@ -8,24 +8,20 @@ anything.
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 
-from torch import nn
-
-# Truncated normal at three standard deviations, as the Llama presets (torchtitan's init).
-from hyper_parallel.models.llama.config import _normal
+from hyper_parallel.models.common.config import (
+    block_fields,
+    decoder_config,
+    decoder_num_params,
+    depth_std,
+    preset,
+    truncated_normal,
+)
 from hyper_parallel.models.qwen3_moe.model import (
-    Attention,
-    Embedding,
     GroupedExperts,
-    Linear,
     MoE,
-    RMSNorm,
-    RotaryEmbedding,
     Router,
-    ScaledDotProductAttention,
     Transformer,
     TransformerBlock,
 )
@@ -53,6 +49,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+def preset_config(name: str, **overrides: Any) -> Transformer.Config:
+    """Preset ``name``'s config, arguments of :func:`qwen3_moe_config` overridden (errors name the fix)."""
+    return preset(PRESETS, qwen3_moe_config, name, **overrides)
+
+
 def qwen3_moe_config(
     *,
     vocab_size: int,
@@ -64,12 +65,12 @@ def qwen3_moe_config(
     num_experts: int,
     top_k: int,
     moe_hidden_dim: int,
+    use_grouped_mm: bool = True,
+    aux_loss_coef: float = 0.001,
     norm_eps: float = 1e-6,
     rope_theta: float = 1000000.0,
     max_seq_len: int = 4096,
     init_std: float = 0.02,
-    aux_loss_coef: float = 0.001,
-    use_grouped_mm: bool = True,
 ) -> Transformer.Config:
     """The ``Transformer.Config`` tree of a Qwen3-MoE decoder.
 
@@ -117,38 +118,18 @@ def qwen3_moe_config(
             f"{num_experts}; route each token to at most as many experts as there are."
         )
 
-    def linear(in_features: int, out_features: int, std: float) -> Linear.Config:
-        return Linear.Config(
-            in_features=in_features,
-            out_features=out_features,
-            bias=False,
-            param_init={"weight": _normal(std)},
-        )
-
-    def norm(width: int) -> RMSNorm.Config:
-        return RMSNorm.Config(dim=width, eps=norm_eps, param_init={"weight": nn.init.ones_})
+    shape = dict(dim=dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
     def block(layer_id: int) -> TransformerBlock.Config:
-        out_std = init_std / math.sqrt(2 * (layer_id + 1))
+        out_std = depth_std(init_std, layer_id)
         return TransformerBlock.Config(
-            attention_norm=norm(dim),
-            attention=Attention.Config(
-                head_dim=head_dim,
-                wq=linear(dim, num_heads * head_dim, init_std),
-                wk=linear(dim, num_kv_heads * head_dim, init_std),
-                wv=linear(dim, num_kv_heads * head_dim, init_std),
-                wo=linear(num_heads * head_dim, dim, out_std),
-                q_norm=norm(head_dim),
-                k_norm=norm(head_dim),
-                inner_attention=ScaledDotProductAttention.Config(),
-            ),
-            ffn_norm=norm(dim),
+            **block_fields(layer_id, **shape, norm_eps=norm_eps, init_std=init_std, qk_norm=True),
             moe=MoE.Config(
                 router=Router.Config(
                     dim=dim,
                     num_experts=num_experts,
                     top_k=top_k,
-                    param_init={"weight": _normal(init_std)},
+                    param_init={"weight": truncated_normal(init_std)},
                 ),
                 experts=GroupedExperts.Config(
                     num_experts=num_experts,
@@ -156,51 +137,26 @@ def qwen3_moe_config(
                     hidden_dim=moe_hidden_dim,
                     use_grouped_mm=use_grouped_mm,
                     param_init={
-                        "w1": _normal(init_std),
-                        "w2": _normal(out_std),
-                        "w3": _normal(out_std),
+                        "w1": truncated_normal(init_std),
+                        "w2": truncated_normal(out_std),
+                        "w3": truncated_normal(out_std),
                     },
                 ),
                 aux_loss_coef=aux_loss_coef,
             ),
         )
 
-    return Transformer.Config(
-        tok_embeddings=Embedding.Config(
-            num_embeddings=vocab_size,
-            embedding_dim=dim,
-            param_init={"weight": functools.partial(nn.init.normal_, mean=0.0, std=1.0)},
-        ),
-        rope=RotaryEmbedding.Config(head_dim=head_dim, max_seq_len=max_seq_len, theta=rope_theta),
-        layers=[block(i) for i in range(num_layers)],
-        norm=norm(dim),
-        output=linear(dim, vocab_size, dim**-0.5),
+    layers = [block(i) for i in range(num_layers)]
+    return decoder_config(
+        Transformer.Config,
+        layers,
+        vocab_size=vocab_size,
+        dim=dim,
+        head_dim=head_dim,
+        norm_eps=norm_eps,
+        rope_theta=rope_theta,
+        max_seq_len=max_seq_len,
     )
-
-
-def preset_config(name: str, **overrides: Any) -> Transformer.Config:
-    """The config of preset ``name`` with some hyperparameters changed.
-
-    Example:
-        >>> len(preset_config("qwen3-30b-a3b", num_layers=2).layers)
-        2
-
-    Raises:
-        ValueError: For an unknown preset (the message lists the known ones) or an
-            override that is not an argument of :func:`qwen3_moe_config`.
-    """
-    if name not in PRESETS:
-        raise ValueError(f"preset_config: no preset {name!r}; known presets: {sorted(PRESETS)}.")
-    try:
-        return qwen3_moe_config(**{**PRESETS[name], **overrides})
-    except TypeError as e:
-        raise ValueError(
-            f"preset_config({name!r}): {e}; overrides are arguments of qwen3_moe_config."
-        ) from None
-
-
-def _linear(c: Linear.Config) -> int:
-    return c.in_features * c.out_features + (c.out_features if c.bias else 0)
 
 
 def num_expert_params(config: Transformer.Config) -> int:
@@ -223,11 +179,9 @@ def num_params(config: Transformer.Config) -> int:
         >>> num_params(preset_config("qwen3-30b-a3b"))
         30532122624
     """
-    total = config.tok_embeddings.num_embeddings * config.tok_embeddings.embedding_dim
-    for layer in config.layers:
-        attention, router = layer.attention, layer.moe.router
-        total += layer.attention_norm.dim + layer.ffn_norm.dim
-        total += attention.q_norm.dim + attention.k_norm.dim
-        total += sum(_linear(c) for c in (attention.wq, attention.wk, attention.wv, attention.wo))
-        total += router.num_experts * router.dim
-    return total + num_expert_params(config) + config.norm.dim + _linear(config.output)
+
+    def moe_params(layer: TransformerBlock.Config) -> int:
+        router = layer.moe.router
+        return router.num_experts * router.dim
+
+    return decoder_num_params(config, moe_params) + num_expert_params(config)

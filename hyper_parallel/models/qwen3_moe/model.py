@@ -1,9 +1,9 @@
 """A Qwen3-MoE decoder: the maths only.
 
-Every layer is a :class:`~hyper_parallel.dmodule.module.Module` built from its
-``Config``; placements live in ``sharding.py``, presets in ``config.py``. The
-attention is the Llama's grouped-query attention with an RMSNorm on each query and
-key head (Qwen3); the feed-forward of every block is a mixture of experts: a softmax
+The shared decoder (:mod:`hyper_parallel.models.common`) with its odd layer:
+placements live in ``sharding.py``, presets in ``config.py``. The attention is the
+shared grouped-query attention with an RMSNorm on each query and key head (Qwen3);
+the feed-forward of every block is a mixture of experts: a softmax
 router picks ``top_k`` experts per token (their weights renormalized over the chosen
 ``k``), and :class:`GroupedExperts` runs SwiGLU experts whose weights are stacked
 ``[num_experts, ...]``, with no capacity limit (no token is dropped).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,16 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from hyper_parallel.dmodule.model import BaseModel
-from hyper_parallel.dmodule.module import Module, ModuleList
-from hyper_parallel.models.llama.model import (
-    CausalMask,
+from hyper_parallel.dmodule.module import Module
+from hyper_parallel.models.common.decoder import Decoder, DecoderBlock
+from hyper_parallel.models.common.layers import (
+    Attention,
     Embedding,
     Linear,
     RMSNorm,
     RotaryEmbedding,
     ScaledDotProductAttention,
-    apply_rotary_emb,
 )
 
 __all__ = [
@@ -58,63 +57,6 @@ __all__ = [
     "expert_ffn",
     "load_balancing_loss",
 ]
-
-
-class Attention(Module):
-    """Grouped-query self-attention with per-head RMSNorm on queries and keys, then RoPE.
-
-    With ``repeat_kv`` each key/value head is materialized once per query head it
-    serves before the attention core (grouped-query attention written as multi-head
-    attention: the same numbers); a tensor-parallel layout with more ranks than
-    key/value heads needs it, so that every rank's query heads find their keys.
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
-        head_dim: int
-        wq: Linear.Config
-        wk: Linear.Config
-        wv: Linear.Config
-        wo: Linear.Config
-        q_norm: RMSNorm.Config
-        k_norm: RMSNorm.Config
-        inner_attention: ScaledDotProductAttention.Config
-        repeat_kv: bool = False
-
-    def __init__(self, config: Attention.Config) -> None:
-        super().__init__()
-        self.head_dim = config.head_dim
-        self.repeat_kv = config.repeat_kv
-        self.wq, self.wk, self.wv, self.wo = (
-            c.build() for c in (config.wq, config.wk, config.wv, config.wo)
-        )
-        self.q_norm, self.k_norm = config.q_norm.build(), config.k_norm.build()
-        self.inner_attention = config.inner_attention.build()
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        bsz, seq_len, _ = x.shape
-        q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        if self.repeat_kv:
-            k, v = _repeat_heads(k, q.shape[2]), _repeat_heads(v, q.shape[2])
-        out = self.inner_attention(q, k, v) if mask is None else self.inner_attention(q, k, v, mask)
-        return self.wo(out.flatten(-2))
-
-
-def _repeat_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``(B, S, H_kv, D) -> (B, S, num_heads, D)``: head ``h`` serves query heads
-    ``h * g .. (h + 1) * g - 1`` with ``g = num_heads / H_kv`` (grouped-query order)."""
-    bsz, seq_len, kv_heads, head_dim = x.shape
-    groups = num_heads // kv_heads
-    x = x.unsqueeze(3).expand(bsz, seq_len, kv_heads, groups, head_dim)
-    return x.reshape(bsz, seq_len, num_heads, head_dim)
 
 
 class Router(Module):
@@ -487,35 +429,17 @@ class MoE(Module):
         return out
 
 
-class TransformerBlock(Module):
-    """Pre-norm residual block: attention, then the mixture of experts."""
+class TransformerBlock(DecoderBlock):
+    """Pre-norm residual block: attention, then the mixture of experts (``moe``)."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
-        attention_norm: RMSNorm.Config
-        attention: Attention.Config
-        ffn_norm: RMSNorm.Config
+    class Config(DecoderBlock.Config):
         moe: MoE.Config
 
-    def __init__(self, config: TransformerBlock.Config) -> None:
-        super().__init__()
-        self.attention_norm = config.attention_norm.build()
-        self.attention = config.attention.build()
-        self.ffn_norm = config.ffn_norm.build()
-        self.moe = config.moe.build()
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
-        return h + self.moe(self.ffn_norm(h))
+    ffn_name = "moe"
 
 
-class Transformer(BaseModel):
+class Transformer(Decoder):
     """Decoder-only MoE language model: ``forward(tokens (B, S)) -> logits (B, S, vocab)``.
 
     ``forward(tokens, positions=positions)`` takes each token's position in the global
@@ -526,40 +450,5 @@ class Transformer(BaseModel):
     """
 
     @dataclass(kw_only=True, slots=True)
-    class Config(BaseModel.Config):
-        tok_embeddings: Embedding.Config
-        rope: RotaryEmbedding.Config
+    class Config(Decoder.Config):
         layers: list[TransformerBlock.Config]
-        norm: RMSNorm.Config
-        output: Linear.Config
-        mask: CausalMask.Config = field(default_factory=CausalMask.Config)
-
-    def __init__(self, config: Transformer.Config) -> None:
-        super().__init__()
-        self.tok_embeddings = config.tok_embeddings.build()
-        self.rope = config.rope.build()
-        self.mask = config.mask.build()
-        self.layers = ModuleList([c.build() for c in config.layers])
-        self.norm = config.norm.build()
-        self.output = config.output.build()
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        if positions is None:
-            if h.shape[1] > tokens.shape[1]:
-                raise ValueError(
-                    f"Transformer: the {tokens.shape[1]} tokens given are part of a "
-                    f"{h.shape[1]}-token sequence split across ranks (context parallel), so "
-                    "their order says nothing about their positions; pass them: "
-                    "model(tokens, positions=context_parallel.positions(seq_len, cp_rank, "
-                    "cp_size))."
-                )
-            cos, sin = self.rope(tokens.shape[1])
-            for layer in self.layers:
-                h = layer(h, cos, sin)
-        else:
-            cos, sin = self.rope(h.shape[1], positions)
-            mask = self.mask(positions, positions, h.dtype)
-            for layer in self.layers:
-                h = layer(h, cos, sin, mask)
-        return self.output(self.norm(h))

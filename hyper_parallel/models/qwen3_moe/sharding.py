@@ -48,17 +48,11 @@ from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shar
 from hyper_parallel.distributed.expert_parallel import expert_parallel
 from hyper_parallel.dmodule.sharding import LocalMapConfig, ShardingConfig
 from hyper_parallel.dmodule.types import MeshAxisName, NamedPlacement
-from hyper_parallel.models.llama.sharding import (
-    _axis_name,
-    _check_not_applied,
-    _colwise,
-    _cp_attention_core,
-    _cp_linear,
-    _cp_model_inputs,
-    _cp_norm,
-    _norm,
-    _put,
-    _rowwise,
+from hyper_parallel.models.common.sharding import (
+    Placements,
+    context_parallel,
+    put,
+    tensor_parallel,
 )
 from hyper_parallel.models.qwen3_moe.model import (
     BalanceStatistics,
@@ -70,10 +64,6 @@ __all__ = ["EXPERT_PARAMS", "apply_cp", "apply_ep", "apply_tp", "apply_tp_sp", "
 
 EXPERT_PARAMS = ("w1", "w2", "w3")
 """The stacked weights of one layer's experts."""
-
-# Activation layouts: (batch, seq, dim) and, inside attention, (batch, seq, heads, head_dim).
-_SEQ_DIM = 1
-_HEADS_DIM = 2
 
 
 def apply_ep(
@@ -137,7 +127,9 @@ def apply_tp(
         >>> model = apply_tp(preset_config("qwen3-moe-debug")).build()
         >>> # model.parallelize(mesh)  # a DeviceMesh with an axis named "tp"
     """
-    return _tensor_parallel(config, axis, tp_size, sequence_parallel=False)
+    return tensor_parallel(
+        config, axis, tp_size, sequence_parallel=False, ffn=_moe_placement, repeat_kv=True
+    )
 
 
 def apply_tp_sp(
@@ -154,110 +146,12 @@ def apply_tp_sp(
         >>> from hyper_parallel.models.qwen3_moe import preset_config
         >>> model = apply_tp_sp(preset_config("qwen3-moe-debug")).build()
     """
-    return _tensor_parallel(config, axis, tp_size, sequence_parallel=True)
-
-
-def _tensor_parallel(
-    config: Transformer.Config,
-    axis: MeshAxisName | str,
-    tp_size: int | None,
-    *,
-    sequence_parallel: bool,
-) -> Transformer.Config:
-    split_kv = tp_size is None or _check_heads(config, tp_size)
-    _check_not_applied(config, axis, "apply_tp_sp" if sequence_parallel else "apply_tp")  # type: ignore[arg-type]
-    replicated: NamedPlacement = {axis: Replicate()}
-    seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
-    residual = seq if sequence_parallel else replicated
-    hand_off = not sequence_parallel
-    new = copy.deepcopy(config)
-    _put(
-        new.tok_embeddings,
-        ShardingConfig(
-            state_shardings={"weight": {axis: Shard(0)}},
-            in_dst_shardings={"input": replicated},
-            out_dst_shardings=residual,
-        ),
-        "tok_embeddings",
-    )
-    _put(new.rope, ShardingConfig(state_shardings={"cos": replicated, "sin": replicated}), "rope")
-    heads: NamedPlacement = {axis: Shard(_HEADS_DIM)}
-    for i, layer in enumerate(new.layers):
-        p = f"layers.{i}"
-        attention = layer.attention
-        _put(layer.attention_norm, _norm(residual, replicated, hand_off), f"{p}.attention_norm")
-        _put(
-            attention,
-            ShardingConfig(in_src_shardings={"x": residual}, in_dst_shardings={"x": replicated}),
-            f"{p}.attention",
-        )
-        _put(attention.wq, _colwise(attention.wq, axis), f"{p}.attention.wq")
-        for name in ("wk", "wv"):
-            linear = getattr(attention, name)
-            kv = _colwise(linear, axis) if split_kv else _replicated_linear(axis)
-            _put(linear, kv, f"{p}.attention.{name}")
-        attention.repeat_kv = attention.repeat_kv or not split_kv
-        _put(attention.wo, _rowwise(axis, residual), f"{p}.attention.wo")
-        # Per head, so each runs on this rank's heads (keys replicated when not split).
-        for name, layout in (("q_norm", heads), ("k_norm", heads if split_kv else replicated)):
-            _put(
-                getattr(attention, name),
-                ShardingConfig(
-                    state_shardings={"weight": replicated}, in_dst_shardings={"x": layout}
-                ),
-                f"{p}.attention.{name}",
-            )
-        _put(
-            attention.inner_attention,
-            ShardingConfig(
-                in_dst_shardings={"q": heads, "k": heads, "v": heads},
-                out_src_shardings=heads,
-                local_map=LocalMapConfig(in_grad_placements=(heads, heads, heads)),
-            ),
-            f"{p}.attention.inner_attention",
-        )
-        _moe_tensor_parallel(layer, axis, residual, seq, p)
-    _put(new.norm, _norm(residual, replicated, hand_off), "norm")
-    _put(new.output, _colwise(new.output, axis, in_src={"input": residual}), "output")
-    return new
-
-
-def _check_heads(config: Transformer.Config, tp_size: int) -> bool:
-    """Raise unless ``tp_size`` divides the query heads; return whether it divides the
-    key/value heads too (else every rank computes all keys and values and repeats them
-    per query head, as Megatron-LM does with fewer key/value heads than ranks)."""
-    split_kv = True
-    for i, layer in enumerate(config.layers):
-        attention = layer.attention
-        num_heads = attention.wq.out_features // attention.head_dim
-        num_kv_heads = attention.wk.out_features // attention.head_dim
-        if num_heads % tp_size:
-            raise ValueError(
-                f"layers.{i}.attention: {num_heads} query heads cannot be split over "
-                f"tp_size={tp_size} ranks (each rank holds whole heads); use a tp size that "
-                f"divides {num_heads}."
-            )
-        split_kv = split_kv and num_kv_heads % tp_size == 0
-    return split_kv
-
-
-def _replicated_linear(axis: MeshAxisName | str) -> ShardingConfig:
-    """A projection every ``axis`` rank computes whole (key/value heads fewer than ranks)."""
-    replicated: NamedPlacement = {axis: Replicate()}
-    return ShardingConfig(
-        state_shardings={"weight": replicated},
-        in_dst_shardings={"input": replicated},
-        out_dst_shardings=replicated,
+    return tensor_parallel(
+        config, axis, tp_size, sequence_parallel=True, ffn=_moe_placement, repeat_kv=True
     )
 
 
-def _moe_tensor_parallel(
-    layer: TransformerBlock.Config,
-    axis: MeshAxisName | str,
-    residual: NamedPlacement,
-    seq: NamedPlacement,
-    path: str,
-) -> None:
+def _moe_placement(layer: TransformerBlock.Config, where: Placements, path: str) -> None:
     """The mixture of experts on this rank's slice of the sequence (see the module docstring).
 
     ``ffn_norm`` hands the block its slice as a local tensor (``Shard(seq)``, then
@@ -270,10 +164,10 @@ def _moe_tensor_parallel(
     reduced. The block's local output re-enters as ``Shard(seq)`` and goes back to the
     residual layout.
     """
-    moe = layer.moe
+    moe, axis, residual, seq = layer.moe, where.axis, where.residual, where.seq
     tokens: NamedPlacement = {axis: Shard(0)}
     replicated: NamedPlacement = {axis: Replicate()}
-    _put(
+    put(
         layer.ffn_norm,
         ShardingConfig(
             state_shardings={"weight": replicated},
@@ -283,7 +177,7 @@ def _moe_tensor_parallel(
         ),
         f"{path}.ffn_norm",
     )
-    _put(
+    put(
         moe.router,
         ShardingConfig(
             state_shardings={"weight": replicated},
@@ -294,10 +188,10 @@ def _moe_tensor_parallel(
     )
     experts = moe.experts.sharding_config
     if experts is None or experts.dispatch is None:  # not dispatched over ep: replicated
-        _put(moe.experts, _replicated_experts(axis), f"{path}.moe.experts")
+        put(moe.experts, _replicated_experts(axis), f"{path}.moe.experts")
     if moe.balance is None:
         moe.balance = BalanceStatistics.Config(num_experts=moe.router.num_experts)
-    _put(
+    put(
         moe.balance,
         ShardingConfig(
             out_src_shardings={axis: Partial()},
@@ -306,7 +200,7 @@ def _moe_tensor_parallel(
         ),
         f"{path}.moe.balance",
     )
-    _put(
+    put(
         moe,
         ShardingConfig(out_src_shardings=seq, out_dst_shardings=residual),
         f"{path}.moe",
@@ -365,31 +259,7 @@ def apply_cp(
         >>> config = apply_cp(apply_ep(preset_config("qwen3-moe-debug")), cp_size=2)
         >>> # config.build().parallelize(mesh)  # axes "cp" and "ep"
     """
-    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
-        raise ValueError(
-            f"apply_cp: cp_size={cp_size!r}; it must be an integer >= 1 (the size of the "
-            f"{_axis_name(axis)!r} mesh axis)."
-        )
-    _check_not_applied(config, axis, "apply_cp")  # type: ignore[arg-type]
-    seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
-    replicated: NamedPlacement = {axis: Replicate()}
-    new = copy.deepcopy(config)
-    _cp_model_inputs(new, axis)
-    for i, layer in enumerate(new.layers):
-        p = f"layers.{i}"
-        attention = layer.attention
-        _put(layer.attention_norm, _cp_norm(seq, replicated), f"{p}.attention_norm")
-        _put(attention, ShardingConfig(in_dst_shardings={"x": seq}), f"{p}.attention")
-        for name in ("wq", "wk", "wv", "wo"):
-            linear = getattr(attention, name)
-            _put(linear, _cp_linear(linear, seq, replicated), f"{p}.attention.{name}")
-        for name in ("q_norm", "k_norm"):
-            _put(getattr(attention, name), _cp_norm(seq, replicated), f"{p}.attention.{name}")
-        _cp_attention_core(attention.inner_attention, axis, f"{p}.attention.inner_attention")
-        _moe_tensor_parallel(layer, axis, seq, seq, p)
-    _put(new.norm, _cp_norm(seq, replicated), "norm")
-    _put(new.output, _cp_linear(new.output, seq, replicated), "output")
-    return new
+    return context_parallel(config, cp_size, axis, ffn=_moe_placement)
 
 
 def check_ep(config: Transformer.Config, ep_size: int) -> None:

@@ -3,9 +3,8 @@
 The units are the Llama's: the token embedding (first stage), each transformer
 block, and the final norm + output projection (last stage), each a unit a stage may
 hold alone; every stage holds the rotary tables and the causal-mask builder. A stage
-is the Llama's :class:`~hyper_parallel.models.llama.TransformerStage` holding this
-model's blocks (the same embedding, norm, output, rotary and mask modules, and blocks
-with the same ``forward(x, cos, sin, mask)``), so its parameter names are the full
+is the shared decoder's :class:`~hyper_parallel.models.common.TransformerStage`
+holding this model's blocks (blocks with the shared ``forward(x, cos, sin, mask)``), so its parameter names are the full
 model's (``layers.3.moe.experts.w1``) and a checkpoint loads at any pipeline size.
 
 The router's balance loss needs nothing from the pipeline: each MoE layer sends its
@@ -24,14 +23,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyper_parallel.distributed.pipeline import PipelineLayout
-from hyper_parallel.models.llama.stages import TransformerStage, _activation_layout
+from hyper_parallel.models.common.decoder import decoder_pipeline
 
 __all__ = ["PIPELINE"]
 
 
-def _activation_elements(config: Any, unit: str) -> tuple[int, int]:
-    """Per token, the activation elements a unit keeps for its backward: (replicated, tp-split).
+def _block_elements(config: Any, block: Any) -> tuple[int, int]:
+    """Per token, the activation elements a block keeps for its backward: (replicated, tp-split).
 
     An estimate in the spirit of Korthikanti et al. (2022, §4.1), as the Llama's: a
     block keeps its two norm inputs and outputs and the residual (``5 x dim``,
@@ -41,15 +39,9 @@ def _activation_elements(config: Any, unit: str) -> tuple[int, int]:
     rank's slice of the tokens, keeps per token the router's logits and
     probabilities (``2 x num_experts``), per chosen expert the gathered input, three
     hidden-width SwiGLU tensors and its product, and the expert's output (``top_k x
-    (2 x dim + 4 x hidden)``), and the combined output (``dim``). The head keeps the
-    norm's input and output and the logits; the embedding its output.
+    (2 x dim + 4 x hidden)``), and the combined output (``dim``).
     """
     dim = config.norm.dim
-    if unit == PIPELINE.first_name:
-        return dim, 0
-    if unit == PIPELINE.last_name:
-        return 2 * dim, config.output.out_features
-    block = config.layers[int(unit.rsplit(".", 1)[1])]
     q_dim = block.attention.wq.out_features
     kv_dim = block.attention.wk.out_features
     moe = block.moe
@@ -58,13 +50,5 @@ def _activation_elements(config: Any, unit: str) -> tuple[int, int]:
     return 5 * dim, 4 * q_dim + 4 * kv_dim + routed
 
 
-PIPELINE = PipelineLayout(
-    first=("tok_embeddings",),
-    layers="layers",
-    last=("norm", "output"),
-    shared=("rope", "mask"),
-    stage=TransformerStage,
-    activation_layout=_activation_layout,
-    activation_elements=_activation_elements,
-)
+PIPELINE = decoder_pipeline(_block_elements)
 """The Qwen3-MoE decoder's pipeline description (its family's ``pipeline``)."""

@@ -1,0 +1,73 @@
+"""A decoder family's typed contract and registration, with the shared parts filled in."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hyper_parallel.dmodule.model_spec import ModelFamily, ModelSpec, register_spec
+from hyper_parallel.models.common.decoder import TransformerStage, decoder_pipeline
+from hyper_parallel.models.common.loss import cross_entropy_loss
+from hyper_parallel.models.common.sharding import attention_heads
+
+__all__ = ["decoder_family", "dense_family", "register_presets"]
+
+
+def _vocab_size(config: Any) -> int:
+    return config.tok_embeddings.num_embeddings
+
+
+def decoder_family(name: str, **fields: Any) -> ModelFamily:
+    """The :class:`~hyper_parallel.dmodule.ModelFamily` of a
+    :class:`~hyper_parallel.models.common.Decoder` family.
+
+    The shared decoder's answers are filled in — the loss
+    (:func:`~hyper_parallel.models.common.cross_entropy_loss`), the vocabulary, the
+    blocks (``layers``), the attention heads, the stages' positions hook — and
+    ``fields`` (the family's sharding functions, counts, pipeline, experts) are added.
+    """
+    shared: dict[str, Any] = {
+        "loss_fn": cross_entropy_loss,
+        "vocab_size": _vocab_size,
+        "blocks": "layers",
+        "attention_heads": attention_heads,
+        "set_positions": TransformerStage.set_positions,
+    }
+    return ModelFamily(name=name, **{**shared, **fields})
+
+
+def dense_family(
+    name: str, shardings: tuple[Any, Any, Any], num_params: Any, *, why_no_ep: str
+) -> ModelFamily:
+    """:func:`decoder_family` of a dense decoder: ``shardings`` are its ``(tp, tp_sp, cp)``
+    functions, its stages the shared ones (:func:`decoder_pipeline`), and ``ep`` refused
+    with ``why_no_ep``."""
+    tp, tp_sp, cp = shardings
+    return decoder_family(
+        name,
+        tp=tp,
+        tp_sp=tp_sp,
+        cp=cp,
+        axis_refusals={"ep": why_no_ep},
+        num_params=num_params,
+        pipeline=decoder_pipeline(),
+    )
+
+
+def register_presets(
+    family: ModelFamily,
+    presets: Mapping[str, Any],
+    preset_config: Callable[..., Any],
+    descriptions: Mapping[str, str],
+) -> None:
+    """Register one :class:`~hyper_parallel.dmodule.ModelSpec` per preset of ``family``."""
+    for name in presets:
+        register_spec(
+            ModelSpec(
+                name=name,
+                build_model_fn=functools.partial(preset_config, name),
+                description=descriptions[name],
+                family=family,
+            )
+        )
