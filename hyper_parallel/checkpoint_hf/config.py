@@ -2,8 +2,9 @@
 
 :func:`read_hf_config` turns the ``config.json`` of a ``LlamaForCausalLM`` (Llama 2/3,
 Llama-3.x ``rope_type: "llama3"``; ``MistralForCausalLM`` without a sliding window is
-the same model) or a ``Qwen3MoeForCausalLM`` into an :class:`HFConfig`: the family,
-the registered spec (``llama3-hf``, ``qwen3-moe-hf``) and the keyword arguments of its
+the same model), a ``Qwen3ForCausalLM`` or a ``Qwen3MoeForCausalLM`` into an
+:class:`HFConfig`: the family, the registered spec (``llama3-hf``, ``qwen3-hf``,
+``qwen3-moe-hf``) and the keyword arguments of its
 factory, which any tool takes as ``--model NAME --model-overrides JSON`` (the trainer's
 ``TrainConfig(model=..., model_overrides=...)``).
 
@@ -37,6 +38,7 @@ __all__ = [
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 """``architectures[0]`` of a ``config.json`` -> our family."""
@@ -44,10 +46,11 @@ ARCHITECTURES: dict[str, str] = {
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
-SPEC_NAMES = {"llama": "llama3-hf", "qwen3_moe": "qwen3-moe-hf"}
+SPEC_NAMES = {"llama": "llama3-hf", "qwen3": "qwen3-hf", "qwen3_moe": "qwen3-moe-hf"}
 
 # Fields that change no number our model computes (metadata, generation defaults,
 # outputs transformers may return).
@@ -103,7 +106,7 @@ class HFConfig:
     """A Hugging Face config as one of our models.
 
     Args:
-        family: ``"llama"`` or ``"qwen3_moe"``.
+        family: ``"llama"``, ``"qwen3"`` or ``"qwen3_moe"``.
         spec: Registered spec name whose factory takes ``model_overrides``.
         model_overrides: Keyword arguments of the family's factory (JSON values).
         raw: The ``config.json`` as read.
@@ -292,6 +295,25 @@ def read_hf_config(source: str | os.PathLike[str] | dict[str, Any]) -> HFConfig:
         )
         if scaling is not None:
             overrides["rope_scaling"] = scaling
+    elif family == "qwen3":
+        if scaling is not None:
+            problems.append(("rope_parameters.rope_type", "llama3", "'default' for Qwen3"))
+        if head_dim is None:
+            head_dim = dim // heads if dim and heads else None
+        overrides = dict(
+            vocab_size=vocab,
+            dim=dim,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            ffn_dim=ffn,
+            norm_eps=eps,
+            rope_theta=theta,
+            max_seq_len=max_pos,
+            # Our Qwen3 ties natively (one parameter), as transformers does.
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
     else:  # qwen3_moe
         if scaling is not None:
             problems.append(("rope_parameters.rope_type", "llama3", "'default' for Qwen3-MoE"))
@@ -332,21 +354,21 @@ def read_hf_config(source: str | os.PathLike[str] | dict[str, Any]) -> HFConfig:
 
 
 def family_of_model_config(config: Any) -> str:
-    """``"llama"`` or ``"qwen3_moe"`` for one of our ``Transformer.Config`` trees.
+    """``"llama"``, ``"qwen3"`` or ``"qwen3_moe"`` for one of our ``Transformer.Config`` trees.
 
     Raises:
         ValueError: A config of another model.
     """
     from hyper_parallel.models.llama.model import Transformer as Llama
+    from hyper_parallel.models.qwen3.model import Transformer as Qwen3
     from hyper_parallel.models.qwen3_moe.model import Transformer as Qwen3Moe
 
-    if isinstance(config, Qwen3Moe.Config):
-        return "qwen3_moe"
-    if isinstance(config, Llama.Config):
-        return "llama"
+    for family, cls in (("qwen3_moe", Qwen3Moe), ("qwen3", Qwen3), ("llama", Llama)):
+        if isinstance(config, cls.Config):
+            return family
     raise ValueError(
         f"no Hugging Face mapping for {type(config).__qualname__}; families with one: "
-        "llama, qwen3_moe."
+        "llama, qwen3, qwen3_moe."
     )
 
 
@@ -400,6 +422,15 @@ def hf_config_from_model(config: Any, **extra: Any) -> dict[str, Any]:
             "mlp_bias": False,
             "intermediate_size": block.feed_forward.w1.out_features,
             **common,
+        }
+    elif family == "qwen3":
+        raw = {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "intermediate_size": block.feed_forward.w1.out_features,
+            "use_sliding_window": False,
+            **common,
+            "tie_word_embeddings": bool(config.tie_embeddings),
         }
     else:
         experts = block.moe.experts

@@ -1,6 +1,6 @@
 """Sampling from a model on one process, with a KV cache.
 
-:func:`generate` runs one of our decoders (Llama or Qwen3-MoE, unsharded) token by
+:func:`generate` runs one of our decoders (Llama, Qwen3 or Qwen3-MoE, unsharded) token by
 token: the prompt once, then one token per step, each layer's keys and values kept
 (:class:`KVCache`) so a step costs one token's compute. It uses the model's own
 modules (norms, projections, rotary tables, feed-forward or experts) in the order
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyper_parallel.models.llama.model import apply_rotary_emb
+from hyper_parallel.models.common.layers import apply_rotary_emb
 
 __all__ = ["KVCache", "forward_cached", "generate"]
 
@@ -48,7 +48,7 @@ class KVCache:
 def _attention(attn: nn.Module, x: torch.Tensor, cos, sin, cache: KVCache, i: int, start: int):
     bsz, seq_len, _ = x.shape
     q, k, v = (w(x).view(bsz, seq_len, -1, attn.head_dim) for w in (attn.wq, attn.wk, attn.wv))
-    if hasattr(attn, "q_norm"):
+    if getattr(attn, "q_norm", None) is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
     if cache.keys[i] is not None:
@@ -89,6 +89,9 @@ def generate(
     eos_token_ids: Sequence[int] = (),
 ) -> list[int]:
     """The new token ids after ``prompt`` (greedy when ``temperature`` is 0).
+
+    Works for the decoders of every family (Llama, Qwen3, Qwen3-MoE): the blocks'
+    attention (with or without per-head norms) and feed-forward or experts.
 
     Args:
         model: One of our decoders, unsharded, in this process.

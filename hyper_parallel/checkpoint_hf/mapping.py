@@ -70,11 +70,17 @@ def family_maps(
     """Every parameter of a model of ``family`` built from our ``config``, mapped.
 
     Args:
-        family: ``"llama"`` or ``"qwen3_moe"``.
+        family: ``"llama"``, ``"qwen3"`` or ``"qwen3_moe"``.
         config: Our (unsharded) ``Transformer.Config``.
         tie_word_embeddings: The output projection is the embedding
-            (``model.embed_tokens.weight``) in the checkpoint.
+            (``model.embed_tokens.weight``) in the checkpoint. A model whose output
+            shares the embedding's parameter (Qwen3's ``tie_embeddings``) has no
+            ``output.weight`` of its own, so no entry for it.
     """
+    if family not in ("llama", "qwen3", "qwen3_moe"):
+        raise ValueError(
+            f"family_maps: no mapping for family {family!r} (llama, qwen3, qwen3_moe)."
+        )
     maps = [TensorMap("tok_embeddings.weight", ("model.embed_tokens.weight",))]
     for i, block in enumerate(config.layers):  # type: ignore[attr-defined]
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
@@ -87,23 +93,24 @@ def family_maps(
             TensorMap(ours + "attention.wv.weight", (hf + "self_attn.v_proj.weight",)),
             TensorMap(ours + "attention.wo.weight", (hf + "self_attn.o_proj.weight",)),
         ]
-        if family == "llama":
+        if family in ("qwen3", "qwen3_moe"):  # per-head norms, rotary rows like q and k
+            for norm in ("q_norm", "k_norm"):
+                maps.append(
+                    TensorMap(
+                        f"{ours}attention.{norm}.weight",
+                        (f"{hf}self_attn.{norm}.weight",),
+                        head_dim,
+                    )
+                )
+        if family in ("llama", "qwen3"):
             maps += [
                 TensorMap(ours + "feed_forward.w1.weight", (hf + "mlp.gate_proj.weight",)),
                 TensorMap(ours + "feed_forward.w2.weight", (hf + "mlp.down_proj.weight",)),
                 TensorMap(ours + "feed_forward.w3.weight", (hf + "mlp.up_proj.weight",)),
             ]
-        elif family == "qwen3_moe":
+        else:
             experts = range(block.moe.experts.num_experts)
-            maps += [
-                TensorMap(
-                    ours + "attention.q_norm.weight", (hf + "self_attn.q_norm.weight",), head_dim
-                ),
-                TensorMap(
-                    ours + "attention.k_norm.weight", (hf + "self_attn.k_norm.weight",), head_dim
-                ),
-                TensorMap(ours + "moe.router.weight", (hf + "mlp.gate.weight",)),
-            ]
+            maps.append(TensorMap(ours + "moe.router.weight", (hf + "mlp.gate.weight",)))
             for w, name in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj")):
                 maps.append(
                     TensorMap(
@@ -111,13 +118,10 @@ def family_maps(
                         tuple(f"{hf}mlp.experts.{e}.{name}.weight" for e in experts),
                     )
                 )
-        else:
-            raise ValueError(f"family_maps: no mapping for family {family!r} (llama, qwen3_moe).")
     output = "model.embed_tokens.weight" if tie_word_embeddings else "lm_head.weight"
-    maps += [
-        TensorMap("norm.weight", ("model.norm.weight",)),
-        TensorMap("output.weight", (output,)),
-    ]
+    maps.append(TensorMap("norm.weight", ("model.norm.weight",)))
+    if not getattr(config, "tie_embeddings", False):
+        maps.append(TensorMap("output.weight", (output,)))
     return maps
 
 
@@ -141,7 +145,7 @@ class HFFamily:
     """A family's Hugging Face description (the ``hf`` slot of its ``ModelFamily``).
 
     Args:
-        name: Our family name (``"llama"``, ``"qwen3_moe"``).
+        name: Our family name (``"llama"``, ``"qwen3"``, ``"qwen3_moe"``).
         architectures: The ``config.json`` architectures it reads.
         spec: The registered spec whose factory takes the converted config.
     """
@@ -157,6 +161,7 @@ class HFFamily:
 
 HF_FAMILIES: dict[str, HFFamily] = {
     "llama": HFFamily("llama", ("LlamaForCausalLM", "MistralForCausalLM"), "llama3-hf"),
+    "qwen3": HFFamily("qwen3", ("Qwen3ForCausalLM",), "qwen3-hf"),
     "qwen3_moe": HFFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3-moe-hf"),
 }
 """Every family with a Hugging Face mapping."""

@@ -11,7 +11,7 @@ with wavelength ``w = 2 pi / f`` and ``L = original_max_position_embeddings``,
   ``s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
 
 Only the tables change; the model's forward, sharding and pipeline stages are those
-of :class:`~hyper_parallel.models.llama.model.RotaryEmbedding`.
+of :class:`~hyper_parallel.models.common.layers.RotaryEmbedding`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyper_parallel.models.llama.model import RotaryEmbedding
+from hyper_parallel.models.common.layers import RotaryEmbedding
 
 __all__ = ["Llama3RotaryEmbedding"]
 

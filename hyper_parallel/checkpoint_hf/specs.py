@@ -1,6 +1,6 @@
-"""Model specs for configs read from Hugging Face: ``llama3-hf`` and ``qwen3-moe-hf``.
+"""Model specs for configs read from Hugging Face: ``llama3-hf``, ``qwen3-hf``, ``qwen3-moe-hf``.
 
-Each is its family's factory (``llama3_config``, ``qwen3_moe_config``) taking the
+Each is its family's factory (``llama3_config``, ``qwen3_config``, ``qwen3_moe_config``) taking the
 keyword arguments :func:`~hyper_parallel.checkpoint_hf.config.read_hf_config` writes,
 with its presets' :class:`~hyper_parallel.dmodule.model_spec.ModelFamily` (sharding,
 loss, pipeline), whose ``hf`` slot holds the family's Hugging Face description
@@ -20,7 +20,7 @@ from typing import Any
 from hyper_parallel.checkpoint_hf.mapping import HF_FAMILIES
 from hyper_parallel.dmodule.model_spec import ModelSpec, get_spec, list_specs, register_spec
 
-__all__ = ["llama_hf_config", "qwen3_moe_hf_config", "register_specs"]
+__all__ = ["llama_hf_config", "qwen3_hf_config", "qwen3_moe_hf_config", "register_specs"]
 
 
 def llama_hf_config(*, rope_scaling: dict[str, Any] | None = None, **kwargs: Any) -> Any:
@@ -43,6 +43,13 @@ def llama_hf_config(*, rope_scaling: dict[str, Any] | None = None, **kwargs: Any
     return config
 
 
+def qwen3_hf_config(**kwargs: Any) -> Any:
+    """``qwen3_config(**kwargs)`` (defaults: ``qwen3-debug``)."""
+    from hyper_parallel.models.qwen3.config import PRESETS, qwen3_config
+
+    return qwen3_config(**{**PRESETS["qwen3-debug"], **kwargs})
+
+
 def qwen3_moe_hf_config(**kwargs: Any) -> Any:
     """``qwen3_moe_config(**kwargs)`` (defaults: ``qwen3-moe-debug``)."""
     from hyper_parallel.models.qwen3_moe.config import PRESETS, qwen3_moe_config
@@ -51,10 +58,11 @@ def qwen3_moe_hf_config(**kwargs: Any) -> Any:
 
 
 def register_specs() -> None:
-    """Register ``llama3-hf`` and ``qwen3-moe-hf`` (once; later calls do nothing)."""
+    """Register ``llama3-hf``, ``qwen3-hf`` and ``qwen3-moe-hf`` (once; later calls do nothing)."""
     known = set(list_specs())
     for name, base, factory, family in (
         ("llama3-hf", "llama3-debug", llama_hf_config, "llama"),
+        ("qwen3-hf", "qwen3-debug", qwen3_hf_config, "qwen3"),
         ("qwen3-moe-hf", "qwen3-moe-debug", qwen3_moe_hf_config, "qwen3_moe"),
     ):
         if name in known:

@@ -28,7 +28,7 @@ _COMMON = dict(
 
 
 def hf_model(family: str, **overrides: Any) -> Any:
-    """A random ``transformers`` model of ``family`` (``llama``, ``qwen3_moe``), fp32, eval."""
+    """A random ``transformers`` model of ``family`` (``llama``, ``qwen3``, ``qwen3_moe``), fp32."""
     import transformers
 
     torch.manual_seed(0)
@@ -43,6 +43,10 @@ def hf_model(family: str, **overrides: Any) -> Any:
         }
         config = transformers.LlamaConfig(**{**_COMMON, "rope_parameters": rope, **overrides})
         model = transformers.LlamaForCausalLM(config)
+    elif family == "qwen3":
+        # head_dim 16 apart from hidden_size / heads, as Qwen3 allows.
+        config = transformers.Qwen3Config(**{**_COMMON, "head_dim": 16, **overrides})
+        model = transformers.Qwen3ForCausalLM(config)
     elif family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(
             **{

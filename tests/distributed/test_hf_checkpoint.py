@@ -1,7 +1,8 @@
 """Hugging Face checkpoints on 4 gloo ranks: load on a mesh, logits vs transformers, save back.
 
 Checkpoints are written by ``transformers``' ``save_pretrained`` from tiny random
-configs (Llama with Llama-3 rope scaling, Qwen3-MoE), in several safetensors files.
+configs (Llama with Llama-3 rope scaling, Qwen3 dense, Qwen3-MoE), in several
+safetensors files.
 Each mesh loads them with :func:`~hyper_parallel.checkpoint_hf.load_hf` (every rank
 reading only its slices) and runs one batch; rank 0's assembled logits must equal
 ``transformers``' to 1e-5. Saving from the mesh gives back the same tensors bitwise.
@@ -28,6 +29,10 @@ MESHES = {
         {"dp_replicate": 2, "dp_shard": 2},
         {"pp": 2, "tp": 2},
         {"cp": 2, "dp_shard": 2},
+    ],
+    "qwen3": [
+        {"dp_shard": 2, "tp": 2},
+        {"pp": 2, "dp_shard": 2},
     ],
     "qwen3_moe": [
         {"dp_shard": 2, "tp": 2},

@@ -18,6 +18,8 @@ CASES = [
     ("llama", {"tp": 2}),
     ("llama", {"pp": 2}),
     ("llama", {"cp": 2}),
+    ("qwen3", {"tp": 2}),
+    ("qwen3", {"cp": 2}),
     ("qwen3_moe", {"tp": 2}),
     ("qwen3_moe", {"dp_shard": 2, "ep": 2}),
     ("qwen3_moe", {"pp": 2}),
@@ -32,6 +34,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for family, dtype in (
         ("llama", torch.float32),
+        ("qwen3", torch.float32),
         ("qwen3_moe", torch.float32),
         ("llama", torch.bfloat16),
     ):

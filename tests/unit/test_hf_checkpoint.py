@@ -101,6 +101,8 @@ def test_mistral_without_sliding_window_is_a_llama():
         ("llama", {"hidden_act": "gelu"}, "hidden_act=\"gelu\": 'silu'"),
         ("llama", {"head_dim": 16}, "head_dim=16"),
         ("llama", {"some_new_field": 3}, "some_new_field=3: not a field"),
+        ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types="),
+        ("qwen3", {"attention_bias": True}, "attention_bias=true"),
         ("qwen3_moe", {"norm_topk_prob": False}, "norm_topk_prob=false: true"),
         ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
         ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window=true"),
@@ -128,13 +130,15 @@ def test_our_config_round_trips_through_config_json():
     from hyper_parallel.checkpoint_hf import hf_config_from_model
     from hyper_parallel.dmodule import get_spec
 
-    for name in ("llama3-debug", "qwen3-moe-debug"):
+    for name in ("llama3-debug", "qwen3-debug", "qwen3-0.6b", "qwen3-moe-debug"):
         ours = get_spec(name).config()
         back = read_hf_config(hf_config_from_model(ours))
         rebuilt = back.model_config()
-        a = {n: tuple(p.shape) for n, p in ours.build().named_parameters()}
-        b = {n: tuple(p.shape) for n, p in rebuilt.build().named_parameters()}
+        with torch.device("meta"):
+            a = {n: tuple(p.shape) for n, p in ours.build().named_parameters()}
+            b = {n: tuple(p.shape) for n, p in rebuilt.build().named_parameters()}
         assert a == b, name
+        assert getattr(rebuilt, "tie_embeddings", False) == getattr(ours, "tie_embeddings", False)
 
 
 # ---------------------------------------------------------------------- mapping
@@ -164,9 +168,15 @@ def test_mapping_is_reversible_and_covers_every_parameter(moe_dir):
 # ---------------------------------------------------------------------- load / save
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-tied", "qwen3_moe"])
 def test_load_equals_transformers_and_save_is_bitwise(family, llama_dir, moe_dir, tmp_path):
-    path = llama_dir if family == "llama" else moe_dir
+    if family.startswith("qwen3") and family != "qwen3_moe":
+        tied = family.endswith("tied")
+        path = write_checkpoint("qwen3", str(tmp_path / "in"), tie_word_embeddings=tied)
+        # Our Qwen3 ties natively: one parameter, as in transformers.
+        assert read_hf_config(path).model_overrides["tie_embeddings"] is tied
+    else:
+        path = llama_dir if family == "llama" else moe_dir
     cfg, model = _loaded(path)
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
@@ -268,10 +278,11 @@ def test_single_file_checkpoint_and_fp16(tmp_path):
 # ---------------------------------------------------------------------- generate
 
 
-def test_generate_greedy_equals_transformers(moe_dir, llama_dir):
+def test_generate_greedy_equals_transformers(moe_dir, llama_dir, tmp_path):
     from hyper_parallel.checkpoint_hf.generate import generate
 
-    for path in (llama_dir, moe_dir):
+    qwen3 = write_checkpoint("qwen3", str(tmp_path / "qwen3"))
+    for path in (llama_dir, qwen3, moe_dir):
         _, model = _loaded(path)
         reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
         prompt = [5, 17, 33, 9]
