@@ -350,6 +350,8 @@ def save_hf(
             "Transformer.Config) so config.json can be written."
         )
     config = read_hf_config(raw)
+    if dtype is not None:
+        raw["dtype"] = str(dtype).removeprefix("torch.")
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     maps = family_maps(config.family, config.model_config())

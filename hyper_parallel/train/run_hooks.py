@@ -83,6 +83,12 @@ def resolve_model(cfg: Any) -> None:
         ValueError: The checkpoint's config has fields our model does not implement,
             or there is no ``config.json``.
     """
+    from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
+
+    if cfg.hf_checkpoint or cfg.model in SPEC_NAMES.values():
+        from hyper_parallel.checkpoint_hf.specs import register_specs
+
+        register_specs()  # the *-hf specs, also when named directly
     if not cfg.hf_checkpoint:
         return
     from hyper_parallel.checkpoint_hf.config import read_hf_config

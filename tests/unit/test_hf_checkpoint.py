@@ -300,3 +300,48 @@ def test_generate_stops_at_eos(llama_dir):
     _, model = _loaded(llama_dir)
     first = generate(model, [5, 17], 1)[0]
     assert generate(model, [5, 17], 8, eos_token_ids=[first]) == [first]
+
+
+# ---------------------------------------------------------------------- export-hf
+
+
+@pytest.mark.parametrize("model", ["llama3-debug", "qwen3-debug", "qwen3-moe-debug"])
+def test_export_hf_of_our_own_preset_loads_in_transformers_with_equal_logits(model, tmp_path):
+    from hyper_parallel.cli import main
+    from hyper_parallel.train import TrainConfig, Trainer
+
+    cfg = TrainConfig(
+        model=model, model_overrides={"num_layers": 1}, num_steps=1, log_every=0,
+        progress=False, checkpoint_dir=str(tmp_path / "ckpt"), global_batch_size=2, seq_len=16,
+    )  # fmt: skip
+    trainer = Trainer(cfg, device="cpu")
+    trainer.fit()
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(tmp_path / "ckpt"), str(out)]) == 0
+    reference, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    tokens = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (trainer.model(tokens) - reference.eval()(tokens).logits).abs().max().item()
+    assert diff <= 1e-5
+
+
+def test_export_hf_without_a_model_record_asks_for_the_model(tmp_path, capsys):
+    from hyper_parallel.cli import main
+    from hyper_parallel.train import TrainConfig, Trainer, save_checkpoint
+
+    trainer = Trainer(TrainConfig(num_steps=1, log_every=0, progress=False), device="cpu")
+    save_checkpoint(tmp_path / "step_000001", model=trainer.model)  # no train record
+    assert main(["export-hf", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "pass --model NAME" in capsys.readouterr().err
+    args = ["export-hf", str(tmp_path), str(tmp_path / "out"), "--model", "llama3-debug"]
+    assert main([*args, "--dtype", "bf16"]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    (name,) = {f for f in checkpoint_files(tmp_path / "out").values()}
+    from safetensors import safe_open
+
+    with safe_open(name, "pt") as f:
+        assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
