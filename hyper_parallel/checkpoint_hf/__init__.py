@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out, on any mesh.
 
-- :func:`read_hf_config`: a ``config.json`` (Llama / Mistral without sliding window,
+- :func:`read_hf_config`: a ``config.json`` (Llama / Mistral without sliding window, Qwen3,
   Qwen3-MoE) as our model config, every unsupported field refused;
 - :func:`load_hf`: fill a model parallelized on any mesh, each rank reading only its
   slices of the safetensors files;

@@ -72,7 +72,7 @@ def register_specs() -> None:
             ModelSpec(
                 name=name,
                 build_model_fn=factory,
-                description=f"{base.split('-')[0]} family from a Hugging Face config.json",
+                description=f"{family} family from a Hugging Face config.json (its sizes)",
                 family=dataclasses.replace(base_family, hf=HF_FAMILIES[family]),
                 extras={"hf_family": family},
             )
