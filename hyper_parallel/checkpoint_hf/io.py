@@ -332,7 +332,8 @@ def save_hf(
         hf_config: The checkpoint's config, when the model was loaded from one.
         model_config: Our config, used when ``hf_config`` is not given.
         max_shard_size: Largest safetensors file, bytes or ``"500MB"``-style.
-        dtype: Cast every tensor to this dtype (default: the parameters' own).
+        dtype: Cast every tensor to this dtype (default: the checkpoint's ``dtype``
+            when ``hf_config`` says bf16 or fp16, else the parameters' own).
 
     Returns:
         The files written (on rank 0; other ranks: those they wrote).
@@ -350,6 +351,10 @@ def save_hf(
             "Transformer.Config) so config.json can be written."
         )
     config = read_hf_config(raw)
+    if dtype is None and hf_config is not None:
+        # A checkpoint's own dtype (bf16 and fp16 values are exact in fp32 states).
+        saved = raw.get("dtype", raw.get("torch_dtype"))
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(saved)
     if dtype is not None:
         raw["dtype"] = str(dtype).removeprefix("torch.")
     distributed = dist.is_available() and dist.is_initialized()

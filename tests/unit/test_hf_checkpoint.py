@@ -269,7 +269,10 @@ def test_a_model_of_another_config_is_refused(llama_dir):
 def test_single_file_checkpoint_and_fp16(tmp_path):
     model = hf_model("qwen3_moe").to(torch.float16)
     model.save_pretrained(tmp_path / "one")  # one model.safetensors
-    _, ours = _loaded(tmp_path / "one")
+    cfg, ours = _loaded(tmp_path / "one")
+    # Saved back in the checkpoint's dtype: bitwise (fp16 values are exact in fp32).
+    save_hf(ours, tmp_path / "out", hf_config=cfg, max_shard_size="60KB")
+    assert_same_checkpoint(str(tmp_path / "one"), str(tmp_path / "out"))
     assert ours.layers[0].moe.experts.w1.dtype == torch.float32
     expected = model.model.layers[0].mlp.experts.gate_up_proj.float()  # (E, 2h, d) gate first
     assert torch.equal(ours.layers[0].moe.experts.w1, expected[:, :32])
