@@ -124,3 +124,35 @@ def assert_same_checkpoint(original: str, saved: str) -> None:
     _, info = AutoModelForCausalLM.from_pretrained(saved, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
+
+
+def rank_shard_indices() -> list[str]:
+    """On 4 ranks: ``shard_indices`` of uneven and FSDP-over-TP (strided) shards pick the
+    local tensor out of the full one. Returns the placements checked."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from hyper_parallel.checkpoint_hf._torch_private import shard_indices
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(7 * 5, dtype=torch.float32).view(7, 5)
+    tensors = [
+        distribute_tensor(full, mesh, p)
+        for p in ([Shard(0), Shard(0)], [Shard(1), Shard(0)], [Replicate(), Shard(1)])
+    ]
+    torch.manual_seed(0)
+    linear = nn.Linear(5, 7, bias=False)  # 7 rows: uneven over tp=2 and then dp=2
+    parallelize_module(linear, mesh["tp"], ColwiseParallel())
+    fully_shard(linear, mesh=mesh["dp"])
+    tensors.append(linear.weight)
+    checked = []
+    for t in tensors:
+        index = shard_indices(t)
+        whole = t.full_tensor()
+        picked = whole[index[0][:, None], index[1][None, :]]
+        assert torch.equal(picked, t.to_local()), (t.placements, index)
+        checked.append(str(t.placements))
+    return checked

@@ -17,6 +17,7 @@ from tests.distributed.hf_checks import (
     assert_same_checkpoint,
     rank_logits,
     rank_roundtrip,
+    rank_shard_indices,
     write_checkpoint,
 )
 
@@ -81,3 +82,8 @@ def test_save_back_is_bitwise_and_reads_only_shards(dist, checkpoints, tmp_path,
     for read, held in results:
         assert read <= 1.2 * held + 8 * 8 * 4 * 16, (read, held)
         assert read < 0.75 * total
+
+
+def test_shard_indices_of_uneven_and_strided_shards(dist):
+    checked = dist.run(rank_shard_indices)[0]
+    assert any("_StridedShard" in c for c in checked), checked  # FSDP2 over a TP shard
