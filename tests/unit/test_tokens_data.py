@@ -193,3 +193,30 @@ def test_tensorboard_gets_loss_lr_grad_norm_tokens_per_s_mfu_and_memory(tmp_path
     }
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     assert 0 < events.Scalars("perf/mfu")[0].value < 1
+
+
+def test_demo_passes_hf_checkpoint_and_data_to_both_runs(tmp_path, monkeypatch, capsys):
+    # The launcher is replaced by the same run in this process (the real one is torchrun,
+    # checked by hand: demo --hf-checkpoint ... --data ... --mesh dp_shard=2,tp=2 PASS).
+    pytest.importorskip("transformers")
+    from hyper_parallel.train import demo
+
+    ckpt = _example().build(str(tmp_path / "tiny"), vocab_size=300)
+    seen = {}
+
+    def launch(cfg, out_dir):
+        seen["cfg"] = cfg
+        losses = Trainer(cfg.replace(mesh={}, save_hf=None), device="cpu").fit().losses
+        return 0, {"steps": list(range(1, len(losses) + 1)), "losses": losses}
+
+    monkeypatch.setattr(demo, "_launch_ranks", launch)
+    text = tmp_path / "corpus.txt"
+    text.write_text("the city is the people. " * 200)
+    argv = ["--hf-checkpoint", ckpt, "--data", str(text), "--steps", "2", "--output-dir",
+            str(tmp_path / "out"), "--save-hf", str(tmp_path / "saved")]  # fmt: skip
+    assert demo.main(argv) == 0
+    cfg = seen["cfg"]
+    assert cfg.model == "llama3-hf" and cfg.model_overrides["vocab_size"] == 300
+    assert cfg.data == str(text) and cfg.save_hf == str(tmp_path / "saved")
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("PASS")
+    assert not (tmp_path / "saved").exists()  # the reference run does not write it
