@@ -184,6 +184,11 @@ def _parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="list the registered models")
     models.add_argument("--format", choices=("table", "json"), default="table")
     models.set_defaults(func=_cmd_models)
+
+    # Hugging Face checkpoints in and out: verify-hf, export-hf, generate, tokenize.
+    from hyper_parallel.checkpoint_hf.commands import add_commands as add_hf_commands
+
+    add_hf_commands(sub)
     return parser
 
 

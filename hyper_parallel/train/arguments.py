@@ -171,6 +171,31 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         },
     ),
     ("--no-progress", "progress", {"action": "store_false", "help": "no progress bar"}),
+    (
+        "--hf-checkpoint",
+        "hf_checkpoint",
+        {
+            "help": "start from this Hugging Face checkpoint (config.json + safetensors); "
+            "sets the model"
+        },
+    ),
+    ("--save-hf", "save_hf", {"help": "write the trained model here in Hugging Face format"}),
+    (
+        "--data",
+        "data",
+        {
+            "help": "training data: a token file (.bin uint16/uint32, .npy) or text files "
+            "(.txt, .jsonl; comma-separated) tokenized with --tokenizer (default: the "
+            "shipped text)"
+        },
+    ),
+    (
+        "--tokenizer",
+        "tokenizer",
+        {"help": "tokenizers tokenizer.json for text data (default: the checkpoint's)"},
+    ),
+    ("--text-field", "text_field", {"help": "the .jsonl field holding a document"}),
+    ("--tensorboard", "tensorboard", {"help": "write TensorBoard event files to this directory"}),
 )
 
 SWITCHES = ("sequence_parallel", "schedule", "num_microbatches")

@@ -278,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
     label = " x ".join(f"{axis}={size}" for axis, size in mesh.items())
     print(
         f"demo: {cfg.model}, {cfg.num_steps} steps, global batch {cfg.global_batch_size} x "
-        f"{cfg.seq_len} bytes, seed {cfg.seed}"
+        f"{cfg.seq_len} {'tokens' if cfg.data else 'bytes'}, seed {cfg.seed}"
     )
     # Flushed: the ranks write to the same terminal next.
     switches = f"{cfg.dtype}, ac={cfg.ac}" + (", compiled blocks" if cfg.compile else "")
@@ -309,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
             ac="none",
             checkpoint_dir=None,
             resume=False,
+            save_hf=None,
+            tensorboard=None,
         )
     )
     steps, dist_losses = metrics["steps"], metrics["losses"]

@@ -63,6 +63,7 @@ from hyper_parallel.distributed.run_plan import (
 from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.dmodule.module import Module
+from hyper_parallel.train import run_hooks
 from hyper_parallel.train.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
@@ -138,6 +139,14 @@ class TrainConfig:
         ac: Activation checkpointing: ``"none"``, ``"full"`` (every block) or
             ``"selective"`` (every second block;
             :mod:`hyper_parallel.distributed.activation_checkpoint`).
+        hf_checkpoint: Start from this Hugging Face checkpoint; sets ``model`` (and
+            ``model_overrides``) to its config (:mod:`hyper_parallel.train.run_hooks`).
+        save_hf: Write the trained model here in Hugging Face format at the end.
+        data: Training data instead of ``text``: a token file (``.bin``, ``.npy``) or
+            text files (``.txt``, ``.jsonl``) (:mod:`hyper_parallel.train.tokens`).
+        tokenizer: ``tokenizer.json`` for text ``data`` (default: the checkpoint's).
+        text_field: The ``.jsonl`` field holding a document.
+        tensorboard: Write per-step TensorBoard scalars to this directory.
     """
 
     model: str = "llama3-debug"
@@ -164,8 +173,15 @@ class TrainConfig:
     compile: bool = False
     dtype: str = "fp32"
     ac: str = "none"
+    hf_checkpoint: str | None = None
+    save_hf: str | None = None
+    data: str | None = None
+    tokenizer: str | None = None
+    text_field: str = "text"
+    tensorboard: str | None = None
 
     def __post_init__(self) -> None:
+        run_hooks.resolve_model(self)
         if not isinstance(self.compile, bool):
             raise ValueError(f"TrainConfig.compile must be True or False, got {self.compile!r}.")
         try:
@@ -656,25 +672,29 @@ class Trainer:
         else:
             self.model_parts = [build_model(self.run, self.mesh, self.device, cfg.seed)]
         self.model = self.model_parts[0]
+        run_hooks.load_weights(cfg, self.model_parts)
         self.optimizers = [
             torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
             for m in self.model_parts
         ]
         self.optimizer = self.optimizers[0]
-        tokens = load_tokens(cfg.text)
         vocab_size = (
             spec.family.vocab_size(spec.config(**cfg.model_overrides))
             if spec.family.vocab_size is not None
             else None
         )
-        if vocab_size is not None and vocab_size < VOCAB_SIZE:
-            raise ValueError(
-                f"Trainer: model {cfg.model!r} has a vocabulary of {vocab_size} but the data "
-                f"is bytes (vocabulary {VOCAB_SIZE}); override vocab_size >= {VOCAB_SIZE}."
+        self.data = run_hooks.build_data(cfg, vocab_size)
+        if self.data is None:
+            tokens = load_tokens(cfg.text)
+            if vocab_size is not None and vocab_size < VOCAB_SIZE:
+                raise ValueError(
+                    f"Trainer: model {cfg.model!r} has a vocabulary of {vocab_size} but the "
+                    f"data is bytes (vocabulary {VOCAB_SIZE}); override vocab_size >= "
+                    f"{VOCAB_SIZE}, or train on --data with a tokenizer."
+                )
+            self.data = TextBatches(
+                tokens, global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len
             )
-        self.data = TextBatches(
-            tokens, global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len
-        )
         self.step = 0
         self.resumed_from = 0
         self.step_callback = step_callback
@@ -688,10 +708,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def train_state(self) -> dict[str, int]:
+    def train_state(self) -> dict[str, Any]:
         """Step and data position, as stored in checkpoints."""
         data = self.data.state_dict()
-        return {"step": self.step, "data_position": data["position"], "data_epoch": data["epoch"]}
+        return {
+            "step": self.step,
+            "data_position": data["position"],
+            "data_epoch": data["epoch"],
+            "model_json": run_hooks.model_record(self.cfg),
+        }
 
     def save(self, path: str | None = None) -> str:
         """Save a checkpoint of the current step (default: under ``cfg.checkpoint_dir``)."""
@@ -842,9 +867,17 @@ class Trainer:
         elif is_logger and cfg.log_every and cfg.resume and self.step == 0:
             print(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0", flush=True)
         steps, losses, grad_norms = [], [], []
+        logger = run_hooks.StepLogger(
+            cfg, self.device, self.rank, dist.get_world_size() if self.mesh is not None else 1
+        )
         t0 = time.perf_counter()
         while self.step < end:
+            step_start = time.perf_counter()
             loss, grad_norm = self.train_step()
+            logger.log(
+                self.step, loss, cfg.lr_at(self.step - 1), grad_norm,
+                time.perf_counter() - step_start,
+            )  # fmt: skip
             steps.append(self.step)
             losses.append(loss)
             grad_norms.append(grad_norm)
@@ -862,6 +895,9 @@ class Trainer:
             if self.step_callback is not None:
                 self.step_callback(self.step, loss)
         progress.close()
+        logger.close()
+        if self.step == cfg.num_steps:
+            run_hooks.save_weights(cfg, self.model_parts)
         return TrainResult(
             steps=steps,
             losses=losses,

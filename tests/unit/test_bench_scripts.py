@@ -76,3 +76,23 @@ def test_pp_bench_times_stage_actions_and_renders_rows(monkeypatch):
     ]
     table = bench.format_result(rows)
     assert "1.50x" in table and "0.200" in table and "0.111" in table
+
+
+def test_hf_load_bench_sizes_its_checkpoint_and_section_h_renders(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = _load("bench_hf_load")
+    from hyper_parallel.models.llama.config import llama3_config, num_params
+
+    for size_mb in (64, 1024):
+        dims = bench._dims(size_mb)
+        assert abs(4 * num_params(llama3_config(**dims)) / 1e6 - size_mb) < 0.15 * size_mb
+    run_all = _load("run_all")
+    contender = {"seconds": [0.2, 0.3], "bytes": [100e6, 100e6], "peak_bytes": [5e6, 6e6]}
+    result = {
+        "checkpoint": {"bytes": 1e9, "files": 4},
+        "mesh": {"dp_shard": 2, "tp": 2},
+        "ranks": [{"rank": 0, "state_bytes": 100e6, "ours": contender, "dcp": contender}],
+        "data": {"data_tokens_per_s_per_rank": 1e6, "train_tokens_per_s": 1e3},
+    }
+    text = run_all.section_hf_load(result, [])
+    assert "| 0 | 100.0 | 0.250 | 0.250 | **1.00** |" in text and "**1,000x**" in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import math
 
 import pytest
@@ -214,6 +215,8 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
     assert latest_checkpoint(tmp_path) == path
     fresh = Trainer(cfg, device="cpu")
     state = load_checkpoint(path, model=fresh.model, optimizer=fresh.optimizer)
+    record = json.loads(state.pop("model_json"))  # which model: for export-hf and generate
+    assert record == {"model": cfg.model, "model_overrides": cfg.model_overrides, "hf_config": None}
     assert state == {"step": 2, "data_position": 2 * 4 * 16, "data_epoch": 0}
     for p, q in zip(trainer.model.parameters(), fresh.model.parameters()):
         assert torch.equal(p, q)

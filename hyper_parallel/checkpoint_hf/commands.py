@@ -1,0 +1,236 @@
+"""Subcommands of ``hyper-parallel``: ``verify-hf``, ``export-hf``, ``generate``, ``tokenize``.
+
+:func:`add_commands` adds them to the command line's subparsers (one call in
+:mod:`hyper_parallel.cli`); each returns an exit status (0 success, 1 failure, 2 a
+usage error such as a missing file or an unsupported config field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+__all__ = ["add_commands", "load_tokenizer"]
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    from hyper_parallel.train.run import _json_object as parse
+
+    return parse(text)
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``verify-hf``, ``export-hf``, ``generate``, ``tokenize`` to ``sub`` (argparse subparsers)."""
+    from hyper_parallel.checkpoint_hf import verify
+
+    v = sub.add_parser(
+        "verify-hf",
+        help="load a Hugging Face checkpoint on local ranks; compare logits with transformers",
+        description="Load a Hugging Face checkpoint on a mesh of local gloo ranks, run one "
+        "batch and compare logits and loss with transformers on one process. Last line: "
+        "parity: max_abs_logit_diff=X loss_diff=Y tol=T PASS|FAIL.",
+    )
+    verify.add_arguments(v)
+    v.set_defaults(func=verify.run)
+
+    e = sub.add_parser(
+        "export-hf",
+        help="write a trainer checkpoint (any mesh) as a Hugging Face checkpoint",
+        description="Read a trainer checkpoint (torch.distributed.checkpoint, saved at any "
+        "mesh) and write safetensors shards, their index and config.json.",
+    )
+    e.add_argument("checkpoint", help="step directory, or a checkpoint directory (latest step)")
+    e.add_argument("out", help="output directory")
+    e.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB)")
+    e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+    e.add_argument("--model", help="model, for a checkpoint that does not record it")
+    e.add_argument("--model-overrides", type=_json_object, default=None)
+    e.add_argument("--hf-config", help="config.json (or its directory) of the model")
+    e.set_defaults(func=_export)
+
+    g = sub.add_parser(
+        "generate",
+        help="sample a continuation of a prompt on one process (KV cache)",
+        description="Load a model on one process and print the continuation of --prompt "
+        "(greedy by default).",
+    )
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf-checkpoint", help="Hugging Face checkpoint directory")
+    source.add_argument("--checkpoint", help="trainer checkpoint (step or checkpoint directory)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--tokenizer",
+        help="tokenizer.json (default: the checkpoint's; bytes for a 256-token model without one)",
+    )
+    g.add_argument("--format", choices=("text", "json"), default="text")
+    g.set_defaults(func=_generate)
+
+    t = sub.add_parser(
+        "tokenize",
+        help="tokenize text files (.txt, .jsonl) once into a token file for --data",
+        description="Tokenize .txt (one document each) and .jsonl (one per line) files with a "
+        "tokenizers tokenizer.json on several processes; documents are separated by EOS.",
+    )
+    t.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt or .jsonl files")
+    t.add_argument("--tokenizer", required=True, help="tokenizers tokenizer.json")
+    t.add_argument("--out", required=True, help="token file to write: .bin or .npy")
+    t.add_argument("--text-field", default="text", help="the .jsonl field (default text)")
+    t.add_argument("--eos-id", type=int, default=None, help="separator id (default: its EOS)")
+    t.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="processes")
+    t.add_argument("--no-progress", dest="progress", action="store_false")
+    t.set_defaults(func=_tokenize)
+
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    from hyper_parallel.checkpoint_hf.export import export_hf
+
+    model: dict[str, Any] = {}
+    if args.model:
+        model = {"model": args.model, "model_overrides": args.model_overrides or {}}
+    if args.hf_config:
+        from hyper_parallel.checkpoint_hf.config import _load
+
+        model["hf_config"] = _load(args.hf_config)[0]
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    try:
+        files = export_hf(
+            args.checkpoint, args.out, max_shard_size=args.max_shard_size, dtype=dtype, **model
+        )
+    except (ValueError, FileNotFoundError) as err:
+        print(f"hyper-parallel export-hf: error: {err}", file=sys.stderr)
+        return 2
+    print(f"export-hf: wrote {len(files)} safetensors file(s), index and config.json to {args.out}")
+    return 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    from hyper_parallel.train.tokens import tokenize_files
+
+    try:
+        count = tokenize_files(
+            args.inputs,
+            args.out,
+            tokenizer=args.tokenizer,
+            text_field=args.text_field,
+            eos=args.eos_id,
+            workers=max(1, args.workers),
+            progress=args.progress,
+        )
+    except ValueError as err:
+        print(f"hyper-parallel tokenize: error: {err}", file=sys.stderr)
+        return 2
+    print(f"tokenize: {count} tokens from {len(args.inputs)} file(s) -> {args.out}")
+    return 0
+
+
+class _Bytes:
+    """Bytes as tokens (the shipped text's vocabulary), for a 256-token model."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class _Tokenizer:
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def load_tokenizer(path: str | None, default_dirs: list[str], vocab_size: int) -> Any:
+    """A tokenizer: ``path``, else ``tokenizer.json`` in one of ``default_dirs``, else bytes.
+
+    Raises:
+        FileNotFoundError: ``path`` is missing, or none is found and the model's
+            vocabulary is not bytes (256).
+    """
+    if path is not None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"--tokenizer {path}: no such file (a tokenizers tokenizer.json)."
+            )
+        return _Tokenizer(path)
+    for folder in default_dirs:
+        candidate = os.path.join(folder, "tokenizer.json")
+        if os.path.isfile(candidate):
+            return _Tokenizer(candidate)
+    if vocab_size == 256:
+        return _Bytes()
+    raise FileNotFoundError(
+        f"no tokenizer.json in {default_dirs}; pass --tokenizer FILE (a tokenizers tokenizer.json)."
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from hyper_parallel.checkpoint_hf.generate import generate
+
+    try:
+        if args.hf_checkpoint:
+            from hyper_parallel.checkpoint_hf import load_hf, read_hf_config
+
+            cfg = read_hf_config(args.hf_checkpoint)
+            model = cfg.model_config().build()
+            model.init_states()
+            load_hf(model, args.hf_checkpoint)
+            eos, dirs = cfg.eos_token_ids, [args.hf_checkpoint]
+        else:
+            from hyper_parallel.checkpoint_hf.config import read_hf_config
+            from hyper_parallel.checkpoint_hf.export import (
+                checkpoint_record,
+                load_trainer_checkpoint,
+            )
+
+            model, _, hf_config = load_trainer_checkpoint(args.checkpoint)
+            eos = read_hf_config(hf_config).eos_token_ids if hf_config else []
+            # The run's tokenizer (recorded), else one next to the checkpoint.
+            recorded = (checkpoint_record(args.checkpoint) or {}).get("tokenizer")
+            dirs = [os.path.dirname(recorded)] if recorded else []
+            dirs += [args.checkpoint, os.path.dirname(os.path.abspath(args.checkpoint))]
+        vocab = model.tok_embeddings.num_embeddings
+        tokenizer = load_tokenizer(args.tokenizer, dirs, vocab)
+        prompt = tokenizer.encode(args.prompt)
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"the tokenizer gives ids {sorted(set(bad))[:5]} >= the model's vocabulary "
+                f"{vocab}; use the tokenizer the model was trained with."
+            )
+        ids = generate(
+            model,
+            prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            eos_token_ids=eos,
+        )
+    except (ValueError, FileNotFoundError) as err:
+        print(f"hyper-parallel generate: error: {err}", file=sys.stderr)
+        return 2
+    text = tokenizer.decode(ids)
+    if args.format == "json":
+        print(json.dumps({"prompt_ids": prompt, "ids": ids, "text": text}))
+    else:
+        print(text)
+    return 0

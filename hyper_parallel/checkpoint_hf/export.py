@@ -1,0 +1,166 @@
+"""``hyper-parallel export-hf CKPT OUT``: a trainer checkpoint (DCP, any mesh) as Hugging Face.
+
+The trainer records which model a checkpoint holds (``train.model_json``: the spec
+name, its overrides and, for a model that came from Hugging Face, the original
+``config.json``). The checkpoint is read with ``torch.distributed.checkpoint`` into
+the unsharded model in this process (DCP reassembles the shards of whatever mesh
+saved it) and written with :func:`~hyper_parallel.checkpoint_hf.save_hf`. A
+checkpoint without that record takes ``--model`` / ``--model-overrides`` (or
+``--hf-config DIR``) instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "MODEL_KEY",
+    "checkpoint_record",
+    "export_hf",
+    "load_trainer_checkpoint",
+    "model_record",
+]
+
+MODEL_KEY = "model_json"
+"""The key of the model record in a checkpoint's ``train`` state."""
+
+
+def model_record(
+    model: str,
+    model_overrides: dict[str, Any],
+    hf_config: dict[str, Any] | None,
+    tokenizer: str | None = None,
+) -> str:
+    """The JSON the trainer stores under ``train.model_json`` (``tokenizer``: the run's)."""
+    record: dict[str, Any] = {
+        "model": model,
+        "model_overrides": model_overrides,
+        "hf_config": hf_config,
+    }
+    if tokenizer is not None:
+        record["tokenizer"] = os.path.abspath(tokenizer)
+    return json.dumps(record, sort_keys=True)
+
+
+def _step_dir(path: str) -> str:
+    from hyper_parallel.train.checkpoint import latest_checkpoint
+
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    latest = latest_checkpoint(path, distributed=False)
+    if latest is None:
+        raise ValueError(
+            f"{path} is neither a complete checkpoint (step directory with .metadata) nor a "
+            "directory holding one."
+        )
+    return latest
+
+
+def checkpoint_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The model record of a trainer checkpoint (step or checkpoint directory), if it has one."""
+    return _saved_record(_step_dir(os.fspath(path)))
+
+
+def _saved_record(path: str) -> dict[str, Any] | None:
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if f"train.{MODEL_KEY}" not in keys:
+        return None
+    state: dict[str, Any] = {"train": {MODEL_KEY: None}}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return json.loads(state["train"][MODEL_KEY])
+
+
+def load_trainer_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: str | None = None,
+    model_overrides: dict[str, Any] | None = None,
+    hf_config: dict[str, Any] | None = None,
+) -> tuple[nn.Module, Any, dict[str, Any] | None]:
+    """The model of a trainer checkpoint, unsharded, in this process.
+
+    Args:
+        path: A step directory (``step_000030``) or a checkpoint directory (its latest
+            complete step is used).
+        model, model_overrides, hf_config: The model, for a checkpoint that does not
+            record it.
+
+    Returns:
+        ``(model, our config, Hugging Face config or None)``.
+
+    Raises:
+        ValueError: No complete checkpoint there, or no model recorded nor given.
+    """
+    from hyper_parallel.checkpoint_hf.config import read_hf_config
+    from hyper_parallel.checkpoint_hf.specs import register_specs
+    from hyper_parallel.dmodule.model_spec import get_spec
+    from hyper_parallel.train.checkpoint import load_checkpoint
+
+    register_specs()
+    path = _step_dir(os.fspath(path))
+    record = _saved_record(path)
+    if record is None:
+        if hf_config is not None:
+            cfg = read_hf_config(hf_config)
+            record = {
+                "model": cfg.spec,
+                "model_overrides": cfg.model_overrides,
+                "hf_config": cfg.raw,
+            }
+        elif model is not None:
+            record = {
+                "model": model,
+                "model_overrides": model_overrides or {},
+                "hf_config": None,
+            }
+        else:
+            raise ValueError(
+                f"export-hf: {path} does not record its model (saved before the trainer "
+                "did); pass --model NAME [--model-overrides JSON] or --hf-config DIR."
+            )
+    config = get_spec(record["model"]).config(**record["model_overrides"])
+    built = config.build()
+    built.init_states()
+    load_checkpoint(path, model=built, distributed=False)
+    return built, config, record["hf_config"]
+
+
+def export_hf(
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    **model: Any,
+) -> list[str]:
+    """Write the model of a trainer checkpoint as a Hugging Face checkpoint in ``out``.
+
+    Args:
+        checkpoint: Step or checkpoint directory (see :func:`load_trainer_checkpoint`).
+        out: Output directory.
+        max_shard_size: Largest safetensors file.
+        dtype: Cast the tensors (default: as trained, fp32).
+        **model: ``model``, ``model_overrides`` or ``hf_config`` for a checkpoint
+            that does not record its model.
+
+    Returns:
+        The safetensors files written.
+    """
+    from hyper_parallel.checkpoint_hf.io import save_hf
+
+    built, config, hf_config = load_trainer_checkpoint(checkpoint, **model)
+    return save_hf(
+        built,
+        out,
+        hf_config=hf_config,
+        model_config=config,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+    )

@@ -1,0 +1,453 @@
+"""Load a Hugging Face checkpoint into a model on any mesh, and save one back.
+
+:func:`load_hf` fills an already parallelized model (or this rank's pipeline stages)
+in place. For every parameter it computes the global indices of this rank's shard
+from the DTensor's mesh coordinates and placements (tp, sp, FSDP2/HSDP including
+FSDP over a tensor-parallel shard, cp, ep, pp stages alike) and reads just that
+box of the file with safetensors' ``get_slice`` — per expert for stacked experts,
+only this rank's experts — so a rank reads its shards (plus what it holds
+replicated) and holds at most one slice besides its states. Rotary rows are read in
+our order (:mod:`~hyper_parallel.checkpoint_hf.mapping`): the box then spans whole
+heads, at most one head more than the shard.
+
+Before anything is written every problem is collected — a tensor the model needs
+that the checkpoint lacks, a tensor of the checkpoint no parameter takes, a wrong
+shape, a dtype other than fp32/bf16/fp16, a parameter no mapping covers — and
+raised as one :class:`HFCheckpointError` listing each; the model is then unchanged.
+
+:func:`save_hf` gathers each parameter (``full_tensor``), one at a time, on the
+lowest rank holding it, which writes safetensors shards of at most
+``max_shard_size`` bytes; rank 0 writes ``model.safetensors.index.json`` and
+``config.json``. ``transformers``' ``from_pretrained`` loads the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.checkpoint_hf._torch_private import shard_indices
+from hyper_parallel.checkpoint_hf.config import (
+    HFConfig,
+    hf_config_from_model,
+    read_hf_config,
+)
+from hyper_parallel.checkpoint_hf.mapping import TensorMap, family_maps, to_hf_tensors
+
+__all__ = [
+    "HFCheckpointError",
+    "LoadReport",
+    "checkpoint_files",
+    "load_hf",
+    "save_hf",
+]
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+class HFCheckpointError(ValueError):
+    """A checkpoint that does not fit the model; ``problems`` lists each, nothing was loaded."""
+
+    def __init__(self, where: str, problems: list[str]) -> None:
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{where}: {len(problems)} problem(s), nothing loaded:\n{lines}")
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What :func:`load_hf` did on this rank.
+
+    Args:
+        tensors: Parameters filled.
+        bytes_read: Bytes of the slices read from the files (in the files' dtype).
+        seconds: Wall time.
+        config: The checkpoint's config.
+    """
+
+    tensors: int
+    bytes_read: int
+    seconds: float
+    config: HFConfig
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Hugging Face tensor name -> safetensors file path of a checkpoint directory.
+
+    One ``model.safetensors`` or a sharded checkpoint with
+    ``model.safetensors.index.json``.
+
+    Raises:
+        FileNotFoundError: Neither is there.
+    """
+    path = os.fspath(path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    raise FileNotFoundError(
+        f"{path}: no model.safetensors or model.safetensors.index.json; save the checkpoint "
+        "with safetensors (transformers' save_pretrained does by default)."
+    )
+
+
+def _clean(name: str) -> str:
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def _parts(model: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def _named_params(parts: list[nn.Module]) -> dict[str, nn.Parameter]:
+    return {_clean(n): p for part in parts for n, p in part.named_parameters()}
+
+
+class _Files:
+    """Open safetensors handles, one per file, kept for one load."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, Any] = {}
+
+    def slice(self, file: str, name: str) -> Any:
+        handle = self._handles.get(file)
+        if handle is None:
+            from safetensors import safe_open
+
+            handle = self._handles[file] = safe_open(file, framework="pt")
+        return handle.get_slice(name)
+
+    def close(self) -> None:
+        """Drop every handle (and its memory map)."""
+        self._handles.clear()
+
+
+def _global_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameters' global shapes, from a model built on the meta device."""
+    with torch.device("meta"):
+        model = config.model_config().build()
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _check(
+    config: HFConfig,
+    maps: list[TensorMap],
+    files: dict[str, str],
+    reader: _Files,
+    params: dict[str, nn.Parameter],
+) -> list[str]:
+    problems = []
+    by_ours = {m.ours: m for m in maps}
+    shapes = _global_shapes(config)
+    for name in sorted(set(params) - set(by_ours)):
+        problems.append(
+            f"parameter {name}: no Hugging Face tensor maps to it (model is not a "
+            f"{config.family} of this config)"
+        )
+    used = {n for m in maps for n in m.hf}
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    for name in sorted(set(files) - used - optional):
+        problems.append(f"unexpected tensor {name} in {os.path.basename(files[name])}")
+    for m in maps:
+        shape = shapes.get(m.ours)
+        if shape is None:
+            problems.append(f"mapping names {m.ours}, which the model of this config lacks")
+            continue
+        want = shape[1:] if m.stacked else shape
+        if m.ours in params and tuple(params[m.ours].shape) != shape:
+            problems.append(
+                f"parameter {m.ours}: shape {tuple(params[m.ours].shape)} but the checkpoint's "
+                f"config makes it {shape}"
+            )
+        for hf in m.hf:
+            if hf not in files:
+                problems.append(f"missing tensor {hf} (for {m.ours})")
+                continue
+            sl = reader.slice(files[hf], hf)
+            got, dtype = tuple(sl.get_shape()), sl.get_dtype()
+            if got != want:
+                problems.append(f"tensor {hf}: shape {got}, expected {want} (for {m.ours})")
+            if dtype not in _DTYPES:
+                problems.append(f"tensor {hf}: dtype {dtype}; supported: F32, BF16, F16")
+    return problems
+
+
+def _box(index: list[torch.Tensor]) -> tuple[tuple[slice, ...], list[torch.Tensor | None]]:
+    """The smallest box holding ``index`` per dim, and the picks inside it (None: all of it)."""
+    box, picks = [], []
+    for idx in index:
+        if idx.numel() == 0:
+            box.append(slice(0, 0))
+            picks.append(None)
+            continue
+        lo, hi = int(idx.min()), int(idx.max()) + 1
+        box.append(slice(lo, hi))
+        contiguous = idx.numel() == hi - lo and bool((idx == torch.arange(lo, hi)).all())
+        picks.append(None if contiguous else idx - lo)
+    return tuple(box), picks
+
+
+def _read(
+    reader: _Files, file: str, name: str, index: list[torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    """The elements ``index`` (per dim) of tensor ``name``; and the bytes read."""
+    box, picks = _box(index)
+    data = reader.slice(file, name)[box]
+    nbytes = data.numel() * data.element_size()
+    for dim, pick in enumerate(picks):
+        if pick is not None:
+            data = data.index_select(dim, pick)
+    return data, nbytes
+
+
+def _local_index(param: torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(param, DTensor):
+        return shard_indices(param)
+    return [torch.arange(n) for n in param.shape]
+
+
+def load_hf(model: nn.Module | Iterable[nn.Module], path: str | os.PathLike[str]) -> LoadReport:
+    """Fill ``model`` (a module, or this rank's pipeline stages) from a Hugging Face checkpoint.
+
+    The model must have been built from the checkpoint's config (e.g.
+    ``TrainConfig(model=cfg.spec, model_overrides=cfg.model_overrides)`` with
+    ``cfg = read_hf_config(path)``) and may be parallelized on any mesh. Call it on
+    every rank; it does no communication.
+
+    Args:
+        model: The model, or a list of its stages (parameter names are the model's).
+        path: The checkpoint directory (``config.json`` and safetensors).
+
+    Returns:
+        A :class:`LoadReport` of this rank.
+
+    Raises:
+        HFConfigError: The config names fields our model does not implement.
+        HFCheckpointError: Missing, unexpected or wrongly shaped tensors (all listed),
+            before any parameter is written.
+    """
+    t0 = time.perf_counter()
+    path = os.fspath(path)
+    config = read_hf_config(path)
+    files = checkpoint_files(path)
+    maps = family_maps(
+        config.family, config.model_config(), tie_word_embeddings=config.tie_word_embeddings
+    )
+    if config.tie_word_embeddings and "lm_head.weight" in files:
+        # Tied in the config but written out too: transformers ties them anyway.
+        maps = [m for m in maps if m.ours != "output.weight"] + [
+            TensorMap("output.weight", ("model.embed_tokens.weight",))
+        ]
+    params = _named_params(_parts(model))
+    reader = _Files()
+    problems = _check(config, maps, files, reader, params)
+    if problems:
+        raise HFCheckpointError(f"load_hf({path})", problems)
+    reader.close()  # headers only so far
+    # One read job per (parameter, Hugging Face tensor), grouped by file: each file is
+    # opened (mapped) once and closed before the next, so what a rank holds besides its
+    # states is one slice.
+    jobs: dict[str, list[tuple[str, torch.Tensor, list[torch.Tensor]]]] = {}
+    count = 0
+    for m in maps:
+        param = params.get(m.ours)
+        if param is None:
+            continue  # another pipeline stage's
+        count += 1
+        local = param.to_local() if isinstance(param, DTensor) else param.data
+        if local.numel() == 0:
+            continue
+        index = _local_index(param)
+        if m.stacked:
+            for k, expert in enumerate(index[0].tolist()):
+                rows = [m.hf_rows(index[1]), *index[2:]]
+                name = m.hf[expert]
+                jobs.setdefault(files[name], []).append((name, local[k], rows))
+        else:
+            rows = [m.hf_rows(index[0]), *index[1:]]
+            jobs.setdefault(files[m.hf[0]], []).append((m.hf[0], local, rows))
+    nbytes = 0
+    with torch.no_grad():
+        for file in sorted(jobs):
+            for name, target, rows in jobs[file]:
+                data, n = _read(reader, file, name, rows)
+                target.copy_(data)
+                nbytes += n
+                del data
+            reader.close()
+    return LoadReport(
+        tensors=count, bytes_read=nbytes, seconds=time.perf_counter() - t0, config=config
+    )
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    for unit, factor in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def save_hf(
+    model: nn.Module | Iterable[nn.Module],
+    path: str | os.PathLike[str],
+    *,
+    hf_config: HFConfig | dict[str, Any] | None = None,
+    model_config: Any = None,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+) -> list[str]:
+    """Write ``model`` (or this rank's stages) as a Hugging Face checkpoint in ``path``.
+
+    Call it on every rank (it gathers each parameter over its mesh). The config is
+    the checkpoint's own (``hf_config``: an :class:`HFConfig` or a ``config.json``
+    dict; its ``tie_word_embeddings`` kept only when the output projection still
+    equals the embedding) or, for a model that did not come from Hugging Face, made
+    from ``model_config`` (our ``Transformer.Config``).
+
+    Args:
+        model: The model, or this rank's pipeline stages.
+        path: Output directory (created).
+        hf_config: The checkpoint's config, when the model was loaded from one.
+        model_config: Our config, used when ``hf_config`` is not given.
+        max_shard_size: Largest safetensors file, bytes or ``"500MB"``-style.
+        dtype: Cast every tensor to this dtype (default: the checkpoint's ``dtype``
+            when ``hf_config`` says bf16 or fp16, else the parameters' own).
+
+    Returns:
+        The files written (on rank 0; other ranks: those they wrote).
+    """
+    path = os.fspath(path)
+    if isinstance(hf_config, HFConfig):
+        raw = dict(hf_config.raw)
+    elif hf_config is not None:
+        raw = dict(hf_config)
+    elif model_config is not None:
+        raw = hf_config_from_model(model_config)
+    else:
+        raise ValueError(
+            "save_hf: give hf_config (the checkpoint's config) or model_config (our "
+            "Transformer.Config) so config.json can be written."
+        )
+    config = read_hf_config(raw)
+    if dtype is None and hf_config is not None:
+        # A checkpoint's own dtype (bf16 and fp16 values are exact in fp32 states).
+        saved = raw.get("dtype", raw.get("torch_dtype"))
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(saved)
+    if dtype is not None:
+        raw["dtype"] = str(dtype).removeprefix("torch.")
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    maps = family_maps(config.family, config.model_config())
+    params = _named_params(_parts(model))
+    held = sorted(m.ours for m in maps if m.ours in params)
+    if distributed:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, held)
+    else:
+        everyone = [held]
+    writer = {}
+    for r, names in enumerate(everyone):
+        for name in names:
+            writer.setdefault(name, r)
+    missing = sorted({m.ours for m in maps} - set(writer))
+    if missing:
+        raise ValueError(f"save_hf: no rank holds {missing}; pass every pipeline stage.")
+    os.makedirs(path, exist_ok=True)
+    limit = _parse_size(max_shard_size)
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+    written: list[tuple[str, list[str]]] = []
+    tied_output: torch.Tensor | None = None
+    tied_embedding: torch.Tensor | None = None
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        from safetensors.torch import save_file
+
+        name = f"part-r{rank:05d}-{len(written):05d}.safetensors"
+        save_file(pending, os.path.join(path, name), metadata={"format": "pt"})
+        written.append((name, sorted(pending)))
+        pending, pending_bytes = {}, 0
+
+    with torch.no_grad():
+        for m in maps:
+            param = params.get(m.ours)
+            if param is None:
+                continue
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            if rank != writer[m.ours]:
+                continue
+            full = full.detach().cpu()
+            if dtype is not None:
+                full = full.to(dtype)
+            if config.tie_word_embeddings and m.ours == "output.weight":
+                tied_output = full
+                continue
+            tensors = to_hf_tensors(m, full)
+            if config.tie_word_embeddings and m.ours == "tok_embeddings.weight":
+                tied_embedding = full
+            for hf_name, tensor in tensors.items():
+                size = tensor.numel() * tensor.element_size()
+                if pending and pending_bytes + size > limit:
+                    flush()
+                pending[hf_name] = tensor
+                pending_bytes += size
+    # Tied only while the output projection still equals the embedding (same writer).
+    untie = config.tie_word_embeddings and (
+        tied_output is not None
+        and (tied_embedding is None or not torch.equal(tied_output, tied_embedding))
+    )
+    if untie:
+        assert tied_output is not None
+        pending["lm_head.weight"] = tied_output.contiguous()
+    flush()
+    if distributed:
+        all_written: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(all_written, (written, untie))
+    else:
+        all_written = [(written, untie)]
+    files = [f for w, _ in all_written for f in w]
+    if any(u for _, u in all_written):
+        raw["tie_word_embeddings"] = False
+    result = [f for f, _ in written]
+    if rank == 0:
+        total = len(files)
+        weight_map, result = {}, []
+        for k, (name, keys) in enumerate(files):
+            final = f"model-{k + 1:05d}-of-{total:05d}.safetensors"
+            os.replace(os.path.join(path, name), os.path.join(path, final))
+            weight_map.update(dict.fromkeys(keys, final))
+            result.append(os.path.join(path, final))
+        size = sum(int(os.path.getsize(f)) for f in result)
+        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(raw, f, indent=2)
+    if distributed:
+        dist.barrier()
+    return result

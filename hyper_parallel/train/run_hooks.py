@@ -1,0 +1,246 @@
+"""What the trainer does with Hugging Face checkpoints, your own data and TensorBoard.
+
+Kept apart from :mod:`hyper_parallel.train.trainer`, which calls these at a few fixed
+points:
+
+- :func:`resolve_model` (``TrainConfig`` creation): ``hf_checkpoint`` sets the model
+  to the checkpoint's (``llama3-hf`` / ``qwen3-moe-hf`` with its sizes; user
+  ``model_overrides`` on top);
+- :func:`load_weights` (after the model is built on the mesh): :func:`load_hf`, each
+  rank reading only its shards;
+- :func:`build_data` (the data stream): ``data`` (token files or text with a
+  tokenizer, :mod:`hyper_parallel.train.tokens`), else the shipped text;
+- :func:`model_record` (checkpoint ``train`` state): which model this is, so
+  ``export-hf`` and ``generate --checkpoint`` need nothing else;
+- :func:`save_weights` (end of training): ``save_hf`` to ``save_hf``;
+- :class:`StepLogger`: loss, learning rate, gradient norm, tokens/s, MFU and peak
+  memory per step to TensorBoard (``tensorboard``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = [
+    "HF_ARGUMENT_FIELDS",
+    "StepLogger",
+    "build_data",
+    "load_weights",
+    "model_record",
+    "peak_flops",
+    "resolve_model",
+    "save_weights",
+    "tokenizer_path",
+]
+
+HF_ARGUMENT_FIELDS = ("hf_checkpoint", "save_hf", "data", "tokenizer", "text_field", "tensorboard")
+"""``TrainConfig`` fields these hooks read; each has a command-line option
+(:mod:`hyper_parallel.train.arguments`)."""
+
+
+def resolve_model(cfg: Any) -> None:
+    """Set ``cfg.model`` and ``cfg.model_overrides`` from ``cfg.hf_checkpoint`` (in place).
+
+    Raises:
+        ValueError: The checkpoint's config has fields our model does not implement,
+            or there is no ``config.json``.
+    """
+    from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
+
+    if cfg.hf_checkpoint or cfg.model in SPEC_NAMES.values():
+        from hyper_parallel.checkpoint_hf.specs import register_specs
+
+        register_specs()  # the *-hf specs, also when named directly
+    if not cfg.hf_checkpoint:
+        return
+    from hyper_parallel.checkpoint_hf.config import read_hf_config
+
+    try:
+        hf = read_hf_config(cfg.hf_checkpoint)
+    except FileNotFoundError as e:
+        raise ValueError(f"TrainConfig.hf_checkpoint: {e}") from None
+    own = dict(cfg.model_overrides) if cfg.model == hf.spec else {}
+    cfg.model = hf.spec
+    cfg.model_overrides = {**hf.model_overrides, **own}
+
+
+def load_weights(cfg: Any, parts: list[Any]) -> None:
+    """Fill the built model parts from ``cfg.hf_checkpoint`` (nothing when unset)."""
+    if cfg.hf_checkpoint:
+        from hyper_parallel.checkpoint_hf.io import load_hf
+
+        load_hf(parts, cfg.hf_checkpoint)
+
+
+def tokenizer_path(cfg: Any) -> str | None:
+    """``cfg.tokenizer``, else the Hugging Face checkpoint's ``tokenizer.json`` when it has one."""
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    if cfg.hf_checkpoint:
+        candidate = os.path.join(cfg.hf_checkpoint, "tokenizer.json")
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def _eos(cfg: Any) -> Any:
+    if not cfg.hf_checkpoint:
+        return None
+    from hyper_parallel.checkpoint_hf.config import read_hf_config
+
+    ids = read_hf_config(cfg.hf_checkpoint).eos_token_ids
+    return ids[0] if ids else None
+
+
+def build_data(cfg: Any, vocab_size: int | None) -> Any:
+    """The run's data stream: ``cfg.data`` (checked against ``vocab_size``), else ``None``.
+
+    ``None`` means the trainer's own default (the shipped text, bytes).
+    """
+    if not cfg.data:
+        return None
+    from hyper_parallel.train.tokens import TokenBatches, open_corpus
+
+    if vocab_size is None:
+        raise ValueError(f"--data: model {cfg.model!r} declares no vocabulary size.")
+    tokens = open_corpus(
+        cfg.data,
+        vocab_size=vocab_size,
+        tokenizer=tokenizer_path(cfg),
+        text_field=cfg.text_field,
+        eos=_eos(cfg),
+    )
+    return TokenBatches(
+        tokens, global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, source=cfg.data
+    )
+
+
+def model_record(cfg: Any) -> str:
+    """The JSON the trainer stores in checkpoints (``train.model_json``)."""
+    from hyper_parallel.checkpoint_hf.export import model_record as record
+
+    hf_config = None
+    if cfg.hf_checkpoint:
+        from hyper_parallel.checkpoint_hf.config import read_hf_config
+
+        hf_config = read_hf_config(cfg.hf_checkpoint).raw
+    return record(cfg.model, dict(cfg.model_overrides), hf_config, tokenizer_path(cfg))
+
+
+def save_weights(cfg: Any, parts: list[Any]) -> None:
+    """Write the model parts to ``cfg.save_hf`` in Hugging Face format (every rank calls it).
+
+    The tokenizer the run used is copied next to them, so ``generate`` finds it.
+    """
+    if not cfg.save_hf:
+        return
+    import shutil
+
+    import torch.distributed as dist
+
+    from hyper_parallel.checkpoint_hf.io import save_hf
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    hf_config = None
+    if cfg.hf_checkpoint:
+        from hyper_parallel.checkpoint_hf.config import read_hf_config
+
+        hf_config = read_hf_config(cfg.hf_checkpoint)
+    config = get_spec(cfg.model).config(**cfg.model_overrides)
+    save_hf(parts, cfg.save_hf, hf_config=hf_config, model_config=config)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tokenizer = tokenizer_path(cfg)
+    if rank == 0 and tokenizer:
+        shutil.copyfile(tokenizer, os.path.join(cfg.save_hf, "tokenizer.json"))
+
+
+# Dense bf16 peak FLOP/s of accelerators we know by name (vendor datasheets).
+_PEAKS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12, "MI300X": 1307e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak FLOP/s of one device: ``HYPER_PARALLEL_PEAK_TFLOPS``, else a known GPU, else None."""
+    env = os.environ.get("HYPER_PARALLEL_PEAK_TFLOPS")
+    if env:
+        return float(env) * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).upper()
+        for key, value in _PEAKS.items():
+            if key in name:
+                return value
+    return None
+
+
+def train_flops_per_sequence(cfg: Any) -> float | None:
+    """Training FLOPs of one sequence (3 x the units' forward FLOPs), when countable."""
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    spec = get_spec(cfg.model)
+    layout = spec.family.pipeline
+    if layout is None:
+        return None
+    try:
+        units = layout.units(spec.config(**cfg.model_overrides), seq_len=cfg.seq_len)
+    except Exception:  # a model whose FLOPs cannot be counted on meta: no MFU
+        return None
+    if any(u.num_flops is None for u in units):
+        return None
+    return 3.0 * sum(u.num_flops for u in units)
+
+
+class StepLogger:
+    """Per-step scalars to TensorBoard (``torch.utils.tensorboard``), on rank 0 only.
+
+    Tags: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``perf/tokens_per_s``,
+    ``perf/mfu`` (when the device's peak is known, see :func:`peak_flops`) and
+    ``memory/peak_bytes`` (CUDA's max allocated, or the process's peak RSS on CPU).
+    """
+
+    def __init__(self, cfg: Any, device: torch.device, rank: int, world_size: int) -> None:
+        self.writer = None
+        if not cfg.tensorboard or rank != 0:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ValueError(
+                f"--tensorboard needs the tensorboard package ({e}); pip install tensorboard."
+            ) from None
+        self.writer = SummaryWriter(cfg.tensorboard)
+        self.device = device
+        self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
+        flops = train_flops_per_sequence(cfg)
+        peak = peak_flops(device)
+        self.flops_per_step = None if flops is None else flops * cfg.global_batch_size
+        self.peak_total = None if peak is None else peak * world_size
+
+    @staticmethod
+    def _peak_memory(device: torch.device) -> float:
+        if device.type == "cuda":
+            return float(torch.cuda.max_memory_allocated(device))
+        import resource
+
+        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+    def log(self, step: int, loss: float, lr: float, grad_norm: float, seconds: float) -> None:
+        """Write one step's scalars (``seconds``: that step's wall time)."""
+        if self.writer is None:
+            return
+        w = self.writer
+        w.add_scalar("train/loss", loss, step)
+        w.add_scalar("train/lr", lr, step)
+        w.add_scalar("train/grad_norm", grad_norm, step)
+        w.add_scalar("perf/tokens_per_s", self.tokens_per_step / max(seconds, 1e-9), step)
+        if self.flops_per_step is not None and self.peak_total is not None:
+            w.add_scalar(
+                "perf/mfu", self.flops_per_step / max(seconds, 1e-9) / self.peak_total, step
+            )
+        w.add_scalar("memory/peak_bytes", self._peak_memory(self.device), step)
+        w.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,222 @@
+"""Your own data: token files, text with a tokenizer, the tokenize command, errors, resume.
+
+The tokenizer is a byte-level BPE trained here on the shipped text
+(``examples/hf/make_tiny_checkpoint.py``); models are tiny.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hyper_parallel.train import TextBatches, TrainConfig, Trainer
+from hyper_parallel.train.tokens import (
+    TokenBatches,
+    load_token_file,
+    open_corpus,
+    tokenize_files,
+    write_token_file,
+)
+
+pytest.importorskip("tokenizers")
+_EXAMPLE = os.path.join(
+    os.path.dirname(__file__), "..", "..", "examples", "hf", "make_tiny_checkpoint.py"
+)
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", _EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return _example().train_tokenizer(str(tmp_path_factory.mktemp("tok") / "tokenizer.json"), 300)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    docs = [
+        f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20 for i in range(12)
+    ]
+    with open(folder / "a.jsonl", "w") as f:
+        for d in docs[:8]:
+            f.write(json.dumps({"text": d, "id": 1}) + "\n")
+    (folder / "b.txt").write_text(docs[8])
+    with open(folder / "c.jsonl", "w") as f:
+        for d in docs[9:]:
+            f.write(json.dumps({"body": d}) + "\n")
+    return folder
+
+
+TINY = dict(
+    model="llama3-debug",
+    model_overrides={"vocab_size": 320, "num_layers": 1},
+    global_batch_size=4,
+    seq_len=16,
+    log_every=0,
+    progress=False,
+    warmup_steps=1,
+)
+
+
+@pytest.mark.parametrize("kind", ["uint16.bin", "uint32.bin", "npy"])
+def test_token_files_are_memory_mapped_and_batch_like_text_batches(tmp_path, kind):
+    tokens = np.arange(1000, dtype=np.int64) % 250
+    if kind == "npy":
+        path = str(tmp_path / "t.npy")
+        np.save(path, tokens.astype(np.int32))
+    else:
+        dtype = np.uint16 if kind.startswith("uint16") else np.uint32
+        path = str(tmp_path / ("t.uint32.bin" if dtype is np.uint32 else "t.bin"))
+        tokens.astype(dtype).tofile(path)
+    array = load_token_file(path)
+    assert isinstance(array, np.memmap) or isinstance(array.base, np.memmap) or kind == "npy"
+    ours = TokenBatches(array, global_batch_size=4, seq_len=16)
+    ref = TextBatches(torch.from_numpy(tokens), global_batch_size=4, seq_len=16)
+    for _ in range(20):  # past the end: the same epoch wrap
+        inputs, targets = ref.next_batch(1, 2)
+        a, b = ours.next_batch(1, 2)  # rank 1 of 2 reads only its two rows
+        assert torch.equal(a, inputs) and torch.equal(b, targets)
+    assert ours.state_dict() == ref.state_dict()
+
+
+def test_text_is_tokenized_with_eos_between_documents(corpus, tokenizer):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer)
+    eos = tok.token_to_id("<|endoftext|>")
+    tokens = open_corpus(
+        [str(corpus / "a.jsonl"), str(corpus / "b.txt")], vocab_size=320, tokenizer=tokenizer
+    )
+    assert int((tokens == eos).sum()) == 9 and tokens[-1] == eos
+    first = tok.encode(json.loads((corpus / "a.jsonl").read_text().splitlines()[0])["text"]).ids
+    assert tokens[: len(first)].tolist() == first
+
+
+def test_tokenize_command_on_two_processes_equals_one(corpus, tokenizer, tmp_path, capsys):
+    from hyper_parallel.cli import main
+
+    inputs = [str(corpus / "a.jsonl"), str(corpus / "b.txt")]
+    assert (
+        main(
+            [
+                "tokenize",
+                *inputs,
+                "--tokenizer",
+                tokenizer,
+                "--out",
+                str(tmp_path / "two.bin"),
+                "--workers",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    one = tokenize_files(
+        inputs, str(tmp_path / "one.npy"), tokenizer=tokenizer, workers=1, progress=False
+    )
+    assert "tokens from 2 file(s)" in capsys.readouterr().out
+    two = load_token_file(str(tmp_path / "two.bin"))
+    assert two.dtype == np.uint16 and one == two.size
+    assert np.array_equal(np.load(tmp_path / "one.npy"), two)
+    assert np.array_equal(open_corpus(inputs, vocab_size=320, tokenizer=tokenizer), two)
+
+
+def test_clear_errors(corpus, tokenizer, tmp_path):
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="corpus is empty"):
+        open_corpus(str(empty), vocab_size=320)
+    big = tmp_path / "big.npy"
+    np.save(big, np.array([1, 2, 400]))
+    with pytest.raises(ValueError, match="token id 400 >= the model's vocabulary 320"):
+        open_corpus(str(big), vocab_size=320)
+    with pytest.raises(ValueError, match="has 300 tokens but the model's vocabulary is 256"):
+        open_corpus(str(corpus / "b.txt"), vocab_size=256, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        open_corpus(str(corpus / "b.txt"), vocab_size=320)
+    with pytest.raises(ValueError, match=r"no field 'text'.*--text-field"):
+        open_corpus(str(corpus / "c.jsonl"), vocab_size=320, tokenizer=tokenizer)
+    assert open_corpus(
+        str(corpus / "c.jsonl"), vocab_size=320, tokenizer=tokenizer, text_field="body"
+    ).size
+    short = tmp_path / "short.npy"
+    np.save(short, np.arange(20))
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        Trainer(TrainConfig(data=str(short), **TINY), device="cpu")
+
+
+def test_trainer_on_a_token_file_resumes_the_exact_stream(tmp_path):
+    path = write_token_file(
+        np.random.default_rng(0).integers(0, 320, 5000).astype(np.uint32), str(tmp_path / "c.bin")
+    )
+    straight = Trainer(TrainConfig(data=path, num_steps=4, **TINY), device="cpu").fit().losses
+    ckpt = str(tmp_path / "ckpt")
+    cfg = TrainConfig(data=path, num_steps=4, checkpoint_dir=ckpt, **TINY)
+    Trainer(cfg, device="cpu").fit(until_step=2)
+    resumed = Trainer(cfg.replace(resume=True), device="cpu").fit()
+    assert resumed.resumed_from == 2
+    assert resumed.losses == straight[2:]
+
+
+def test_tensorboard_gets_loss_lr_grad_norm_tokens_per_s_mfu_and_memory(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("HYPER_PARALLEL_PEAK_TFLOPS", "1")
+    cfg = TrainConfig(
+        num_steps=2,
+        tensorboard=str(tmp_path / "tb"),
+        **{**TINY, "model_overrides": {"num_layers": 1}},
+    )
+    Trainer(cfg, device="cpu").fit()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert tags == {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "memory/peak_bytes",
+    }
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    assert 0 < events.Scalars("perf/mfu")[0].value < 1
+
+
+def test_demo_passes_hf_checkpoint_and_data_to_both_runs(tmp_path, monkeypatch, capsys):
+    # The launcher is replaced by the same run in this process (the real one is torchrun,
+    # checked by hand: demo --hf-checkpoint ... --data ... --mesh dp_shard=2,tp=2 PASS).
+    pytest.importorskip("transformers")
+    from hyper_parallel.train import demo
+
+    ckpt = _example().build(str(tmp_path / "tiny"), vocab_size=300)
+    seen = {}
+
+    def launch(cfg, out_dir):
+        seen["cfg"] = cfg
+        losses = Trainer(cfg.replace(mesh={}, save_hf=None), device="cpu").fit().losses
+        return 0, {"steps": list(range(1, len(losses) + 1)), "losses": losses}
+
+    monkeypatch.setattr(demo, "_launch_ranks", launch)
+    text = tmp_path / "corpus.txt"
+    text.write_text("the city is the people. " * 200)
+    argv = ["--hf-checkpoint", ckpt, "--data", str(text), "--steps", "2", "--output-dir",
+            str(tmp_path / "out"), "--save-hf", str(tmp_path / "saved")]  # fmt: skip
+    assert demo.main(argv) == 0
+    cfg = seen["cfg"]
+    assert cfg.model == "llama3-hf" and cfg.model_overrides["vocab_size"] == 300
+    assert cfg.data == str(text) and cfg.save_hf == str(tmp_path / "saved")
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("PASS")
+    assert not (tmp_path / "saved").exists()  # the reference run does not write it
