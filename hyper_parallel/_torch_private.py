@@ -24,7 +24,11 @@ import torch.distributed._functional_collectives as funcol
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import (
+    _get_shard_size_and_offsets as get_shard_size_and_offsets,
+)
 from torch.distributed.tensor._utils import compute_global_tensor_info
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -33,6 +37,7 @@ __all__ = [
     "MODULES",
     "DTensorSpec",
     "FakeTensorMode",
+    "StridedShard",
     "TensorMeta",
     "TorchDispatchMode",
     "c10d_functional",
@@ -42,6 +47,7 @@ __all__ = [
     "funcol",
     "functorch_config",
     "get_schedule_ops",
+    "get_shard_size_and_offsets",
     "is_fake",
     "mark_unbacked",
     "missing",
@@ -58,7 +64,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     "torch.distributed._functional_collectives": ("all_to_all_single", "all_gather_tensor"),
     "torch.distributed.pipelining._schedule_visualizer": ("get_schedule_ops",),
     "torch.distributed.tensor._dtensor_spec": ("DTensorSpec", "TensorMeta"),
-    "torch.distributed.tensor._utils": ("compute_global_tensor_info",),
+    "torch.distributed.tensor._utils": (
+        "compute_global_tensor_info",
+        "_get_shard_size_and_offsets",
+    ),
+    "torch.distributed.tensor.placement_types": ("_StridedShard",),
     "torch.distributed.distributed_c10d": ("_resolve_process_group",),
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
     "torch.utils._pytree": ("tree_map", "tree_flatten"),

@@ -35,13 +35,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.checkpoint_hf._torch_private import shard_indices
 from hyper_parallel.checkpoint_hf.config import (
     HFConfig,
     hf_config_from_model,
     read_hf_config,
 )
 from hyper_parallel.checkpoint_hf.mapping import TensorMap, family_maps, to_hf_tensors
+from hyper_parallel.checkpoint_hf.shards import shard_indices
 
 __all__ = [
     "HFCheckpointError",

@@ -135,7 +135,7 @@ def rank_shard_indices() -> list[str]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from hyper_parallel.checkpoint_hf._torch_private import shard_indices
+    from hyper_parallel.checkpoint_hf.shards import shard_indices
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     full = torch.arange(7 * 5, dtype=torch.float32).view(7, 5)

@@ -200,14 +200,24 @@ def test_demo_passes_hf_checkpoint_and_data_to_both_runs(tmp_path, monkeypatch, 
     # checked by hand: demo --hf-checkpoint ... --data ... --mesh dp_shard=2,tp=2 PASS).
     pytest.importorskip("transformers")
     from hyper_parallel.train import demo
+    from hyper_parallel.train.run import full_gradients
 
     ckpt = _example().build(str(tmp_path / "tiny"), vocab_size=300)
     seen = {}
 
     def launch(cfg, out_dir):
         seen["cfg"] = cfg
-        losses = Trainer(cfg.replace(mesh={}, save_hf=None), device="cpu").fit().losses
-        return 0, {"steps": list(range(1, len(losses) + 1)), "losses": losses}
+        grads = {}
+
+        def keep_first(step, model_parts):
+            if step == 0:
+                grads.update(full_gradients(model_parts))
+
+        trainer = Trainer(
+            cfg.replace(mesh={}, save_hf=None), device="cpu", grad_callback=keep_first
+        )
+        losses = trainer.fit().losses
+        return 0, {"steps": list(range(1, len(losses) + 1)), "losses": losses, "grads": grads}
 
     monkeypatch.setattr(demo, "_launch_ranks", launch)
     text = tmp_path / "corpus.txt"

@@ -1,4 +1,4 @@
-"""The one place this package reaches into torch's private DTensor helpers.
+"""Which global indices a rank holds of each sharded tensor (what it reads from a file).
 
 :func:`shard_indices` needs, for a rank's shard of a DTensor, the global indices it
 holds on each dim, including under ``_StridedShard`` (FSDP2 over a tensor-parallel
@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import _get_shard_size_and_offsets
-from torch.distributed.tensor.placement_types import Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Shard
+
+from hyper_parallel._torch_private import StridedShard as _StridedShard
+from hyper_parallel._torch_private import (
+    get_shard_size_and_offsets as _get_shard_size_and_offsets,
+)
 
 __all__ = ["shard_indices"]
 
