@@ -210,30 +210,37 @@ class RunPlan:
                 ``pipeline_split`` (a split or its dict form), ``stages_per_rank``.
 
         Raises:
-            ValueError: An unknown model name, or a switch with a bad value (a type
-                or choice error; problems of the run itself are findings).
+            ValueError: A switch with a bad value (a choice error); problems of the run
+                itself — an unknown model included — are findings.
         """
         from hyper_parallel.dmodule.model_spec import get_spec
 
         layout = MeshLayout.from_sizes(layout) if not isinstance(layout, MeshLayout) else layout
-        spec = get_spec(model)
-        config = spec.config(**dict(model_overrides or {}))
         findings: list[Finding] = []
+        subject, family = None, None
         try:
-            subject = apply_model_axes(
-                spec, config, layout, sequence_parallel=switches.get("sequence_parallel", False)
-            )
-        except ValueError as e:
+            spec = get_spec(model)
+            family = spec.family
+            config = spec.config(**dict(model_overrides or {}))
+        except (ValueError, TypeError) as e:  # unknown name, or overrides it refuses
             findings.append(
-                Finding("error", "model", model, str(e), "pick axis sizes the model supports.")
+                Finding("error", "model", model, str(e), "name a registered model and its fields.")
             )
-            subject = None
+        else:
+            try:
+                subject = apply_model_axes(
+                    spec, config, layout, sequence_parallel=switches.get("sequence_parallel", False)
+                )
+            except ValueError as e:
+                findings.append(
+                    Finding("error", "model", model, str(e), "pick axis sizes the model supports.")
+                )
         return cls._decide(
             name=model,
             layout=layout,
             subject=subject,
-            family=spec.family,
-            pipeline_layout=spec.family.pipeline,
+            family=family,
+            pipeline_layout=family.pipeline if family is not None else None,
             world_size=world_size,
             early=findings,
             **switches,
@@ -347,7 +354,7 @@ class RunPlan:
             split = pipeline_split
         if num_microbatches is None:
             num_microbatches = default_num_microbatches(layout.pp, schedule, stages_per_rank)
-        if layout.pp > 1:
+        if layout.pp > 1 and (subject is not None or family is not None):
             plan, found = _pipeline(
                 name,
                 layout,

@@ -230,6 +230,8 @@ def add_train_arguments(
         if wanted is not None and dest not in wanted:
             continue
         kwargs = dict(kwargs)
+        if kwargs.get("type") in (int, float) and "metavar" not in kwargs:
+            kwargs["metavar"] = "N" if kwargs["type"] is int else "X"
         shown = given.get(dest, fallback.get(dest))
         if kwargs.get("action") not in ("store_true", "store_false") and shown is not None:
             kwargs["help"] = f"{kwargs['help']} (default: {_shown(shown)})"
