@@ -74,6 +74,5 @@ def register_specs() -> None:
                 build_model_fn=factory,
                 description=f"{family} family from a Hugging Face config.json (its sizes)",
                 family=dataclasses.replace(base_family, hf=HF_FAMILIES[family]),
-                extras={"hf_family": family},
             )
         )

@@ -9,7 +9,9 @@ in the commit message.
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,18 +32,17 @@ BUDGETS = {
 
 
 @pytest.fixture(scope="module")
-def counts():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_op_counts", BENCHMARKS / "bench_op_counts.py"
-        )
-        assert spec is not None and spec.loader is not None
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-        return bench.measure(tp=2)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def counts(tmp_path_factory):
+    # A fresh interpreter: what earlier tests of the session imported or patched (dynamo,
+    # dispatch modes, caches) must not change the counts.
+    out = tmp_path_factory.mktemp("op_counts") / "counts.json"
+    subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_op_counts.py"), "--tp", "2", "--json", str(out)],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PYTHONPATH": str(BENCHMARKS.parent)},
+    )
+    return json.loads(out.read_text())["cases"]
 
 
 @pytest.mark.parametrize("case", sorted(BUDGETS))
