@@ -35,7 +35,7 @@ from hyper_parallel.models.llama import (
     cross_entropy_loss,
     preset_config,
 )
-from tests._compare import diff, worst_abs
+from tests._compare import diff, diffs, worst_abs
 
 BATCH = 8
 SEQ_LEN = 16
@@ -329,11 +329,22 @@ def trainer_parity(
     switches: dict | None = None,
     model: str = "llama3-debug",
 ) -> dict[str, Any]:
-    """The trainer at ``mesh`` (with pp) and in one process: per-step losses of both.
+    """The trainer at ``mesh`` (with pp) and in one process: losses and first-step gradients.
 
-    ``switches`` (``dtype``, ``ac``) apply to both runs, as the demo runs them.
+    ``switches`` (``dtype``, ``ac``) apply to both runs, as the demo runs them. Every
+    parameter's first-step gradient (whole, gathered over every rank, before clipping)
+    is compared with the one-process run's (``grad_diffs``) and, under bf16, also with
+    the fp32 one-process run's (``fp32_grad_diffs``, one step of it).
     """
     from hyper_parallel.train import TrainConfig, Trainer
+    from hyper_parallel.train.run import full_gradients
+
+    def keep_first(into: dict[str, torch.Tensor], pp: int) -> Any:
+        def keep(step: int, parts: list[torch.nn.Module]) -> None:
+            if step == 0:
+                into.update(full_gradients(parts, pp))
+
+        return keep
 
     cfg = TrainConfig(
         model=model,
@@ -346,19 +357,32 @@ def trainer_parity(
         progress=False,
         **(switches or {}),
     )
-    trainer = Trainer(cfg, device="cpu")
+    grads: dict[str, torch.Tensor] = {}
+    trainer = Trainer(cfg, device="cpu", grad_callback=keep_first(grads, mesh.get("pp", 1)))
     linear_dtypes: set[str] = set()
     for part in trainer.model_parts:
         for sub in part.modules():
             if isinstance(sub, torch.nn.Linear):
                 sub.register_forward_hook(lambda _m, _a, out: linear_dtypes.add(str(out.dtype)))
     result = trainer.fit()
-    reference = Trainer(cfg.replace(mesh={}), device="cpu").fit()
+    ref_grads: dict[str, torch.Tensor] = {}
+    one = cfg.replace(mesh={})
+    ref_trainer = Trainer(one, device="cpu", grad_callback=keep_first(ref_grads, 1))
+    reference = ref_trainer.fit()
+    fp32_grad_diffs = None
+    if cfg.dtype != "fp32":
+        fp32_grads: dict[str, torch.Tensor] = {}
+        fp32 = one.replace(dtype="fp32", ac="none")
+        Trainer(fp32, device="cpu", grad_callback=keep_first(fp32_grads, 1)).train_step()
+        fp32_grad_diffs = diffs(grads, fp32_grads)
     return {
         "losses": result.losses,
         "ref_losses": reference.losses,
         "grad_norms": result.grad_norms,
         "ref_grad_norms": reference.grad_norms,
+        "grad_diffs": diffs(grads, ref_grads),
+        "fp32_grad_diffs": fp32_grad_diffs,
+        "num_params": sum(1 for m in ref_trainer.model_parts for _ in m.named_parameters()),
         "parts": [sorted(n for n, _ in m.named_parameters())[:1] for m in trainer.model_parts],
         "linear_dtypes": sorted(linear_dtypes),
     }
