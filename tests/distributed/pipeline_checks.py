@@ -6,6 +6,7 @@ Module-level functions run on every rank through ``dist.run`` by ``test_pipeline
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -150,9 +151,10 @@ def train_vs_one_device(
     ``switches`` (``compile_backend``, ``ac``, ``dtype``) go to the stages; the one
     device reference runs eagerly without checkpointing, in the same precision
     (bf16 autocast from fp32 weights, as the trainer's one-process run), on the
-    whole batch at once. With ``ep`` the expert gradients are brought to the dense
-    convention after the schedule's step (``rescale_expert_grads``, as the trainer
-    does); for a mixture of experts the result also carries, per router, what the
+    whole batch at once; under bf16 the first step's gradients are also compared
+    with the fp32 one-device ones (``fp32_grad_diffs``). With ``ep`` the expert
+    gradients are brought to the dense convention after the schedule's step
+    (``rescale_expert_grads``, as the trainer does); for a mixture of experts the result also carries, per router, what the
     balance loss adds to its gradient on one device (``router_aux``).
 
     Returns:
@@ -169,13 +171,19 @@ def train_vs_one_device(
     router_aux = _router_aux_grads(reference, *_batch(0)) if layout.ep > 1 else {}
     ref_params = dict(reference.named_parameters())
     params = {n: p for m in modules for n, p in m.named_parameters()}
+    fp32_grads: dict[str, torch.Tensor] = {}
+    if dtype != "fp32":  # the first step's gradients in fp32 on one device, on a copy
+        fp32_reference = copy.deepcopy(reference)
+        full_inputs, full_targets = _batch(0)
+        cross_entropy_loss(fp32_reference(full_inputs), full_targets).backward()
+        fp32_grads = {n: p.grad for n, p in fp32_reference.named_parameters()}
     init_diff = worst_abs(
         [(_full(p).detach() - ref_params[n]).abs().max().item() for n, p in params.items()]
     )
 
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=LR)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    losses, ref_losses, grad_diffs, grad_scales = [], [], {}, {}
+    losses, ref_losses, grad_diffs, grad_scales, fp32_grad_diffs = [], [], {}, {}, {}
     # The dtype every linear layer of the stages computes in.
     linear_dtypes: set[str] = set()
     for m in modules:
@@ -210,6 +218,9 @@ def train_vs_one_device(
         ref_losses.append(ref_loss.item())
         if step == 0:
             grad_diffs = {n: diff(p.grad, ref_params[n].grad) for n, p in params.items()}
+            fp32_grad_diffs = (
+                {n: diff(p.grad, fp32_grads[n]) for n, p in params.items()} if fp32_grads else {}
+            )
             grad_scales = {n: ref_params[n].grad.abs().max().item() for n in params}
         opt.step()
         ref_opt.step()
@@ -223,6 +234,7 @@ def train_vs_one_device(
         "ref_losses": ref_losses,
         "init_diff": init_diff,
         "grad_diffs": grad_diffs,
+        "fp32_grad_diffs": fp32_grad_diffs,
         "grad_scales": grad_scales,
         "linear_dtypes": sorted(linear_dtypes),
         "router_aux": router_aux,
