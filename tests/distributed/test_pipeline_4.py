@@ -204,6 +204,12 @@ def test_trainer_with_moe_pp2_ep2_matches_one_process(dist, mesh):
     _check_trainer_parity(results)
 
 
+def test_trainer_with_qwen3_at_pp2_cp2_matches_one_process(dist):
+    # The dense Qwen3 (per-head q/k norms) through the trainer's pipeline with cp.
+    results = dist.run(trainer_parity, {"pp": 2, "cp": 2}, "1F1B", 2, None, "qwen3-debug")
+    _check_trainer_parity(results)
+
+
 def test_trainer_with_pp_bf16_and_ac_matches_the_bf16_one_process_run(dist):
     # FSDP2's bf16 policy in each stage (fp32 master weights and reduction) against the
     # one-process bf16 run (autocast), with selective checkpointing inside the stages;
