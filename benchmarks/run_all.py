@@ -16,6 +16,8 @@ m. mixture of experts: the MoE layer at ep=2/4 vs a hand-written dispatch, and t
    the debug MoE training step (``bench_moe.py``).
 p. pipeline parallelism: step time per schedule vs pp=1, measured vs predicted bubble
    (``bench_pp.py``).
+s. the planner's cost model against reality: 8 layouts on 4 gloo ranks, predicted (with
+   this machine calibrated) vs measured step time and peak memory (``bench_suggest.py``).
 
 Each comparison interleaves its contenders in one run and reports medians, min-max
 and ratios. Nothing here is a test: numbers depend on the machine and its load.
@@ -334,6 +336,34 @@ def section_pp(rows: list[dict[str, Any]], charts: list[str]) -> str:
     return "\n".join([*lines, ""])
 
 
+def section_suggest(result: dict[str, Any], charts: list[str]) -> str:
+    """(s) the planner's cost model vs measured steps."""
+    s = result["summary"]
+    lines = [
+        "## s. The planner's cost model vs measured steps — 8 layouts on 4 gloo ranks",
+        "",
+        "`hyper-parallel calibrate` measures this machine (matmul FLOP/s, gloo collectives); "
+        "`suggest`'s cost model predicts each layout's step time and peak memory per rank; "
+        "the trainer's step is measured (median of the slowest rank) and peak memory is the "
+        "rise of the peak resident set over the size before the build (largest rank). "
+        f"Spearman rank correlation {s['spearman']:.2f} (goal >= 0.8); median relative "
+        f"error: step time {s['median_step_error']:.0%} (goal <= 25%), memory "
+        f"{s['median_memory_error']:.0%} (goal within 15%); load average "
+        f"{s['load_average'][0]:.1f} at start, {s['load_average_end'][0]:.1f} at end.",
+        "",
+        "| layout | predicted ms | measured ms | error | predicted MiB | measured MiB | error |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['layout']} | {1e3 * r['predicted_step_s']:.1f} | "
+            f"{1e3 * r['measured_step_s']:.1f} | {r['step_error']:+.0%} | "
+            f"{r['predicted_bytes'] / 2**20:.1f} | {r['measured_bytes'] / 2**20:.1f} | "
+            f"{r['memory_error']:+.0%} |"
+        )
+    return "\n".join([*lines, ""])
+
+
 def _plt() -> Any:
     import matplotlib
 
@@ -480,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
-        "--only", nargs="+", choices=list("abcdefmp"), default=list("abcdefmp"), help="sections"
+        "--only", nargs="+", choices=list("abcdefmps"), default=list("abcdefmps"), help="sections"
     )
     args = parser.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -533,6 +563,12 @@ def main(argv: list[str] | None = None) -> int:
             ["--pp", "2", "--reps", "4" if args.quick else "10"],
             600,
             section_pp,
+        ),
+        "s": (
+            "bench_suggest.py",
+            ["--reps", "3" if args.quick else "5"],
+            1200,
+            section_suggest,
         ),
     }
     print(f"benchmarks on {header}", flush=True)

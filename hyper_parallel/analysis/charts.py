@@ -154,23 +154,40 @@ def suggest_chart(report: Any, path: str | Path) -> None:
         ax.scatter(*zip(*fits), s=8, color="#4c72b0", label="fits", alpha=0.6)
     limit = report.memory_limit / _GIB
     ax.axvline(limit, color="#c44e52", linestyle="--", label=f"memory limit {limit:.1f} GiB")
+    lines = []
     for i, (c, p, _) in enumerate(report.plans, 1):
         x, y = p.memory_bytes_per_gpu / _GIB, p.step_s
         ax.scatter(
             [x],
             [y],
-            s=60,
+            s=70,
             facecolors="none",
             edgecolors="#dd8452",
             linewidths=1.5,
             label="top plans" if i == 1 else None,
+            zorder=3,
         )
         ax.annotate(
-            f"{i}: {c.describe()}",
+            str(i),
             (x, y),
             textcoords="offset points",
-            xytext=(8, -4 - 10 * (i - 1)),
+            xytext=(4, 4 + 6 * (i % 2)),
+            fontsize=8,
+            color="#dd8452",
+            zorder=4,
+        )
+        lines.append(f"{i}. {c.describe()}: {p.step_s:.3g} s, {x:.1f} GiB")
+    if lines:
+        ax.text(
+            0.01,
+            0.99,
+            "\n".join(lines),
+            transform=ax.transAxes,
+            va="top",
+            ha="left",
             fontsize=7,
+            family="monospace",
+            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#cccccc"},
         )
     if report.points:
         times = [t for t, _, _ in report.points]

@@ -65,6 +65,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from importlib import resources
@@ -307,6 +308,13 @@ _ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
+    """``(group size, crosses nodes)`` of ``axis`` under the mesh's rank order (see
+    :func:`_axis_span`)."""
+    return _axis_span(layout, axis, gpus_per_node)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
     """``(group size, crosses nodes)`` of ``axis`` under the mesh's rank order.
 
     Ranks are laid out outermost first as pp, dp_replicate, dp_shard, cp, tp; an axis'
@@ -317,7 +325,7 @@ def axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
 
     Example:
         >>> from hyper_parallel.distributed.layout import MeshLayout
-        >>> axis_span(MeshLayout(dp_shard=4, tp=8), "tp", 8), axis_span(
+        >>> _axis_span(MeshLayout(dp_shard=4, tp=8), "tp", 8), _axis_span(
         ...     MeshLayout(dp_shard=4, tp=8), "dp_shard", 8)
         ((8, False), (4, True))
     """

@@ -73,7 +73,6 @@ from hyper_parallel.distributed.layout import MeshLayout
 from hyper_parallel.distributed.pipeline import (
     SCHEDULES,
     SPLIT_BACKWARD_SCHEDULES,
-    plan_pipeline,
 )
 from hyper_parallel.dmodule._checks import Finding
 
@@ -99,6 +98,8 @@ SP_DOMINATES = (
 replaces each tp all-reduce by an all-gather and a reduce-scatter of the same total ring
 bytes, and shards the norms' and dropouts' activations over tp (Korthikanti et al.,
 "Reducing Activation Recomputation in Large Transformer Models", 2022, section 4.2.2)."""
+MAX_PP = 32
+"""Largest pipeline searched (Llama 3 405B trained at pp=16; Dubey et al. 2024, Table 4)."""
 MIN_CP_TOKENS = 1024
 """Context parallelism is searched down to this many tokens per cp rank (attention kernels
 lose their efficiency on shorter pieces; torchtitan's cp runs keep >= 8k per rank)."""
@@ -656,9 +657,7 @@ class _Checks:
         if c.cp > 1:
             out += self._cp(c.tp, c.cp, c.sp)
         if c.pp > 1:
-            out += self._pipeline(
-                c.pp, c.schedule or "1F1B", c.microbatches, self.global_batch // c.dp
-            )
+            out += self._pipeline(c.pp, c.schedule or "1F1B", c.microbatches, 0)
             out += self._ep_schedule(c.ep, c.schedule or "1F1B")
         return out
 
@@ -711,8 +710,6 @@ class _Checks:
 
     @functools.cache  # noqa: B019
     def _pipeline(self, pp: int, schedule: str, m: int, batch: int) -> list[tuple[str, Finding]]:
-        from hyper_parallel.distributed.pipeline import pipeline_findings
-
         if self.stages is None:
             return [
                 (
@@ -726,10 +723,18 @@ class _Checks:
                     ),
                 )
             ]
-        found = pipeline_findings(
-            self.units, pp=pp, schedule=schedule, num_microbatches=m, batch_size=batch
-        )
-        return [("pipeline", f) for f in found if f.severity == "error"]
+        # The batch check (micro-batches dividing the data-parallel rank's batch) holds by
+        # construction (see _pipelines); the rest depends on pp, schedule and m only.
+        return self._pipeline_plan(pp, schedule, m)[1]
+
+    @functools.cache  # noqa: B019
+    def _pipeline_plan(self, pp: int, schedule: str, m: int) -> tuple[Any, list]:
+        """The checked pipeline plan (``None`` when refused) and its errors."""
+        from hyper_parallel.distributed.pipeline import _plan
+
+        plan, found = _plan(self.units, pp=pp, schedule=schedule, num_microbatches=m)
+        errors = [("pipeline", f) for f in found if f.severity == "error"]
+        return (None if errors else plan), errors
 
     @functools.cache  # noqa: B019
     def _ep_schedule(self, ep: int, schedule: str) -> list[tuple[str, Finding]]:
@@ -776,7 +781,7 @@ def _candidates(
                 continue  # not searched: see MIN_CP_TOKENS (powers of two only)
             rest_cp = rest_tp // cp
             for pp in _divisors(rest_cp):
-                if pp > num_layers:
+                if pp > min(num_layers, MAX_PP):
                     continue
                 dp = rest_cp // pp
                 if global_batch % dp:
@@ -808,11 +813,11 @@ def _candidates(
 
 def _pipelines(pp: int, local: int) -> list[tuple[str | None, int]]:
     """Schedules and micro-batch counts: none without pp (one forward of the local batch,
-    as ``train.run`` steps); with pp every schedule, micro-batch counts dividing the
-    local batch from ``pp`` up to ``8 x pp``."""
+    as ``train.run`` steps); with pp every schedule at ``pp``, ``2 pp`` and ``4 pp``
+    micro-batches (those dividing the local batch)."""
     if pp == 1:
         return [(None, 1)]
-    counts = [m for m in _divisors(local) if pp <= m <= 8 * pp]
+    counts = [m for m in (pp, 2 * pp, 4 * pp) if local % m == 0]
     return [(s, m) for s in SCHEDULES for m in counts]
 
 
@@ -1094,12 +1099,7 @@ def _stage_blocks(ctx: _Context, c: Candidate) -> list[tuple[int, bool, bool, in
         return [(ctx.flops.num_layers, True, True, 0)]
     key = ("plan", c.pp, c.schedule, c.microbatches)
     if key not in ctx.pipeline_cache:
-        plan = plan_pipeline(
-            ctx.checks.units,
-            pp=c.pp,
-            schedule=c.schedule or "1F1B",
-            num_microbatches=c.microbatches,
-        )
+        plan = ctx.checks._pipeline_plan(c.pp, c.schedule or "1F1B", c.microbatches)[0]
         stages = ctx.checks.stages
         first, last = stages.first_name, stages.last_name
         ctx.pipeline_cache[key] = [
@@ -1127,19 +1127,20 @@ def _simulated(
 ) -> tuple[float, float, float]:
     """Makespan, the busiest rank's busy time and the bubble of the schedule's actions.
 
-    The replay is linear in the op times: it is cached per schedule, pp, micro-batches
-    and the ratios B/F and W/F rounded to 1 %, then scaled by F (the bubble within a
-    fraction of a percent of the exact replay).
+    The actions are replayed once per schedule, pp and micro-batch count with the
+    zero-bubble paper's ratios (F : B : I : W = 1 : 2 : 1 : 1,
+    :data:`~hyper_parallel.analysis.pipeline_cost.DEFAULT_COSTS`); the makespan is
+    scaled by the heaviest stage's ``F + B`` over ``3`` (exact for GPipe and 1F1B, whose
+    bubble does not depend on the ratio; an approximation for the zero-bubble ones).
     """
-    unit = costs["F"]
-    b, w = round(costs["B"] / unit, 2), round(costs["W"] / unit, 2)
-    key = ("sim", c.pp, c.schedule, c.microbatches, b, w)
+    key = ("sim", c.pp, c.schedule, c.microbatches)
     if key not in ctx.pipeline_cache:
-        timeline = simulate(ops, {"F": 1.0, "B": b, "W": w, "I": max(b - w, 1e-6)})
+        timeline = simulate(ops)
         bubble = 1.0 - sum(timeline.busy) / (len(timeline.busy) * timeline.makespan)
         ctx.pipeline_cache[key] = (timeline.makespan, max(timeline.busy), bubble)
     makespan, busy, bubble = ctx.pipeline_cache[key]
-    return makespan * unit, busy * unit, bubble
+    scale = (costs["F"] + costs["B"]) / 3.0
+    return makespan * scale, busy * scale, bubble
 
 
 def _comm_seconds(
@@ -1149,21 +1150,39 @@ def _comm_seconds(
     scale: float,
     count_scale: float = 1.0,
 ) -> dict[str, float]:
-    """Seconds per phase of ``comms`` with bytes times ``scale`` and counts times
-    ``count_scale``."""
-    out: dict[str, float] = {}
-    for c in comms:
-        group, crosses = axis_span(layout, c.axis, ctx.node)
-        t = collective_seconds(
-            ctx.hw,
-            c.kind,
-            c.bytes * scale,
-            count=round(c.count * count_scale),
-            group_size=group,
-            crosses_nodes=crosses,
-        )
-        out[c.phase] = out.get(c.phase, 0.0) + t
-    return out
+    """Seconds per phase of ``comms`` repeated ``count_scale`` times, bytes times ``scale``.
+
+    Linear in both: per phase the latency part (counts x steps x latency) and the
+    transfer part (wire bytes over bandwidth) are cached per traced list and the spans
+    of the axes it uses.
+    """
+    spans = tuple(axis_span(layout, a, ctx.node) for a in ("tp", "cp", "ep"))
+    key = ("comm", id(comms), spans)
+    if key not in ctx.pipeline_cache:
+        parts: dict[str, list[float]] = {}
+        for c in comms:
+            group, crosses = axis_span(layout, c.axis, ctx.node)
+            latency = collective_seconds(
+                ctx.hw,
+                c.kind,
+                0.0,
+                count=max(1, round(c.count)),
+                group_size=group,
+                crosses_nodes=crosses,
+            )
+            transfer = collective_seconds(
+                ctx.hw, c.kind, c.bytes, count=1, group_size=group, crosses_nodes=crosses
+            ) - collective_seconds(
+                ctx.hw, c.kind, 0.0, count=1, group_size=group, crosses_nodes=crosses
+            )
+            into = parts.setdefault(c.phase, [0.0, 0.0])
+            into[0] += latency
+            into[1] += transfer
+        ctx.pipeline_cache[key] = parts
+    return {
+        phase: count_scale * (latency + scale * transfer)
+        for phase, (latency, transfer) in ctx.pipeline_cache[key].items()
+    }
 
 
 def _predict(ctx: _Context, c: Candidate) -> Prediction:
@@ -1252,7 +1271,20 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
     else:
         makespan = busy = t_f[0] + t_b[0]
     # --- data-parallel collectives (FSDP2 / HSDP), per step, on the heaviest rank
-    data = _data_comm(
+    # The same for every checkpointing mode and SP choice of this mesh and pipeline.
+    data_key = (
+        "data",
+        c.pp,
+        c.schedule,
+        c.microbatches,
+        c.dp_replicate,
+        c.dp_shard,
+        c.cp,
+        c.tp,
+        c.ep,
+        dense_ratio,
+    )
+    data = ctx.pipeline_cache.get(data_key) or _data_comm(
         ctx,
         c,
         layout,
@@ -1266,6 +1298,7 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         fsdp,
         efsdp,
     )
+    ctx.pipeline_cache[data_key] = data
     fwd_compute = sum(t_f) if c.pp == 1 else max(t_f) * c.microbatches
     bwd_compute = sum(t_b) if c.pp == 1 else max(t_b) * c.microbatches
     exposed = max(0.0, data["gather_forward"] - fwd_compute) + data["first_unit"]
@@ -1465,7 +1498,8 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "op times; recompute of checkpointed blocks' forward (FLOPs and collectives).",
         "Without pp the data-parallel rank's whole batch runs as one forward (train.run "
         "has no gradient accumulation); with pp it is split into the micro-batches.",
-        f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank.",
+        f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank; pp up "
+        f"to {MAX_PP}, with pp, 2 pp and 4 pp micro-batches.",
     ]
     for field_name, source in sorted(hw.sources.items()):
         notes.append(f"{hw.name} {field_name}: {source}")
