@@ -863,8 +863,8 @@ def suggest(
     hw = gpu if isinstance(gpu, Hardware) else load_hardware(gpu)
     node = gpus_per_node or hw.gpus_per_node
     _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, top)
+    source, max_seq = _long_enough(source, seq_len)
     config = source.config()
-    max_seq = getattr(getattr(config, "rope", None), "max_seq_len", None)
     num_layers = len(config.layers)
     num_experts = _num_experts(config)
     global_batch = global_batch_tokens // seq_len
@@ -984,6 +984,7 @@ def predict(
                 global_batch_tokens=8 * 128).step_s
     """
     source = model if isinstance(model, ModelSource) else ModelSource(model)
+    source, _ = _long_enough(source, seq_len)
     hw = gpu if isinstance(gpu, Hardware) else load_hardware(gpu)
     node = gpus_per_node or hw.gpus_per_node
     _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, 1)
@@ -1015,6 +1016,21 @@ def predict(
         usable_memory(hw),
     )
     return _predict(ctx, candidate)
+
+
+def _long_enough(source: ModelSource, seq_len: int) -> tuple[ModelSource, int | None]:
+    """``source`` with ``max_seq_len`` raised to ``seq_len`` when its rotary tables are
+    shorter (the command then passes it in ``--model-overrides``); and the old limit."""
+    limit = None
+    for value in _walk(source.config()):
+        n = getattr(value, "max_seq_len", None)
+        if isinstance(n, int):
+            limit = n
+            break
+    if limit is None or seq_len <= limit:
+        return source, limit
+    overrides = dict(source.overrides) | {"max_seq_len": seq_len}
+    return dataclasses.replace(source, overrides=tuple(sorted(overrides.items()))), limit
 
 
 def _findings(checks: _Checks, c: Candidate) -> list[tuple[str, Finding]]:
@@ -1504,7 +1520,10 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
     for field_name, source in sorted(hw.sources.items()):
         notes.append(f"{hw.name} {field_name}: {source}")
     if max_seq is not None and seq_len > max_seq:
-        notes.append(f"seq {seq_len} exceeds the model's max_seq_len {max_seq}.")
+        notes.append(
+            f"seq {seq_len} exceeds the model's max_seq_len {max_seq}: the model is built "
+            f"with max_seq_len={seq_len} (in the commands' --model-overrides)."
+        )
     return notes
 
 

@@ -154,12 +154,12 @@ def test_hf_config(tmp_path) -> None:
 
 def test_model_that_fits_one_gpu_gets_plain_data_parallel() -> None:
     report = suggest(
-        SMALL_LLAMA, gpus=8, gpu="h100-80gb", seq_len=2048, global_batch_tokens=8 * 4 * 2048, top=3
+        SMALL_LLAMA, gpus=4, gpu="h100-80gb", seq_len=1024, global_batch_tokens=4 * 8 * 1024, top=3
     )
     best = report.plans[0][0]
     assert (best.pp, best.cp, best.tp, best.ep) == (1, 1, 1, 1), best
-    assert best.dp == 8
-    assert report.searched > 100 and 0 < report.traced < 20
+    assert best.dp == 4
+    assert report.searched > 50 and 0 < report.traced <= 6
     plan = report.to_dict()["plans"][0]
     assert set(plan) == {"mesh", "microbatches", "schedule", "ac", "sp", "predicted", "command"}
     assert set(plan["predicted"]) >= {
@@ -169,40 +169,60 @@ def test_model_that_fits_one_gpu_gets_plain_data_parallel() -> None:
         "memory_bytes_per_gpu",
     }
     assert 0 < plan["predicted"]["mfu"] < 0.6
+    assert plan["predicted"]["memory_bytes_per_gpu"] < usable_memory(report.hardware)
     assert plan["command"].startswith(
-        "torchrun --standalone --nproc-per-node 8 -m "
+        "torchrun --standalone --nproc-per-node 4 -m "
         "hyper_parallel.train.run --model llama3-8b "
         "--model-overrides "
     )
+    assert f"--mesh {best.mesh_text()} " in plan["command"]
+    assert "--batch-size 32 " in plan["command"] and "--seq-len 1024 " in plan["command"]
+    assert set(report.to_dict()) >= {"plans", "rejected", "hardware", "searched", "traced"}
 
 
 def test_tp_never_spans_nodes_unless_allowed() -> None:
-    hw = _hardware(memory_bytes=12e9)  # forces model parallelism for the 0.3B model
+    hw = _hardware(memory_bytes=8e9)  # forces model parallelism for the 0.3B model
     report = suggest(
         SMALL_LLAMA,
-        gpus=16,
+        gpus=4,
         gpu=hw,
         gpus_per_node=2,
-        seq_len=2048,
-        global_batch_tokens=16 * 2048,
-        top=50,
+        seq_len=1024,
+        global_batch_tokens=4 * 1024,
+        top=100,
     )
-    assert all(c.tp <= 2 for c, _, _ in report.plans)
-    assert any("tp would span nodes" in r for r in report.rejected)
+    assert report.plans and all(c.tp <= 2 for c, _, _ in report.plans)
+    assert report.rejected["tp would span nodes (allow with --allow-cross-node-tp)"] == 1
 
 
 def test_sequence_that_does_not_fit_gets_cp() -> None:
-    # 32k tokens per sequence, one sequence per data-parallel rank at most
+    # Two 16k-token sequences on four GPUs, tp ruled out (one GPU per node): one
+    # sequence per data-parallel rank at most, so the sequence itself must be split.
     report = suggest(
         SMALL_LLAMA,
-        gpus=8,
-        gpu=_hardware(memory_bytes=40e9),
-        seq_len=32768,
-        global_batch_tokens=2 * 32768,
-        top=5,
+        gpus=4,
+        gpu="h100-80gb",
+        gpus_per_node=1,
+        seq_len=16384,
+        global_batch_tokens=2 * 16384,
+        top=20,
     )
-    assert all(c.cp > 1 or c.tp > 1 for c, _, _ in report.plans)
-    assert report.plans[0][0].cp > 1
+    best = report.plans[0][0]
+    assert best.cp > 1 and best.tp == 1, best
+    # and with memory just above what the best needs, it still fits and keeps cp
+    need = report.plans[0][1].memory_bytes_per_gpu
+    tight = _hardware(memory_bytes=(need + 2 * 1024**3) / 0.92 + 1e6)
+    again = suggest(
+        SMALL_LLAMA,
+        gpus=4,
+        gpu=tight,
+        gpus_per_node=1,
+        seq_len=16384,
+        global_batch_tokens=2 * 16384,
+        top=3,
+    )
+    assert again.plans[0][0].cp > 1
+    assert again.plans[0][1].memory_bytes_per_gpu <= again.memory_limit
 
 
 def test_moe_gets_ep() -> None:
@@ -221,9 +241,9 @@ def test_moe_gets_ep() -> None:
         ),
     )
     report = suggest(
-        moe, gpus=8, gpu="h100-80gb", seq_len=2048, global_batch_tokens=8 * 2048, top=3
+        moe, gpus=2, gpu="h100-80gb", seq_len=1024, global_batch_tokens=2 * 1024, top=3
     )
-    assert report.plans[0][0].ep > 1
+    assert report.plans[0][0].ep == 2, report.plans[0][0]
 
 
 def test_cluster_too_small_does_not_fit(capsys) -> None:
@@ -250,3 +270,29 @@ def test_cluster_too_small_does_not_fit(capsys) -> None:
     )
     assert code == 1
     assert "does not fit: needs >=" in capsys.readouterr().err
+
+
+def test_charts_are_written(tmp_path) -> None:
+    from hyper_parallel.analysis.charts import suggest_chart
+
+    report = suggest(
+        SMALL_LLAMA, gpus=2, gpu="h100-80gb", seq_len=1024, global_batch_tokens=2 * 1024, top=2
+    )
+    suggest_chart(report, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 10_000
+    code = main(
+        [
+            "plan",
+            "--model",
+            "llama3-debug",
+            "--mesh",
+            "pp=2",
+            "--seq",
+            "64",
+            "--microbatches",
+            "2",
+            "--chart",
+            str(tmp_path / "p.png"),
+        ]
+    )
+    assert code == 0 and (tmp_path / "p.png").stat().st_size > 10_000
