@@ -8,11 +8,12 @@ dp_shard=2 x tp=2, cp=2 x tp=2, pp=2 x dp_shard=2, pp=2 x tp=2, pp=4) is
   file ``hyper-parallel calibrate`` wrote for this machine (``--hardware``; calibrated
   first when not given);
 - **measured**: the trainer's optimizer step (``Trainer.train_step``), median over
-  ``--reps`` of the slowest rank, after ``--warmup`` steps; peak memory per rank is the
-  rise of the process's peak resident set (``VmHWM``, reset through
-  ``/proc/self/clear_refs`` after the build) over its size before the trainer was built
-  (so it holds states, activations and every transient buffer, plus malloc's slack),
-  the largest rank's.
+  ``--reps`` of the slowest rank, after ``--warmup`` steps, one torch thread per rank;
+  peak memory per rank is the rise of the process's peak resident set during the steps
+  (``VmHWM``, reset through ``/proc/self/clear_refs`` after the build) over its size
+  after the build, plus the local parameter shards the build allocated (so it holds
+  states, activations and every transient buffer, plus malloc's slack), the largest
+  rank's.
 
 Printed: per layout predicted and measured step time and memory, then Spearman's rank
 correlation of the step times, the median relative error of the step time and of the
@@ -108,10 +109,21 @@ def _rank(
         schedule=c.schedule or "1F1B",
         num_microbatches=c.microbatches if c.pp > 1 else None,
     )
-    before = _status("VmRSS")
+    import torch
+
+    torch.set_num_threads(1)  # as calibrate measured: one thread per rank
     trainer = Trainer(cfg, device="cpu")
+    # States the build allocated (the local shards of the parameters); gradients and
+    # AdamW moments are allocated by the first step, activations by every step.
+    from hyper_parallel.core.dtensor.dtensor import DTensor
+
+    held = 0
+    for module in trainer.model_parts:
+        for p in module.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            held += local.numel() * local.element_size()
     _reset_peak()
-    baseline = min(before, _status("VmRSS"))
+    baseline = _status("VmRSS") - held
     times = []
     for step in range(warmup + reps):
         dist.barrier()
