@@ -1383,12 +1383,13 @@ def _data_comm(
         root = rest_dense * (first + last) / 2 * dense_ratio
         t = dict.fromkeys(out, 0.0)
 
-        def gather(elements: float, axis: tuple[int, bool], count: int) -> float:
+        def gather(per_unit: float, axis: tuple[int, bool], units: int, times: int = 1) -> float:
+            """``units`` units of ``per_unit`` elements each gathered ``times`` times."""
             return collective_seconds(
                 hw,
                 "all_gather",
-                elements * compute_bytes * count,
-                count=count,
+                per_unit * units * times * compute_bytes,
+                count=units * times,
                 group_size=axis[0],
                 crosses_nodes=axis[1],
             )
@@ -1415,16 +1416,16 @@ def _data_comm(
 
         units = k + (1 if root else 0)
         if fsdp > 1:
-            t["gather_forward"] += gather(dense_block * k, fsdp_axis, k * gathers_f) + (
+            t["gather_forward"] += gather(dense_block, fsdp_axis, k, gathers_f) + (
                 gather(root, fsdp_axis, 1) if root else 0.0
             )
-            t["gather_backward"] += gather(dense_block * k, fsdp_axis, k * gathers_b)
+            t["gather_backward"] += gather(dense_block, fsdp_axis, k, gathers_b)
             t["reduce"] += reduce(dense_block * k + root, fsdp_axis, units)
             t["first_unit"] = gather(max(dense_block, root), fsdp_axis, 1)
             t["last_unit"] = reduce(max(dense_block, root), fsdp_axis, 1)
         if block_expert and efsdp > 1:
-            t["gather_forward"] += gather(expert_block * k, efsdp_axis, k * gathers_f)
-            t["gather_backward"] += gather(expert_block * k, efsdp_axis, k * gathers_b)
+            t["gather_forward"] += gather(expert_block, efsdp_axis, k, gathers_f)
+            t["gather_backward"] += gather(expert_block, efsdp_axis, k, gathers_b)
             t["reduce"] += reduce(expert_block * k, efsdp_axis, k)
         if c.dp_replicate > 1:
             t["reduce"] += replicas(dense_block * k + root, fsdp, units)
