@@ -4,8 +4,10 @@ Spawns ``ranks`` local processes on gloo (torch's ``mp.spawn``, a ``file://``
 rendezvous) and measures, all ranks at once (as a training step runs them):
 
 - **matmul FLOP/s** per dtype (fp32, bf16): square matmuls, ``2 n^3`` FLOPs each, the
-  median rank's rate; written as ``peak_flops`` with ``compute_efficiency`` 1 (the
-  measured rate already is the achieved one);
+  median rank's rate, written as ``peak_flops``; and ``compute_efficiency``: the rate of
+  a small training step (forward and backward of an MLP stack at a CPU-sized decoder's
+  width, :data:`_MLP`) over the fp32 matmul rate: small matmuls, elementwise ops and
+  autograd run below the large-matmul peak;
 - **each collective** (all_gather, reduce_scatter, all_reduce, all_to_all, and
   point-to-point send/recv) at a small and a large size over all ranks: the
   latency-bandwidth model of :mod:`~hyper_parallel.analysis.cost_model` solved for
@@ -97,6 +99,30 @@ def _wire(kind: str, nbytes: float, world: int) -> float:
     return nbytes * factor
 
 
+_MLP = {"dim": 256, "hidden": 768, "layers": 4, "tokens": 256}
+"""The reference training step of :func:`_mlp_step_rate`: SwiGLU-free MLP blocks of a
+small decoder's width (what a model sized to a CPU runs)."""
+
+
+def _mlp_step_rate(repeats: int) -> float:
+    """FLOP/s of forward + backward of a small MLP stack in fp32 (matmuls ``6 x params x
+    tokens``): small matmuls, elementwise ops and autograd, as a training step has them."""
+    dim, hidden, layers, tokens = (_MLP[k] for k in ("dim", "hidden", "layers", "tokens"))
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(dim, hidden), torch.nn.SiLU(), torch.nn.Linear(hidden, dim)]
+    model = torch.nn.Sequential(*blocks)
+    x = torch.randn(tokens, dim)
+    params = sum(p.numel() for p in model.parameters())
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    seconds = _timed(step, repeats)
+    return 6 * params * tokens / seconds
+
+
 def _worker(rank: int, world: int, init: str, threads: int, quick: bool, out: str) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -115,6 +141,7 @@ def _worker(rank: int, world: int, init: str, threads: int, quick: bool, out: st
 
             seconds = _timed(matmuls, repeats)
             result["flops"][name] = 2 * n**3 * inner / seconds
+        result["step_flops"] = _mlp_step_rate(repeats)
         src = torch.ones(1 << 23)  # 32 MiB
         dst = torch.empty_like(src)
         seconds = _timed(lambda: dst.copy_(src), repeats)
@@ -157,6 +184,7 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
         per_rank = yaml.safe_load(Path(raw_path).read_text(encoding="utf-8"))
     flops = {d: statistics.median(r["flops"][d] for r in per_rank) for d in ("fp32", "bf16")}
     memory_bw = statistics.median(r["memory_bandwidth"] for r in per_rank)
+    step_rate = statistics.median(r["step_flops"] for r in per_rank)
     links: dict[str, Any] = {}
     for kind in _KINDS:
         rows = [r["collectives"][kind] for r in per_rank if "error" not in r["collectives"][kind]]
@@ -193,7 +221,12 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
             for d in ("bf16", "fp32")
         },
         "compute_efficiency": {
-            d: {"value": 1.0, "source": "the measured matmul rate is already achieved"}
+            d: {
+                "value": round(min(1.0, step_rate / flops["fp32"]), 4),
+                "source": "measured: forward + backward of an MLP stack (dim "
+                f"{_MLP['dim']}, hidden {_MLP['hidden']}, {_MLP['layers']} layers, "
+                f"{_MLP['tokens']} tokens, fp32) over the fp32 matmul rate",
+            }
             for d in ("bf16", "fp32")
         },
         "hbm_bandwidth": {"value": memory_bw, "source": "measured: 32 MiB copy (read + write)"},
