@@ -33,6 +33,7 @@ from hyper_parallel._torch_private import FakeTensorMode
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
+from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
 from hyper_parallel.distributed.axes import (
     axis_support_findings,
     declared_axes,
@@ -859,6 +860,8 @@ def _combine(
         op: ext(a.comm_counts.get(op, 0), b.comm_counts.get(op, 0))
         for op in a.comm_counts.keys() | b.comm_counts.keys()
     }
+    by_ac = _activations_by_ac(a, b, target.num_layers, ext)
+    activations = by_ac.get(settings.get("ac", "none"), ext(a.activation_bytes, b.activation_bytes))
     return DryRunReport(
         **common,
         num_params=ext(a.num_params, b.num_params),
@@ -867,7 +870,7 @@ def _combine(
             ext(a.param_bytes, b.param_bytes),
             ext(a.grad_bytes, b.grad_bytes),
             ext(a.trainable_numel, b.trainable_numel),
-            ext(a.activation_bytes, b.activation_bytes),
+            activations,
         ),
         collectives=collectives,
         collectives_per_layer=per_layer,
@@ -877,11 +880,46 @@ def _combine(
         per_rank_experts=None
         if a.expert_bytes is None or b.expert_bytes is None
         else state_bytes(*(ext(x, y) for x, y in zip(a.expert_bytes, b.expert_bytes))),
-        activations_by_ac={
-            m: ext(a.activations_by_ac[m], b.activations_by_ac[m]) for m in b.activations_by_ac
-        },
+        activations_by_ac=by_ac,
         activations_outside_blocks=b.activations_outside_blocks,
     )
+
+
+def _activations_by_ac(
+    a: _Run, b: _Run, num_layers: int, ext: Callable[[int, int], int]
+) -> dict[str, int]:
+    """Peak activation bytes per checkpointing mode at the real depth, from two traces.
+
+    ``none`` and ``full`` treat every block alike, so the traces at depths d and d + 1
+    extrapolate linearly. ``selective`` checkpoints every second block, which two
+    consecutive depths cannot show (the added block is checkpointed in one and not the
+    other), so it is composed from per-block quantities of the traces, following
+    :meth:`~hyper_parallel.analysis.memory.SavedActivations.peak_bytes`: a block saves
+    ``S`` (the per-block slope of ``none``) and a checkpointed one keeps only its input
+    ``I`` (the slope of ``full``). At the end of the forward the ``none`` peak is less
+    ``S - I`` per checkpointed block; recomputing the last checkpointed block holds
+    everything kept before it plus its recomputed ``S`` (its input is among them), i.e.
+    the end-of-forward peak less its own ``I``, the ``S`` of each block after it and the
+    bytes saved after the last block ``T``, plus ``S``. The peak is the larger of the
+    two (equal to a trace at the full depth: ``tests/unit/test_dry_run.py``).
+    """
+    by_ac = {
+        m: ext(a.activations_by_ac[m], b.activations_by_ac[m])
+        for m in b.activations_by_ac
+        if m != "selective"
+    }
+    if "none" in by_ac and "full" in by_ac and "selective" in b.activations_by_ac:
+        saved = b.activations_by_ac["none"] - a.activations_by_ac["none"]
+        kept = b.activations_by_ac["full"] - a.activations_by_ac["full"]
+        chosen = checkpointed_blocks(num_layers, "selective")
+        end_of_forward = by_ac["none"] - len(chosen) * (saved - kept)
+        peak = end_of_forward
+        if chosen:
+            after = num_layers - 1 - chosen[-1]
+            tail = b.activations_outside_blocks[1]
+            peak = max(peak, end_of_forward - kept - after * saved - tail + saved)
+        by_ac["selective"] = peak
+    return by_ac
 
 
 def _expand_layers(

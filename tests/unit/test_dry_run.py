@@ -372,3 +372,23 @@ def test_partial_gradients_owe_an_all_reduce_at_the_optimizer_step():
         ("all_reduce", "tp", 2 * 3 + 1, (2 * 3 + 1) * D * FP32, False)
     ]
     assert not [c for c in run(num_layers=3, sharding="tp_sp").collectives if not c.traced]
+
+
+@pytest.mark.parametrize("num_layers", [4, 5])
+def test_extrapolated_activations_equal_a_trace_at_full_depth_for_every_ac(num_layers):
+    # Two traced depths stand for the real one; selective checkpointing (every second
+    # block) cannot be extrapolated linearly and is composed per block: check all three
+    # modes against the model traced whole, with the last block checkpointed (4) or not (5).
+    import torch
+
+    from hyper_parallel.models.llama import apply_tp, preset_config
+
+    config = apply_tp(preset_config("llama3-debug", num_layers=num_layers))
+    with torch.device("meta"):
+        model = config.build()
+    for ac in ("none", "selective", "full"):
+        extrapolated = dry_run(config, {"tp": 2}, ac=ac, seq_len=64, fsdp=False)
+        whole = dry_run(model, {"tp": 2}, ac=ac, seq_len=64, fsdp=False)
+        assert extrapolated.traced_layers and not whole.traced_layers
+        assert extrapolated.per_rank.activations == whole.per_rank.activations, ac
+        assert extrapolated.activations_by_ac == whole.activations_by_ac

@@ -60,11 +60,11 @@ def test_readme_activations_per_checkpointing_mode_are_what_plan_prints(tp8):
     assert printed["per_rank_bytes"]["activations"] == by_ac["none"]
     found = re.search(
         r"llama3-8b at tp=8, seq 8192, batch 1: ([\d.]+) GB with `--ac none`, "
-        r"([\d.]+) GB with `--ac full`",
+        r"([\d.]+) GB with `--ac full`, ([\d.]+) GB with `--ac selective`",
         FLAT,
     )
     assert found, "the README's --ac sentence changed; update this test with it"
-    assert found.groups() == (_gb(by_ac["none"]), _gb(by_ac["full"]))
+    assert found.groups() == tuple(_gb(by_ac[m]) for m in ("none", "full", "selective"))
 
 
 def test_readme_cp_activations_are_what_plan_prints(tp8):
