@@ -285,7 +285,9 @@ def _read_file(file: str, jobs: list[_Job]) -> int:
 
     nbytes = 0
     with safe_open(file, framework="pt") as f:
-        order = {name: k for k, name in enumerate(f.offset_keys())}
+        # In the order of the data in the file (offset_keys, where safetensors has it).
+        keys = f.offset_keys() if hasattr(f, "offset_keys") else f.keys()
+        order = {name: k for k, name in enumerate(keys)}
         for job in sorted(jobs, key=lambda j: order[j.name]):
             sl = f.get_slice(job.name)
             itemsize = _ITEMSIZE[sl.get_dtype()]
