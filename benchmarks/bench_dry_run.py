@@ -5,7 +5,7 @@ would, and reports the subprocess's wall time (launch to exit, Python start-up a
 imports included), its CPU time (user + system: what the wall time is on an idle
 machine, and much less sensitive to other load) and its peak resident set size (its
 own ``ru_maxrss`` at exit).
-These are the numbers the README quotes.
+``run_all.py`` runs it as section r and writes the README's dry-run figures from it.
 
 Run::
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from typing import Any
 CASES = (
     ("llama3-70b", "dp=128,tp=8"),
     ("llama3-405b", "dp=2048,tp=8"),
+    # The README's MoE plan command (ep borrows its ranks from dp_shard x tp: 4,096 ranks).
+    ("qwen3-235b-a22b", "dp_shard=512,tp=8,ep=64"),
 )
 # The CLI's own entry point, reporting this process's peak RSS (KiB on Linux) and CPU
 # time on exit.
@@ -57,7 +58,7 @@ def measure(model: str, mesh: str, *extra: str) -> dict[str, Any]:
     return {
         "model": model,
         "mesh": mesh,
-        "world_size": math.prod(int(p.split("=")[1]) for p in mesh.split(",")),
+        "world_size": report["world_size"],
         "wall_s": wall,
         "cpu_s": float(stats["cpu_s"]),
         "peak_rss_bytes": int(stats["peak_rss_kib"]) * 1024,
@@ -68,11 +69,11 @@ def measure(model: str, mesh: str, *extra: str) -> dict[str, Any]:
 def format_result(rows: list[dict[str, Any]]) -> str:
     lines = [
         f"hyper-parallel plan (dry run, fake process group), {os.cpu_count()} CPU(s):",
-        f"  {'model':<12} {'mesh':<14} {'ranks':>7} {'wall s':>7} {'CPU s':>6} {'peak RSS MB':>12}",
+        f"  {'model':<16} {'mesh':<24} {'ranks':>7} {'wall s':>7} {'CPU s':>6} {'peak RSS MB':>12}",
     ]
     for r in rows:
         lines.append(
-            f"  {r['model']:<12} {r['mesh']:<14} {r['world_size']:>7,} {r['wall_s']:>7.1f} "
+            f"  {r['model']:<16} {r['mesh']:<24} {r['world_size']:>7,} {r['wall_s']:>7.1f} "
             f"{r['cpu_s']:>6.1f} {r['peak_rss_bytes'] / 1e6:>12.0f}"
         )
     return "\n".join(lines)

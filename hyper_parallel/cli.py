@@ -154,6 +154,12 @@ def _parser() -> argparse.ArgumentParser:
         "(every block), selective (every second block)",
     )
     _add_switch_arguments(plan)
+    plan.add_argument(
+        "--chart",
+        metavar="PNG",
+        help="also draw per-rank memory (per stage with pp) and, with pp, the schedule's "
+        "timeline per rank to this PNG file",
+    )
     plan.set_defaults(func=_cmd_plan)
 
     validate = sub.add_parser(
@@ -180,6 +186,11 @@ def _parser() -> argparse.ArgumentParser:
     else:
         add_arguments(demo)
         demo.set_defaults(func=_cmd_demo)
+
+    from hyper_parallel.analysis.suggest_cli import add_calibrate_parser, add_suggest_parser
+
+    add_suggest_parser(sub)
+    add_calibrate_parser(sub)
 
     models = sub.add_parser("models", help="list the registered models")
     models.add_argument("--format", choices=("table", "json"), default="table")
@@ -395,12 +406,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         else:
             print(report.to_table())
             print(_pipeline_table(pipeline))
+        _plan_chart(args, out)
         return 0
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=1))
     else:
         print(report.to_table())
+    _plan_chart(args, report.to_dict())
     return 0
+
+
+def _plan_chart(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    if getattr(args, "chart", None):
+        from hyper_parallel.analysis.charts import plan_chart
+
+        plan_chart(out, args.chart)
+        print(f"chart: {args.chart}", file=sys.stderr)
 
 
 def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> dict[str, Any]:

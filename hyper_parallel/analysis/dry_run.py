@@ -185,6 +185,13 @@ class DryRunReport:
 
     ac: str = "none"
     dtype: str = "fp32"
+    activations_by_ac: dict[str, int] = field(default_factory=dict)
+    """Peak saved bytes under each checkpointing mode, from the same trace (one forward
+    records what every mode keeps); ``selective`` extrapolated like the rest (linear in
+    the depth from the traced depths)."""
+    activations_outside_blocks: tuple[int, int] = (0, 0)
+    """Saved bytes before the first block (embedding) and after the last (final norm,
+    output projection, loss) of one micro-batch."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (the CLI's ``--format json``)."""
@@ -492,6 +499,8 @@ class _Run:
     plan_axes: tuple[str, ...] = ()
     expert_bytes: tuple[int, int, int] | None = None  # params, grads, trainable numel
     activation_bytes: int = 0
+    activations_by_ac: dict[str, int] = field(default_factory=dict)
+    activations_outside_blocks: tuple[int, int] = (0, 0)
 
 
 def _declared_blocks(model: nn.Module) -> str | None:
@@ -587,6 +596,8 @@ def _trace_step(
         expert_bytes=expert_bytes,
         plan_axes=tuple(a for a in axes if a in DENSE_AXES),
         activation_bytes=saved.peak_bytes(run.ac),
+        activations_by_ac={m: saved.peak_bytes(m) for m in ("none", "selective", "full")},
+        activations_outside_blocks=saved.outside_blocks(),
     )
 
 
@@ -800,6 +811,8 @@ def _combine(
             collectives=summarize(last.records),
             comm_debug_counts=last.comm_counts,
             per_rank_experts=None if last.expert_bytes is None else state_bytes(*last.expert_bytes),
+            activations_by_ac=dict(last.activations_by_ac),
+            activations_outside_blocks=last.activations_outside_blocks,
         )
     a, b = runs
     assert a.depth is not None and b.depth == a.depth + 1
@@ -864,6 +877,10 @@ def _combine(
         per_rank_experts=None
         if a.expert_bytes is None or b.expert_bytes is None
         else state_bytes(*(ext(x, y) for x, y in zip(a.expert_bytes, b.expert_bytes))),
+        activations_by_ac={
+            m: ext(a.activations_by_ac[m], b.activations_by_ac[m]) for m in b.activations_by_ac
+        },
+        activations_outside_blocks=b.activations_outside_blocks,
     )
 
 

@@ -205,6 +205,10 @@ class SavedActivations:
 
     # -- results
 
+    def outside_blocks(self) -> tuple[int, int]:
+        """Bytes saved before the first block and after the last one (no checkpointing)."""
+        return sum(self.saved[0].values()), sum(self.saved[-1].values())
+
     def peak_bytes(self, ac: str = "none") -> int:
         """Peak bytes held for backward when the blocks ``ac`` selects are checkpointed.
 

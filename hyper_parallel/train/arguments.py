@@ -117,7 +117,11 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--max-grad-norm", "max_grad_norm", {"type": float, "help": "clipping norm (0: off)"}),
     ("--seed", "seed", {"type": int, "help": "initialization seed"}),
     ("--text", "text", {"help": "shipped text to train on"}),
-    ("--checkpoint-dir", "checkpoint_dir", {"help": "directory for DCP checkpoints"}),
+    (
+        "--checkpoint-dir",
+        "checkpoint_dir",
+        {"metavar": "DIR", "help": "directory for DCP checkpoints"},
+    ),
     ("--checkpoint-every", "checkpoint_every", {"type": int, "help": "save every N steps"}),
     (
         "--resume",
@@ -175,27 +179,44 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "--hf-checkpoint",
         "hf_checkpoint",
         {
+            "metavar": "DIR",
             "help": "start from this Hugging Face checkpoint (config.json + safetensors); "
-            "sets the model"
+            "sets the model",
         },
     ),
-    ("--save-hf", "save_hf", {"help": "write the trained model here in Hugging Face format"}),
+    (
+        "--save-hf",
+        "save_hf",
+        {"metavar": "DIR", "help": "write the trained model here in Hugging Face format"},
+    ),
     (
         "--data",
         "data",
         {
+            "metavar": "PATH",
             "help": "training data: a token file (.bin uint16/uint32, .npy) or text files "
             "(.txt, .jsonl; comma-separated) tokenized with --tokenizer (default: the "
-            "shipped text)"
+            "shipped text)",
         },
     ),
     (
         "--tokenizer",
         "tokenizer",
-        {"help": "tokenizers tokenizer.json for text data (default: the checkpoint's)"},
+        {
+            "metavar": "FILE",
+            "help": "tokenizers tokenizer.json for text data (default: the checkpoint's)",
+        },
     ),
-    ("--text-field", "text_field", {"help": "the .jsonl field holding a document"}),
-    ("--tensorboard", "tensorboard", {"help": "write TensorBoard event files to this directory"}),
+    (
+        "--text-field",
+        "text_field",
+        {"metavar": "NAME", "help": "the .jsonl field holding a document"},
+    ),
+    (
+        "--tensorboard",
+        "tensorboard",
+        {"metavar": "DIR", "help": "write TensorBoard event files to this directory"},
+    ),
 )
 
 SWITCHES = ("sequence_parallel", "schedule", "num_microbatches")

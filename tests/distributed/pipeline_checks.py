@@ -6,6 +6,7 @@ Module-level functions run on every rank through ``dist.run`` by ``test_pipeline
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -35,7 +36,7 @@ from hyper_parallel.models.llama import (
     cross_entropy_loss,
     preset_config,
 )
-from tests._compare import diff, worst_abs
+from tests._compare import diff, diffs, worst_abs
 
 BATCH = 8
 SEQ_LEN = 16
@@ -150,9 +151,10 @@ def train_vs_one_device(
     ``switches`` (``compile_backend``, ``ac``, ``dtype``) go to the stages; the one
     device reference runs eagerly without checkpointing, in the same precision
     (bf16 autocast from fp32 weights, as the trainer's one-process run), on the
-    whole batch at once. With ``ep`` the expert gradients are brought to the dense
-    convention after the schedule's step (``rescale_expert_grads``, as the trainer
-    does); for a mixture of experts the result also carries, per router, what the
+    whole batch at once; under bf16 the first step's gradients are also compared
+    with the fp32 one-device ones (``fp32_grad_diffs``). With ``ep`` the expert
+    gradients are brought to the dense convention after the schedule's step
+    (``rescale_expert_grads``, as the trainer does); for a mixture of experts the result also carries, per router, what the
     balance loss adds to its gradient on one device (``router_aux``).
 
     Returns:
@@ -169,13 +171,19 @@ def train_vs_one_device(
     router_aux = _router_aux_grads(reference, *_batch(0)) if layout.ep > 1 else {}
     ref_params = dict(reference.named_parameters())
     params = {n: p for m in modules for n, p in m.named_parameters()}
+    fp32_grads: dict[str, torch.Tensor] = {}
+    if dtype != "fp32":  # the first step's gradients in fp32 on one device, on a copy
+        fp32_reference = copy.deepcopy(reference)
+        full_inputs, full_targets = _batch(0)
+        cross_entropy_loss(fp32_reference(full_inputs), full_targets).backward()
+        fp32_grads = {n: p.grad for n, p in fp32_reference.named_parameters()}
     init_diff = worst_abs(
         [(_full(p).detach() - ref_params[n]).abs().max().item() for n, p in params.items()]
     )
 
     opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=LR)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    losses, ref_losses, grad_diffs, grad_scales = [], [], {}, {}
+    losses, ref_losses, grad_diffs, grad_scales, fp32_grad_diffs = [], [], {}, {}, {}
     # The dtype every linear layer of the stages computes in.
     linear_dtypes: set[str] = set()
     for m in modules:
@@ -210,6 +218,9 @@ def train_vs_one_device(
         ref_losses.append(ref_loss.item())
         if step == 0:
             grad_diffs = {n: diff(p.grad, ref_params[n].grad) for n, p in params.items()}
+            fp32_grad_diffs = (
+                {n: diff(p.grad, fp32_grads[n]) for n, p in params.items()} if fp32_grads else {}
+            )
             grad_scales = {n: ref_params[n].grad.abs().max().item() for n in params}
         opt.step()
         ref_opt.step()
@@ -223,6 +234,7 @@ def train_vs_one_device(
         "ref_losses": ref_losses,
         "init_diff": init_diff,
         "grad_diffs": grad_diffs,
+        "fp32_grad_diffs": fp32_grad_diffs,
         "grad_scales": grad_scales,
         "linear_dtypes": sorted(linear_dtypes),
         "router_aux": router_aux,
@@ -329,11 +341,22 @@ def trainer_parity(
     switches: dict | None = None,
     model: str = "llama3-debug",
 ) -> dict[str, Any]:
-    """The trainer at ``mesh`` (with pp) and in one process: per-step losses of both.
+    """The trainer at ``mesh`` (with pp) and in one process: losses and first-step gradients.
 
-    ``switches`` (``dtype``, ``ac``) apply to both runs, as the demo runs them.
+    ``switches`` (``dtype``, ``ac``) apply to both runs, as the demo runs them. Every
+    parameter's first-step gradient (whole, gathered over every rank, before clipping)
+    is compared with the one-process run's (``grad_diffs``) and, under bf16, also with
+    the fp32 one-process run's (``fp32_grad_diffs``, one step of it).
     """
     from hyper_parallel.train import TrainConfig, Trainer
+    from hyper_parallel.train.run import full_gradients
+
+    def keep_first(into: dict[str, torch.Tensor], pp: int) -> Any:
+        def keep(step: int, parts: list[torch.nn.Module]) -> None:
+            if step == 0:
+                into.update(full_gradients(parts, pp))
+
+        return keep
 
     cfg = TrainConfig(
         model=model,
@@ -346,19 +369,32 @@ def trainer_parity(
         progress=False,
         **(switches or {}),
     )
-    trainer = Trainer(cfg, device="cpu")
+    grads: dict[str, torch.Tensor] = {}
+    trainer = Trainer(cfg, device="cpu", grad_callback=keep_first(grads, mesh.get("pp", 1)))
     linear_dtypes: set[str] = set()
     for part in trainer.model_parts:
         for sub in part.modules():
             if isinstance(sub, torch.nn.Linear):
                 sub.register_forward_hook(lambda _m, _a, out: linear_dtypes.add(str(out.dtype)))
     result = trainer.fit()
-    reference = Trainer(cfg.replace(mesh={}), device="cpu").fit()
+    ref_grads: dict[str, torch.Tensor] = {}
+    one = cfg.replace(mesh={})
+    ref_trainer = Trainer(one, device="cpu", grad_callback=keep_first(ref_grads, 1))
+    reference = ref_trainer.fit()
+    fp32_grad_diffs = None
+    if cfg.dtype != "fp32":
+        fp32_grads: dict[str, torch.Tensor] = {}
+        fp32 = one.replace(dtype="fp32", ac="none")
+        Trainer(fp32, device="cpu", grad_callback=keep_first(fp32_grads, 1)).train_step()
+        fp32_grad_diffs = diffs(grads, fp32_grads)
     return {
         "losses": result.losses,
         "ref_losses": reference.losses,
         "grad_norms": result.grad_norms,
         "ref_grad_norms": reference.grad_norms,
+        "grad_diffs": diffs(grads, ref_grads),
+        "fp32_grad_diffs": fp32_grad_diffs,
+        "num_params": sum(1 for m in ref_trainer.model_parts for _ in m.named_parameters()),
         "parts": [sorted(n for n, _ in m.named_parameters())[:1] for m in trainer.model_parts],
         "linear_dtypes": sorted(linear_dtypes),
     }

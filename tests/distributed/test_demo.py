@@ -2,7 +2,8 @@
 
 One real demo run (dp=2 under torchrun, 2 steps) must PASS with the gradient fields
 on its parity line; the same run's results handed back with every gradient 2x too
-large, with one gradient zero, or with a NaN loss must each FAIL it.
+large, with one gradient zero, or with a NaN loss must each FAIL it. Under
+``--dtype bf16`` the line shows the wider bounds and a 2x gradient still FAILs.
 """
 
 from __future__ import annotations
@@ -86,3 +87,35 @@ def test_demo_passes_then_fails_on_2x_zero_and_nan(tmp_path, capsys, monkeypatch
     # A NaN loss on the last step (Python's max() would skip it: NaN is not first).
     line = replay(losses=[metrics["losses"][0], math.nan])
     assert line.endswith(" FAIL") and "max_abs_loss_diff=nan" in line, line
+
+
+def test_demo_under_bf16_prints_its_wider_bounds_and_fails_a_2x_gradient(
+    tmp_path, capsys, monkeypatch
+):
+    # The sharded run's results are replaced by the one-process bf16 run's own (no ranks
+    # start): the parity line shows the bf16 bounds (loss 2e-2, gradients 0.1) and PASSes;
+    # with every gradient 2x it FAILs, while the losses are unchanged.
+    argv = ["--mesh", "dp=2", "--steps", "2", "--dtype", "bf16", "--output-dir", str(tmp_path)]
+    kept = {}
+    real_here = demo._train_here
+
+    def here(cfg):
+        kept["dtype"] = cfg.dtype
+        return real_here(cfg)
+
+    monkeypatch.setattr(demo, "_train_here", here)
+
+    def launch(scale):
+        def fake_launch(cfg, out_dir):
+            losses, grads = real_here(cfg.replace(mesh={}, log_every=0))
+            grads = {n: scale * g for n, g in grads.items()}
+            return 0, {"steps": [1, 2], "losses": losses, "grads": grads}
+
+        return fake_launch
+
+    for scale, verdict in ((1.0, " PASS"), (2.0, " FAIL")):
+        monkeypatch.setattr(demo, "_launch_ranks", launch(scale))
+        assert demo.main(argv) == (0 if verdict == " PASS" else 1)
+        line = _last_line(capsys)
+        assert "tol=2e-2" in line and "grad_rtol=1e-1" in line and line.endswith(verdict), line
+    assert kept["dtype"] == "bf16"  # the reference ran under the same policy

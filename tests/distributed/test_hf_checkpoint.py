@@ -40,6 +40,7 @@ MESHES = {
         {"pp": 2, "tp": 2},
         {"cp": 2, "tp": 2},
         {"dp_shard": 2, "tp": 2, "ep": 4},
+        {"pp": 2, "dp_shard": 2, "ep": 2},
     ],
 }
 CASES = [(family, mesh) for family, meshes in MESHES.items() for mesh in meshes]

@@ -109,6 +109,8 @@ def test_switches_inside_the_stages_match_one_device(dist, schedule, switches, t
             assert abs(loss - ref) <= tol, (r["losses"], r["ref_losses"])
         if tol == BF16_TOL:  # bf16: relative error of each gradient (a 2x or zero one fails)
             check(r["grad_diffs"], rtol=BF16_GRAD_RTOL)
+            # ... against the same bf16 autocast on one device, and against fp32 there.
+            check(r["fp32_grad_diffs"], rtol=BF16_GRAD_RTOL, expect_count=len(r["grad_diffs"]))
         else:
             check(r["grad_diffs"], atol=tol, rtol=FP32_RTOL)
     assert sum(len(r["grad_diffs"]) for r in results) == len(_param_names({}))

@@ -286,12 +286,19 @@ def _assert_step_and_training_match(sharded: dict, single: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mesh", "sequence_parallel"),
-    [(HSDP, False), (CP2_TP2, False), (CP2_TP2, True)],
-    ids=["hsdp", "cp2_tp2", "cp2_tp2_sp"],
+    ("mesh", "sequence_parallel", "model"),
+    [
+        (HSDP, False, "llama3-debug"),
+        (CP2_TP2, False, "llama3-debug"),
+        (CP2_TP2, True, "llama3-debug"),
+        ({"dp_shard": 2, "tp": 2}, False, "qwen3-debug"),  # q/k norms on head shards
+    ],
+    ids=["hsdp", "cp2_tp2", "cp2_tp2_sp", "qwen3_dp2_tp2"],
 )
-def test_step_and_training_match_one_process(dist, mesh, sequence_parallel):
-    cfg = TrainConfig(mesh=mesh, sequence_parallel=sequence_parallel, num_steps=3, **SMALL)
+def test_step_and_training_match_one_process(dist, mesh, sequence_parallel, model):
+    cfg = TrainConfig(
+        model=model, mesh=mesh, sequence_parallel=sequence_parallel, num_steps=3, **SMALL
+    )
     sharded = dist.run(_step_then_train, cfg.to_dict())[0]
     single = dist.run(_step_then_train_one_process_on_rank0, cfg.to_dict())[0]
     _assert_step_and_training_match(sharded, single)

@@ -1,7 +1,9 @@
 """The published benchmark numbers come from ``latest.json``, stamped, by the script.
 
 The README's performance block is exactly what ``run_all.py`` renders from
-``benchmarks/results/latest.json``; ``latest.md`` holds the same summary and every
+``benchmarks/results/latest.json``, and so is every measured figure of its prose
+(``<!-- bench:NAME -->`` markers; "not measured yet" where the section has no data);
+``latest.md`` holds the same summary and every
 section's stamp; ``--only`` keeps the other sections' results; ``--repeat`` pools.
 """
 
@@ -16,6 +18,7 @@ from types import ModuleType
 
 import pytest
 
+X = "\u00d7"  # the multiplication sign the figures print
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -36,6 +39,75 @@ def test_readme_figures_are_the_ones_latest_json_gives(run_all):
     block = run_all.readme_block()
     for row in ("fake PG, tp=8", "real gloo tp=2", "training step", "collectives per step"):
         assert row in block, row
+
+
+def test_every_measured_figure_in_the_readme_prose_is_latest_jsons(run_all):
+    results = run_all.load_results()
+    expected = run_all.figures(results)
+    in_readme = run_all.readme_figures()
+    # Every figure the script makes is in the README, and the README has no other.
+    assert set(in_readme) == set(expected)
+    for name, text in expected.items():
+        assert in_readme[name] == text, name
+        section = {"init-memory": "e", "dry-run": "r", "dry-run-moe": "r", "hf-load": "h"}[name]
+        if section not in results:  # no stale hand number: exactly the placeholder
+            assert text == run_all.not_measured(section), name
+
+
+def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        f"{run_all.README_BEGIN}\nold\n{run_all.README_END}\n"
+        "peak: <!-- bench:init-memory -->253 MiB<!-- /bench:init-memory -->; "
+        "plan: <!-- bench:dry-run -->8.5 s<!-- /bench:dry-run -->; "
+        "moe: <!-- bench:dry-run-moe -->~30 s<!-- /bench:dry-run-moe -->; "
+        "hf: <!-- bench:hf-load -->1.24 s<!-- /bench:hf-load -->\n"
+    )
+    rows = [
+        {"model": m, "mesh": mesh, "world_size": n, "wall_s": w, "cpu_s": c, "peak_rss_bytes": b}
+        for m, mesh, n, w, c, b in (
+            ("llama3-70b", "dp=128,tp=8", 1024, 9.04, 8.46, 341e6),
+            ("qwen3-235b-a22b", "dp_shard=512,tp=8,ep=64", 4096, 31.0, 29.94, 352e6),
+        )
+    ]
+    sections = {"r": {"stamp": {}, "data": rows}}
+    run_all.write_readme("table", readme, run_all.figures(sections))
+    got = run_all.readme_figures(readme)
+    assert got["dry-run"] == (
+        f"llama3-70b at dp=128{X}tp=8 (1,024 ranks) in 8.5 CPU-seconds (9.0 s wall) and 341 MB peak"
+    )
+    assert got["dry-run-moe"].startswith(f"qwen3-235b-a22b at dp_shard=512{X}tp=8{X}ep=64 (4,096")
+    assert got["init-memory"] == run_all.not_measured("e")
+    assert got["hf-load"] == run_all.not_measured("h")
+    assert "old" not in readme.read_text() and "table" in readme.read_text()
+    # Section r without the MoE case: that figure is not measured, the other is.
+    figs = run_all.figures({"r": {"stamp": {}, "data": rows[:1]}})
+    assert figs["dry-run-moe"] == run_all.not_measured("r")
+
+
+def test_hf_load_figure_is_the_medians_of_section_h(run_all):
+    def rank(i, ours_s, dcp_s):
+        timing = {"bytes": [255.9e6], "mapped_bytes": [390e6], "peak_bytes": [131e6, 140e6, 150e6]}
+        return {
+            "rank": i,
+            "state_bytes": 255.9e6,
+            "ours": {"seconds": [ours_s, 9.0, 0.1], **timing},
+            "dcp": {"seconds": [dcp_s, 9.0, 0.1], **timing},
+        }
+
+    h = {
+        "checkpoint": {"bytes": 1.07e9, "files": 4},
+        "mesh": {"dp_shard": 2, "tp": 2},
+        "ranks": [rank(0, 0.5, 1.0), rank(1, 0.8, 1.0)],
+        "data": {"data_tokens_per_s_per_rank": 5.2e6, "train_tokens_per_s": 1e4},
+    }
+    fig = run_all.figures({"h": {"stamp": {}, "data": h}})["hf-load"]
+    assert fig.startswith(f"1,070 MB in 4 files at dp_shard=2 {X} tp=2")
+    # medians 0.5 and 0.8 over 1.0 (the outliers 9.0 / 0.1 do not count)
+    assert f"load time ours / DCP 0.50\u20130.80{X}" in fig
+    assert "ours requests 255.9 MB" in fig and "+140 MB (ours)" in fig
+    assert "file pages mapped: 390.0 MB and 390.0 MB" in fig
+    assert "5.2 M tokens/s" in fig and f"520{X} what" in fig
 
 
 def test_latest_md_is_rendered_from_latest_json_with_every_stamp(run_all):

@@ -1,0 +1,278 @@
+"""Measure this machine into a hardware file: ``hyper-parallel calibrate --out FILE.yaml``.
+
+Spawns ``ranks`` local processes on gloo (torch's ``mp.spawn``, a ``file://``
+rendezvous) and measures, all ranks at once (as a training step runs them):
+
+- **matmul FLOP/s** per dtype (fp32, bf16): square matmuls, ``2 n^3`` FLOPs each, the
+  median rank's rate, written as ``peak_flops``; and ``compute_efficiency``: the rate of
+  a small training step (forward and backward of an MLP stack at a CPU-sized decoder's
+  width, :data:`_MLP`) over the fp32 matmul rate: small matmuls, elementwise ops and
+  autograd run below the large-matmul peak;
+- **each collective** (all_gather, reduce_scatter, all_reduce, all_to_all, and
+  point-to-point send/recv) at a small and a large size over all ranks: the
+  latency-bandwidth model of :mod:`~hyper_parallel.analysis.cost_model` solved for
+  its two unknowns (per-step latency from the small size over the ring's steps;
+  bandwidth from the large size's wire bytes over the rest of its time);
+- **memory bandwidth** (a large copy), for the optimizer step;
+- ``memory_bytes``: the machine's RAM over the ranks; ``gpus_per_node``: the ranks.
+
+The network between nodes is not measured (one machine): ``inter_node`` repeats the
+slowest local collective link, and says so.
+
+Example::
+
+    from hyper_parallel.analysis.calibrate import calibrate
+    calibrate("this-machine.yaml", ranks=4, threads=1)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+
+__all__ = ["calibrate"]
+
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
+_SMALL = 1024  # elements (4 KiB fp32)
+_LARGE = 1 << 21  # elements (8 MiB fp32)
+
+
+def _timed(fn: Any, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs (after one warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _collective(kind: str, numel: int, world: int, rank: int) -> Any:
+    """A callable issuing one ``kind`` whose per-rank buffer (dry run convention) is ``numel``."""
+    if kind == "all_gather":
+        shard = torch.ones(numel // world)
+        out = torch.empty(numel)
+        return lambda: dist.all_gather_into_tensor(out, shard)
+    if kind == "reduce_scatter":
+        full = torch.ones(numel)
+        out = torch.empty(numel // world)
+        return lambda: dist.reduce_scatter_tensor(out, full)
+    if kind == "all_reduce":
+        t = torch.ones(numel)
+        return lambda: dist.all_reduce(t)
+    if kind == "all_to_all":
+        src = torch.ones(numel)
+        dst = torch.empty(numel)
+        return lambda: dist.all_to_all_single(dst, src)
+    buf = torch.ones(numel)  # p2p: rank 0 sends to rank 1
+
+    def p2p() -> None:
+        if rank == 0:
+            dist.send(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+
+    return p2p
+
+
+def _steps(kind: str, world: int) -> int:
+    if kind == "p2p":
+        return 1
+    return (2 if kind == "all_reduce" else 1) * (world - 1)
+
+
+def _wire(kind: str, nbytes: float, world: int) -> float:
+    if kind == "p2p":
+        return nbytes
+    factor = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
+    return nbytes * factor
+
+
+_MLP = {"dim": 256, "hidden": 768, "layers": 4, "tokens": 256}
+"""The reference training step of :func:`_mlp_step_rate`: SwiGLU-free MLP blocks of a
+small decoder's width (what a model sized to a CPU runs)."""
+
+
+def _mlp_step_rate(repeats: int) -> float:
+    """FLOP/s of forward + backward of a small MLP stack in fp32 (matmuls ``6 x params x
+    tokens``): small matmuls, elementwise ops and autograd, as a training step has them."""
+    dim, hidden, layers, tokens = (_MLP[k] for k in ("dim", "hidden", "layers", "tokens"))
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(dim, hidden), torch.nn.SiLU(), torch.nn.Linear(hidden, dim)]
+    model = torch.nn.Sequential(*blocks)
+    x = torch.randn(tokens, dim)
+    params = sum(p.numel() for p in model.parameters())
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    seconds = _timed(step, repeats)
+    return 6 * params * tokens / seconds
+
+
+def _worker(rank: int, world: int, init: str, threads: int, quick: bool, out: str) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    repeats = 3 if quick else 7
+    result: dict[str, Any] = {"flops": {}, "collectives": {}}
+    try:
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            # Several matmuls per timing, so the ranks compute at the same time (as in a
+            # training step) and share the cores as they will then.
+            n, inner = 512, 8
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+
+            def matmuls(a: torch.Tensor = a, b: torch.Tensor = b, inner: int = inner) -> None:
+                for _ in range(inner):
+                    torch.mm(a, b)
+
+            seconds = _timed(matmuls, repeats)
+            result["flops"][name] = 2 * n**3 * inner / seconds
+        result["step_flops"] = _mlp_step_rate(repeats)
+        src = torch.ones(1 << 23)  # 32 MiB
+        dst = torch.empty_like(src)
+        seconds = _timed(lambda: dst.copy_(src), repeats)
+        result["memory_bandwidth"] = 2 * src.numel() * 4 / seconds  # read + write
+        for kind in _KINDS:
+            try:
+                small = _timed(_collective(kind, _SMALL, world, rank), repeats)
+                large = _timed(_collective(kind, _LARGE, world, rank), repeats)
+            except (RuntimeError, ValueError) as e:  # a collective gloo does not have
+                result["collectives"][kind] = {"error": str(e).splitlines()[0]}
+                continue
+            steps = _steps(kind, world)
+            latency = max(small / steps, 1e-7)
+            transfer = max(large - steps * latency, 1e-9)
+            bandwidth = _wire(kind, _LARGE * 4, world) / transfer
+            result["collectives"][kind] = {"latency_s": latency, "bandwidth": bandwidth}
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            Path(out).write_text(yaml.safe_dump(gathered), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool = False) -> str:
+    """Measure this machine on ``ranks`` local gloo ranks; write the hardware file ``path``.
+
+    Returns:
+        A one-paragraph summary of what was measured.
+
+    Raises:
+        RuntimeError: When the ranks fail (their error is shown).
+    """
+    if ranks < 2:
+        raise ValueError("calibrate: ranks must be >= 2 (collectives need two ranks).")
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        raw_path = os.path.join(tmp, "raw.yaml")
+        mp.spawn(_worker, args=(ranks, init, threads, quick, raw_path), nprocs=ranks, join=True)
+        per_rank = yaml.safe_load(Path(raw_path).read_text(encoding="utf-8"))
+    flops = {d: statistics.median(r["flops"][d] for r in per_rank) for d in ("fp32", "bf16")}
+    memory_bw = statistics.median(r["memory_bandwidth"] for r in per_rank)
+    step_rate = statistics.median(r["step_flops"] for r in per_rank)
+    links: dict[str, Any] = {}
+    for kind in _KINDS:
+        rows = [r["collectives"][kind] for r in per_rank if "error" not in r["collectives"][kind]]
+        if not rows:
+            continue
+        links[kind] = {
+            "latency_s": {
+                "value": max(row["latency_s"] for row in rows),
+                "source": f"measured: {kind} of {_SMALL * 4} B on {ranks} gloo ranks",
+            },
+            "bandwidth": {
+                "value": min(row["bandwidth"] for row in rows),
+                "source": f"measured: {kind} of {_LARGE * 4} B on {ranks} gloo ranks "
+                "(wire bytes per rank over the time left after latency)",
+            },
+            "efficiency": 1.0,
+        }
+    slowest = min(links.values(), key=lambda v: v["bandwidth"]["value"])
+    total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu = _cpu_name()
+    hardware = {
+        "name": "calibrated-" + (os.uname().nodename or "host"),
+        "description": f"{cpu}: {ranks} gloo ranks x {threads} thread(s), measured by "
+        f"hyper-parallel calibrate on {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        "memory_bytes": {
+            "value": float(total_ram // ranks),
+            "source": "measured: physical RAM / ranks",
+        },
+        "peak_flops": {
+            d: {
+                "value": flops[d],
+                "source": f"measured: 8 x 512x512 {d} matmuls, median rank, all ranks at once",
+            }
+            for d in ("bf16", "fp32")
+        },
+        "compute_efficiency": {
+            d: {
+                "value": round(min(1.0, step_rate / flops["fp32"]), 4),
+                "source": "measured: forward + backward of an MLP stack (dim "
+                f"{_MLP['dim']}, hidden {_MLP['hidden']}, {_MLP['layers']} layers, "
+                f"{_MLP['tokens']} tokens, fp32) over the fp32 matmul rate",
+            }
+            for d in ("bf16", "fp32")
+        },
+        "hbm_bandwidth": {"value": memory_bw, "source": "measured: 32 MiB copy (read + write)"},
+        "gpus_per_node": {"value": ranks, "source": "the local ranks measured"},
+        "intra_node": {
+            "bandwidth": dict(links.get("all_reduce", slowest)["bandwidth"]),
+            "latency_s": dict(links.get("all_reduce", slowest)["latency_s"]),
+            "efficiency": 1.0,
+        },
+        "inter_node": {
+            "bandwidth": {
+                "value": slowest["bandwidth"]["value"],
+                "source": "not measured (one machine): the slowest local collective",
+            },
+            "latency_s": {
+                "value": slowest["latency_s"]["value"],
+                "source": "not measured (one machine): the slowest local collective",
+            },
+            "efficiency": 1.0,
+        },
+        "collectives": {
+            k: {f: dict(v) if isinstance(v, dict) else v for f, v in link.items()}
+            for k, link in links.items()
+        },
+    }
+    Path(path).write_text(
+        "# Written by 'hyper-parallel calibrate'; every value says how it was measured.\n"
+        + yaml.safe_dump(hardware, sort_keys=False),
+        encoding="utf-8",
+    )
+    parts = [
+        f"{k} {v['bandwidth']['value'] / 1e9:.2f} GB/s, {v['latency_s']['value'] * 1e6:.0f} us/step"
+        for k, v in links.items()
+    ]
+    return (
+        f"wrote {path}: matmul fp32 {flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
+        f"{flops['bf16'] / 1e9:.1f} GFLOP/s per rank; memory {memory_bw / 1e9:.1f} GB/s; "
+        + "; ".join(parts)
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"

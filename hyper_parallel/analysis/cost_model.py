@@ -1,0 +1,401 @@
+"""A written-down cost model for one training step: compute, collectives, pipeline, memory.
+
+Everything here is a formula over data (a hardware file, the dry run's counts); no
+process group and no accelerator. The planner (:mod:`hyper_parallel.analysis.suggest`)
+feeds it what it traced; ``hyper-parallel calibrate`` writes a hardware file of this
+machine so the same formulas can be checked against measured steps.
+
+**Hardware** is data: one YAML file per kind under ``analysis/hardware/`` (``h100-80gb``,
+``h200-141gb``, ``b200``, ``a100-80gb``, ``a100-40gb``, ``mi300x``), each value with its
+source (vendor datasheet, or a stated assumption). A user's own file has the same
+fields, plain numbers or ``{value, source}`` pairs (:func:`load_hardware`).
+
+**Compute.** ``seconds = FLOPs / (peak_flops[dtype] * compute_efficiency[dtype])``. FLOPs
+are counted on the meta device by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls,
+attention as torch counts it: the full, non-causal score matrix), forward and backward
+apart; each rank does ``1 / (tp * cp)`` of a sequence's work (experts: uniform routing).
+
+**Collectives** (Hockney's latency-bandwidth model, as NCCL's own tuner writes it in
+``src/graph/tuning.cc``): ``seconds = steps * latency + wire_bytes / (bandwidth *
+efficiency)``, ``wire_bytes`` what one rank sends in a ring (nccl-tests
+``PERFORMANCE.md`` bus-bandwidth factors: ``(p-1)/p`` of the buffer for all-gather,
+reduce-scatter and all-to-all, ``2(p-1)/p`` for all-reduce). Ring steps: ``p - 1``
+(``2(p - 1)`` for all-reduce); NCCL picks a tree for all-reduce when that is faster
+(``2 log2 p`` steps, same bytes): the faster of the two is taken. The link is the
+slowest one the group crosses: the mesh is laid out outermost first as ``pp,
+dp_replicate, dp_shard, cp, tp`` (tp innermost), so an axis whose ranks are
+``stride`` apart with ``size`` ranks stays inside a node when ``stride * size <=
+gpus_per_node``; otherwise it crosses nodes and runs at the per-GPU network bandwidth
+(a ring through several nodes is limited by its inter-node hops).
+
+**Overlap** (stated assumptions, as FSDP2 and torch's pipelining behave):
+
+- tensor-, context- and expert-parallel collectives sit between dependent
+  computations: fully exposed (counted on the critical path);
+- FSDP2's all-gathers are prefetched one unit ahead and its reduce-scatters run behind
+  the next unit's backward (FSDP2 defaults, ``torch.distributed.fsdp.fully_shard``):
+  hidden behind the compute of the same phase up to that compute's length, except
+  the first unit's gather and the last unit's reduce (one unit each) which nothing
+  hides; HSDP's all-reduce over ``dp_replicate`` is hidden the same way;
+- under a pipeline, FSDP2's gradient reduction runs once at the end of the step
+  (torch's ``REDUCE_GRAD`` action): hidden behind the last backward only;
+- pipeline point-to-point sends of a micro-batch's activations add to the op that
+  produces them (a stage waits for its input);
+- compute and communication do not slow each other (no SM or memory contention).
+
+**Pipeline.** The bubble comes from the schedule's own action list (torch's
+``get_schedule_ops``, :func:`~hyper_parallel.analysis.pipeline_cost.rank_ops`)
+replayed with the heaviest stage's forward, backward, input-gradient and
+weight-gradient times (:func:`~hyper_parallel.analysis.pipeline_cost.simulate`).
+
+**Activation checkpointing** recomputes the forward of each checkpointed block
+inside its backward: its forward FLOPs and its forward collectives once more.
+
+**Optimizer.** AdamW is memory-bound: per local element it reads parameter, gradient
+and two moments and writes parameter and moments (about 28 bytes in fp32) at the HBM
+bandwidth.
+
+Example::
+
+    from hyper_parallel.analysis.cost_model import load_hardware, collective_seconds
+    hw = load_hardware("h100-80gb")
+    collective_seconds(hw, "all_gather", 1 << 30, count=1, group_size=8, crosses_nodes=False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "HARDWARE_KINDS",
+    "MEMORY_HEADROOM_BYTES",
+    "MEMORY_HEADROOM_FRACTION",
+    "OPTIMIZER_BYTES_PER_ELEMENT",
+    "Hardware",
+    "Link",
+    "axis_span",
+    "collective_seconds",
+    "compute_seconds",
+    "list_hardware",
+    "load_hardware",
+    "usable_memory",
+]
+
+HARDWARE_KINDS = ("h100-80gb", "h200-141gb", "b200", "a100-80gb", "a100-40gb", "mi300x")
+"""The hardware files shipped with the package (``analysis/hardware/<kind>.yaml``)."""
+
+MEMORY_HEADROOM_FRACTION = 0.08
+"""Share of device memory kept free for the caching allocator's fragmentation (PyTorch's
+allocator rounds blocks and cannot always reuse freed segments; torchtitan runs report
+reserved memory some 5-10 % above allocated)."""
+
+MEMORY_HEADROOM_BYTES = 2 * 1024**3
+"""Bytes kept free for the CUDA context, cuBLAS workspaces and NCCL's communication
+buffers (NCCL's default ``NCCL_BUFFSIZE`` is 4 MiB per channel and peer; a context plus
+workspaces is around 1 GiB)."""
+
+OPTIMIZER_BYTES_PER_ELEMENT = 28
+"""HBM bytes AdamW moves per local fp32 element: reads parameter, gradient and two
+moments (16), writes parameter and two moments (12)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One kind of link: bandwidth each way per GPU (bytes/s), per-step latency, efficiency."""
+
+    bandwidth: float
+    latency_s: float
+    efficiency: float = 1.0
+
+    def to_dict(self) -> dict[str, float]:
+        """JSON-friendly form."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One GPU kind (or a calibrated machine): what the cost model needs to know.
+
+    Attributes:
+        name: Kind name (``h100-80gb``) or the file's own name.
+        description: One line for people.
+        memory_bytes: Device memory per GPU.
+        peak_flops: Dense peak FLOP/s per compute dtype (``bf16``, ``fp32``).
+        compute_efficiency: Achieved fraction of ``peak_flops`` per dtype.
+        hbm_bandwidth: Device memory bandwidth (bytes/s), for the optimizer step.
+        gpus_per_node: GPUs in one node (the default of ``--gpus-per-node``).
+        intra_node: Links inside a node.
+        inter_node: The network between nodes (per GPU).
+        collectives: Optional per-kind links measured by ``calibrate`` (inside a node);
+            they replace ``intra_node`` for that kind of collective.
+        sources: Where each value comes from, by dotted field name.
+    """
+
+    name: str
+    description: str
+    memory_bytes: float
+    peak_flops: dict[str, float]
+    compute_efficiency: dict[str, float]
+    hbm_bandwidth: float
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link
+    collectives: dict[str, Link] = dataclasses.field(default_factory=dict)
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def flops(self, dtype: str) -> float:
+        """Achieved FLOP/s in ``dtype``: peak times efficiency."""
+        key = "bf16" if dtype in ("bf16", "fp16") else "fp32"
+        return self.peak_flops[key] * self.compute_efficiency[key]
+
+    def link(self, kind: str, crosses_nodes: bool) -> Link:
+        """The link a collective of ``kind`` runs at."""
+        if crosses_nodes:
+            return self.inter_node
+        return self.collectives.get(kind, self.intra_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form (the ``hardware`` key of ``suggest --format json``)."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "memory_bytes": self.memory_bytes,
+            "peak_flops": dict(self.peak_flops),
+            "compute_efficiency": dict(self.compute_efficiency),
+            "hbm_bandwidth": self.hbm_bandwidth,
+            "gpus_per_node": self.gpus_per_node,
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
+            "collectives": {k: v.to_dict() for k, v in self.collectives.items()},
+            "sources": dict(self.sources),
+        }
+
+
+def list_hardware() -> list[str]:
+    """The shipped hardware kinds (file names without ``.yaml``)."""
+    files = resources.files("hyper_parallel.analysis").joinpath("hardware")
+    return sorted(f.name.removesuffix(".yaml") for f in files.iterdir() if f.name.endswith(".yaml"))
+
+
+def load_hardware(kind_or_path: str | Path) -> Hardware:
+    """Read a hardware file: a shipped kind (``"h100-80gb"``) or a path to a YAML file.
+
+    Every value may be a plain number or ``{value: X, source: "..."}``.
+
+    Raises:
+        ValueError: An unknown kind (the known ones listed), an unreadable file, or a
+            missing or malformed field (named, with the fix).
+    """
+    text = str(kind_or_path)
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ValueError(f"hardware file {text!r}: cannot read it ({e.strerror}).") from None
+        where = f"hardware file {text!r}"
+    else:
+        kinds = list_hardware()
+        if text not in kinds:
+            raise ValueError(
+                f"unknown GPU kind {text!r}; known kinds: {', '.join(kinds)}. Give one of "
+                "them with --gpu, or your own file with --hardware FILE.yaml "
+                "(hyper-parallel calibrate --out FILE.yaml writes one for this machine)."
+            )
+        files = resources.files("hyper_parallel.analysis").joinpath("hardware")
+        raw = yaml.safe_load(files.joinpath(f"{text}.yaml").read_text(encoding="utf-8"))
+        where = f"hardware kind {text!r}"
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a YAML mapping of fields, got {type(raw).__name__}.")
+    return _parse(raw, where, default_name=path.stem if path.suffix else text)
+
+
+def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
+    sources: dict[str, str] = {}
+
+    def value(key: str, node: Any, cast: type = float) -> Any:
+        if isinstance(node, Mapping):
+            if "value" not in node:
+                raise ValueError(
+                    f"{where}: field {key!r} is a mapping without 'value'; "
+                    "write it as a number or {value: X, source: '...'}."
+                )
+            if "source" in node:
+                sources[key] = str(node["source"])
+            node = node["value"]
+        try:
+            out = cast(node)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: field {key!r} is {node!r}, not a number.") from None
+        if out <= 0:
+            raise ValueError(f"{where}: field {key!r} is {out}; it must be > 0.")
+        return out
+
+    def need(key: str) -> Any:
+        if key not in raw:
+            raise ValueError(
+                f"{where}: missing field {key!r}; a hardware file needs memory_bytes, "
+                "peak_flops {bf16, fp32}, compute_efficiency {bf16, fp32}, hbm_bandwidth, "
+                "gpus_per_node, intra_node and inter_node {bandwidth, latency_s, efficiency} "
+                "(see hyper_parallel/analysis/hardware/h100-80gb.yaml)."
+            )
+        return raw[key]
+
+    def per_dtype(key: str) -> dict[str, float]:
+        node = need(key)
+        if not isinstance(node, Mapping) or "value" in node:
+            return {d: value(key, node) for d in ("bf16", "fp32")}
+        missing = [d for d in ("bf16", "fp32") if d not in node]
+        if missing:
+            raise ValueError(f"{where}: field {key!r} lacks {missing}; give bf16 and fp32.")
+        return {d: value(f"{key}.{d}", node[d]) for d in ("bf16", "fp32")}
+
+    def link(key: str, node: Any) -> Link:
+        if not isinstance(node, Mapping):
+            raise ValueError(
+                f"{where}: field {key!r} must be a mapping of bandwidth, "
+                "latency_s and (optionally) efficiency."
+            )
+        for k in ("bandwidth", "latency_s"):
+            if k not in node:
+                raise ValueError(f"{where}: field {key!r} lacks {k!r}.")
+        return Link(
+            bandwidth=value(f"{key}.bandwidth", node["bandwidth"]),
+            latency_s=value(f"{key}.latency_s", node["latency_s"]),
+            efficiency=value(f"{key}.efficiency", node.get("efficiency", 1.0)),
+        )
+
+    collectives = raw.get("collectives") or {}
+    if not isinstance(collectives, Mapping):
+        raise ValueError(f"{where}: field 'collectives' must map a collective kind to a link.")
+    return Hardware(
+        name=str(raw.get("name", default_name)),
+        description=str(raw.get("description", "")),
+        memory_bytes=value("memory_bytes", need("memory_bytes")),
+        peak_flops=per_dtype("peak_flops"),
+        compute_efficiency=per_dtype("compute_efficiency"),
+        hbm_bandwidth=value("hbm_bandwidth", need("hbm_bandwidth")),
+        gpus_per_node=value("gpus_per_node", need("gpus_per_node"), int),
+        intra_node=link("intra_node", need("intra_node")),
+        inter_node=link("inter_node", need("inter_node")),
+        collectives={str(k): link(f"collectives.{k}", v) for k, v in collectives.items()},
+        sources=sources,
+    )
+
+
+def usable_memory(hw: Hardware) -> float:
+    """Bytes a rank may plan for: device memory less the stated headroom.
+
+    ``memory_bytes * (1 - MEMORY_HEADROOM_FRACTION) - MEMORY_HEADROOM_BYTES``; a file
+    with less than four times the fixed headroom (a CPU calibration) keeps only the
+    fractional part.
+    """
+    fixed = MEMORY_HEADROOM_BYTES if hw.memory_bytes > 4 * MEMORY_HEADROOM_BYTES else 0
+    return hw.memory_bytes * (1 - MEMORY_HEADROOM_FRACTION) - fixed
+
+
+# ------------------------------------------------------------------------------ axes
+
+_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
+    """``(group size, crosses nodes)`` of ``axis`` under the mesh's rank order (see
+    :func:`_axis_span`)."""
+    return _axis_span(layout, axis, gpus_per_node)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
+    """``(group size, crosses nodes)`` of ``axis`` under the mesh's rank order.
+
+    Ranks are laid out outermost first as pp, dp_replicate, dp_shard, cp, tp; an axis'
+    group holds ranks ``stride`` apart, ``stride`` being the product of the sizes inside
+    it. Derived axes: ``fsdp`` = dp_shard x cp (stride tp), ``ep`` borrows the innermost
+    ranks (stride 1), ``efsdp`` the rest of dp_shard x cp x tp (stride ep), ``batch`` =
+    dp_replicate x dp_shard (stride cp x tp), ``loss`` = batch x cp.
+
+    Example:
+        >>> from hyper_parallel.distributed.layout import MeshLayout
+        >>> _axis_span(MeshLayout(dp_shard=4, tp=8), "tp", 8), _axis_span(
+        ...     MeshLayout(dp_shard=4, tp=8), "dp_shard", 8)
+        ((8, False), (4, True))
+    """
+    size = {a: layout.size(a) for a in _ORDER}
+    inner = {a: math.prod(size[b] for b in _ORDER[i + 1 :]) for i, a in enumerate(_ORDER)}
+    if axis in _ORDER:
+        group, stride = size[axis], inner[axis]
+    elif axis == "fsdp":
+        group, stride = size["dp_shard"] * size["cp"], inner["cp"]
+    elif axis == "ep":
+        group, stride = layout.ep, 1
+    elif axis == "efsdp":
+        group, stride = layout.efsdp, layout.ep
+    elif axis == "batch":
+        group, stride = size["dp_replicate"] * size["dp_shard"], inner["dp_shard"]
+    elif axis == "loss":
+        group, stride = size["dp_replicate"] * size["dp_shard"] * size["cp"], inner["cp"]
+    else:
+        raise ValueError(f"axis_span: unknown axis {axis!r}.")
+    if group <= 1:
+        return 1, False
+    # Contiguous blocks of `gpus_per_node` ranks form a node; a group stays inside one
+    # when its span (stride x size) tiles the node.
+    return group, gpus_per_node % (stride * group) != 0
+
+
+# ------------------------------------------------------------------------------ costs
+
+
+def compute_seconds(hw: Hardware, flops: float, dtype: str) -> float:
+    """Seconds for ``flops`` at the achieved rate of ``dtype`` (peak x efficiency)."""
+    return flops / hw.flops(dtype)
+
+
+_WIRE = {
+    "all_reduce": lambda p: 2 * (p - 1) / p,
+    "all_gather": lambda p: (p - 1) / p,
+    "reduce_scatter": lambda p: (p - 1) / p,
+    "all_to_all": lambda p: (p - 1) / p,
+    "broadcast": lambda p: 1.0,
+}
+
+
+def collective_seconds(
+    hw: Hardware,
+    kind: str,
+    num_bytes: float,
+    *,
+    count: int,
+    group_size: int,
+    crosses_nodes: bool,
+) -> float:
+    """Seconds for ``count`` collectives moving ``num_bytes`` (buffer bytes, all together).
+
+    ``num_bytes`` is the dry run's per-rank buffer (all-gather: the gathered output;
+    reduce-scatter: the full input; all-reduce: the tensor; all-to-all: the input).
+
+    Example:
+        >>> hw = load_hardware("h100-80gb")
+        >>> round(collective_seconds(hw, "all_gather", 0, count=1, group_size=8,
+        ...                          crosses_nodes=False) * 1e6, 1)  # 7 ring steps
+        21.0
+    """
+    if group_size <= 1 or count <= 0:
+        return 0.0
+    link = hw.link(kind, crosses_nodes)
+    wire = num_bytes * _WIRE.get(kind, _WIRE["all_gather"])(group_size)
+    transfer = wire / (link.bandwidth * link.efficiency)
+    ring_steps = (2 if kind == "all_reduce" else 1) * (group_size - 1)
+    steps = ring_steps
+    if kind == "all_reduce":  # NCCL's tree: 2 log2(p) steps for the same bytes
+        steps = min(ring_steps, 2 * math.ceil(math.log2(group_size)))
+    return count * steps * link.latency_s + transfer

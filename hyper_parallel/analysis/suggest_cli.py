@@ -1,0 +1,159 @@
+"""The ``suggest`` and ``calibrate`` subcommands of ``hyper-parallel`` (parsers and runners).
+
+Kept apart from :mod:`hyper_parallel.cli` so that file only registers them.
+
+Examples::
+
+    hyper-parallel suggest --model llama3-70b --gpus 1024 --gpu h100-80gb --seq 8192 \\
+        --global-batch-tokens 4194304 --top 5
+    hyper-parallel suggest --hf-config config.json --gpus 64 --hardware mine.yaml \\
+        --seq 4096 --global-batch-tokens 1048576 --format json --chart suggest.png
+    hyper-parallel calibrate --out this-machine.yaml
+
+Exit status: 0 with plans; 1 when nothing fits ("does not fit: needs >= X GB per GPU at
+best (layout ...)"); 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_calibrate_parser", "add_suggest_parser", "run_calibrate", "run_suggest"]
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+def add_suggest_parser(sub: Any) -> None:
+    """Register ``suggest`` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "suggest",
+        help="search the layouts of a model on N GPUs; print the fastest that fit",
+        description="Search pp, dp_replicate, dp_shard, cp, tp, ep, micro-batches, schedule, "
+        "activation checkpointing and sequence parallel; drop what the plan checks refuse and "
+        "what does not fit in memory (dry run); rank the rest by the cost model's step time.",
+    )
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="registered model name (see 'hyper-parallel models')")
+    which.add_argument(
+        "--hf-config", metavar="PATH", help="a Hugging Face config.json (Llama, Qwen3-MoE)"
+    )
+    p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs")
+    p.add_argument(
+        "--gpus-per-node",
+        type=_positive,
+        default=None,
+        help="GPUs per node (default: the hardware file's, 8 for the shipped kinds)",
+    )
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--gpu", metavar="KIND", help="shipped hardware kind, e.g. h100-80gb")
+    kind.add_argument("--hardware", metavar="FILE", help="your own hardware YAML file")
+    p.add_argument("--seq", type=_positive, required=True, help="tokens per sequence")
+    p.add_argument(
+        "--global-batch-tokens", type=_positive, required=True, help="tokens per optimizer step"
+    )
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="default bf16")
+    p.add_argument("--top", type=_positive, default=5, help="plans to print (default 5)")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--chart", metavar="PNG", help="draw step time vs memory of the candidates")
+    p.add_argument(
+        "--allow-cross-node-tp", action="store_true", help="also search tp spanning nodes"
+    )
+    p.add_argument(
+        "--allow-cross-node-ep", action="store_true", help="also search ep spanning nodes"
+    )
+    p.set_defaults(func=run_suggest)
+
+
+def run_suggest(args: argparse.Namespace) -> int:
+    """Run ``suggest``; returns the exit status."""
+    from hyper_parallel.analysis.suggest import (
+        DoesNotFit,
+        ModelSource,
+        model_from_hf_config,
+        suggest,
+    )
+
+    try:
+        if args.hf_config is not None:
+            source = model_from_hf_config(args.hf_config)
+        else:
+            from hyper_parallel.dmodule.model_spec import get_spec
+
+            get_spec(args.model)
+            source = ModelSource(args.model)
+        report = suggest(
+            source,
+            gpus=args.gpus,
+            gpu=args.gpu or args.hardware,
+            seq_len=args.seq,
+            global_batch_tokens=args.global_batch_tokens,
+            gpus_per_node=args.gpus_per_node,
+            dtype=args.dtype,
+            top=args.top,
+            allow_cross_node_tp=args.allow_cross_node_tp,
+            allow_cross_node_ep=args.allow_cross_node_ep,
+        )
+    except DoesNotFit as e:
+        if args.format == "json":
+            print(json.dumps(e.report.to_dict() | {"error": str(e)}, indent=1))
+        _chart(args, e.report)
+        print(f"hyper-parallel suggest: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"hyper-parallel suggest: error: {e}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(report.to_table())
+    _chart(args, report)
+    return 0
+
+
+def _chart(args: argparse.Namespace, report: Any) -> None:
+    if args.chart:
+        from hyper_parallel.analysis.charts import suggest_chart
+
+        suggest_chart(report, args.chart)
+        print(f"chart: {args.chart}", file=sys.stderr)
+
+
+def add_calibrate_parser(sub: Any) -> None:
+    """Register ``calibrate`` on the CLI's subparsers."""
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this machine (matmul FLOP/s, gloo collectives) into a hardware file",
+        description="Measure matmul FLOP/s per dtype and each collective's latency and "
+        "bandwidth on local gloo ranks; write a hardware YAML file that 'suggest --hardware' "
+        "and the benchmark read.",
+    )
+    p.add_argument("--out", required=True, metavar="FILE.yaml", help="where to write it")
+    p.add_argument("--ranks", type=_positive, default=4, help="local gloo ranks (default 4)")
+    p.add_argument(
+        "--threads", type=_positive, default=1, help="torch threads per rank (default 1)"
+    )
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.set_defaults(func=run_calibrate)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """Run ``calibrate``; returns the exit status."""
+    from hyper_parallel.analysis.calibrate import calibrate
+
+    if not args.out.endswith((".yaml", ".yml")):
+        print("hyper-parallel calibrate: error: --out must end in .yaml", file=sys.stderr)
+        return 2
+    result = calibrate(args.out, ranks=args.ranks, threads=args.threads, quick=args.quick)
+    print(result)
+    return 0

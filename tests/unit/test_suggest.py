@@ -1,0 +1,298 @@
+"""``hyper-parallel suggest``: answers that make sense, the cost model's formulas, files.
+
+Small models and clusters so each search takes a few seconds (one dry run per local
+structure, shared by every candidate with it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import yaml
+
+from hyper_parallel.analysis.cost_model import (
+    HARDWARE_KINDS,
+    axis_span,
+    collective_seconds,
+    list_hardware,
+    load_hardware,
+    usable_memory,
+)
+from hyper_parallel.analysis.suggest import (
+    DoesNotFit,
+    ModelSource,
+    model_from_hf_config,
+    suggest,
+)
+from hyper_parallel.cli import main
+from hyper_parallel.distributed.layout import MeshLayout
+
+# A ~0.3B Llama: fits one GPU for training, big enough that compute matters.
+SMALL_LLAMA = ModelSource(
+    "llama3-8b",
+    (
+        ("dim", 1024),
+        ("ffn_dim", 4096),
+        ("num_heads", 16),
+        ("num_kv_heads", 8),
+        ("num_layers", 8),
+        ("vocab_size", 32000),
+    ),
+    label="llama-0.3b",
+)
+
+
+def _hardware(**changes: object) -> object:
+    return dataclasses.replace(load_hardware("h100-80gb"), **changes)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_every_shipped_kind_loads_with_sources() -> None:
+    assert set(HARDWARE_KINDS) <= set(list_hardware())
+    for kind in HARDWARE_KINDS:
+        hw = load_hardware(kind)
+        assert hw.memory_bytes > 30e9 and hw.peak_flops["bf16"] > 1e14
+        assert hw.intra_node.bandwidth > hw.inter_node.bandwidth
+        # every number the file gives carries its source
+        for field in (
+            "memory_bytes",
+            "peak_flops.bf16",
+            "hbm_bandwidth",
+            "intra_node.bandwidth",
+            "inter_node.bandwidth",
+        ):
+            assert hw.sources.get(field), (kind, field)
+
+
+def test_user_hardware_file_plain_numbers(tmp_path) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "mine",
+                "memory_bytes": 16e9,
+                "peak_flops": {"bf16": 1e14, "fp32": 5e13},
+                "compute_efficiency": 0.5,
+                "hbm_bandwidth": 1e12,
+                "gpus_per_node": 4,
+                "intra_node": {"bandwidth": 1e11, "latency_s": 5e-6},
+                "inter_node": {"bandwidth": 1e10, "latency_s": 2e-5, "efficiency": 0.7},
+            }
+        )
+    )
+    hw = load_hardware(path)
+    assert hw.gpus_per_node == 4 and hw.compute_efficiency == {"bf16": 0.5, "fp32": 0.5}
+    assert hw.inter_node.efficiency == 0.7 and hw.intra_node.efficiency == 1.0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "bad", "memory_bytes": 1e9}))
+    with pytest.raises(ValueError, match="missing field 'peak_flops'"):
+        load_hardware(bad)
+    with pytest.raises(ValueError, match=r"unknown GPU kind 'h100'.*h100-80gb"):
+        load_hardware("h100")
+
+
+def test_axis_span_follows_mesh_order() -> None:
+    layout = MeshLayout(pp=2, dp_replicate=2, dp_shard=4, cp=2, tp=4)
+    assert axis_span(layout, "tp", 8) == (4, False)
+    assert axis_span(layout, "cp", 8) == (2, False)  # stride 4: ranks 0 and 4 of a node
+    assert axis_span(layout, "dp_shard", 8) == (4, True)  # stride 8
+    assert axis_span(layout, "fsdp", 8) == (8, True)  # dp_shard x cp = 8 at stride 4
+    assert axis_span(layout, "fsdp", 32) == (8, False)
+    assert axis_span(MeshLayout(dp_shard=8, ep=4), "ep", 8) == (4, False)
+    assert axis_span(MeshLayout(dp_shard=8, ep=4), "efsdp", 8) == (2, False)
+
+
+def test_collective_formula() -> None:
+    hw = load_hardware("h100-80gb")
+    link = hw.intra_node
+    n, p = 1 << 30, 8
+    got = collective_seconds(hw, "all_gather", n, count=1, group_size=p, crosses_nodes=False)
+    want = (p - 1) * link.latency_s + n * (p - 1) / p / (link.bandwidth * link.efficiency)
+    assert math.isclose(got, want)
+    # all-reduce: twice the bytes; tree latency (2 log2 p steps) when it beats the ring
+    ar = collective_seconds(hw, "all_reduce", n, count=1, group_size=p, crosses_nodes=False)
+    assert math.isclose(ar, 6 * link.latency_s + 2 * n * (p - 1) / p / (link.bandwidth * 0.8))
+    inter = collective_seconds(hw, "all_gather", n, count=1, group_size=p, crosses_nodes=True)
+    assert inter > 5 * got
+    assert usable_memory(hw) < hw.memory_bytes - 2 * 1024**3
+
+
+def test_hf_config(tmp_path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 2048,
+                "intermediate_size": 8192,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "num_hidden_layers": 16,
+                "vocab_size": 128256,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0,
+                "max_position_embeddings": 131072,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    source = model_from_hf_config(path)
+    config = source.config()
+    assert len(config.layers) == 16 and config.norm.dim == 2048
+    path.write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        model_from_hf_config(path)
+
+
+# ----------------------------------------------------------------------------- answers
+
+
+def test_model_that_fits_one_gpu_gets_plain_data_parallel() -> None:
+    report = suggest(
+        SMALL_LLAMA, gpus=4, gpu="h100-80gb", seq_len=1024, global_batch_tokens=4 * 8 * 1024, top=3
+    )
+    best = report.plans[0][0]
+    assert (best.pp, best.cp, best.tp, best.ep) == (1, 1, 1, 1), best
+    assert best.dp == 4
+    assert report.searched > 50 and 0 < report.traced <= 6
+    plan = report.to_dict()["plans"][0]
+    assert set(plan) == {"mesh", "microbatches", "schedule", "ac", "sp", "predicted", "command"}
+    assert set(plan["predicted"]) >= {
+        "step_s",
+        "tokens_per_s_per_gpu",
+        "mfu",
+        "memory_bytes_per_gpu",
+    }
+    assert 0 < plan["predicted"]["mfu"] < 0.6
+    assert plan["predicted"]["memory_bytes_per_gpu"] < usable_memory(report.hardware)
+    assert plan["command"].startswith(
+        "torchrun --standalone --nproc-per-node 4 -m "
+        "hyper_parallel.train.run --model llama3-8b "
+        "--model-overrides "
+    )
+    assert f"--mesh {best.mesh_text()} " in plan["command"]
+    assert "--batch-size 32 " in plan["command"] and "--seq-len 1024 " in plan["command"]
+    assert set(report.to_dict()) >= {"plans", "rejected", "hardware", "searched", "traced"}
+
+
+def test_tp_never_spans_nodes_unless_allowed() -> None:
+    hw = _hardware(memory_bytes=8e9)  # forces model parallelism for the 0.3B model
+    report = suggest(
+        SMALL_LLAMA,
+        gpus=4,
+        gpu=hw,
+        gpus_per_node=2,
+        seq_len=1024,
+        global_batch_tokens=4 * 1024,
+        top=100,
+    )
+    assert report.plans and all(c.tp <= 2 for c, _, _ in report.plans)
+    assert report.rejected["tp would span nodes (allow with --allow-cross-node-tp)"] == 1
+
+
+def test_sequence_that_does_not_fit_gets_cp() -> None:
+    # Two 16k-token sequences on four GPUs, tp ruled out (one GPU per node): one
+    # sequence per data-parallel rank at most, so the sequence itself must be split.
+    report = suggest(
+        SMALL_LLAMA,
+        gpus=4,
+        gpu="h100-80gb",
+        gpus_per_node=1,
+        seq_len=16384,
+        global_batch_tokens=2 * 16384,
+        top=20,
+    )
+    best = report.plans[0][0]
+    assert best.cp > 1 and best.tp == 1, best
+    # and with memory just above what the best needs, it still fits and keeps cp
+    need = report.plans[0][1].memory_bytes_per_gpu
+    tight = _hardware(memory_bytes=(need + 2 * 1024**3) / 0.92 + 1e6)
+    again = suggest(
+        SMALL_LLAMA,
+        gpus=4,
+        gpu=tight,
+        gpus_per_node=1,
+        seq_len=16384,
+        global_batch_tokens=2 * 16384,
+        top=3,
+    )
+    assert again.plans[0][0].cp > 1
+    assert again.plans[0][1].memory_bytes_per_gpu <= again.memory_limit
+
+
+def test_moe_gets_ep() -> None:
+    moe = ModelSource(
+        "qwen3-moe-debug",
+        (
+            ("dim", 512),
+            ("moe_hidden_dim", 1024),
+            ("num_experts", 32),
+            ("top_k", 2),
+            ("num_heads", 8),
+            ("num_kv_heads", 4),
+            ("head_dim", 64),
+            ("num_layers", 4),
+            ("vocab_size", 32000),
+        ),
+    )
+    report = suggest(
+        moe, gpus=2, gpu="h100-80gb", seq_len=1024, global_batch_tokens=2 * 1024, top=3
+    )
+    assert report.plans[0][0].ep == 2, report.plans[0][0]
+
+
+def test_cluster_too_small_does_not_fit(capsys) -> None:
+    with pytest.raises(
+        DoesNotFit,
+        match=r"does not fit: needs >= [\d.]+ GB per GPU at best "
+        r"\(layout ",
+    ):
+        suggest("llama3-405b", gpus=8, gpu="h100-80gb", seq_len=8192, global_batch_tokens=8 * 8192)
+    code = main(
+        [
+            "suggest",
+            "--model",
+            "llama3-405b",
+            "--gpus",
+            "8",
+            "--gpu",
+            "h100-80gb",
+            "--seq",
+            "8192",
+            "--global-batch-tokens",
+            str(8 * 8192),
+        ]
+    )
+    assert code == 1
+    assert "does not fit: needs >=" in capsys.readouterr().err
+
+
+def test_charts_are_written(tmp_path) -> None:
+    from hyper_parallel.analysis.charts import suggest_chart
+
+    report = suggest(
+        SMALL_LLAMA, gpus=2, gpu="h100-80gb", seq_len=1024, global_batch_tokens=2 * 1024, top=2
+    )
+    suggest_chart(report, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 10_000
+    code = main(
+        [
+            "plan",
+            "--model",
+            "llama3-debug",
+            "--mesh",
+            "pp=2",
+            "--seq",
+            "64",
+            "--microbatches",
+            "2",
+            "--chart",
+            str(tmp_path / "p.png"),
+        ]
+    )
+    assert code == 0 and (tmp_path / "p.png").stat().st_size > 10_000
