@@ -6,9 +6,14 @@ from the DTensor's mesh coordinates and placements (tp, sp, FSDP2/HSDP including
 FSDP over a tensor-parallel shard, cp, ep, pp stages alike) and reads just that
 box of the file with safetensors' ``get_slice`` — per expert for stacked experts,
 only this rank's experts — so a rank reads its shards (plus what it holds
-replicated) and holds at most one slice besides its states. Rotary rows are read in
-our order (:mod:`~hyper_parallel.checkpoint_hf.mapping`): the box then spans whole
-heads, at most one head more than the shard.
+replicated). Each file is opened once; a shard made of a few contiguous blocks
+(every shard of tp, FSDP2 and FSDP over tp) is copied block by block from the
+file's slice straight into the local tensor (with safetensors >= 0.8 the slice is a
+view of the memory-mapped file: nothing is held besides the states), any other
+through one slice and ``index_select``. Rotary rows are read in our order
+(:mod:`~hyper_parallel.checkpoint_hf.mapping`): whole heads are copied through a
+reordering view; otherwise the box spans whole heads, at most one head more than
+the shard.
 
 Before anything is written every problem is collected — a tensor the model needs
 that the checkpoint lacks, a tensor of the checkpoint no parameter takes, a wrong
@@ -24,7 +29,9 @@ lowest rank holding it, which writes safetensors shards of at most
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -122,23 +129,24 @@ def _named_params(parts: list[nn.Module]) -> dict[str, nn.Parameter]:
     return {_clean(n): p for part in parts for n, p in part.named_parameters()}
 
 
-class _Files:
-    """Open safetensors handles, one per file, kept for one load."""
+_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
+_MAX_BLOCKS = 64  # a shard of more contiguous pieces is gathered with index_select instead
 
-    def __init__(self) -> None:
-        self._handles: dict[str, Any] = {}
 
-    def slice(self, file: str, name: str) -> Any:
-        handle = self._handles.get(file)
-        if handle is None:
-            from safetensors import safe_open
+def _headers(files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Shape and safetensors dtype of every tensor, reading each file's header once."""
+    from safetensors import safe_open
 
-            handle = self._handles[file] = safe_open(file, framework="pt")
-        return handle.get_slice(name)
-
-    def close(self) -> None:
-        """Drop every handle (and its memory map)."""
-        self._handles.clear()
+    by_file: dict[str, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    headers = {}
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                sl = f.get_slice(name)
+                headers[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return headers
 
 
 def _global_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
@@ -152,12 +160,11 @@ def _check(
     config: HFConfig,
     maps: list[TensorMap],
     files: dict[str, str],
-    reader: _Files,
+    headers: dict[str, tuple[tuple[int, ...], str]],
     params: dict[str, nn.Parameter],
 ) -> list[str]:
     problems = []
     by_ours = {m.ours: m for m in maps}
-    shapes = _global_shapes(config)
     for name in sorted(set(params) - set(by_ours)):
         problems.append(
             f"parameter {name}: no Hugging Face tensor maps to it (model is not a "
@@ -167,23 +174,34 @@ def _check(
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     for name in sorted(set(files) - used - optional):
         problems.append(f"unexpected tensor {name} in {os.path.basename(files[name])}")
+    # A parameter this rank holds is checked against the tensor it is read into; the
+    # config's shapes (a model built on the meta device) are needed only for the
+    # parameters of other pipeline stages, which every rank checks alike.
+    config_shapes = _global_shapes(config) if any(m.ours not in params for m in maps) else None
     for m in maps:
-        shape = shapes.get(m.ours)
-        if shape is None:
-            problems.append(f"mapping names {m.ours}, which the model of this config lacks")
-            continue
+        if config_shapes is None:
+            shape = tuple(params[m.ours].shape)
+        else:
+            shape = config_shapes.get(m.ours)  # type: ignore[assignment]
+            if shape is None:
+                problems.append(f"mapping names {m.ours}, which the model of this config lacks")
+                continue
+            if m.ours in params and tuple(params[m.ours].shape) != shape:
+                problems.append(
+                    f"parameter {m.ours}: shape {tuple(params[m.ours].shape)} but the "
+                    f"checkpoint's config makes it {shape}"
+                )
         want = shape[1:] if m.stacked else shape
-        if m.ours in params and tuple(params[m.ours].shape) != shape:
+        if m.stacked and shape[0] != len(m.hf):
             problems.append(
-                f"parameter {m.ours}: shape {tuple(params[m.ours].shape)} but the checkpoint's "
-                f"config makes it {shape}"
+                f"parameter {m.ours}: {shape[0]} experts stacked but the checkpoint's config "
+                f"has {len(m.hf)}"
             )
         for hf in m.hf:
-            if hf not in files:
+            if hf not in headers:
                 problems.append(f"missing tensor {hf} (for {m.ours})")
                 continue
-            sl = reader.slice(files[hf], hf)
-            got, dtype = tuple(sl.get_shape()), sl.get_dtype()
+            got, dtype = headers[hf]
             if got != want:
                 problems.append(f"tensor {hf}: shape {got}, expected {want} (for {m.ours})")
             if dtype not in _DTYPES:
@@ -191,38 +209,106 @@ def _check(
     return problems
 
 
-def _box(index: list[torch.Tensor]) -> tuple[tuple[slice, ...], list[torch.Tensor | None]]:
-    """The smallest box holding ``index`` per dim, and the picks inside it (None: all of it)."""
+def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive values in ``index``: (position, first value, length)."""
+    n = index.numel()
+    if n == 0:
+        return []
+    breaks = ((index[1:] - index[:-1]) != 1).nonzero().flatten().add_(1).tolist()
+    starts, ends = [0, *breaks], [*breaks, n]
+    firsts = index[starts].tolist()
+    return [(s, v, e - s) for s, v, e in zip(starts, firsts, ends, strict=True)]
+
+
+@dataclasses.dataclass
+class _Job:
+    """Copy the global indices ``index`` (ours, per dim) of tensor ``name`` into ``target``."""
+
+    name: str
+    target: torch.Tensor
+    index: list[torch.Tensor]
+    runs: list[list[tuple[int, int, int]]]
+    tensor_map: TensorMap
+
+
+def _copy_blocks(sl: Any, job: _Job, itemsize: int) -> int | None:
+    """Copy ``job`` as a few contiguous blocks straight from the file's slice; the bytes
+    read, or None when the shard is in too many pieces (or rotary rows not whole heads)."""
+    head_dim = job.tensor_map.rotary_head_dim
+    runs = job.runs
+    if math.prod(len(r) for r in runs) > _MAX_BLOCKS:
+        return None
+    # Our rotary rows are a permutation of Hugging Face's within each head, so a run of
+    # whole heads reads the same rows of the file, reordered in the copy.
+    if head_dim and any(v % head_dim or n % head_dim for _, v, n in runs[0]):
+        return None
+    box = tuple(slice(min(v for _, v, _ in r), max(v + n for _, v, n in r)) for r in runs)
+    data = sl[box]
+    for block in itertools.product(*runs):
+        dst = tuple(slice(s, s + n) for s, _, n in block)
+        src = tuple(slice(v - b.start, v - b.start + n) for (_, v, n), b in zip(block, box))
+        to, frm = job.target[dst], data[src]
+        if head_dim:
+            heads = to.shape[0] // head_dim
+            # Ours: row h D + 2 i + j; Hugging Face's: row h D + j D/2 + i.
+            to = to.unflatten(0, (heads, head_dim // 2, 2))
+            frm = frm.unflatten(0, (heads, 2, head_dim // 2)).transpose(1, 2)
+        to.copy_(frm)
+    return math.prod(b.stop - b.start for b in box) * itemsize
+
+
+def _copy_picked(sl: Any, job: _Job, itemsize: int) -> int:
+    """Copy ``job`` through the smallest box holding its rows, picking them with
+    ``index_select`` (one slice held besides the states)."""
+    index = [job.tensor_map.hf_rows(job.index[0]), *job.index[1:]]
     box, picks = [], []
     for idx in index:
-        if idx.numel() == 0:
-            box.append(slice(0, 0))
-            picks.append(None)
-            continue
         lo, hi = int(idx.min()), int(idx.max()) + 1
         box.append(slice(lo, hi))
-        contiguous = idx.numel() == hi - lo and bool((idx == torch.arange(lo, hi)).all())
-        picks.append(None if contiguous else idx - lo)
-    return tuple(box), picks
-
-
-def _read(
-    reader: _Files, file: str, name: str, index: list[torch.Tensor]
-) -> tuple[torch.Tensor, int]:
-    """The elements ``index`` (per dim) of tensor ``name``; and the bytes read."""
-    box, picks = _box(index)
-    data = reader.slice(file, name)[box]
-    nbytes = data.numel() * data.element_size()
+        picks.append(
+            None
+            if idx.numel() == hi - lo and bool((idx == torch.arange(lo, hi)).all())
+            else idx - lo
+        )
+    data = sl[tuple(box)]
+    nbytes = data.numel() * itemsize
     for dim, pick in enumerate(picks):
         if pick is not None:
             data = data.index_select(dim, pick)
-    return data, nbytes
+    job.target.copy_(data)
+    return nbytes
 
 
-def _local_index(param: torch.Tensor) -> list[torch.Tensor]:
-    if isinstance(param, DTensor):
-        return shard_indices(param)
-    return [torch.arange(n) for n in param.shape]
+def _read_file(file: str, jobs: list[_Job]) -> int:
+    """Run ``jobs`` of one file (opened and memory-mapped once), in file order; bytes read."""
+    from safetensors import safe_open
+
+    nbytes = 0
+    with safe_open(file, framework="pt") as f:
+        # In the order of the data in the file (offset_keys, where safetensors has it).
+        keys = f.offset_keys() if hasattr(f, "offset_keys") else f.keys()
+        order = {name: k for k, name in enumerate(keys)}
+        for job in sorted(jobs, key=lambda j: order[j.name]):
+            sl = f.get_slice(job.name)
+            itemsize = _ITEMSIZE[sl.get_dtype()]
+            n = _copy_blocks(sl, job, itemsize)
+            nbytes += _copy_picked(sl, job, itemsize) if n is None else n
+    return nbytes
+
+
+def _local_index(
+    param: torch.Tensor, cache: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[Any]]]
+) -> tuple[list[torch.Tensor], list[list[tuple[int, int, int]]]]:
+    """This rank's global indices of ``param`` per dim, and their runs (:func:`_runs`)."""
+    if not isinstance(param, DTensor):
+        n = tuple(param.shape)
+        return [torch.arange(k) for k in n], [[(0, 0, k)] for k in n]
+    # Parameters of one shape and placements share their indices (every layer's wq, ...).
+    key = (param.device_mesh, tuple(param.placements), tuple(param.shape))
+    if key not in cache:
+        index = shard_indices(param)
+        cache[key] = index, [_runs(idx) for idx in index]
+    return cache[key]
 
 
 def load_hf(model: nn.Module | Iterable[nn.Module], path: str | os.PathLike[str]) -> LoadReport:
@@ -258,42 +344,33 @@ def load_hf(model: nn.Module | Iterable[nn.Module], path: str | os.PathLike[str]
             TensorMap("output.weight", ("model.embed_tokens.weight",))
         ]
     params = _named_params(_parts(model))
-    reader = _Files()
-    problems = _check(config, maps, files, reader, params)
+    problems = _check(config, maps, files, _headers(files), params)
     if problems:
         raise HFCheckpointError(f"load_hf({path})", problems)
-    reader.close()  # headers only so far
-    # One read job per (parameter, Hugging Face tensor), grouped by file: each file is
-    # opened (mapped) once and closed before the next, so what a rank holds besides its
-    # states is one slice.
-    jobs: dict[str, list[tuple[str, torch.Tensor, list[torch.Tensor]]]] = {}
+    # One job per (parameter, Hugging Face tensor), grouped by file: each file is opened
+    # (mapped) once, and each shard copied from it straight into the local tensor.
+    jobs: dict[str, list[_Job]] = {}
+    cache: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[Any]]] = {}
     count = 0
-    for m in maps:
-        param = params.get(m.ours)
-        if param is None:
-            continue  # another pipeline stage's
-        count += 1
-        local = param.to_local() if isinstance(param, DTensor) else param.data
-        if local.numel() == 0:
-            continue
-        index = _local_index(param)
-        if m.stacked:
-            for k, expert in enumerate(index[0].tolist()):
-                rows = [m.hf_rows(index[1]), *index[2:]]
-                name = m.hf[expert]
-                jobs.setdefault(files[name], []).append((name, local[k], rows))
-        else:
-            rows = [m.hf_rows(index[0]), *index[1:]]
-            jobs.setdefault(files[m.hf[0]], []).append((m.hf[0], local, rows))
-    nbytes = 0
     with torch.no_grad():
-        for file in sorted(jobs):
-            for name, target, rows in jobs[file]:
-                data, n = _read(reader, file, name, rows)
-                target.copy_(data)
-                nbytes += n
-                del data
-            reader.close()
+        for m in maps:
+            param = params.get(m.ours)
+            if param is None:
+                continue  # another pipeline stage's
+            count += 1
+            local = param.to_local() if isinstance(param, DTensor) else param.data
+            if local.numel() == 0:
+                continue
+            index, runs = _local_index(param, cache)
+            if m.stacked:
+                for k, expert in enumerate(index[0].tolist()):
+                    name = m.hf[expert]
+                    job = _Job(name, local[k], index[1:], runs[1:], m)
+                    jobs.setdefault(files[name], []).append(job)
+            else:
+                job = _Job(m.hf[0], local, index, runs, m)
+                jobs.setdefault(files[m.hf[0]], []).append(job)
+        nbytes = sum(_read_file(file, jobs[file]) for file in sorted(jobs))
     return LoadReport(
         tensors=count, bytes_read=nbytes, seconds=time.perf_counter() - t0, config=config
     )

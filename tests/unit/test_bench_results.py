@@ -87,7 +87,7 @@ def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_p
 
 def test_hf_load_figure_is_the_medians_of_section_h(run_all):
     def rank(i, ours_s, dcp_s):
-        timing = {"bytes": [255.9e6] * 3, "peak_bytes": [131e6, 140e6, 150e6]}
+        timing = {"bytes": [255.9e6], "mapped_bytes": [390e6], "peak_bytes": [131e6, 140e6, 150e6]}
         return {
             "rank": i,
             "state_bytes": 255.9e6,
@@ -105,7 +105,8 @@ def test_hf_load_figure_is_the_medians_of_section_h(run_all):
     assert fig.startswith(f"1,070 MB in 4 files at dp_shard=2 {X} tp=2")
     # medians 0.5 and 0.8 over 1.0 (the outliers 9.0 / 0.1 do not count)
     assert f"load time ours / DCP 0.50\u20130.80{X}" in fig
-    assert "ours reads 255.9 MB" in fig and "+140 MB (ours)" in fig
+    assert "ours requests 255.9 MB" in fig and "+140 MB (ours)" in fig
+    assert "file pages mapped: 390.0 MB and 390.0 MB" in fig
     assert "5.2 M tokens/s" in fig and f"520{X} what" in fig
 
 

@@ -87,12 +87,22 @@ def test_hf_load_bench_sizes_its_checkpoint_and_section_h_renders(monkeypatch):
         dims = bench._dims(size_mb)
         assert abs(4 * num_params(llama3_config(**dims)) / 1e6 - size_mb) < 0.15 * size_mb
     run_all = _load("run_all")
-    contender = {"seconds": [0.2, 0.3], "bytes": [100e6, 100e6], "peak_bytes": [5e6, 6e6]}
+    contender = {
+        "seconds": [0.2, 0.3],
+        "bytes": [100e6],
+        "mapped_bytes": [150e6],
+        "rchar_bytes": [0],
+        "peak_bytes": [5e6, 6e6],
+    }
+    rank = {"rank": 0, "state_bytes": 100e6, "same_values": True}
     result = {
         "checkpoint": {"bytes": 1e9, "files": 4},
         "mesh": {"dp_shard": 2, "tp": 2},
-        "ranks": [{"rank": 0, "state_bytes": 100e6, "ours": contender, "dcp": contender}],
+        "ranks": [{**rank, "ours": contender, "dcp": contender}],
         "data": {"data_tokens_per_s_per_rank": 1e6, "train_tokens_per_s": 1e3},
     }
     text = run_all.section_hf_load(result, [])
-    assert "| 0 | 100.0 | 0.250 | 0.250 | **1.00** |" in text and "**1,000x**" in text
+    row = "| 0 | 100.0 | 0.250 [0.200-0.300] | 0.250 [0.200-0.300] | **1.00** | 100.0 | 100.0 "
+    assert row + "| **1.00** | 150.0 | 150.0 | 5.5 | 5.5 | True |" in text, text
+    assert "**1,000x**" in text
+    assert "requested 100.0 MB, mapped 150.0 MB" in bench.report(result)

@@ -187,20 +187,49 @@ def test_load_equals_transformers_and_save_is_bitwise(family, llama_dir, moe_dir
     assert_same_checkpoint(path, str(tmp_path / "out"))
 
 
+@pytest.mark.parametrize("head_dim", [0, 4])
+def test_shards_in_pieces_are_copied_straight_or_picked_alike(head_dim):
+    # A shard in several runs of rows and columns (uneven, strided, rotary heads out of
+    # order) is copied block by block from the file's slice, or through index_select
+    # when in too many pieces: both give the rows of the full tensor they stand for.
+    from hyper_parallel.checkpoint_hf import io
+    from hyper_parallel.checkpoint_hf.mapping import TensorMap
+
+    full = torch.randn(16, 10)
+    rows = torch.tensor([8, 9, 10, 11, 0, 1, 2, 3]) if head_dim else torch.tensor([0, 1, 2, 7, 9])
+    cols = torch.tensor([1, 2, 3, 6, 7])
+    tensor_map = TensorMap("w", ("w",), head_dim)
+    expected = full[tensor_map.hf_rows(rows)][:, cols]
+    for copy in (io._copy_blocks, io._copy_picked):
+        target = torch.zeros(len(rows), len(cols))
+        job = io._Job("w", target, [rows, cols], [io._runs(rows), io._runs(cols)], tensor_map)
+        nbytes = copy(full, job, 4)
+        assert torch.equal(target, expected), copy
+        assert nbytes == 12 * 7 * 4 if head_dim else 10 * 7 * 4
+    # Rotary rows not in whole heads, or more pieces than blocks allowed: picked instead.
+    if head_dim:
+        rows = torch.tensor([1, 2, 3, 4])
+    else:
+        rows = torch.arange(0, 2 * (io._MAX_BLOCKS + 1), 2)  # MAX_BLOCKS + 1 runs
+        full = torch.randn(2 * (io._MAX_BLOCKS + 1), 10)
+    job = io._Job("w", torch.zeros(len(rows), 10), [rows, torch.arange(10)], [], tensor_map)
+    job.runs = [io._runs(idx) for idx in job.index]
+    assert io._copy_blocks(full, job, 4) is None
+
+
 def test_the_rotary_permutation_is_needed(llama_dir):
     # Reading q/k rows in Hugging Face's order (no permutation) changes the logits.
-    from hyper_parallel.checkpoint_hf import io
+    from safetensors import safe_open
 
     _, model = _loaded(llama_dir)
     tokens = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         right = model(tokens)
         files = checkpoint_files(llama_dir)
-        reader = io._Files()
         for i in range(2):
             name = f"model.layers.{i}.self_attn.q_proj.weight"
-            data, _ = io._read(reader, files[name], name, [torch.arange(64), torch.arange(64)])
-            model.layers[i].attention.wq.weight.copy_(data)
+            with safe_open(files[name], framework="pt") as f:
+                model.layers[i].attention.wq.weight.copy_(f.get_tensor(name))
         wrong = model(tokens)
     assert (right - wrong).abs().max().item() > 1e-3
 
