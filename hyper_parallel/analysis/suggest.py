@@ -41,7 +41,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import shlex
@@ -499,7 +498,7 @@ class _Tracer:
             batch_size=1,
             seq_len=self.seq_len,
             param_dtype=torch.float32,
-            loss_fn=spec.extras.get("loss_fn"),
+            loss_fn=spec.family.loss_fn,
             dtype=self.dtype,
         )
         num_layers = report.num_layers or self.num_layers
@@ -599,7 +598,7 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
     mapping = {}
     if hasattr(torch.ops.aten, "_grouped_mm"):
         mapping[torch.ops.aten._grouped_mm] = _grouped_mm_flops
-    loss_fn = source.spec.extras.get("loss_fn")
+    loss_fn = source.spec.family.loss_fn
     for depth in (1, 2):
         config = source.config()
         config = config.replace(layers=list(config.layers[:depth]))
@@ -621,14 +620,27 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
 
 
 class _Checks:
-    """The plan checks, per candidate, from cached parts (see :meth:`findings`)."""
+    """The run plan of every candidate; its errors are the filter.
 
-    def __init__(self, source: ModelSource, seq_len: int, global_batch: int) -> None:
+    Each candidate is asked as the trainer asks it
+    (:func:`hyper_parallel.train.trainer.run_plan`): :meth:`RunPlan.for_model
+    <hyper_parallel.distributed.run_plan.RunPlan.for_model>` with the candidate's mesh,
+    sequence parallelism, checkpointing, dtype, schedule, micro-batches, the batch per
+    data-parallel rank and the sequence. One :class:`~hyper_parallel.distributed.run_plan.PlanCache`
+    serves the search, so the sharded model is built on the meta device once per local
+    structure and the pipeline plan once per schedule, micro-batches and batch.
+    """
+
+    def __init__(self, source: ModelSource, seq_len: int, global_batch: int, dtype: str) -> None:
+        from hyper_parallel.distributed.run_plan import PlanCache
+
         self.source = source
         self.seq_len = seq_len
         self.global_batch = global_batch
+        self.dtype = dtype
         self.config = source.config()
-        self.stages = source.spec.extras.get("pipeline")
+        self.stages = source.spec.family.pipeline
+        self.cache = PlanCache()
         self._units: Any = None
 
     @property
@@ -637,116 +649,29 @@ class _Checks:
             self._units = self.stages.units(self.config)
         return self._units
 
+    def run(self, c: Candidate) -> Any:
+        """The candidate's :class:`~hyper_parallel.distributed.run_plan.RunPlan`."""
+        from hyper_parallel.distributed.run_plan import RunPlan
+
+        return RunPlan.for_model(
+            self.source.spec_name,
+            c.layout,
+            model_overrides=dict(self.source.overrides),
+            world_size=c.layout.world_size,
+            cache=self.cache,
+            sequence_parallel=c.sp,
+            ac=c.ac,
+            dtype=self.dtype,
+            schedule=c.schedule or "1F1B",
+            num_microbatches=c.microbatches,
+            batch_size=self.global_batch // c.dp,
+            seq_len=self.seq_len,
+        )
+
     def findings(self, c: Candidate) -> list[tuple[str, Finding]]:
-        """``(check, finding)`` for every error the plan checks report for ``c``.
-
-        The trainer's gate (:func:`hyper_parallel.train.trainer.check_config`), part
-        by part, each part cached on what it depends on: the layout's own findings,
-        the model's sharding for its model axes (heads and experts divisible),
-        context parallelism (sequence and heads), expert parallelism, and the
-        pipeline (schedule, split, micro-batches, batch).
-        """
-        out = [("mesh", f) for f in c.layout.findings() if f.severity == "error"]
-        if out:
-            return out
-        out += self._model_axes(c.tp, c.cp, c.ep, c.sp)
-        if out:
-            return out
-        if c.ep > 1:
-            out += self._ep(c.tp, c.cp, c.ep, c.dp_shard, c.sp)
-        if c.cp > 1:
-            out += self._cp(c.tp, c.cp, c.sp)
-        if c.pp > 1:
-            out += self._pipeline(c.pp, c.schedule or "1F1B", c.microbatches, 0)
-            out += self._ep_schedule(c.ep, c.schedule or "1F1B")
-        return out
-
-    @functools.cache  # noqa: B019 - one instance per search
-    def _sharded(self, tp: int, cp: int, ep: int, sp: bool) -> Any:
-        from hyper_parallel.distributed.axes import apply_model_axes
-
-        layout = MeshLayout(cp=cp, tp=tp, ep=ep, dp_shard=ep)
-        return apply_model_axes(self.source.spec, self.config, layout, sequence_parallel=sp)
-
-    @functools.cache  # noqa: B019
-    def _model_axes(self, tp: int, cp: int, ep: int, sp: bool) -> list[tuple[str, Finding]]:
-        from hyper_parallel.distributed.axes import plan_axis_findings
-        from hyper_parallel.train.trainer import config_axes
-
-        try:
-            config = self._sharded(tp, cp, ep, sp)
-        except ValueError as e:
-            axis = next((a for a in ("tp", "ep", "cp") if f"{a}" in str(e)), "model")
-            return [("model axes", Finding("error", "model", axis, str(e), "pick other sizes."))]
-        layout = MeshLayout(cp=cp, tp=tp, ep=ep, dp_shard=ep)
-        return [
-            ("model axes", f)
-            for f in plan_axis_findings(layout, config_axes(config), fsdp=True)
-            if f.severity == "error"
-        ]
-
-    @functools.cache  # noqa: B019
-    def _ep(self, tp: int, cp: int, ep: int, dp_shard: int, sp: bool) -> list[tuple[str, Finding]]:
-        from hyper_parallel.distributed.expert_parallel import ep_findings
-
-        layout = MeshLayout(dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
-        return [
-            ("expert parallel", f)
-            for f in ep_findings(self._sharded(tp, cp, ep, sp), layout)
-            if f.severity == "error"
-        ]
-
-    @functools.cache  # noqa: B019
-    def _cp(self, tp: int, cp: int, sp: bool) -> list[tuple[str, Finding]]:
-        from hyper_parallel.distributed import context_parallel
-
-        layout = MeshLayout(cp=cp, tp=tp)
-        config = self._sharded(tp, cp, 1, sp)
-        return [
-            ("context parallel", f)
-            for f in context_parallel.cp_findings(config, layout, self.seq_len)
-            if f.severity == "error"
-        ]
-
-    @functools.cache  # noqa: B019
-    def _pipeline(self, pp: int, schedule: str, m: int, batch: int) -> list[tuple[str, Finding]]:
-        if self.stages is None:
-            return [
-                (
-                    "pipeline",
-                    Finding(
-                        "error",
-                        "mesh",
-                        "pp",
-                        "the model declares no pipeline stages",
-                        "leave pp out.",
-                    ),
-                )
-            ]
-        # The batch check (micro-batches dividing the data-parallel rank's batch) holds by
-        # construction (see _pipelines); the rest depends on pp, schedule and m only.
-        return self._pipeline_plan(pp, schedule, m)[1]
-
-    @functools.cache  # noqa: B019
-    def _pipeline_plan(self, pp: int, schedule: str, m: int) -> tuple[Any, list]:
-        """The checked pipeline plan (``None`` when refused) and its errors."""
-        from hyper_parallel.distributed.pipeline import _plan
-
-        plan, found = _plan(self.units, pp=pp, schedule=schedule, num_microbatches=m)
-        errors = [("pipeline", f) for f in found if f.severity == "error"]
-        return (None if errors else plan), errors
-
-    @functools.cache  # noqa: B019
-    def _ep_schedule(self, ep: int, schedule: str) -> list[tuple[str, Finding]]:
-        from hyper_parallel.distributed.expert_parallel import ep_schedule_findings
-
-        if ep == 1:
-            return []
-        return [
-            ("expert parallel", f)
-            for f in ep_schedule_findings(MeshLayout(ep=ep, dp_shard=ep, pp=2), schedule)
-            if f.severity == "error"
-        ]
+        """``(check, finding)`` for every error of the candidate's run plan; the check
+        is the finding's kind (mesh, model, pipeline, ...)."""
+        return [(f.path or f.field or "plan", f) for f in self.run(c).errors]
 
 
 # ----------------------------------------------------------------------------- search
@@ -813,12 +738,20 @@ def _candidates(
 
 def _pipelines(pp: int, local: int) -> list[tuple[str | None, int]]:
     """Schedules and micro-batch counts: none without pp (one forward of the local batch,
-    as ``train.run`` steps); with pp every schedule at ``pp``, ``2 pp`` and ``4 pp``
-    micro-batches (those dividing the local batch)."""
+    as ``train.run`` steps); with pp every schedule torch runs, at the run plan's
+    micro-batch count (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`:
+    one per stage) and at 2 and 4 times it. Whether the local batch splits into them is
+    the run plan's finding."""
+    from hyper_parallel.distributed.run_plan import default_num_microbatches
+
+    del local  # the run plan checks the batch
     if pp == 1:
         return [(None, 1)]
-    counts = [m for m in (pp, 2 * pp, 4 * pp) if local % m == 0]
-    return [(s, m) for s in SCHEDULES for m in counts]
+    out: list[tuple[str | None, int]] = []
+    for schedule in SCHEDULES:
+        base = default_num_microbatches(pp, schedule)
+        out += [(schedule, k * base) for k in (1, 2, 4)]
+    return out
 
 
 def suggest(
@@ -869,7 +802,7 @@ def suggest(
     num_experts = _num_experts(config)
     global_batch = global_batch_tokens // seq_len
     rejected: Counter = Counter()
-    checks = _Checks(source, seq_len, global_batch)
+    checks = _Checks(source, seq_len, global_batch, dtype)
     tracer = _Tracer(source, seq_len, dtype)
     flops = count_flops(source, seq_len)
     limit = usable_memory(hw)
@@ -989,7 +922,7 @@ def predict(
     node = gpus_per_node or hw.gpus_per_node
     _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, 1)
     global_batch = global_batch_tokens // seq_len
-    checks = _Checks(source, seq_len, global_batch)
+    checks = _Checks(source, seq_len, global_batch, dtype)
     problems = _findings(checks, candidate)
     if candidate.layout.world_size != gpus:
         raise ValueError(
@@ -1115,7 +1048,7 @@ def _stage_blocks(ctx: _Context, c: Candidate) -> list[tuple[int, bool, bool, in
         return [(ctx.flops.num_layers, True, True, 0)]
     key = ("plan", c.pp, c.schedule, c.microbatches)
     if key not in ctx.pipeline_cache:
-        plan = ctx.checks._pipeline_plan(c.pp, c.schedule or "1F1B", c.microbatches)[0]
+        plan = ctx.checks.run(c).pipeline
         stages = ctx.checks.stages
         first, last = stages.first_name, stages.last_name
         ctx.pipeline_cache[key] = [
