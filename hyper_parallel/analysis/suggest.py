@@ -123,8 +123,10 @@ class ModelSource:
 
     @property
     def spec(self) -> Any:
+        from hyper_parallel.checkpoint_hf.specs import register_specs
         from hyper_parallel.dmodule.model_spec import get_spec
 
+        register_specs()  # the *-hf specs of a Hugging Face config, also when named
         return get_spec(self.spec_name)
 
     def config(self, **extra: Any) -> Any:
@@ -136,89 +138,32 @@ class ModelSource:
         return self.label or self.spec_name
 
 
-# Hugging Face config.json fields → our preset fields, per model_type; the spec whose
-# builder takes them (its preset's fields are all overridden).
-_HF_FIELDS = {
-    "llama": (
-        "llama3-8b",
-        {
-            "vocab_size": "vocab_size",
-            "dim": "hidden_size",
-            "num_layers": "num_hidden_layers",
-            "num_heads": "num_attention_heads",
-            "num_kv_heads": "num_key_value_heads",
-            "ffn_dim": "intermediate_size",
-            "norm_eps": "rms_norm_eps",
-            "rope_theta": "rope_theta",
-            "max_seq_len": "max_position_embeddings",
-        },
-    ),
-    "qwen3_moe": (
-        "qwen3-30b-a3b",
-        {
-            "vocab_size": "vocab_size",
-            "dim": "hidden_size",
-            "num_layers": "num_hidden_layers",
-            "num_heads": "num_attention_heads",
-            "num_kv_heads": "num_key_value_heads",
-            "head_dim": "head_dim",
-            "num_experts": "num_experts",
-            "top_k": "num_experts_per_tok",
-            "moe_hidden_dim": "moe_intermediate_size",
-            "norm_eps": "rms_norm_eps",
-            "rope_theta": "rope_theta",
-            "max_seq_len": "max_position_embeddings",
-        },
-    ),
-}
-_HF_OPTIONAL = {"norm_eps", "rope_theta", "max_seq_len", "num_kv_heads"}
-
-
 def model_from_hf_config(path: str | Path) -> ModelSource:
-    """A :class:`ModelSource` from a Hugging Face ``config.json`` (Llama, Qwen3-MoE).
+    """A :class:`ModelSource` from a Hugging Face ``config.json`` (or its directory).
 
-    Maps the config's fields onto our preset builders' (``hidden_size`` → ``dim``, ...);
-    nothing is downloaded.
+    The package's converter
+    (:func:`~hyper_parallel.checkpoint_hf.config.read_hf_config`: Llama / Mistral,
+    Qwen3 dense, Qwen3-MoE) gives the registered spec (``llama3-hf``, ``qwen3-hf``,
+    ``qwen3-moe-hf``) and its overrides — the ``--model`` and ``--model-overrides`` the
+    printed commands pass to ``train.run``; nothing is downloaded.
 
     Raises:
-        ValueError: The file cannot be read, its ``model_type`` is not supported (the
-            supported ones named), or a required field is missing (named).
+        ValueError: The file cannot be read or is not JSON, or the converter refuses
+            it (:class:`~hyper_parallel.checkpoint_hf.config.HFConfigError`: an
+            architecture we do not have, or each field we do not implement, named).
     """
+    from hyper_parallel.checkpoint_hf.config import read_hf_config
+    from hyper_parallel.checkpoint_hf.specs import register_specs
+
     where = f"--hf-config {str(path)!r}"
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ValueError(f"{where}: cannot read it ({e.strerror}).") from None
+        hf = read_hf_config(path)
+    except OSError as e:  # FileNotFoundError included
+        raise ValueError(f"{where}: cannot read it ({e.strerror or e}).") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e}).") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a JSON object (a Hugging Face config.json).")
-    model_type = raw.get("model_type")
-    if model_type not in _HF_FIELDS:
-        raise ValueError(
-            f"{where}: model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(sorted(_HF_FIELDS))} (a Llama or Qwen3-MoE config.json)."
-        )
-    spec_name, fields = _HF_FIELDS[model_type]
-    overrides: dict[str, Any] = {}
-    missing = []
-    for ours, theirs in fields.items():
-        if theirs in raw and raw[theirs] is not None:
-            overrides[ours] = raw[theirs]
-        elif ours == "num_kv_heads" and "num_attention_heads" in raw:
-            overrides[ours] = raw["num_attention_heads"]
-        elif ours == "head_dim" and "hidden_size" in raw and "num_attention_heads" in raw:
-            overrides[ours] = raw["hidden_size"] // raw["num_attention_heads"]
-        elif ours not in _HF_OPTIONAL:
-            missing.append(theirs)
-    if missing:
-        raise ValueError(f"{where}: missing field(s) {', '.join(missing)} for {model_type}.")
-    if raw.get("tie_word_embeddings"):
-        raise ValueError(
-            f"{where}: tie_word_embeddings=true; our {model_type} builder has separate "
-            "input and output embeddings (as Llama 3 8B/70B/405B and Qwen3-MoE)."
-        )
-    return ModelSource(spec_name, tuple(sorted(overrides.items())), label=str(path))
+    register_specs()
+    return ModelSource(hf.spec, tuple(sorted(hf.model_overrides.items())), label=str(path))
 
 
 # ----------------------------------------------------------------------------- candidates

@@ -142,11 +142,48 @@ def test_hf_config(tmp_path) -> None:
         )
     )
     source = model_from_hf_config(path)
+    assert source.spec_name == "llama3-hf"
     config = source.config()
     assert len(config.layers) == 16 and config.norm.dim == 2048
     path.write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+    with pytest.raises(ValueError, match="architectures"):
         model_from_hf_config(path)
+    with pytest.raises(ValueError, match="cannot read it"):
+        model_from_hf_config(tmp_path / "missing" / "config.json")
+
+
+def test_hf_config_qwen3_dense_from_transformers(tmp_path) -> None:
+    """A Qwen3 dense config.json as transformers writes it: suggested through the
+    package's converter, and its command names the converter's spec and overrides."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp_path)
+    source = model_from_hf_config(tmp_path / "config.json")
+    assert source.spec_name == "qwen3-hf"
+    overrides = dict(source.overrides)
+    assert (overrides["dim"], overrides["head_dim"], overrides["num_layers"]) == (512, 64, 4)
+    report = suggest(
+        source, gpus=2, gpu="h100-80gb", seq_len=1024, global_batch_tokens=2 * 1024, top=1
+    )
+    command = report.plans[0][2]
+    assert "--model qwen3-hf --model-overrides " in command
+    assert '"head_dim":64' in command
+    # a field the converter does not implement is refused, named
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["use_sliding_window"] = True
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        model_from_hf_config(tmp_path)
 
 
 # ----------------------------------------------------------------------------- answers
