@@ -136,6 +136,11 @@ class Hardware:
         inter_node: The network between nodes (per GPU).
         collectives: Optional per-kind links measured by ``calibrate`` (inside a node);
             they replace ``intra_node`` for that kind of collective.
+        op_overhead_s: Optional fixed seconds per operator the step runs (host
+            dispatch, autograd bookkeeping, the kernel's start), added per counted
+            operator; ``calibrate`` measures it on a CPU. Default 0: on a GPU the
+            kernels are queued asynchronously and this cost hides behind the previous
+            kernel while kernels are long (the shipped kinds do not give it).
         sources: Where each value comes from, by dotted field name.
     """
 
@@ -149,6 +154,7 @@ class Hardware:
     intra_node: Link
     inter_node: Link
     collectives: dict[str, Link] = dataclasses.field(default_factory=dict)
+    op_overhead_s: float = 0.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:
@@ -175,6 +181,7 @@ class Hardware:
             "intra_node": self.intra_node.to_dict(),
             "inter_node": self.inter_node.to_dict(),
             "collectives": {k: v.to_dict() for k, v in self.collectives.items()},
+            "op_overhead_s": self.op_overhead_s,
             "sources": dict(self.sources),
         }
 
@@ -287,6 +294,9 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
         intra_node=link("intra_node", need("intra_node")),
         inter_node=link("inter_node", need("inter_node")),
         collectives={str(k): link(f"collectives.{k}", v) for k, v in collectives.items()},
+        op_overhead_s=value("op_overhead_s", raw["op_overhead_s"])
+        if "op_overhead_s" in raw
+        else 0.0,
         sources=sources,
     )
 

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyper_parallel.analysis._format import human_bytes, table
 from hyper_parallel.analysis.cost_model import (
@@ -82,6 +83,7 @@ __all__ = [
     "ModelSource",
     "Prediction",
     "SuggestReport",
+    "count_operators",
     "model_from_hf_config",
     "predict",
     "suggest",
@@ -507,18 +509,43 @@ def _expert_params(report: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Flops:
-    """FLOPs of one sequence: one block's and the rest's, forward and backward."""
+    """FLOPs of one sequence: one block's and the rest's, forward and backward; and the
+    operators each runs (``*_ops``: one per aten call, whatever the batch)."""
 
     block_fwd: float
     block_bwd: float
     rest_fwd: float
     rest_bwd: float
     num_layers: int
+    block_fwd_ops: int = 0
+    block_bwd_ops: int = 0
+    rest_fwd_ops: int = 0
+    rest_bwd_ops: int = 0
 
     @property
     def total(self) -> float:
         n = self.num_layers
         return n * (self.block_fwd + self.block_bwd) + self.rest_fwd + self.rest_bwd
+
+
+class _OperatorCount(TorchDispatchMode):
+    """Counts the aten operators that run under it (views and metadata ops included:
+    each is a dispatch with its fixed cost)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_operators() -> _OperatorCount:
+    """A context that counts the aten operators run inside it (``.count``): what the
+    cost model multiplies by the hardware's ``op_overhead_s``, and what ``calibrate``
+    divides a tiny step's time by."""
+    return _OperatorCount()
 
 
 def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
@@ -550,15 +577,25 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
         with torch.device("meta"):
             model = config.build().to(torch.bfloat16)
         tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-        with FlopCounterMode(display=False, custom_mapping=mapping) as fwd:
+        with FlopCounterMode(display=False, custom_mapping=mapping) as fwd, count_operators() as fo:
             out = model(tokens)
             loss = loss_fn(out, tokens) if loss_fn is not None else out.float().sum()
-        with FlopCounterMode(display=False, custom_mapping=mapping) as bwd:
+        with FlopCounterMode(display=False, custom_mapping=mapping) as bwd, count_operators() as bo:
             loss.backward()
-        counts.append((fwd.get_total_flops(), bwd.get_total_flops()))
-    (f1, b1), (f2, b2) = counts
+        counts.append((fwd.get_total_flops(), bwd.get_total_flops(), fo.count, bo.count))
+    (f1, b1, fo1, bo1), (f2, b2, fo2, bo2) = counts
     n = len(source.config().layers)
-    return _Flops(f2 - f1, b2 - b1, f1 - (f2 - f1), b1 - (b2 - b1), n)
+    return _Flops(
+        f2 - f1,
+        b2 - b1,
+        f1 - (f2 - f1),
+        b1 - (b2 - b1),
+        n,
+        block_fwd_ops=fo2 - fo1,
+        block_bwd_ops=bo2 - bo1,
+        rest_fwd_ops=max(0, fo1 - (fo2 - fo1)),
+        rest_bwd_ops=max(0, bo1 - (bo2 - bo1)),
+    )
 
 
 # ----------------------------------------------------------------------------- checks
@@ -1133,14 +1170,18 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         fwd = mbs * share * (k * f.block_fwd + last * f.rest_fwd)
         bwd = mbs * share * (k * f.block_bwd + last * f.rest_bwd)
         recompute = mbs * share * recompute_blocks * k * f.block_fwd
+        # A fixed cost per operator, whatever its size (hardware's op_overhead_s).
+        ops_f = k * f.block_fwd_ops + last * f.rest_fwd_ops
+        ops_b = k * f.block_bwd_ops + last * f.rest_bwd_ops + recompute_blocks * k * f.block_fwd_ops
         comm_layer = _comm_seconds(ctx, layout, trace.per_layer, mbs, k)
         comm_rest = _comm_seconds(ctx, layout, trace.rest, mbs) if last else {}
         comm_f = comm_layer.get("forward", 0.0) + comm_rest.get("forward", 0.0)
         comm_b = comm_layer.get("backward", 0.0) + comm_rest.get("backward", 0.0)
         comm_b += recompute_blocks * comm_layer.get("forward", 0.0)
-        t_f.append(compute_seconds(hw, fwd, ctx.dtype) + comm_f)
-        t_b.append(compute_seconds(hw, bwd + recompute, ctx.dtype) + comm_b)
-        t_w.append(compute_seconds(hw, bwd, ctx.dtype) / 2)
+        overhead_f, overhead_b = hw.op_overhead_s * ops_f, hw.op_overhead_s * ops_b
+        t_f.append(compute_seconds(hw, fwd, ctx.dtype) + overhead_f + comm_f)
+        t_b.append(compute_seconds(hw, bwd + recompute, ctx.dtype) + overhead_b + comm_b)
+        t_w.append((compute_seconds(hw, bwd, ctx.dtype) + overhead_b) / 2)
         comm_f_all.append(comm_f)
         comm_b_all.append(comm_b)
     # Gradients left Partial by backward are reduced when the optimizer reads them.
@@ -1391,6 +1432,9 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "gathers and reduces hidden behind compute of the same phase, except one unit "
         "each); pipeline bubble from the schedule's action list with the heaviest stage's "
         "op times; recompute of checkpointed blocks' forward (FLOPs and collectives).",
+        f"Fixed cost per operator: {hw.op_overhead_s * 1e6:.1f} us x the aten operators "
+        "counted on the meta device per block and for the rest (forward, backward, "
+        "recompute); optimizer operators not counted.",
         "Without pp the data-parallel rank's whole batch runs as one forward (train.run "
         "has no gradient accumulation); with pp it is split into the micro-batches.",
         f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank; pp up "
