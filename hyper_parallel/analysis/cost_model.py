@@ -14,6 +14,10 @@ fields, plain numbers or ``{value, source}`` pairs (:func:`load_hardware`).
 are counted on the meta device by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls,
 attention as torch counts it: the full, non-causal score matrix), forward and backward
 apart; each rank does ``1 / (tp * cp)`` of a sequence's work (experts: uniform routing).
+Plus ``op_overhead_s`` (optional; 0 for the shipped GPU kinds) per aten operator the
+step runs, counted on the meta device per block and for the rest; ``calibrate``
+measures it on a CPU. Not counted: the optimizer's operators, and the Python cost of
+DTensor and FSDP2 around each operator and collective.
 
 **Collectives** (Hockney's latency-bandwidth model, as NCCL's own tuner writes it in
 ``src/graph/tuning.cc``): ``seconds = steps * latency + wire_bytes / (bandwidth *

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import yaml
@@ -284,12 +285,8 @@ def test_moe_gets_ep() -> None:
 
 
 def test_cluster_too_small_does_not_fit(capsys) -> None:
-    with pytest.raises(
-        DoesNotFit,
-        match=r"does not fit: needs >= [\d.]+ GB per GPU at best "
-        r"\(layout ",
-    ):
-        suggest("llama3-405b", gpus=8, gpu="h100-80gb", seq_len=8192, global_batch_tokens=8 * 8192)
+    # One search (the 405B's structures are the costly part): the CLI's exit code and
+    # the DoesNotFit message it prints.
     code = main(
         [
             "suggest",
@@ -306,7 +303,9 @@ def test_cluster_too_small_does_not_fit(capsys) -> None:
         ]
     )
     assert code == 1
-    assert "does not fit: needs >=" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert re.search(r"does not fit: needs >= [\d.]+ GB per GPU at best \(layout ", err), err
+    assert issubclass(DoesNotFit, ValueError)
 
 
 def test_charts_are_written(tmp_path) -> None:

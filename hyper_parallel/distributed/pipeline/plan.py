@@ -122,6 +122,13 @@ class PipelineSplit:
         }
 
 
+@functools.lru_cache(maxsize=1024)
+def _balanced_split(weights: tuple[int, ...], num_parts: int) -> tuple[int, ...]:
+    """:func:`balanced_split`, memoized (a pure function; a search asks it again per
+    batch size and micro-batch count of one model and stage count)."""
+    return tuple(balanced_split(weights, num_parts))
+
+
 def balanced_split(weights: Sequence[int], num_parts: int) -> list[int]:
     """Cut ``weights`` into ``num_parts`` contiguous non-empty parts, minimizing the largest sum.
 
@@ -290,7 +297,7 @@ def _resolve_split(
             )
         ]
     weights = [u.num_params if split.balance == "params" else u.num_flops for u in units]
-    sizes = balanced_split(weights, num_stages)
+    sizes = list(_balanced_split(tuple(weights), num_stages))
     out, start = [], 0
     for size in sizes:
         out.append(names[start : start + size])
