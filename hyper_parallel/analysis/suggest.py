@@ -1438,7 +1438,9 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "Without pp the data-parallel rank's whole batch runs as one forward (train.run "
         "has no gradient accumulation); with pp it is split into the micro-batches.",
         f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank; pp up "
-        f"to {MAX_PP}, with pp, 2 pp and 4 pp micro-batches.",
+        f"to {MAX_PP}, with 1, 2 and 4 times the run plan's micro-batch count (one per "
+        "stage: pp, or 2 pp for the interleaved schedules); counts the local batch does "
+        "not split into are the run plan's 'num_microbatches' refusals.",
     ]
     for field_name, source in sorted(hw.sources.items()):
         notes.append(f"{hw.name} {field_name}: {source}")
