@@ -104,10 +104,10 @@ _MLP = {"dim": 256, "hidden": 768, "layers": 4, "tokens": 256}
 small decoder's width (what a model sized to a CPU runs)."""
 
 
-def _mlp_step_rate(repeats: int) -> float:
-    """FLOP/s of forward + backward of a small MLP stack in fp32 (matmuls ``6 x params x
-    tokens``): small matmuls, elementwise ops and autograd, as a training step has them."""
-    dim, hidden, layers, tokens = (_MLP[k] for k in ("dim", "hidden", "layers", "tokens"))
+def _mlp_step(dim: int, hidden: int, layers: int, tokens: int) -> tuple[Any, int, int]:
+    """A training step of an MLP stack: ``(step, matmul FLOPs, operators it runs)``."""
+    from hyper_parallel.analysis.suggest import count_operators
+
     blocks = []
     for _ in range(layers):
         blocks += [torch.nn.Linear(dim, hidden), torch.nn.SiLU(), torch.nn.Linear(hidden, dim)]
@@ -119,8 +119,28 @@ def _mlp_step_rate(repeats: int) -> float:
         model.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
 
+    with count_operators() as ops:
+        step()
+    return step, 6 * params * tokens, ops.count
+
+
+def _op_overhead(repeats: int) -> float:
+    """Seconds per operator of a training step whose tensors are tiny (8 x 8 weights, 4
+    tokens): its time over the operators it runs (counted as the cost model counts a
+    model's), so the FLOPs are negligible and what is left is the fixed cost per
+    operator (dispatch, autograd, the kernel's start)."""
+    step, _, ops = _mlp_step(8, 8, _MLP["layers"], 4)
+    return _timed(step, 10 * repeats) / ops
+
+
+def _mlp_step_rate(repeats: int, overhead: float) -> float:
+    """FLOP/s of forward + backward of a small MLP stack in fp32 (matmuls ``6 x params x
+    tokens``): small matmuls, elementwise ops and autograd, as a training step has them;
+    the fixed cost per operator (``overhead`` x the operators) taken out, as the cost
+    model adds it back per counted operator."""
+    step, flops, ops = _mlp_step(*(_MLP[k] for k in ("dim", "hidden", "layers", "tokens")))
     seconds = _timed(step, repeats)
-    return 6 * params * tokens / seconds
+    return flops / max(seconds - overhead * ops, 0.25 * seconds)
 
 
 def _worker(rank: int, world: int, init: str, threads: int, quick: bool, out: str) -> None:
@@ -141,7 +161,8 @@ def _worker(rank: int, world: int, init: str, threads: int, quick: bool, out: st
 
             seconds = _timed(matmuls, repeats)
             result["flops"][name] = 2 * n**3 * inner / seconds
-        result["step_flops"] = _mlp_step_rate(repeats)
+        result["op_overhead_s"] = _op_overhead(repeats)
+        result["step_flops"] = _mlp_step_rate(repeats, result["op_overhead_s"])
         src = torch.ones(1 << 23)  # 32 MiB
         dst = torch.empty_like(src)
         seconds = _timed(lambda: dst.copy_(src), repeats)
@@ -185,6 +206,7 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
     flops = {d: statistics.median(r["flops"][d] for r in per_rank) for d in ("fp32", "bf16")}
     memory_bw = statistics.median(r["memory_bandwidth"] for r in per_rank)
     step_rate = statistics.median(r["step_flops"] for r in per_rank)
+    op_overhead = statistics.median(r["op_overhead_s"] for r in per_rank)
     links: dict[str, Any] = {}
     for kind in _KINDS:
         rows = [r["collectives"][kind] for r in per_rank if "error" not in r["collectives"][kind]]
@@ -228,6 +250,11 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
                 f"{_MLP['tokens']} tokens, fp32) over the fp32 matmul rate",
             }
             for d in ("bf16", "fp32")
+        },
+        "op_overhead_s": {
+            "value": op_overhead,
+            "source": f"measured: a training step of {_MLP['layers']} tiny MLP blocks (8 x 8, "
+            "4 tokens) over the operators it runs, median rank, all ranks at once",
         },
         "hbm_bandwidth": {"value": memory_bw, "source": "measured: 32 MiB copy (read + write)"},
         "gpus_per_node": {"value": ranks, "source": "the local ranks measured"},

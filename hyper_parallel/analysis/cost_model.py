@@ -14,6 +14,10 @@ fields, plain numbers or ``{value, source}`` pairs (:func:`load_hardware`).
 are counted on the meta device by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls,
 attention as torch counts it: the full, non-causal score matrix), forward and backward
 apart; each rank does ``1 / (tp * cp)`` of a sequence's work (experts: uniform routing).
+Plus ``op_overhead_s`` (optional; 0 for the shipped GPU kinds) per aten operator the
+step runs, counted on the meta device per block and for the rest; ``calibrate``
+measures it on a CPU. Not counted: the optimizer's operators, and the Python cost of
+DTensor and FSDP2 around each operator and collective.
 
 **Collectives** (Hockney's latency-bandwidth model, as NCCL's own tuner writes it in
 ``src/graph/tuning.cc``): ``seconds = steps * latency + wire_bytes / (bandwidth *
@@ -136,6 +140,11 @@ class Hardware:
         inter_node: The network between nodes (per GPU).
         collectives: Optional per-kind links measured by ``calibrate`` (inside a node);
             they replace ``intra_node`` for that kind of collective.
+        op_overhead_s: Optional fixed seconds per operator the step runs (host
+            dispatch, autograd bookkeeping, the kernel's start), added per counted
+            operator; ``calibrate`` measures it on a CPU. Default 0: on a GPU the
+            kernels are queued asynchronously and this cost hides behind the previous
+            kernel while kernels are long (the shipped kinds do not give it).
         sources: Where each value comes from, by dotted field name.
     """
 
@@ -149,6 +158,7 @@ class Hardware:
     intra_node: Link
     inter_node: Link
     collectives: dict[str, Link] = dataclasses.field(default_factory=dict)
+    op_overhead_s: float = 0.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:
@@ -175,6 +185,7 @@ class Hardware:
             "intra_node": self.intra_node.to_dict(),
             "inter_node": self.inter_node.to_dict(),
             "collectives": {k: v.to_dict() for k, v in self.collectives.items()},
+            "op_overhead_s": self.op_overhead_s,
             "sources": dict(self.sources),
         }
 
@@ -287,6 +298,9 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
         intra_node=link("intra_node", need("intra_node")),
         inter_node=link("inter_node", need("inter_node")),
         collectives={str(k): link(f"collectives.{k}", v) for k, v in collectives.items()},
+        op_overhead_s=value("op_overhead_s", raw["op_overhead_s"])
+        if "op_overhead_s" in raw
+        else 0.0,
         sources=sources,
     )
 

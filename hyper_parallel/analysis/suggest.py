@@ -41,7 +41,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import shlex
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyper_parallel.analysis._format import human_bytes, table
 from hyper_parallel.analysis.cost_model import (
@@ -83,6 +83,7 @@ __all__ = [
     "ModelSource",
     "Prediction",
     "SuggestReport",
+    "count_operators",
     "model_from_hf_config",
     "predict",
     "suggest",
@@ -124,8 +125,10 @@ class ModelSource:
 
     @property
     def spec(self) -> Any:
+        from hyper_parallel.checkpoint_hf.specs import register_specs
         from hyper_parallel.dmodule.model_spec import get_spec
 
+        register_specs()  # the *-hf specs of a Hugging Face config, also when named
         return get_spec(self.spec_name)
 
     def config(self, **extra: Any) -> Any:
@@ -137,89 +140,32 @@ class ModelSource:
         return self.label or self.spec_name
 
 
-# Hugging Face config.json fields → our preset fields, per model_type; the spec whose
-# builder takes them (its preset's fields are all overridden).
-_HF_FIELDS = {
-    "llama": (
-        "llama3-8b",
-        {
-            "vocab_size": "vocab_size",
-            "dim": "hidden_size",
-            "num_layers": "num_hidden_layers",
-            "num_heads": "num_attention_heads",
-            "num_kv_heads": "num_key_value_heads",
-            "ffn_dim": "intermediate_size",
-            "norm_eps": "rms_norm_eps",
-            "rope_theta": "rope_theta",
-            "max_seq_len": "max_position_embeddings",
-        },
-    ),
-    "qwen3_moe": (
-        "qwen3-30b-a3b",
-        {
-            "vocab_size": "vocab_size",
-            "dim": "hidden_size",
-            "num_layers": "num_hidden_layers",
-            "num_heads": "num_attention_heads",
-            "num_kv_heads": "num_key_value_heads",
-            "head_dim": "head_dim",
-            "num_experts": "num_experts",
-            "top_k": "num_experts_per_tok",
-            "moe_hidden_dim": "moe_intermediate_size",
-            "norm_eps": "rms_norm_eps",
-            "rope_theta": "rope_theta",
-            "max_seq_len": "max_position_embeddings",
-        },
-    ),
-}
-_HF_OPTIONAL = {"norm_eps", "rope_theta", "max_seq_len", "num_kv_heads"}
-
-
 def model_from_hf_config(path: str | Path) -> ModelSource:
-    """A :class:`ModelSource` from a Hugging Face ``config.json`` (Llama, Qwen3-MoE).
+    """A :class:`ModelSource` from a Hugging Face ``config.json`` (or its directory).
 
-    Maps the config's fields onto our preset builders' (``hidden_size`` → ``dim``, ...);
-    nothing is downloaded.
+    The package's converter
+    (:func:`~hyper_parallel.checkpoint_hf.config.read_hf_config`: Llama / Mistral,
+    Qwen3 dense, Qwen3-MoE) gives the registered spec (``llama3-hf``, ``qwen3-hf``,
+    ``qwen3-moe-hf``) and its overrides — the ``--model`` and ``--model-overrides`` the
+    printed commands pass to ``train.run``; nothing is downloaded.
 
     Raises:
-        ValueError: The file cannot be read, its ``model_type`` is not supported (the
-            supported ones named), or a required field is missing (named).
+        ValueError: The file cannot be read or is not JSON, or the converter refuses
+            it (:class:`~hyper_parallel.checkpoint_hf.config.HFConfigError`: an
+            architecture we do not have, or each field we do not implement, named).
     """
+    from hyper_parallel.checkpoint_hf.config import read_hf_config
+    from hyper_parallel.checkpoint_hf.specs import register_specs
+
     where = f"--hf-config {str(path)!r}"
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ValueError(f"{where}: cannot read it ({e.strerror}).") from None
+        hf = read_hf_config(path)
+    except OSError as e:  # FileNotFoundError included
+        raise ValueError(f"{where}: cannot read it ({e.strerror or e}).") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e}).") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a JSON object (a Hugging Face config.json).")
-    model_type = raw.get("model_type")
-    if model_type not in _HF_FIELDS:
-        raise ValueError(
-            f"{where}: model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(sorted(_HF_FIELDS))} (a Llama or Qwen3-MoE config.json)."
-        )
-    spec_name, fields = _HF_FIELDS[model_type]
-    overrides: dict[str, Any] = {}
-    missing = []
-    for ours, theirs in fields.items():
-        if theirs in raw and raw[theirs] is not None:
-            overrides[ours] = raw[theirs]
-        elif ours == "num_kv_heads" and "num_attention_heads" in raw:
-            overrides[ours] = raw["num_attention_heads"]
-        elif ours == "head_dim" and "hidden_size" in raw and "num_attention_heads" in raw:
-            overrides[ours] = raw["hidden_size"] // raw["num_attention_heads"]
-        elif ours not in _HF_OPTIONAL:
-            missing.append(theirs)
-    if missing:
-        raise ValueError(f"{where}: missing field(s) {', '.join(missing)} for {model_type}.")
-    if raw.get("tie_word_embeddings"):
-        raise ValueError(
-            f"{where}: tie_word_embeddings=true; our {model_type} builder has separate "
-            "input and output embeddings (as Llama 3 8B/70B/405B and Qwen3-MoE)."
-        )
-    return ModelSource(spec_name, tuple(sorted(overrides.items())), label=str(path))
+    register_specs()
+    return ModelSource(hf.spec, tuple(sorted(hf.model_overrides.items())), label=str(path))
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -499,7 +445,7 @@ class _Tracer:
             batch_size=1,
             seq_len=self.seq_len,
             param_dtype=torch.float32,
-            loss_fn=spec.extras.get("loss_fn"),
+            loss_fn=spec.family.loss_fn,
             dtype=self.dtype,
         )
         num_layers = report.num_layers or self.num_layers
@@ -563,18 +509,43 @@ def _expert_params(report: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Flops:
-    """FLOPs of one sequence: one block's and the rest's, forward and backward."""
+    """FLOPs of one sequence: one block's and the rest's, forward and backward; and the
+    operators each runs (``*_ops``: one per aten call, whatever the batch)."""
 
     block_fwd: float
     block_bwd: float
     rest_fwd: float
     rest_bwd: float
     num_layers: int
+    block_fwd_ops: int = 0
+    block_bwd_ops: int = 0
+    rest_fwd_ops: int = 0
+    rest_bwd_ops: int = 0
 
     @property
     def total(self) -> float:
         n = self.num_layers
         return n * (self.block_fwd + self.block_bwd) + self.rest_fwd + self.rest_bwd
+
+
+class _OperatorCount(TorchDispatchMode):
+    """Counts the aten operators that run under it (views and metadata ops included:
+    each is a dispatch with its fixed cost)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_operators() -> _OperatorCount:
+    """A context that counts the aten operators run inside it (``.count``): what the
+    cost model multiplies by the hardware's ``op_overhead_s``, and what ``calibrate``
+    divides a tiny step's time by."""
+    return _OperatorCount()
 
 
 def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
@@ -599,36 +570,59 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
     mapping = {}
     if hasattr(torch.ops.aten, "_grouped_mm"):
         mapping[torch.ops.aten._grouped_mm] = _grouped_mm_flops
-    loss_fn = source.spec.extras.get("loss_fn")
+    loss_fn = source.spec.family.loss_fn
     for depth in (1, 2):
         config = source.config()
         config = config.replace(layers=list(config.layers[:depth]))
         with torch.device("meta"):
             model = config.build().to(torch.bfloat16)
         tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-        with FlopCounterMode(display=False, custom_mapping=mapping) as fwd:
+        with FlopCounterMode(display=False, custom_mapping=mapping) as fwd, count_operators() as fo:
             out = model(tokens)
             loss = loss_fn(out, tokens) if loss_fn is not None else out.float().sum()
-        with FlopCounterMode(display=False, custom_mapping=mapping) as bwd:
+        with FlopCounterMode(display=False, custom_mapping=mapping) as bwd, count_operators() as bo:
             loss.backward()
-        counts.append((fwd.get_total_flops(), bwd.get_total_flops()))
-    (f1, b1), (f2, b2) = counts
+        counts.append((fwd.get_total_flops(), bwd.get_total_flops(), fo.count, bo.count))
+    (f1, b1, fo1, bo1), (f2, b2, fo2, bo2) = counts
     n = len(source.config().layers)
-    return _Flops(f2 - f1, b2 - b1, f1 - (f2 - f1), b1 - (b2 - b1), n)
+    return _Flops(
+        f2 - f1,
+        b2 - b1,
+        f1 - (f2 - f1),
+        b1 - (b2 - b1),
+        n,
+        block_fwd_ops=fo2 - fo1,
+        block_bwd_ops=bo2 - bo1,
+        rest_fwd_ops=max(0, fo1 - (fo2 - fo1)),
+        rest_bwd_ops=max(0, bo1 - (bo2 - bo1)),
+    )
 
 
 # ----------------------------------------------------------------------------- checks
 
 
 class _Checks:
-    """The plan checks, per candidate, from cached parts (see :meth:`findings`)."""
+    """The run plan of every candidate; its errors are the filter.
 
-    def __init__(self, source: ModelSource, seq_len: int, global_batch: int) -> None:
+    Each candidate is asked as the trainer asks it
+    (:func:`hyper_parallel.train.trainer.run_plan`): :meth:`RunPlan.for_model
+    <hyper_parallel.distributed.run_plan.RunPlan.for_model>` with the candidate's mesh,
+    sequence parallelism, checkpointing, dtype, schedule, micro-batches, the batch per
+    data-parallel rank and the sequence. One :class:`~hyper_parallel.distributed.run_plan.PlanCache`
+    serves the search, so the sharded model is built on the meta device once per local
+    structure and the pipeline plan once per schedule, micro-batches and batch.
+    """
+
+    def __init__(self, source: ModelSource, seq_len: int, global_batch: int, dtype: str) -> None:
+        from hyper_parallel.distributed.run_plan import PlanCache
+
         self.source = source
         self.seq_len = seq_len
         self.global_batch = global_batch
+        self.dtype = dtype
         self.config = source.config()
-        self.stages = source.spec.extras.get("pipeline")
+        self.stages = source.spec.family.pipeline
+        self.cache = PlanCache()
         self._units: Any = None
 
     @property
@@ -637,116 +631,29 @@ class _Checks:
             self._units = self.stages.units(self.config)
         return self._units
 
+    def run(self, c: Candidate) -> Any:
+        """The candidate's :class:`~hyper_parallel.distributed.run_plan.RunPlan`."""
+        from hyper_parallel.distributed.run_plan import RunPlan
+
+        return RunPlan.for_model(
+            self.source.spec_name,
+            c.layout,
+            model_overrides=dict(self.source.overrides),
+            world_size=c.layout.world_size,
+            cache=self.cache,
+            sequence_parallel=c.sp,
+            ac=c.ac,
+            dtype=self.dtype,
+            schedule=c.schedule or "1F1B",
+            num_microbatches=c.microbatches,
+            batch_size=self.global_batch // c.dp,
+            seq_len=self.seq_len,
+        )
+
     def findings(self, c: Candidate) -> list[tuple[str, Finding]]:
-        """``(check, finding)`` for every error the plan checks report for ``c``.
-
-        The trainer's gate (:func:`hyper_parallel.train.trainer.check_config`), part
-        by part, each part cached on what it depends on: the layout's own findings,
-        the model's sharding for its model axes (heads and experts divisible),
-        context parallelism (sequence and heads), expert parallelism, and the
-        pipeline (schedule, split, micro-batches, batch).
-        """
-        out = [("mesh", f) for f in c.layout.findings() if f.severity == "error"]
-        if out:
-            return out
-        out += self._model_axes(c.tp, c.cp, c.ep, c.sp)
-        if out:
-            return out
-        if c.ep > 1:
-            out += self._ep(c.tp, c.cp, c.ep, c.dp_shard, c.sp)
-        if c.cp > 1:
-            out += self._cp(c.tp, c.cp, c.sp)
-        if c.pp > 1:
-            out += self._pipeline(c.pp, c.schedule or "1F1B", c.microbatches, 0)
-            out += self._ep_schedule(c.ep, c.schedule or "1F1B")
-        return out
-
-    @functools.cache  # noqa: B019 - one instance per search
-    def _sharded(self, tp: int, cp: int, ep: int, sp: bool) -> Any:
-        from hyper_parallel.distributed.axes import apply_model_axes
-
-        layout = MeshLayout(cp=cp, tp=tp, ep=ep, dp_shard=ep)
-        return apply_model_axes(self.source.spec, self.config, layout, sequence_parallel=sp)
-
-    @functools.cache  # noqa: B019
-    def _model_axes(self, tp: int, cp: int, ep: int, sp: bool) -> list[tuple[str, Finding]]:
-        from hyper_parallel.distributed.axes import plan_axis_findings
-        from hyper_parallel.train.trainer import config_axes
-
-        try:
-            config = self._sharded(tp, cp, ep, sp)
-        except ValueError as e:
-            axis = next((a for a in ("tp", "ep", "cp") if f"{a}" in str(e)), "model")
-            return [("model axes", Finding("error", "model", axis, str(e), "pick other sizes."))]
-        layout = MeshLayout(cp=cp, tp=tp, ep=ep, dp_shard=ep)
-        return [
-            ("model axes", f)
-            for f in plan_axis_findings(layout, config_axes(config), fsdp=True)
-            if f.severity == "error"
-        ]
-
-    @functools.cache  # noqa: B019
-    def _ep(self, tp: int, cp: int, ep: int, dp_shard: int, sp: bool) -> list[tuple[str, Finding]]:
-        from hyper_parallel.distributed.expert_parallel import ep_findings
-
-        layout = MeshLayout(dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
-        return [
-            ("expert parallel", f)
-            for f in ep_findings(self._sharded(tp, cp, ep, sp), layout)
-            if f.severity == "error"
-        ]
-
-    @functools.cache  # noqa: B019
-    def _cp(self, tp: int, cp: int, sp: bool) -> list[tuple[str, Finding]]:
-        from hyper_parallel.distributed import context_parallel
-
-        layout = MeshLayout(cp=cp, tp=tp)
-        config = self._sharded(tp, cp, 1, sp)
-        return [
-            ("context parallel", f)
-            for f in context_parallel.cp_findings(config, layout, self.seq_len)
-            if f.severity == "error"
-        ]
-
-    @functools.cache  # noqa: B019
-    def _pipeline(self, pp: int, schedule: str, m: int, batch: int) -> list[tuple[str, Finding]]:
-        if self.stages is None:
-            return [
-                (
-                    "pipeline",
-                    Finding(
-                        "error",
-                        "mesh",
-                        "pp",
-                        "the model declares no pipeline stages",
-                        "leave pp out.",
-                    ),
-                )
-            ]
-        # The batch check (micro-batches dividing the data-parallel rank's batch) holds by
-        # construction (see _pipelines); the rest depends on pp, schedule and m only.
-        return self._pipeline_plan(pp, schedule, m)[1]
-
-    @functools.cache  # noqa: B019
-    def _pipeline_plan(self, pp: int, schedule: str, m: int) -> tuple[Any, list]:
-        """The checked pipeline plan (``None`` when refused) and its errors."""
-        from hyper_parallel.distributed.pipeline import _plan
-
-        plan, found = _plan(self.units, pp=pp, schedule=schedule, num_microbatches=m)
-        errors = [("pipeline", f) for f in found if f.severity == "error"]
-        return (None if errors else plan), errors
-
-    @functools.cache  # noqa: B019
-    def _ep_schedule(self, ep: int, schedule: str) -> list[tuple[str, Finding]]:
-        from hyper_parallel.distributed.expert_parallel import ep_schedule_findings
-
-        if ep == 1:
-            return []
-        return [
-            ("expert parallel", f)
-            for f in ep_schedule_findings(MeshLayout(ep=ep, dp_shard=ep, pp=2), schedule)
-            if f.severity == "error"
-        ]
+        """``(check, finding)`` for every error of the candidate's run plan; the check
+        is the finding's kind (mesh, model, pipeline, ...)."""
+        return [(f.path or f.field or "plan", f) for f in self.run(c).errors]
 
 
 # ----------------------------------------------------------------------------- search
@@ -813,12 +720,20 @@ def _candidates(
 
 def _pipelines(pp: int, local: int) -> list[tuple[str | None, int]]:
     """Schedules and micro-batch counts: none without pp (one forward of the local batch,
-    as ``train.run`` steps); with pp every schedule at ``pp``, ``2 pp`` and ``4 pp``
-    micro-batches (those dividing the local batch)."""
+    as ``train.run`` steps); with pp every schedule torch runs, at the run plan's
+    micro-batch count (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`:
+    one per stage) and at 2 and 4 times it. Whether the local batch splits into them is
+    the run plan's finding."""
+    from hyper_parallel.distributed.run_plan import default_num_microbatches
+
+    del local  # the run plan checks the batch
     if pp == 1:
         return [(None, 1)]
-    counts = [m for m in (pp, 2 * pp, 4 * pp) if local % m == 0]
-    return [(s, m) for s in SCHEDULES for m in counts]
+    out: list[tuple[str | None, int]] = []
+    for schedule in SCHEDULES:
+        base = default_num_microbatches(pp, schedule)
+        out += [(schedule, k * base) for k in (1, 2, 4)]
+    return out
 
 
 def suggest(
@@ -869,7 +784,7 @@ def suggest(
     num_experts = _num_experts(config)
     global_batch = global_batch_tokens // seq_len
     rejected: Counter = Counter()
-    checks = _Checks(source, seq_len, global_batch)
+    checks = _Checks(source, seq_len, global_batch, dtype)
     tracer = _Tracer(source, seq_len, dtype)
     flops = count_flops(source, seq_len)
     limit = usable_memory(hw)
@@ -989,7 +904,7 @@ def predict(
     node = gpus_per_node or hw.gpus_per_node
     _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, 1)
     global_batch = global_batch_tokens // seq_len
-    checks = _Checks(source, seq_len, global_batch)
+    checks = _Checks(source, seq_len, global_batch, dtype)
     problems = _findings(checks, candidate)
     if candidate.layout.world_size != gpus:
         raise ValueError(
@@ -1115,7 +1030,7 @@ def _stage_blocks(ctx: _Context, c: Candidate) -> list[tuple[int, bool, bool, in
         return [(ctx.flops.num_layers, True, True, 0)]
     key = ("plan", c.pp, c.schedule, c.microbatches)
     if key not in ctx.pipeline_cache:
-        plan = ctx.checks._pipeline_plan(c.pp, c.schedule or "1F1B", c.microbatches)[0]
+        plan = ctx.checks.run(c).pipeline
         stages = ctx.checks.stages
         first, last = stages.first_name, stages.last_name
         ctx.pipeline_cache[key] = [
@@ -1255,14 +1170,18 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         fwd = mbs * share * (k * f.block_fwd + last * f.rest_fwd)
         bwd = mbs * share * (k * f.block_bwd + last * f.rest_bwd)
         recompute = mbs * share * recompute_blocks * k * f.block_fwd
+        # A fixed cost per operator, whatever its size (hardware's op_overhead_s).
+        ops_f = k * f.block_fwd_ops + last * f.rest_fwd_ops
+        ops_b = k * f.block_bwd_ops + last * f.rest_bwd_ops + recompute_blocks * k * f.block_fwd_ops
         comm_layer = _comm_seconds(ctx, layout, trace.per_layer, mbs, k)
         comm_rest = _comm_seconds(ctx, layout, trace.rest, mbs) if last else {}
         comm_f = comm_layer.get("forward", 0.0) + comm_rest.get("forward", 0.0)
         comm_b = comm_layer.get("backward", 0.0) + comm_rest.get("backward", 0.0)
         comm_b += recompute_blocks * comm_layer.get("forward", 0.0)
-        t_f.append(compute_seconds(hw, fwd, ctx.dtype) + comm_f)
-        t_b.append(compute_seconds(hw, bwd + recompute, ctx.dtype) + comm_b)
-        t_w.append(compute_seconds(hw, bwd, ctx.dtype) / 2)
+        overhead_f, overhead_b = hw.op_overhead_s * ops_f, hw.op_overhead_s * ops_b
+        t_f.append(compute_seconds(hw, fwd, ctx.dtype) + overhead_f + comm_f)
+        t_b.append(compute_seconds(hw, bwd + recompute, ctx.dtype) + overhead_b + comm_b)
+        t_w.append((compute_seconds(hw, bwd, ctx.dtype) + overhead_b) / 2)
         comm_f_all.append(comm_f)
         comm_b_all.append(comm_b)
     # Gradients left Partial by backward are reduced when the optimizer reads them.
@@ -1513,10 +1432,15 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "gathers and reduces hidden behind compute of the same phase, except one unit "
         "each); pipeline bubble from the schedule's action list with the heaviest stage's "
         "op times; recompute of checkpointed blocks' forward (FLOPs and collectives).",
+        f"Fixed cost per operator: {hw.op_overhead_s * 1e6:.1f} us x the aten operators "
+        "counted on the meta device per block and for the rest (forward, backward, "
+        "recompute); optimizer operators not counted.",
         "Without pp the data-parallel rank's whole batch runs as one forward (train.run "
         "has no gradient accumulation); with pp it is split into the micro-batches.",
         f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank; pp up "
-        f"to {MAX_PP}, with pp, 2 pp and 4 pp micro-batches.",
+        f"to {MAX_PP}, with 1, 2 and 4 times the run plan's micro-batch count (one per "
+        "stage: pp, or 2 pp for the interleaved schedules); counts the local batch does "
+        "not split into are the run plan's 'num_microbatches' refusals.",
     ]
     for field_name, source in sorted(hw.sources.items()):
         notes.append(f"{hw.name} {field_name}: {source}")

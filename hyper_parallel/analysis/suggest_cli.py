@@ -46,7 +46,9 @@ def add_suggest_parser(sub: Any) -> None:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="registered model name (see 'hyper-parallel models')")
     which.add_argument(
-        "--hf-config", metavar="PATH", help="a Hugging Face config.json (Llama, Qwen3-MoE)"
+        "--hf-config",
+        metavar="PATH",
+        help="a Hugging Face config.json or its directory (Llama / Mistral, Qwen3, Qwen3-MoE)",
     )
     p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs")
     p.add_argument(

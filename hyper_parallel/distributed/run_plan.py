@@ -54,6 +54,7 @@ from hyper_parallel.distributed import precision
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
 from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
 from hyper_parallel.distributed.axes import (
+    MODEL_AXES,
     apply_model_axes,
     declared_axes,
     plan_axis_findings,
@@ -85,6 +86,7 @@ from hyper_parallel.dmodule.findings import Finding, PlanEntry
 
 __all__ = [
     "RUN_AXES",
+    "PlanCache",
     "RunPlan",
     "apply_run_plan",
     "build_model",
@@ -126,6 +128,38 @@ def raise_findings(findings: Iterable[Finding], where: str) -> None:
     if errors:
         lines = "\n".join(f"  {f}" for f in errors)
         raise ValueError(f"{where}: {len(errors)} problem(s):\n{lines}")
+
+
+class PlanCache:
+    """What :meth:`RunPlan.for_model` builds that many plans of one model share.
+
+    A search over layouts (``hyper-parallel suggest``) asks for thousands of run plans
+    of one model; building the sharded model on the meta device and replaying the
+    pipeline schedule for each would take seconds per hundred. With a cache, each is
+    done once per key of everything it reads, so every plan's findings are those of an
+    uncached call:
+
+    - ``structures``: per model, overrides, the model axes' sizes (tp, cp, ep: all
+      :func:`~hyper_parallel.distributed.apply_model_axes` reads) and sequence
+      parallelism — the sharded config, its family, what refused it, its meta build
+      and plan entries (``axes``: the axes those entries declare, and those they
+      place states on among the data axes);
+    - ``pipelines``: per structure, pp, cp on or off, ep, schedule, micro-batches,
+      split, stages per rank, batch size and sequence — the pipeline plan and its
+      findings (``memos``: per structure, the model's pipeline units and its
+      tied-weight findings per stage assignment, shared by those keys).
+
+    Example::
+
+        cache = PlanCache()
+        runs = [RunPlan.for_model("llama3-debug", {"dp_shard": n}, cache=cache) for n in (2, 4)]
+    """
+
+    def __init__(self) -> None:
+        self.structures: dict[Any, tuple[Any, ...]] = {}
+        self.pipelines: dict[Any, tuple[PipelinePlan | None, list[Finding]]] = {}
+        self.axes: dict[Any, tuple[tuple[str, ...], Any]] = {}
+        self.memos: dict[Any, dict[Any, Any]] = {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -195,6 +229,7 @@ class RunPlan:
         *,
         model_overrides: Mapping[str, Any] | None = None,
         world_size: int | None = None,
+        cache: PlanCache | None = None,
         **switches: Any,
     ) -> RunPlan:
         """The run of a registered model: its sharding for every active model axis.
@@ -204,6 +239,9 @@ class RunPlan:
             layout: The mesh (a layout or axis sizes).
             model_overrides: Keyword overrides of the model's config.
             world_size: The ranks the job has, when known (checked against the mesh).
+            cache: Reuse what an earlier plan of the same model and local structure
+                built (:class:`PlanCache`: for searches over many layouts); the
+                findings are those of an uncached call.
             switches: ``sequence_parallel``, ``compile``, ``compile_backend``, ``ac``,
                 ``dtype``, ``fsdp``, ``schedule``, ``num_microbatches``,
                 ``batch_size`` (sequences per data-parallel rank), ``seq_len``,
@@ -213,28 +251,32 @@ class RunPlan:
             ValueError: A switch with a bad value (a choice error); problems of the run
                 itself — an unknown model included — are findings.
         """
-        from hyper_parallel.dmodule.model_spec import get_spec
-
         layout = MeshLayout.from_sizes(layout) if not isinstance(layout, MeshLayout) else layout
-        findings: list[Finding] = []
-        subject, family = None, None
-        try:
-            spec = get_spec(model)
-            family = spec.family
-            config = spec.config(**dict(model_overrides or {}))
-        except (ValueError, TypeError) as e:  # unknown name, or overrides it refuses
-            findings.append(
-                Finding("error", "model", model, str(e), "name a registered model and its fields.")
+        sp = bool(switches.get("sequence_parallel", False))
+        if cache is None:
+            subject, family, findings = _sharded_subject(model, model_overrides, layout, sp)
+            return cls._decide(
+                name=model,
+                layout=layout,
+                subject=subject,
+                family=family,
+                pipeline_layout=family.pipeline if family is not None else None,
+                world_size=world_size,
+                early=findings,
+                **switches,
             )
-        else:
-            try:
-                subject = apply_model_axes(
-                    spec, config, layout, sequence_parallel=switches.get("sequence_parallel", False)
-                )
-            except ValueError as e:
-                findings.append(
-                    Finding("error", "model", model, str(e), "pick axis sizes the model supports.")
-                )
+        key = (
+            model,
+            _frozen(model_overrides or {}),
+            *(layout.size(a) for a in MODEL_AXES),
+            sp,
+        )
+        if key not in cache.structures:
+            subject, family, findings = _sharded_subject(model, model_overrides, layout, sp)
+            built = _meta_build(subject) if subject is not None else None
+            entries = tuple(module_entries(built)) if built is not None else ()
+            cache.structures[key] = (subject, family, tuple(findings), built, entries)
+        subject, family, findings, built, entries = cache.structures[key]
         return cls._decide(
             name=model,
             layout=layout,
@@ -243,6 +285,10 @@ class RunPlan:
             pipeline_layout=family.pipeline if family is not None else None,
             world_size=world_size,
             early=findings,
+            entries=entries if subject is not None else None,
+            model=built,
+            cache=cache,
+            structure=key,
             **switches,
         )
 
@@ -305,6 +351,8 @@ class RunPlan:
         entries: Sequence[PlanEntry] | None = None,
         model: nn.Module | None = None,
         early: Sequence[Finding] = (),
+        cache: PlanCache | None = None,
+        structure: Any = None,
         sequence_parallel: bool = False,
         compile: bool = False,
         compile_backend: str = "inductor",
@@ -331,10 +379,20 @@ class RunPlan:
         if entries is None and model is not None:
             entries = module_entries(model)
         entries = tuple(entries or ())
-        axes = declared_axes(entries)
+        if cache is not None and structure is not None:
+            if structure not in cache.axes:
+                cache.axes[structure] = (
+                    declared_axes(entries),
+                    states_on_axes(entries, DATA_AXES),
+                )
+            axes, on_data = cache.axes[structure]
+        else:
+            axes, on_data = declared_axes(entries), states_on_axes(entries, DATA_AXES)
         if subject is not None:
             assert model is not None
-            findings += _model_findings(layout, subject, model, entries, axes, fsdp, seq_len)
+            findings += _model_findings(
+                layout, subject, model, entries, axes, on_data, fsdp, seq_len
+            )
         split, plan, pipeline_found = None, None, []
         if isinstance(pipeline_split, Mapping):
             try:
@@ -355,12 +413,7 @@ class RunPlan:
         if num_microbatches is None:
             num_microbatches = default_num_microbatches(layout.pp, schedule, stages_per_rank)
         if layout.pp > 1 and (subject is not None or family is not None):
-            plan, found = _pipeline(
-                name,
-                layout,
-                model,
-                family,
-                pipeline_layout,
+            args = dict(
                 schedule=schedule,
                 num_microbatches=num_microbatches,
                 split=split,
@@ -368,6 +421,27 @@ class RunPlan:
                 batch_size=batch_size,
                 seq_len=seq_len,
             )
+            # What _pipeline reads of the layout: pp, whether cp is on, and ep.
+            key = (
+                structure,
+                layout.pp,
+                layout.cp > 1,
+                layout.ep,
+                repr(split),
+                *(v for k, v in args.items() if k != "split"),
+            )
+            if cache is None or structure is None or key not in cache.pipelines:
+                memo = None
+                if cache is not None and structure is not None:
+                    memo = cache.memos.setdefault(structure, {})
+                found_plan = _pipeline(
+                    name, layout, model, family, pipeline_layout, memo=memo, **args
+                )
+                if cache is not None and structure is not None:
+                    cache.pipelines[key] = found_plan
+            else:
+                found_plan = cache.pipelines[key]
+            plan, found = found_plan
             pipeline_found = found
             findings += found
         num_blocks = None
@@ -605,6 +679,42 @@ def _materialize(module: nn.Module, run: RunPlan, device: torch.device | str, se
 # ---------------------------------------------------------------------------- helpers
 
 
+def _sharded_subject(
+    model: str, overrides: Mapping[str, Any] | None, layout: MeshLayout, sp: bool
+) -> tuple[Any, Any, list[Finding]]:
+    """The registered model's config sharded for the layout's model axes, its family, and
+    what refused it (an unknown name, overrides, or axis sizes the model does not take)."""
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    findings: list[Finding] = []
+    subject, family = None, None
+    try:
+        spec = get_spec(model)
+        family = spec.family
+        config = spec.config(**dict(overrides or {}))
+    except (ValueError, TypeError) as e:  # unknown name, or overrides it refuses
+        findings.append(
+            Finding("error", "model", model, str(e), "name a registered model and its fields.")
+        )
+    else:
+        try:
+            subject = apply_model_axes(spec, config, layout, sequence_parallel=sp)
+        except ValueError as e:
+            findings.append(
+                Finding("error", "model", model, str(e), "pick axis sizes the model supports.")
+            )
+    return subject, family, findings
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable form of config overrides (dicts and lists inside)."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 def _meta_build(config: Any) -> nn.Module:
     with torch.device("meta"):
         return config.build()
@@ -616,6 +726,7 @@ def _model_findings(
     model: nn.Module,
     entries: Sequence[PlanEntry],
     axes: Sequence[str],
+    states_on_data: Any,
     fsdp: bool,
     seq_len: int | None,
 ) -> list[Finding]:
@@ -625,9 +736,7 @@ def _model_findings(
     if layout.ep > 1:
         out += ep_plan_findings(layout, entries)
         out += ep_findings(model, layout)
-    out += plan_axis_findings(
-        layout, axes, fsdp=fsdp, states_on_data=states_on_axes(entries, DATA_AXES)
-    )
+    out += plan_axis_findings(layout, axes, fsdp=fsdp, states_on_data=states_on_data)
     if layout.cp > 1:
         out += cp_findings(model if isinstance(subject, nn.Module) else subject, layout, seq_len)
     return out
@@ -661,8 +770,13 @@ def _pipeline(
     stages_per_rank: int | None,
     batch_size: int | None,
     seq_len: int | None,
+    memo: dict[Any, Any] | None = None,
 ) -> tuple[PipelinePlan | None, list[Finding]]:
-    """The pipeline plan and its findings (``pp > 1``), each on path ``pipeline``."""
+    """The pipeline plan and its findings (``pp > 1``), each on path ``pipeline``.
+
+    ``memo`` (one per model structure, from a :class:`PlanCache`) keeps the model's
+    units and its tied-weight findings per stage assignment.
+    """
     if pipeline_layout is None:
         return None, [
             Finding(
@@ -688,12 +802,18 @@ def _pipeline(
         ]
     if model is None:  # the model's sharding was refused: reported already
         return None, []
+    flops = split is not None and split.balance == "flops"
+    units_key = ("units", seq_len or 2048) if flops else ("units",)
     try:
-        if split is not None and split.balance == "flops":
+        if memo is not None and units_key in memo:
+            units = memo[units_key]
+        elif flops:
             with torch.device("meta"):
                 units = count_unit_flops(pipeline_layout, model, seq_len or 2048)
         else:
             units = pipeline_layout.units_of_model(model)
+        if memo is not None:
+            memo[units_key] = units
     except ValueError as e:  # the model refuses the sequence it is counted on
         return None, [
             Finding(
@@ -723,6 +843,7 @@ def _pipeline(
         stages_per_rank=stages_per_rank,
         batch_size=batch_size,
         model=model,
+        tied_memo=memo.setdefault("tied", {}) if memo is not None else None,
     )
     found = [dataclasses.replace(f, path=f.path or "pipeline") for f in found]
     found += schedule_findings(layout, schedule)

@@ -21,7 +21,7 @@ import pytest
 from hyper_parallel.analysis import validate
 from hyper_parallel.cli import main
 from hyper_parallel.distributed.layout import MeshLayout
-from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
+from hyper_parallel.distributed.run_plan import PlanCache, RunPlan, default_num_microbatches
 from hyper_parallel.train.trainer import TrainConfig, check_config
 
 LLAMA, MOE = "llama3-debug", "qwen3-moe-debug"
@@ -189,6 +189,28 @@ def test_good_runs_pass_every_gate(run: Run) -> None:
 def test_plan_runs_what_the_gates_accept(mesh: str, capsys: pytest.CaptureFixture[str]) -> None:
     model = MOE if "ep" in mesh else LLAMA
     assert _plan(Run(model, mesh), capsys) == set()
+
+
+def test_a_shared_plan_cache_changes_no_finding() -> None:
+    """One PlanCache across every row (as a search shares it), each row asked twice:
+    the findings and the pipeline plan are those of an uncached call, and the cache
+    built each model structure once."""
+    cache = PlanCache()
+    for run in RUNS + RUNS:
+        kwargs = dict(
+            sequence_parallel=run.sp,
+            schedule=run.schedule,
+            num_microbatches=run.microbatches,
+            batch_size=run.batch // run.layout.size("batch"),
+            seq_len=run.seq,
+        )
+        cached = RunPlan.for_model(run.model, run.layout, cache=cache, **kwargs)
+        plain = RunPlan.for_model(run.model, run.layout, **kwargs)
+        assert cached.findings == plain.findings, run
+        assert cached.pipeline == plain.pipeline and cached.plan_axes == plain.plan_axes, run
+        assert {f.field for f in cached.errors} >= set(run.bad), run
+    structures = {(r.model, r.layout.tp, r.layout.cp, r.layout.ep, r.sp) for r in RUNS}
+    assert len(cache.structures) == len(structures)
 
 
 def test_the_micro_batch_default_is_one_rule() -> None:

@@ -8,6 +8,7 @@ raising) resolves a :class:`PipelineSplit` over a model's units into a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,6 +120,13 @@ class PipelineSplit:
             "stages": None if self.stages is None else [list(s) for s in self.stages],
             "balance": self.balance,
         }
+
+
+@functools.lru_cache(maxsize=1024)
+def _balanced_split(weights: tuple[int, ...], num_parts: int) -> tuple[int, ...]:
+    """:func:`balanced_split`, memoized (a pure function; a search asks it again per
+    batch size and micro-batch count of one model and stage count)."""
+    return tuple(balanced_split(weights, num_parts))
 
 
 def balanced_split(weights: Sequence[int], num_parts: int) -> list[int]:
@@ -289,7 +297,7 @@ def _resolve_split(
             )
         ]
     weights = [u.num_params if split.balance == "params" else u.num_flops for u in units]
-    sizes = balanced_split(weights, num_stages)
+    sizes = list(_balanced_split(tuple(weights), num_stages))
     out, start = [], 0
     for size in sizes:
         out.append(names[start : start + size])
@@ -452,11 +460,14 @@ def check_pipeline(
     stages_per_rank: int | None = None,
     batch_size: int | None = None,
     model: nn.Module | None = None,
+    tied_memo: dict[Any, list[Finding]] | None = None,
 ) -> tuple[PipelinePlan | None, list[Finding]]:
     """:func:`plan_pipeline`'s checks and plan without raising: ``(plan, findings)``.
 
     The plan is ``None`` when the findings stop it from being resolved; with errors of
     a resolved plan (micro-batches, tied weights, the batch) both come back.
+    ``tied_memo`` keeps the tied-weight findings of ``model`` per stage assignment
+    (for many checks of one model: they depend on nothing else).
     """
     findings = _schedule_findings(schedule)
     if findings:
@@ -534,7 +545,12 @@ def check_pipeline(
     )
     findings += _microbatch_findings(plan)
     if model is not None:
-        findings += tied_parameter_findings(model, plan, units)
+        if tied_memo is None:
+            findings += tied_parameter_findings(model, plan, units)
+        else:
+            if plan.stages not in tied_memo:
+                tied_memo[plan.stages] = tied_parameter_findings(model, plan, units)
+            findings += tied_memo[plan.stages]
     if batch_size is not None and batch_size % num_microbatches:
         findings.append(
             _error(
@@ -550,19 +566,29 @@ def check_pipeline(
 
 def _microbatch_findings(plan: PipelinePlan) -> list[Finding]:
     """Ask torch's own schedule whether it runs this many micro-batches."""
-    try:
-        schedule_actions(plan.schedule, plan.pp, plan.num_microbatches, plan.stages_per_rank)
-    except (ValueError, RuntimeError) as e:
+    refusal = _schedule_refusal(plan.schedule, plan.pp, plan.num_microbatches, plan.stages_per_rank)
+    if refusal is not None:
         return [
             _error(
                 "num_microbatches",
                 f"{plan.schedule} with {plan.num_stages} stages on pp={plan.pp} refuses "
-                f"{plan.num_microbatches} micro-batches: {e}",
+                f"{plan.num_microbatches} micro-batches: {refusal}",
                 f"use at least {plan.num_stages} micro-batches (a multiple of pp={plan.pp}), "
                 "or another schedule.",
             )
         ]
     return []
+
+
+@functools.lru_cache(maxsize=4096)
+def _schedule_refusal(schedule: str, pp: int, num_microbatches: int, per_rank: int) -> str | None:
+    """Why torch's schedule refuses this combination (``None``: it runs it); memoized,
+    as torch's answer depends on these four numbers only (building it takes ~0.1 s)."""
+    try:
+        schedule_actions(schedule, pp, num_microbatches, per_rank)
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return None
 
 
 def schedule_actions(
