@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from hyper_parallel._torch_private import TorchDispatchMode
 from hyper_parallel.analysis._format import human_bytes, table
 from hyper_parallel.analysis.cost_model import (
     OPTIMIZER_BYTES_PER_ELEMENT,
