@@ -65,17 +65,9 @@ def _mesh(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
-
-
 def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    from hyper_parallel.train.arguments import positive_int
+
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="registered model name (see 'hyper-parallel models')")
     which.add_argument(
@@ -98,14 +90,14 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="per-rank batch size (default 1); with pp: plan's micro-batch size, validate's "
         "sequences per data-parallel rank split into micro-batches (default one each)",
     )
     p.add_argument(
         "--seq",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help=f"sequence length (default {_SEQ_LEN}; {_HF_SEQ_LEN} for --hf-model)",
     )

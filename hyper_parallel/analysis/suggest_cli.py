@@ -21,17 +21,9 @@ import json
 import sys
 from typing import Any
 
+from hyper_parallel.train.arguments import positive_int
+
 __all__ = ["add_calibrate_parser", "add_suggest_parser", "run_calibrate", "run_suggest"]
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
 
 
 def add_suggest_parser(sub: Any) -> None:
@@ -50,22 +42,22 @@ def add_suggest_parser(sub: Any) -> None:
         metavar="PATH",
         help="a Hugging Face config.json or its directory (Llama / Mistral, Qwen3, Qwen3-MoE)",
     )
-    p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs")
+    p.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
     p.add_argument(
         "--gpus-per-node",
-        type=_positive,
+        type=positive_int,
         default=None,
         help="GPUs per node (default: the hardware file's, 8 for the shipped kinds)",
     )
     kind = p.add_mutually_exclusive_group(required=True)
     kind.add_argument("--gpu", metavar="KIND", help="shipped hardware kind, e.g. h100-80gb")
     kind.add_argument("--hardware", metavar="FILE", help="your own hardware YAML file")
-    p.add_argument("--seq", type=_positive, required=True, help="tokens per sequence")
+    p.add_argument("--seq", type=positive_int, required=True, help="tokens per sequence")
     p.add_argument(
-        "--global-batch-tokens", type=_positive, required=True, help="tokens per optimizer step"
+        "--global-batch-tokens", type=positive_int, required=True, help="tokens per optimizer step"
     )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="default bf16")
-    p.add_argument("--top", type=_positive, default=5, help="plans to print (default 5)")
+    p.add_argument("--top", type=positive_int, default=5, help="plans to print (default 5)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--chart", metavar="PNG", help="draw step time vs memory of the candidates")
     p.add_argument(
@@ -141,9 +133,9 @@ def add_calibrate_parser(sub: Any) -> None:
         "and the benchmark read.",
     )
     p.add_argument("--out", required=True, metavar="FILE.yaml", help="where to write it")
-    p.add_argument("--ranks", type=_positive, default=4, help="local gloo ranks (default 4)")
+    p.add_argument("--ranks", type=positive_int, default=4, help="local gloo ranks (default 4)")
     p.add_argument(
-        "--threads", type=_positive, default=1, help="torch threads per rank (default 1)"
+        "--threads", type=positive_int, default=1, help="torch threads per rank (default 1)"
     )
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.set_defaults(func=run_calibrate)

@@ -276,41 +276,33 @@ def read_hf_config(source: str | os.PathLike[str] | dict[str, Any]) -> HFConfig:
     kv_heads = raw.get("num_key_value_heads") or heads
     used.add("head_dim")
     head_dim = raw.get("head_dim")
-    overrides: dict[str, Any]
+    # The fields every family shares; each branch adds its own.
+    overrides: dict[str, Any] = dict(
+        vocab_size=vocab,
+        dim=dim,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        norm_eps=eps,
+        rope_theta=theta,
+        max_seq_len=max_pos,
+    )
     if family == "llama":
         if head_dim is not None and dim and heads and head_dim != dim // heads:
             problems.append(
                 ("head_dim", head_dim, f"hidden_size / num_attention_heads = {dim // heads}")
             )
-        overrides = dict(
-            vocab_size=vocab,
-            dim=dim,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            ffn_dim=ffn,
-            norm_eps=eps,
-            rope_theta=theta,
-            max_seq_len=max_pos,
-        )
+        overrides["ffn_dim"] = ffn
         if scaling is not None:
             overrides["rope_scaling"] = scaling
     elif family == "qwen3":
         if scaling is not None:
             problems.append(("rope_parameters.rope_type", "llama3", "'default' for Qwen3"))
-        if head_dim is None:
-            head_dim = dim // heads if dim and heads else None
-        overrides = dict(
-            vocab_size=vocab,
-            dim=dim,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
+        overrides.update(
+            head_dim=head_dim
+            if head_dim is not None
+            else (dim // heads if dim and heads else None),
             ffn_dim=ffn,
-            norm_eps=eps,
-            rope_theta=theta,
-            max_seq_len=max_pos,
             # Our Qwen3 ties natively (one parameter), as transformers does.
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         )
@@ -328,21 +320,13 @@ def read_hf_config(source: str | os.PathLike[str] | dict[str, Any]) -> HFConfig:
         _expect(raw, used, problems, "decoder_sparse_step", (1,), "1: every layer sparse")
         _expect(raw, used, problems, "mlp_only_layers", ([],), "[]: every layer sparse")
         used.add("router_aux_loss_coef")
-        if head_dim is None:
-            head_dim = dim // heads if dim and heads else None
-        overrides = dict(
-            vocab_size=vocab,
-            dim=dim,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
+        overrides.update(
+            head_dim=head_dim
+            if head_dim is not None
+            else (dim // heads if dim and heads else None),
             num_experts=experts,
             top_k=top_k,
             moe_hidden_dim=moe_dim,
-            norm_eps=eps,
-            rope_theta=theta,
-            max_seq_len=max_pos,
             aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
         )
     unknown = sorted(set(raw) - used - _METADATA)

@@ -34,6 +34,7 @@ __all__ = [
     "json_object",
     "mesh_argument",
     "parse_mesh",
+    "positive_int",
 ]
 
 
@@ -69,6 +70,17 @@ def json_object(text: str) -> dict[str, Any]:
         ) from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"num_layers\": 4}'")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type of a count option (``--gpus``, ``--seq``): an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
     return value
 
 
