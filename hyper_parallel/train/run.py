@@ -194,6 +194,10 @@ def main(
             }
             with open(args.metrics_out, "w", encoding="utf-8") as f:
                 json.dump(metrics, f, indent=1)
+        if dist.is_initialized():
+            # Every rank done (rank 0's files written) before any tears its groups down:
+            # a gloo group destroyed while a peer still talks to it aborts the process.
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
