@@ -100,3 +100,40 @@ def test_stage_costs_and_p2p_bytes():
     }
     sp = p2p_bytes_per_step(plan, 1000, tp=2, sequence_parallel=True)
     assert sp == {"per_microbatch": 500, "per_rank_max": 2000, "total": 8000}
+
+
+SCHEDULE_GRID = [
+    (schedule, pp, m, per)
+    for schedule, pers in [
+        ("GPipe", (1,)),
+        ("1F1B", (1,)),
+        ("Interleaved1F1B", (2, 3)),
+        ("InterleavedZeroBubble", (2,)),
+        ("ZBVZeroBubble", (2,)),
+        ("DualPipeV", (2,)),
+    ]
+    for pp in (2, 3, 4)
+    for m in (1, 2, 3, 4, 6, 8)
+    for per in pers
+]
+
+
+def test_compute_only_actions_and_refusals_equal_torchs_full_schedule():
+    # Our action lists skip the runtime schedules' lowering to communication actions;
+    # the compute order and every refusal (type and text) must be torch's own.
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops as full
+
+    from hyper_parallel._torch_private import get_schedule_ops
+
+    def answer(fn, *args):
+        try:
+            return fn(*args)
+        except (ValueError, RuntimeError) as e:
+            return ("refused", type(e).__name__, str(e))
+
+    refused = 0
+    for args in SCHEDULE_GRID:
+        ours, torchs = answer(get_schedule_ops, *args), answer(full, *args)
+        assert ours == torchs, args
+        refused += isinstance(ours, tuple)
+    assert 0 < refused < len(SCHEDULE_GRID)  # both kinds of answer were compared

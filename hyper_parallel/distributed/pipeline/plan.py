@@ -580,15 +580,25 @@ def _microbatch_findings(plan: PipelinePlan) -> list[Finding]:
     return []
 
 
-@functools.lru_cache(maxsize=4096)
 def _schedule_refusal(schedule: str, pp: int, num_microbatches: int, per_rank: int) -> str | None:
-    """Why torch's schedule refuses this combination (``None``: it runs it); memoized,
-    as torch's answer depends on these four numbers only (building it takes ~0.1 s)."""
+    """Why torch's schedule refuses this combination (``None``: it runs it)."""
+    answer = _torch_schedule(schedule, pp, num_microbatches, per_rank)
+    return answer if isinstance(answer, str) else None
+
+
+@functools.lru_cache(maxsize=512)
+def _torch_schedule(
+    schedule: str, pp: int, num_microbatches: int, per_rank: int
+) -> tuple[tuple[Any, ...], ...] | str:
+    """torch's action list, or the text of its refusal; memoized, as both depend on these
+    four numbers only, and building one takes up to seconds (torch's interleaved
+    schedules place their unshard/reshard actions in quadratic time: ~3 s at pp=32 with
+    256 micro-batches). The plan's check and the cost model's replay share it."""
     try:
-        schedule_actions(schedule, pp, num_microbatches, per_rank)
+        actions = get_schedule_ops(schedule, pp, num_microbatches, per_rank)
     except (ValueError, RuntimeError) as e:
         return str(e)
-    return None
+    return tuple(tuple(rank) for rank in actions)
 
 
 def schedule_actions(
@@ -597,12 +607,16 @@ def schedule_actions(
     """Torch's own action list of a schedule, per rank (``None`` marks an idle slot).
 
     Built by torch's ``get_schedule_ops`` on stand-in stages: no process group.
+    Memoized (the actions are immutable; each call returns new lists).
 
     Raises:
         ValueError: torch refuses the combination (e.g. 1F1B with fewer micro-batches
             than stages).
     """
-    return get_schedule_ops(schedule, pp, num_microbatches, stages_per_rank)
+    answer = _torch_schedule(schedule, pp, num_microbatches, stages_per_rank)
+    if isinstance(answer, str):
+        raise ValueError(answer)
+    return [list(rank) for rank in answer]
 
 
 def tied_parameter_findings(
