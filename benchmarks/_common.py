@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = [
+    "cli_run",
     "compile_torch_blocks",
     "gloo_ranks",
     "interleaved",
@@ -26,6 +29,48 @@ __all__ = [
     "summary",
     "torch_llama_plan",
 ]
+
+
+# The CLI's own entry point, reporting its process's peak RSS (KiB on Linux) and CPU time
+# on exit.
+_CLI = """
+import resource, sys
+from hyper_parallel.cli import main
+try:
+    code = main(sys.argv[1:])
+finally:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s = usage.ru_utime + usage.ru_stime
+    print(f"peak_rss_kib={usage.ru_maxrss} cpu_s={cpu_s}", file=sys.stderr)
+raise SystemExit(code)
+"""
+
+
+def cli_run(*args: str) -> dict[str, Any]:
+    """``hyper-parallel ARGS...`` in a fresh subprocess, as a user runs it.
+
+    Returns:
+        ``stdout``, ``wall_s`` (launch to exit, start-up and imports included),
+        ``cpu_s`` (user + system of the process: its wall time on an idle machine, much
+        less sensitive to other load) and ``peak_rss_bytes`` (its ``ru_maxrss``).
+
+    Raises:
+        RuntimeError: The command failed (its stderr's tail is in the message).
+    """
+    argv = [sys.executable, "-c", _CLI, *args]
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"hyper-parallel {' '.join(args)} failed:\n{err[-2000:]}")
+    stats = dict(item.split("=") for item in err.strip().splitlines()[-1].split())
+    return {
+        "stdout": out,
+        "wall_s": wall,
+        "cpu_s": float(stats["cpu_s"]),
+        "peak_rss_bytes": int(stats["peak_rss_kib"]) * 1024,
+    }
 
 
 def interleaved(

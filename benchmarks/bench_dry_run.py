@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
 from typing import Any
+
+from _common import cli_run
 
 CASES = (
     ("llama3-70b", "dp=128,tp=8"),
@@ -28,40 +27,17 @@ CASES = (
     # The README's MoE plan command (ep borrows its ranks from dp_shard x tp: 4,096 ranks).
     ("qwen3-235b-a22b", "dp_shard=512,tp=8,ep=64"),
 )
-# The CLI's own entry point, reporting this process's peak RSS (KiB on Linux) and CPU
-# time on exit.
-_CLI = """
-import resource, sys
-from hyper_parallel.cli import main
-try:
-    code = main(sys.argv[1:])
-finally:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    cpu_s = usage.ru_utime + usage.ru_stime
-    print(f"peak_rss_kib={usage.ru_maxrss} cpu_s={cpu_s}", file=sys.stderr)
-raise SystemExit(code)
-"""
 
 
 def measure(model: str, mesh: str, *extra: str) -> dict[str, Any]:
     """One ``plan --model MODEL --mesh MESH --format json [EXTRA...]`` run in a subprocess."""
-    argv = [sys.executable, "-c", _CLI, "plan", "--model", model, "--mesh", mesh]
-    argv += ["--format", "json", *extra]
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate()
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"plan --model {model} --mesh {mesh} failed:\n{err[-2000:]}")
-    report = json.loads(out)
-    stats = dict(item.split("=") for item in err.strip().splitlines()[-1].split())
+    run = cli_run("plan", "--model", model, "--mesh", mesh, "--format", "json", *extra)
+    report = json.loads(run.pop("stdout"))
     return {
         "model": model,
         "mesh": mesh,
         "world_size": report["world_size"],
-        "wall_s": wall,
-        "cpu_s": float(stats["cpu_s"]),
-        "peak_rss_bytes": int(stats["peak_rss_kib"]) * 1024,
+        **run,
         "num_params": report.get("num_params"),
     }
 

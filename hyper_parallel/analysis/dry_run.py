@@ -125,6 +125,8 @@ class DryRunReport:
         mesh: The active axes (size > 1) → size.
         world_size: Number of ranks.
         num_params: Parameters of the whole model.
+        num_expert_params: Of those, the routed experts' (the modules an ``ep`` plan
+            entry dispatches to; 0 for a dense model).
         batch_size: Per-rank batch of the traced step.
         seq_len: Sequence length of the traced step.
         param_dtype: Parameter dtype, e.g. ``"float32"``.
@@ -170,6 +172,7 @@ class DryRunReport:
     assumptions: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
     per_rank_experts: StateBytes | None = None
+    num_expert_params: int = 0
 
     def _per_rank_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = self.per_rank.to_dict()
@@ -202,6 +205,7 @@ class DryRunReport:
             "world_size": self.world_size,
             "mesh": self.layout.to_dict(derived=True),
             "num_params": self.num_params,
+            "num_expert_params": self.num_expert_params,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "param_dtype": self.param_dtype,
@@ -499,6 +503,7 @@ class _Run:
     comm_debug_total: int
     plan_axes: tuple[str, ...] = ()
     expert_bytes: tuple[int, int, int] | None = None  # params, grads, trainable numel
+    expert_numel: int = 0  # global elements of the routed experts
     activation_bytes: int = 0
     activations_by_ac: dict[str, int] = field(default_factory=dict)
     activations_outside_blocks: tuple[int, int] = (0, 0)
@@ -574,9 +579,10 @@ def _trace_step(
         loss.backward()
     params = _unique_params(model)
     grads = [p.grad for p in params if p.grad is not None]
-    expert_bytes = None
+    expert_bytes, expert_numel = None, 0
     if experts:
         eparams = [p for e in experts for p in e.module.parameters()]
+        expert_numel = sum(p.numel() for p in {id(p): p for p in eparams}.values())
         expert_bytes = (
             sum(_local_bytes(p) for p in eparams),
             sum(_local_bytes(p.grad) for p in eparams if p.grad is not None),
@@ -595,6 +601,7 @@ def _trace_step(
         fsdp_units=units,
         comm_debug_total=comm.get_total_counts(),
         expert_bytes=expert_bytes,
+        expert_numel=expert_numel,
         plan_axes=tuple(a for a in axes if a in DENSE_AXES),
         activation_bytes=saved.peak_bytes(run.ac),
         activations_by_ac={m: saved.peak_bytes(m) for m in ("none", "selective", "full")},
@@ -812,6 +819,7 @@ def _combine(
             collectives=summarize(last.records),
             comm_debug_counts=last.comm_counts,
             per_rank_experts=None if last.expert_bytes is None else state_bytes(*last.expert_bytes),
+            num_expert_params=last.expert_numel,
             activations_by_ac=dict(last.activations_by_ac),
             activations_outside_blocks=last.activations_outside_blocks,
         )
@@ -880,6 +888,7 @@ def _combine(
         per_rank_experts=None
         if a.expert_bytes is None or b.expert_bytes is None
         else state_bytes(*(ext(x, y) for x, y in zip(a.expert_bytes, b.expert_bytes))),
+        num_expert_params=ext(a.expert_numel, b.expert_numel),
         activations_by_ac=by_ac,
         activations_outside_blocks=b.activations_outside_blocks,
     )

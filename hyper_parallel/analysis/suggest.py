@@ -479,7 +479,7 @@ class _Tracer:
         expert_params = experts.params if experts is not None else 0
         efsdp = layout.efsdp if fsdp else 1
         fsdp_size = layout.fsdp if report.fsdp else 1
-        expert_total = _expert_params(report) if experts is not None else 0
+        expert_total = report.num_expert_params
         return _Trace(
             pre=pre,
             post=post,
@@ -492,16 +492,6 @@ class _Tracer:
             dense_total=report.num_params - expert_total,
             expert_total=expert_total,
         )
-
-
-def _expert_params(report: Any) -> int:
-    """Global elements of the routed experts (their rows in the parameter table)."""
-    total = 0
-    for m in report.modules:
-        for p in m.params:
-            if p.placements.get("ep", "").startswith("Shard"):
-                total += math.prod(p.global_shape)
-    return total
 
 
 # ----------------------------------------------------------------------------- FLOPs

@@ -311,3 +311,36 @@ def test_apply_cp_is_registered_and_refuses_bad_sizes_and_a_second_application()
     moe = once.layers[0].moe
     assert moe.balance.sharding_config.out_src_shardings is not None
     assert once.layers[0].moe.aux_loss_coef == config.layers[0].moe.aux_loss_coef
+
+
+@pytest.mark.parametrize("tokens", [24, 26])  # a multiple of the 4 experts, and not
+def test_even_split_maths_equal_the_loop_and_its_saved_storages(tokens):
+    # The dry run's mode (fake tensors carry no routing): equal blocks go through one
+    # batched matmul per weight; the numbers, gradients and what backward keeps are the
+    # per-expert loop's.
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from hyper_parallel.models.qwen3_moe.model import _swiglu_blocks, even_split
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, 8, requires_grad=True)
+    w1, w3 = torch.randn(4, 16, 8, requires_grad=True), torch.randn(4, 16, 8, requires_grad=True)
+    w2 = torch.randn(4, 8, 16, requires_grad=True)
+    counts = torch.tensor(even_split(tokens, 4))
+    results = []
+    for mode in ("even", "loop"):
+        storages: set[int] = set()
+
+        def pack(t, storages=storages):
+            storages.add(t.untyped_storage().nbytes() if t.untyped_storage() is not None else 0)
+            return t
+
+        with saved_tensors_hooks(pack, lambda t: t):
+            y = _swiglu_blocks(x, counts, w1, w2, w3, mode)
+        grads = torch.autograd.grad(y.square().sum(), (x, w1, w2, w3))
+        results.append((y, grads, storages))
+    (y_even, g_even, s_even), (y_loop, g_loop, s_loop) = results
+    torch.testing.assert_close(y_even, y_loop)
+    for a, b in zip(g_even, g_loop, strict=True):
+        torch.testing.assert_close(a, b)
+    assert s_even == s_loop
