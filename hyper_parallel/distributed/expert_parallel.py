@@ -202,7 +202,12 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
     return out
 
 
-def ep_findings(model: Any, layout: Any) -> list[Finding]:
+def ep_findings(
+    model: Any,
+    layout: Any,
+    *,
+    layers: Sequence[tuple[str, nn.Module, str, nn.Module]] | None = None,
+) -> list[Finding]:
     """Every expert-parallel problem of ``model`` on ``layout``, before any process group.
 
     Checks: ``ep`` divides dp_shard x cp x tp (the layout's own finding), ``top_k`` is
@@ -214,6 +219,8 @@ def ep_findings(model: Any, layout: Any) -> list[Finding]:
         model: A model config (built here on the meta device) or a model (any
             ``nn.Module``, e.g. a Hugging Face MoE; a meta-device build is enough).
         layout: A :class:`~hyper_parallel.distributed.MeshLayout`, or the ``ep`` size.
+        layers: ``moe_layers(model)``, when the caller already has them (a search
+            asking about one model on many layouts).
 
     Returns:
         Error :class:`~hyper_parallel.dmodule.Finding` s, each with its module path and
@@ -231,7 +238,9 @@ def ep_findings(model: Any, layout: Any) -> list[Finding]:
     if not isinstance(model, nn.Module):
         with torch.device("meta"):
             model = model.build()
-    for router_path, router, experts_path, experts in moe_layers(model):
+    for router_path, router, experts_path, experts in (
+        layers if layers is not None else moe_layers(model)
+    ):
         num_scored, top_k = router.weight.shape[0], router.top_k
         if top_k > num_scored:
             out.append(

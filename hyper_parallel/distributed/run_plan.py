@@ -68,6 +68,7 @@ from hyper_parallel.distributed.expert_parallel import (
     ep_findings,
     ep_layout_findings,
     ep_plan_findings,
+    moe_layers,
     rescale_expert_grads,
 )
 from hyper_parallel.distributed.fsdp import fsdp_mesh_for
@@ -146,8 +147,8 @@ class PlanCache:
       place states on among the data axes);
     - ``pipelines``: per structure, pp, cp on or off, ep, schedule, micro-batches,
       split, stages per rank, batch size and sequence — the pipeline plan and its
-      findings (``memos``: per structure, the model's pipeline units and its
-      tied-weight findings per stage assignment, shared by those keys).
+      findings (``memos``: per structure, the model's pipeline units, its tied-weight
+      findings per stage assignment and its MoE layers, shared by those keys).
 
     Example::
 
@@ -390,8 +391,11 @@ class RunPlan:
             axes, on_data = declared_axes(entries), states_on_axes(entries, DATA_AXES)
         if subject is not None:
             assert model is not None
+            memo = None
+            if cache is not None and structure is not None:
+                memo = cache.memos.setdefault(structure, {})
             findings += _model_findings(
-                layout, subject, model, entries, axes, on_data, fsdp, seq_len
+                layout, subject, model, entries, axes, on_data, fsdp, seq_len, memo=memo
             )
         split, plan, pipeline_found = None, None, []
         if isinstance(pipeline_split, Mapping):
@@ -729,13 +733,21 @@ def _model_findings(
     states_on_data: Any,
     fsdp: bool,
     seq_len: int | None,
+    memo: dict[Any, Any] | None = None,
 ) -> list[Finding]:
     """The model's sharding against the mesh: experts over ``ep``, the plan's axes against
-    the data axes and ``cp``, context parallelism against the sequence and the heads."""
+    the data axes and ``cp``, context parallelism against the sequence and the heads.
+    ``memo`` (per model structure, from a :class:`PlanCache`) keeps the model's MoE
+    layers, found once by walking its modules."""
     out: list[Finding] = []
     if layout.ep > 1:
         out += ep_plan_findings(layout, entries)
-        out += ep_findings(model, layout)
+        layers = None
+        if memo is not None:
+            if "moe_layers" not in memo:
+                memo["moe_layers"] = moe_layers(model)
+            layers = memo["moe_layers"]
+        out += ep_findings(model, layout, layers=layers)
     out += plan_axis_findings(layout, axes, fsdp=fsdp, states_on_data=states_on_data)
     if layout.cp > 1:
         out += cp_findings(model if isinstance(subject, nn.Module) else subject, layout, seq_len)
