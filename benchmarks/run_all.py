@@ -683,21 +683,24 @@ def _figure_hf_load(h: dict[str, Any]) -> str:
     )
 
 
+FIGURES: dict[str, tuple[str, Callable[[Any], str | None]]] = {
+    "init-memory": ("e", _figure_init_memory),
+    "dry-run": ("r", lambda rows: _figure_dry_run(rows, moe=False)),
+    "dry-run-moe": ("r", lambda rows: _figure_dry_run(rows, moe=True)),
+    "hf-load": ("h", _figure_hf_load),
+    "suggest-speed": ("t", _figure_suggest_speed),
+}
+"""The README's measured figures: marker name -> (section, how it is written from the data)."""
+
+
 def figures(sections: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Every measured figure the README's prose quotes, by marker name, from ``latest.json``.
 
     A figure whose section is absent (or holds no such case) is ``not_measured``.
     """
     data = {k: v["data"] for k, v in sections.items()}
-    made: dict[str, tuple[str, Callable[[Any], str | None]]] = {
-        "init-memory": ("e", _figure_init_memory),
-        "dry-run": ("r", lambda rows: _figure_dry_run(rows, moe=False)),
-        "dry-run-moe": ("r", lambda rows: _figure_dry_run(rows, moe=True)),
-        "hf-load": ("h", _figure_hf_load),
-        "suggest-speed": ("t", _figure_suggest_speed),
-    }
     out = {}
-    for name, (key, make) in made.items():
+    for name, (key, make) in FIGURES.items():
         text = make(data[key]) if key in data else None
         out[name] = text if text is not None else not_measured(key)
     return out
