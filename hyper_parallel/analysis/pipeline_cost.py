@@ -443,7 +443,7 @@ def pipeline_report(
         for key in into:
             into[key] += getattr(c, key)
     heaviest = max(per_rank.values(), key=lambda d: sum(d.values()))
-    dim = config.norm.dim
+    dim = stages.stage_width(config)
     rows = [
         c.to_dict() | {"total": c.params + c.grads + c.optimizer + c.activations} for c in costs
     ]
@@ -571,7 +571,7 @@ def stage_collectives(
     from hyper_parallel.analysis.dry_run import dry_run
 
     flat = dataclasses.replace(layout, pp=1)
-    dim = config.norm.dim
+    dim = stages.stage_width(config)
     first, last = stages.first_name, stages.last_name
     depth = len(getattr(config, stages.layers))
     traces: dict[tuple[bool, bool, int], _Trace] = {}

@@ -1354,7 +1354,7 @@ def _rest_params(ctx: _Context) -> float:
 
 
 def _dim(ctx: _Context) -> int:
-    return int(ctx.checks.config.norm.dim)
+    return ctx.checks.stages.stage_width(ctx.checks.config)
 
 
 def _command(

@@ -300,3 +300,13 @@ def test_the_trainer_balances_by_flops_when_asked():
     assert run_plan(cfg).pipeline.stages == by_flops.stages
     # Balanced by parameters the split differs (the embedding weighs no FLOPs).
     assert run_plan(cfg.replace(pipeline_split=None)).pipeline.stages != by_flops.stages
+
+
+def test_stage_width_comes_from_the_layout_or_a_clear_refusal():
+    import dataclasses
+
+    config = preset_config("llama3-debug")
+    assert PIPELINE.stage_width(config) == config.tok_embeddings.embedding_dim
+    silent = dataclasses.replace(PIPELINE, activation_dim=None)
+    with pytest.raises(ValueError, match="declares no activation_dim"):
+        silent.stage_width(config)

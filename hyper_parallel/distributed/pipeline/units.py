@@ -52,6 +52,9 @@ class PipelineLayout:
         activation_elements: ``(config, unit name) -> (replicated, tp_split)``: per
             token, the activation elements the unit keeps for its backward (an
             estimate for the dry run); ``None`` when the model gives none.
+        activation_dim: ``config -> int``: the width of the activation passed between
+            stages (per token; the residual stream), for its send/receive bytes;
+            ``None`` when the model gives none (then its pipeline is not costed).
     """
 
     first: tuple[str, ...]
@@ -61,6 +64,21 @@ class PipelineLayout:
     stage: type
     activation_layout: Callable[[Any], dict]
     activation_elements: Callable[[Any, str], tuple[int, int]] | None = None
+    activation_dim: Callable[[Any], int] | None = None
+
+    def stage_width(self, config: Any) -> int:
+        """The width of the activation passed between stages (:attr:`activation_dim`).
+
+        Raises:
+            ValueError: The model's pipeline declares no ``activation_dim``.
+        """
+        if self.activation_dim is None:
+            raise ValueError(
+                f"{self.stage.__name__}'s PipelineLayout declares no activation_dim (the "
+                "width of the activation passed between stages); declare it to cost the "
+                "model's pipeline."
+            )
+        return int(self.activation_dim(config))
 
     @property
     def first_name(self) -> str:

@@ -293,4 +293,10 @@ def decoder_pipeline(
         stage=TransformerStage,
         activation_layout=_activation_layout,
         activation_elements=elements,
+        activation_dim=_residual_width,
     )
+
+
+def _residual_width(config: Any) -> int:
+    """The residual stream's width: what one stage hands the next, per token."""
+    return int(config.norm.dim)
