@@ -13,7 +13,18 @@ rendezvous) and measures, all ranks at once (as a training step runs them):
   latency-bandwidth model of :mod:`~hyper_parallel.analysis.cost_model` solved for
   its two unknowns (per-step latency from the small size over the ring's steps;
   bandwidth from the large size's wire bytes over the rest of its time);
-- **memory bandwidth** (a large copy), for the optimizer step;
+- **memory bandwidth** (a large copy), for the optimizer step and the operators
+  without a FLOP formula (elementwise, norms, softmax, copies);
+- ``op_overhead_s``: the fixed cost of one aten operator (a tiny training step's time
+  over the operators it runs), and ``dtensor_op_overhead_s``: the extra cost of an
+  operator on a DTensor (sharding propagation, unwrapping and wrapping): AdamW steps
+  of tiny DTensor parameters on the ranks' mesh against the same on plain tensors,
+  over the operators they run;
+- ``comm_overlap``: the share of a collective's time that hides behind compute
+  running at the same time (an asynchronous all-gather issued before matmuls and
+  waited for after them, against the two run apart): about 1 where the network
+  moves data on its own engines (GPUs with NCCL), less where the same cores that
+  compute also run the collective (gloo on a CPU);
 - ``memory_bytes``: the machine's RAM over the ranks; ``gpus_per_node``: the ranks.
 
 The network between nodes is not measured (one machine): ``inter_node`` repeats the
@@ -133,14 +144,84 @@ def _op_overhead(repeats: int) -> float:
     return _timed(step, 10 * repeats) / ops
 
 
-def _mlp_step_rate(repeats: int, overhead: float) -> float:
+def _mlp_step_rate(repeats: int, overhead: float, bandwidth: float) -> float:
     """FLOP/s of forward + backward of a small MLP stack in fp32 (matmuls ``6 x params x
-    tokens``): small matmuls, elementwise ops and autograd, as a training step has them;
-    the fixed cost per operator (``overhead`` x the operators) taken out, as the cost
-    model adds it back per counted operator."""
+    tokens``): small matmuls and autograd, as a training step has them; the fixed cost
+    per operator (``overhead`` x the operators) and the memory traffic of the operators
+    without a FLOP formula (their elements x 4 bytes over ``bandwidth``) taken out, as
+    the cost model adds both back per counted operator and element."""
+    from hyper_parallel.analysis.suggest import count_operators
+
     step, flops, ops = _mlp_step(*(_MLP[k] for k in ("dim", "hidden", "layers", "tokens")))
+    with count_operators() as counted:
+        step()
     seconds = _timed(step, repeats)
-    return flops / max(seconds - overhead * ops, 0.25 * seconds)
+    rest = overhead * ops + 4 * counted.elements / bandwidth
+    return flops / max(seconds - rest, 0.25 * seconds)
+
+
+def _dtensor_op_overhead(world: int, repeats: int, overhead: float) -> float:
+    """Extra seconds per operator on a DTensor: AdamW steps (the trainer's optimizer)
+    of tiny parameters sharded over all ranks, against the same step on plain tensors,
+    over the operators the plain step runs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hyper_parallel.analysis.suggest import count_operators
+
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = 16
+
+    def optimizer(dtensor: bool) -> tuple[Any, int]:
+        params = []
+        for _ in range(tensors):
+            t = torch.zeros(8 * world, 8)
+            if dtensor:
+                t = distribute_tensor(t, mesh, [Shard(0)])
+            params.append(torch.nn.Parameter(t))
+        opt = torch.optim.AdamW(params)
+
+        def step() -> None:
+            for q in params:
+                q.grad = torch.zeros_like(q)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()  # AdamW's states are created on the first step
+        with count_operators() as ops:
+            step()
+        return step, ops.count
+
+    plain, ops = optimizer(False)
+    sharded, _ = optimizer(True)
+    extra = _timed(sharded, repeats) - _timed(plain, repeats)
+    return max(extra / ops, 0.0)
+
+
+def _comm_overlap(world: int, repeats: int) -> float:
+    """Share of an all-gather's time hidden by matmuls running while it is in flight:
+    ``(compute + collective - both) / min(compute, collective)``, clipped to [0, 1]."""
+    shard = torch.ones(_LARGE // world)
+    out = torch.empty(_LARGE)
+    a = torch.randn(256, 256)
+
+    def gather() -> None:
+        dist.all_gather_into_tensor(out, shard)
+
+    alone = _timed(gather, repeats)
+    inner = max(1, round(alone / max(_timed(lambda: torch.mm(a, a), repeats), 1e-9)))
+
+    def compute() -> None:
+        for _ in range(inner):
+            torch.mm(a, a)
+
+    def both() -> None:
+        work = dist.all_gather_into_tensor(out, shard, async_op=True)
+        compute()
+        work.wait()
+
+    c, g, b = _timed(compute, repeats), _timed(gather, repeats), _timed(both, repeats)
+    return min(1.0, max(0.0, (c + g - b) / max(min(c, g), 1e-9)))
 
 
 def _worker(rank: int, world: int, init: str, threads: int, quick: bool, out: str) -> None:
@@ -161,12 +242,18 @@ def _worker(rank: int, world: int, init: str, threads: int, quick: bool, out: st
 
             seconds = _timed(matmuls, repeats)
             result["flops"][name] = 2 * n**3 * inner / seconds
-        result["op_overhead_s"] = _op_overhead(repeats)
-        result["step_flops"] = _mlp_step_rate(repeats, result["op_overhead_s"])
         src = torch.ones(1 << 23)  # 32 MiB
         dst = torch.empty_like(src)
         seconds = _timed(lambda: dst.copy_(src), repeats)
         result["memory_bandwidth"] = 2 * src.numel() * 4 / seconds  # read + write
+        result["op_overhead_s"] = _op_overhead(repeats)
+        result["step_flops"] = _mlp_step_rate(
+            repeats, result["op_overhead_s"], result["memory_bandwidth"]
+        )
+        result["dtensor_op_overhead_s"] = _dtensor_op_overhead(
+            world, repeats, result["op_overhead_s"]
+        )
+        result["comm_overlap"] = _comm_overlap(world, repeats)
         for kind in _KINDS:
             try:
                 small = _timed(_collective(kind, _SMALL, world, rank), repeats)
@@ -207,6 +294,8 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
     memory_bw = statistics.median(r["memory_bandwidth"] for r in per_rank)
     step_rate = statistics.median(r["step_flops"] for r in per_rank)
     op_overhead = statistics.median(r["op_overhead_s"] for r in per_rank)
+    dtensor_overhead = statistics.median(r["dtensor_op_overhead_s"] for r in per_rank)
+    overlap = statistics.median(r["comm_overlap"] for r in per_rank)
     links: dict[str, Any] = {}
     for kind in _KINDS:
         rows = [r["collectives"][kind] for r in per_rank if "error" not in r["collectives"][kind]]
@@ -255,6 +344,18 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
             "value": op_overhead,
             "source": f"measured: a training step of {_MLP['layers']} tiny MLP blocks (8 x 8, "
             "4 tokens) over the operators it runs, median rank, all ranks at once",
+        },
+        "dtensor_op_overhead_s": {
+            "value": dtensor_overhead,
+            "source": "measured: AdamW steps of 16 tiny DTensor parameters (Shard(0) over "
+            "the ranks) less the same on plain tensors, over the operators of the plain "
+            "step, median rank, all ranks at once",
+        },
+        "comm_overlap": {
+            "value": round(overlap, 4),
+            "source": f"measured: share of an all_gather of {_LARGE * 4} B hidden by "
+            "matmuls issued while it is in flight (compute + collective - both, over the "
+            "shorter), median rank",
         },
         "hbm_bandwidth": {"value": memory_bw, "source": "measured: 32 MiB copy (read + write)"},
         "gpus_per_node": {"value": ranks, "source": "the local ranks measured"},

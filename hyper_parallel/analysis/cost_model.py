@@ -14,10 +14,25 @@ fields, plain numbers or ``{value, source}`` pairs (:func:`load_hardware`).
 are counted on the meta device by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls,
 attention as torch counts it: the full, non-causal score matrix), forward and backward
 apart; each rank does ``1 / (tp * cp)`` of a sequence's work (experts: uniform routing).
-Plus ``op_overhead_s`` (optional; 0 for the shipped GPU kinds) per aten operator the
-step runs, counted on the meta device per block and for the rest; ``calibrate``
-measures it on a CPU. Not counted: the optimizer's operators, and the Python cost of
-DTensor and FSDP2 around each operator and collective.
+Three more terms, each a field of the hardware file that ``calibrate`` measures on a
+CPU (the shipped GPU kinds give the value that makes it vanish, with the reason):
+
+- **fixed cost per operator**: ``op_overhead_s`` x the aten operators the step runs,
+  counted on the meta device per block and for the rest (forward, backward,
+  recompute); GPU kinds 0 (host launches are queued ahead of long kernels);
+- **memory traffic of the operators without a FLOP formula** (elementwise, norms,
+  softmax, copies, concatenations; matmuls and attention are in the FLOPs): the
+  elements they read and write, counted on the meta device per sequence, times the
+  compute dtype's bytes, over ``hbm_bandwidth``; divided by ``tp x cp`` like the
+  FLOPs;
+- **the optimizer step's operators**: the trainer's gradient norm, AdamW step and
+  ``zero_grad`` run ``optimizer_ops_per_tensor`` operators per parameter tensor
+  (counted once on a small CPU tensor: the single-tensor AdamW a CPU runs), each
+  costing ``op_overhead_s`` plus ``dtensor_op_overhead_s`` when the parameters are
+  DTensors (FSDP2, tp or ep shard them); GPU kinds 0 (as above).
+
+Not counted: the Python cost of DTensor around the forward and backward operators
+(tp, cp), and of FSDP2's hooks per unit.
 
 **Collectives** (Hockney's latency-bandwidth model, as NCCL's own tuner writes it in
 ``src/graph/tuning.cc``): ``seconds = steps * latency + wire_bytes / (bandwidth *
@@ -45,7 +60,12 @@ gpus_per_node``; otherwise it crosses nodes and runs at the per-GPU network band
   (torch's ``REDUCE_GRAD`` action): hidden behind the last backward only;
 - pipeline point-to-point sends of a micro-batch's activations add to the op that
   produces them (a stage waits for its input);
-- compute and communication do not slow each other (no SM or memory contention).
+- compute and communication do not slow each other (no SM or memory contention);
+- "hidden" is scaled by ``comm_overlap`` (0 to 1): the part of an overlappable
+  collective that compute running with it hides is ``comm_overlap x min(collective,
+  compute)``. GPU kinds 1 (NCCL moves data on its own channels); ``calibrate``
+  measures it (an asynchronous all-gather with matmuls running against the two
+  apart; about 0 on a CPU, where gloo and the compute share the same cores).
 
 **Pipeline.** The bubble comes from the schedule's own action list (torch's
 ``get_schedule_ops``, :func:`~hyper_parallel.analysis.pipeline_cost.rank_ops`)
@@ -88,8 +108,10 @@ __all__ = [
     "axis_span",
     "collective_seconds",
     "compute_seconds",
+    "exposed_seconds",
     "list_hardware",
     "load_hardware",
+    "optimizer_seconds",
     "usable_memory",
 ]
 
@@ -144,7 +166,16 @@ class Hardware:
             dispatch, autograd bookkeeping, the kernel's start), added per counted
             operator; ``calibrate`` measures it on a CPU. Default 0: on a GPU the
             kernels are queued asynchronously and this cost hides behind the previous
-            kernel while kernels are long (the shipped kinds do not give it).
+            kernel while kernels are long (the shipped kinds say so).
+        dtensor_op_overhead_s: Optional extra seconds per operator run on a DTensor
+            (sharding propagation, unwrapping and wrapping in Python), charged for
+            the optimizer step's operators on sharded parameters; ``calibrate``
+            measures it. Default 0, as ``op_overhead_s`` (host work hidden behind the
+            GPU's queued kernels).
+        comm_overlap: Share (0 to 1) of an overlappable collective's time that hides
+            behind compute running at the same time. Default 1: NCCL moves data on
+            its own channels while kernels run; ``calibrate`` measures it (on a CPU
+            the same cores run gloo's collectives and the compute).
         sources: Where each value comes from, by dotted field name.
     """
 
@@ -159,6 +190,8 @@ class Hardware:
     inter_node: Link
     collectives: dict[str, Link] = dataclasses.field(default_factory=dict)
     op_overhead_s: float = 0.0
+    dtensor_op_overhead_s: float = 0.0
+    comm_overlap: float = 1.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:
@@ -186,6 +219,8 @@ class Hardware:
             "inter_node": self.inter_node.to_dict(),
             "collectives": {k: v.to_dict() for k, v in self.collectives.items()},
             "op_overhead_s": self.op_overhead_s,
+            "dtensor_op_overhead_s": self.dtensor_op_overhead_s,
+            "comm_overlap": self.comm_overlap,
             "sources": dict(self.sources),
         }
 
@@ -232,7 +267,7 @@ def load_hardware(kind_or_path: str | Path) -> Hardware:
 def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
     sources: dict[str, str] = {}
 
-    def value(key: str, node: Any, cast: type = float) -> Any:
+    def value(key: str, node: Any, cast: type = float, low: float | None = None) -> Any:
         if isinstance(node, Mapping):
             if "value" not in node:
                 raise ValueError(
@@ -246,8 +281,18 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
             out = cast(node)
         except (TypeError, ValueError):
             raise ValueError(f"{where}: field {key!r} is {node!r}, not a number.") from None
-        if out <= 0:
+        if low is None and out <= 0:
             raise ValueError(f"{where}: field {key!r} is {out}; it must be > 0.")
+        if low is not None and out < low:
+            raise ValueError(f"{where}: field {key!r} is {out}; it must be >= {low}.")
+        return out
+
+    def optional(key: str, default: float, high: float | None = None) -> float:
+        if key not in raw:
+            return default
+        out = value(key, raw[key], float, low=0.0)
+        if high is not None and out > high:
+            raise ValueError(f"{where}: field {key!r} is {out}; it must be <= {high}.")
         return out
 
     def need(key: str) -> Any:
@@ -298,9 +343,9 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
         intra_node=link("intra_node", need("intra_node")),
         inter_node=link("inter_node", need("inter_node")),
         collectives={str(k): link(f"collectives.{k}", v) for k, v in collectives.items()},
-        op_overhead_s=value("op_overhead_s", raw["op_overhead_s"])
-        if "op_overhead_s" in raw
-        else 0.0,
+        op_overhead_s=optional("op_overhead_s", 0.0),
+        dtensor_op_overhead_s=optional("dtensor_op_overhead_s", 0.0),
+        comm_overlap=optional("comm_overlap", 1.0, high=1.0),
         sources=sources,
     )
 
@@ -372,6 +417,32 @@ def _axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
 def compute_seconds(hw: Hardware, flops: float, dtype: str) -> float:
     """Seconds for ``flops`` at the achieved rate of ``dtype`` (peak x efficiency)."""
     return flops / hw.flops(dtype)
+
+
+def exposed_seconds(hw: Hardware, comm: float, compute: float) -> float:
+    """What of an overlappable collective of ``comm`` seconds stays on the critical path
+    while ``compute`` seconds of work run with it: ``comm - comm_overlap x min(comm,
+    compute)`` (at ``comm_overlap`` 1: ``max(0, comm - compute)``).
+
+    Example:
+        >>> exposed_seconds(load_hardware("h100-80gb"), 3.0, 2.0)
+        1.0
+    """
+    return comm - hw.comm_overlap * min(comm, compute)
+
+
+def optimizer_seconds(
+    hw: Hardware, elements: float, tensors: float, ops_per_tensor: float, sharded: bool
+) -> float:
+    """One optimizer step over ``elements`` local fp32 elements in ``tensors`` parameter
+    tensors: AdamW's :data:`OPTIMIZER_BYTES_PER_ELEMENT` at the memory bandwidth, plus
+    ``ops_per_tensor`` operators per tensor at ``op_overhead_s`` each, and
+    ``dtensor_op_overhead_s`` more each when the parameters are DTensors (``sharded``).
+    """
+    per_op = hw.op_overhead_s + (hw.dtensor_op_overhead_s if sharded else 0.0)
+    return OPTIMIZER_BYTES_PER_ELEMENT * elements / hw.hbm_bandwidth + (
+        tensors * ops_per_tensor * per_op
+    )
 
 
 _WIRE = {
