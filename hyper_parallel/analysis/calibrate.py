@@ -9,10 +9,16 @@ rendezvous) and measures, all ranks at once (as a training step runs them):
   width, :data:`_MLP`) over the fp32 matmul rate: small matmuls, elementwise ops and
   autograd run below the large-matmul peak;
 - **each collective** (all_gather, reduce_scatter, all_reduce, all_to_all, and
-  point-to-point send/recv) at a small and a large size over all ranks: the
-  latency-bandwidth model of :mod:`~hyper_parallel.analysis.cost_model` solved for
-  its two unknowns (per-step latency from the small size over the ring's steps;
-  bandwidth from the large size's wire bytes over the rest of its time);
+  point-to-point send/recv) at a small and a large size: the latency-bandwidth model
+  of :mod:`~hyper_parallel.analysis.cost_model` solved for its two unknowns
+  (per-step latency from the small size over the ring's steps; bandwidth from the
+  large size's wire bytes over the rest of its time). Each is issued right after a
+  short burst of matmuls on every rank and timed less that burst: the ranks arrive at
+  it as a training step's computations let them (on a CPU with more ranks than
+  cores, as the scheduler lets them), not in lock-step. Over all ranks
+  (``collectives``) and, for every smaller power-of-two group size, over all groups
+  of that size at once (``collectives_by_group``: every group of a mesh axis runs at
+  the same time in a step, and on one host they share the cores and memory);
 - **memory bandwidth** (a large copy), for the optimizer step and the operators
   without a FLOP formula (elementwise, norms, softmax, copies);
 - ``op_overhead_s``: the fixed cost of one aten operator (a tiny training step's time
@@ -69,23 +75,24 @@ def _timed(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _collective(kind: str, numel: int, world: int, rank: int) -> Any:
-    """A callable issuing one ``kind`` whose per-rank buffer (dry run convention) is ``numel``."""
+def _collective(kind: str, numel: int, world: int, rank: int, group: Any = None) -> Any:
+    """A callable issuing one ``kind`` whose per-rank buffer (dry run convention) is
+    ``numel``, over ``group`` (``world`` ranks; default: all)."""
     if kind == "all_gather":
         shard = torch.ones(numel // world)
         out = torch.empty(numel)
-        return lambda: dist.all_gather_into_tensor(out, shard)
+        return lambda: dist.all_gather_into_tensor(out, shard, group=group)
     if kind == "reduce_scatter":
         full = torch.ones(numel)
         out = torch.empty(numel // world)
-        return lambda: dist.reduce_scatter_tensor(out, full)
+        return lambda: dist.reduce_scatter_tensor(out, full, group=group)
     if kind == "all_reduce":
         t = torch.ones(numel)
-        return lambda: dist.all_reduce(t)
+        return lambda: dist.all_reduce(t, group=group)
     if kind == "all_to_all":
         src = torch.ones(numel)
         dst = torch.empty(numel)
-        return lambda: dist.all_to_all_single(dst, src)
+        return lambda: dist.all_to_all_single(dst, src, group=group)
     buf = torch.ones(numel)  # p2p: rank 0 sends to rank 1
 
     def p2p() -> None:
@@ -95,6 +102,41 @@ def _collective(kind: str, numel: int, world: int, rank: int) -> Any:
             dist.recv(buf, 0)
 
     return p2p
+
+
+def _after_compute(fn: Any, repeats: int) -> float:
+    """Median seconds of ``fn()`` issued right after a short burst of matmuls (about a
+    millisecond) on every rank, less the burst's own median time."""
+    a = torch.randn(128, 128)
+
+    def burst() -> None:
+        for _ in range(8):
+            torch.mm(a, a)
+
+    def both() -> None:
+        burst()
+        fn()
+
+    return _timed(both, repeats) - _timed(burst, repeats)
+
+
+def _fit(kind: str, small: float, large: float, world: int) -> dict[str, float]:
+    """Per-step latency and bandwidth of ``kind`` on ``world`` ranks from its small- and
+    large-buffer times."""
+    steps = _steps(kind, world)
+    latency = max(small / steps, 1e-7)
+    transfer = max(large - steps * latency, 1e-9)
+    return {"latency_s": latency, "bandwidth": _wire(kind, _LARGE * 4, world) / transfer}
+
+
+def _group_sizes(world: int) -> list[int]:
+    """Power-of-two group sizes below ``world`` that tile it (2, 4, ...)."""
+    sizes, g = [], 2
+    while g < world:
+        if world % g == 0:
+            sizes.append(g)
+        g *= 2
+    return sizes
 
 
 def _steps(kind: str, world: int) -> int:
@@ -256,16 +298,25 @@ def _worker(rank: int, world: int, init: str, threads: int, quick: bool, out: st
         result["comm_overlap"] = _comm_overlap(world, repeats)
         for kind in _KINDS:
             try:
-                small = _timed(_collective(kind, _SMALL, world, rank), repeats)
-                large = _timed(_collective(kind, _LARGE, world, rank), repeats)
+                small = _after_compute(_collective(kind, _SMALL, world, rank), repeats)
+                large = _after_compute(_collective(kind, _LARGE, world, rank), repeats)
             except (RuntimeError, ValueError) as e:  # a collective gloo does not have
                 result["collectives"][kind] = {"error": str(e).splitlines()[0]}
                 continue
-            steps = _steps(kind, world)
-            latency = max(small / steps, 1e-7)
-            transfer = max(large - steps * latency, 1e-9)
-            bandwidth = _wire(kind, _LARGE * 4, world) / transfer
-            result["collectives"][kind] = {"latency_s": latency, "bandwidth": bandwidth}
+            result["collectives"][kind] = _fit(kind, small, large, world)
+        result["by_group"] = {}
+        for size in _group_sizes(world):
+            # Every rank creates every group (new_group's contract), uses its own.
+            groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+            group = groups[rank // size]
+            into = result["by_group"].setdefault(size, {})
+            for kind in _KINDS[:-1]:  # point-to-point: one pair, measured above
+                try:
+                    small = _after_compute(_collective(kind, _SMALL, size, rank, group), repeats)
+                    large = _after_compute(_collective(kind, _LARGE, size, rank, group), repeats)
+                except (RuntimeError, ValueError):
+                    continue
+                into[kind] = _fit(kind, small, large, size)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, result)
         if rank == 0:
@@ -304,15 +355,35 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
         links[kind] = {
             "latency_s": {
                 "value": max(row["latency_s"] for row in rows),
-                "source": f"measured: {kind} of {_SMALL * 4} B on {ranks} gloo ranks",
+                "source": f"measured: {kind} of {_SMALL * 4} B on {ranks} gloo ranks, "
+                "issued after compute, less the compute",
             },
             "bandwidth": {
                 "value": min(row["bandwidth"] for row in rows),
-                "source": f"measured: {kind} of {_LARGE * 4} B on {ranks} gloo ranks "
-                "(wire bytes per rank over the time left after latency)",
+                "source": f"measured: {kind} of {_LARGE * 4} B on {ranks} gloo ranks, "
+                "after compute (wire bytes per rank over the time left after latency)",
             },
             "efficiency": 1.0,
         }
+    by_group: dict[int, Any] = {}
+    for size in _group_sizes(ranks):
+        for kind in _KINDS[:-1]:
+            rows = [r["by_group"][size][kind] for r in per_rank if kind in r["by_group"][size]]
+            if not rows:
+                continue
+            by_group.setdefault(size, {})[kind] = {
+                "latency_s": {
+                    "value": max(row["latency_s"] for row in rows),
+                    "source": f"measured: {kind} of {_SMALL * 4} B in every group of "
+                    f"{size} of {ranks} gloo ranks at once, after compute",
+                },
+                "bandwidth": {
+                    "value": min(row["bandwidth"] for row in rows),
+                    "source": f"measured: {kind} of {_LARGE * 4} B in every group of "
+                    f"{size} of {ranks} gloo ranks at once, after compute",
+                },
+                "efficiency": 1.0,
+            }
     slowest = min(links.values(), key=lambda v: v["bandwidth"]["value"])
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = _cpu_name()
@@ -379,6 +450,7 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
             k: {f: dict(v) if isinstance(v, dict) else v for f, v in link.items()}
             for k, link in links.items()
         },
+        "collectives_by_group": by_group,
     }
     Path(path).write_text(
         "# Written by 'hyper-parallel calibrate'; every value says how it was measured.\n"

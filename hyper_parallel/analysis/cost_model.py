@@ -162,6 +162,10 @@ class Hardware:
         inter_node: The network between nodes (per GPU).
         collectives: Optional per-kind links measured by ``calibrate`` (inside a node);
             they replace ``intra_node`` for that kind of collective.
+        collectives_by_group: Optional per-kind links for a group size (``{2:
+            {all_gather: link, ...}}``), measured by ``calibrate`` with every group of
+            that size running at once; they replace ``collectives`` for groups of that
+            size inside a node.
         op_overhead_s: Optional fixed seconds per operator the step runs (host
             dispatch, autograd bookkeeping, the kernel's start), added per counted
             operator; ``calibrate`` measures it on a CPU. Default 0: on a GPU the
@@ -189,6 +193,7 @@ class Hardware:
     intra_node: Link
     inter_node: Link
     collectives: dict[str, Link] = dataclasses.field(default_factory=dict)
+    collectives_by_group: dict[int, dict[str, Link]] = dataclasses.field(default_factory=dict)
     op_overhead_s: float = 0.0
     dtensor_op_overhead_s: float = 0.0
     comm_overlap: float = 1.0
@@ -199,11 +204,12 @@ class Hardware:
         key = "bf16" if dtype in ("bf16", "fp16") else "fp32"
         return self.peak_flops[key] * self.compute_efficiency[key]
 
-    def link(self, kind: str, crosses_nodes: bool) -> Link:
-        """The link a collective of ``kind`` runs at."""
+    def link(self, kind: str, crosses_nodes: bool, group_size: int | None = None) -> Link:
+        """The link a collective of ``kind`` over ``group_size`` ranks runs at."""
         if crosses_nodes:
             return self.inter_node
-        return self.collectives.get(kind, self.intra_node)
+        measured = self.collectives_by_group.get(group_size or 0, {})
+        return measured.get(kind) or self.collectives.get(kind, self.intra_node)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (the ``hardware`` key of ``suggest --format json``)."""
@@ -218,6 +224,10 @@ class Hardware:
             "intra_node": self.intra_node.to_dict(),
             "inter_node": self.inter_node.to_dict(),
             "collectives": {k: v.to_dict() for k, v in self.collectives.items()},
+            "collectives_by_group": {
+                g: {k: v.to_dict() for k, v in links.items()}
+                for g, links in self.collectives_by_group.items()
+            },
             "op_overhead_s": self.op_overhead_s,
             "dtensor_op_overhead_s": self.dtensor_op_overhead_s,
             "comm_overlap": self.comm_overlap,
@@ -332,6 +342,23 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
     collectives = raw.get("collectives") or {}
     if not isinstance(collectives, Mapping):
         raise ValueError(f"{where}: field 'collectives' must map a collective kind to a link.")
+    by_group_raw = raw.get("collectives_by_group") or {}
+    if not isinstance(by_group_raw, Mapping) or not all(
+        isinstance(v, Mapping) for v in by_group_raw.values()
+    ):
+        raise ValueError(
+            f"{where}: field 'collectives_by_group' must map a group size to "
+            "{collective kind: link}."
+        )
+    by_group: dict[int, dict[str, Link]] = {}
+    for size, links in by_group_raw.items():
+        try:
+            g = int(size)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{where}: field 'collectives_by_group' key {size!r} is not a group size."
+            ) from None
+        by_group[g] = {str(k): link(f"collectives_by_group.{g}.{k}", v) for k, v in links.items()}
     return Hardware(
         name=str(raw.get("name", default_name)),
         description=str(raw.get("description", "")),
@@ -343,6 +370,7 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
         intra_node=link("intra_node", need("intra_node")),
         inter_node=link("inter_node", need("inter_node")),
         collectives={str(k): link(f"collectives.{k}", v) for k, v in collectives.items()},
+        collectives_by_group=by_group,
         op_overhead_s=optional("op_overhead_s", 0.0),
         dtensor_op_overhead_s=optional("dtensor_op_overhead_s", 0.0),
         comm_overlap=optional("comm_overlap", 1.0, high=1.0),
@@ -476,7 +504,7 @@ def collective_seconds(
     """
     if group_size <= 1 or count <= 0:
         return 0.0
-    link = hw.link(kind, crosses_nodes)
+    link = hw.link(kind, crosses_nodes, group_size)
     wire = num_bytes * _WIRE.get(kind, _WIRE["all_gather"])(group_size)
     transfer = wire / (link.bandwidth * link.efficiency)
     ring_steps = (2 if kind == "all_reduce" else 1) * (group_size - 1)

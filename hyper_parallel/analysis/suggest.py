@@ -13,7 +13,9 @@ shards them; the activations one micro-batch saves for backward, times the
 micro-batches a pipeline stage holds at once (from the schedule's own action list);
 and FSDP2's transient buffers (two units gathered in the compute dtype: the one
 running and the one prefetched; one unit's unsharded fp32 gradients before its
-reduce-scatter). A layout fits when that is at most
+reduce-scatter; under a pipeline, every unit of the stage gathered with its
+unsharded fp32 gradients, which are reduced once at the step's end). A layout fits
+when that is at most
 :func:`~hyper_parallel.analysis.cost_model.usable_memory` (device memory less the
 stated allocator and communication-library headroom).
 
@@ -1250,6 +1252,7 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
                 "activations": 0.0,
                 "elements": 0.0,
                 "tensors": 0.0,
+                "unsharded": 0.0,
             },
         )
         into["params"] += 4 * elements
@@ -1258,11 +1261,19 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         into["activations"] += acts
         into["elements"] += elements
         into["tensors"] += k * ctx.flops.block_tensors + (first + last) / 2 * ctx.flops.rest_tensors
+        into["unsharded"] += dense * fsdp + experts * efsdp
     # FSDP2's transient buffers: two units gathered (compute dtype), one unit's fp32 grads.
     unit = max(block_dense * dense_ratio + block_expert / c.ep, rest_dense / 2 * dense_ratio)
     transient = (2 * compute_bytes + 4) * unit if fsdp > 1 else 0
     heaviest = max(per_rank.values(), key=lambda d: d["params"] + d["activations"])
-    memory = {k: int(v) for k, v in heaviest.items() if k not in ("elements", "tensors")}
+    if c.pp > 1 and fsdp > 1:
+        # Under a pipeline FSDP2 keeps a unit gathered from its backward to the next
+        # forward and reduces gradients once, at the step's end (REDUCE_GRAD): at the
+        # end of a backward every unit of the stage is gathered (compute dtype) and
+        # holds its unsharded fp32 gradients.
+        transient = (compute_bytes + 4) * heaviest["unsharded"]
+    kept = ("elements", "tensors", "unsharded")
+    memory = {k: int(v) for k, v in heaviest.items() if k not in kept}
     memory["transient"] = int(transient)
     total_memory = sum(memory.values())
     # --- compute per micro-batch per stage
@@ -1551,7 +1562,9 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "Per-rank memory: the dry run's parameters, gradients and AdamW moments (fp32 "
         "master weights) sharded by FSDP2, activations per micro-batch times the "
         "micro-batches a stage holds (schedule's action list), and FSDP2's transient "
-        "buffers (two units gathered + one unit's fp32 gradients).",
+        "buffers (two units gathered + one unit's fp32 gradients; under a pipeline the "
+        "whole stage gathered with its unsharded fp32 gradients, reduced at the step's "
+        "end).",
         "Time: FLOPs counted on the meta device at the hardware file's efficiency; "
         "collectives by a latency-bandwidth model per link (tp/cp/ep exposed; FSDP2 "
         "gathers and reduces hidden behind compute of the same phase, except one unit "
