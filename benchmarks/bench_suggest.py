@@ -5,8 +5,9 @@ ranks, each of 8 layouts (dp_shard=4, dp_replicate=2 x dp_shard=2, tp=4,
 dp_shard=2 x tp=2, cp=2 x tp=2, pp=2 x dp_shard=2, pp=2 x tp=2, pp=4) is
 
 - **predicted** by :func:`hyper_parallel.analysis.suggest.predict` with the hardware
-  file ``hyper-parallel calibrate`` wrote for this machine (``--hardware``; calibrated
-  first when not given);
+  file ``hyper-parallel calibrate`` wrote for this machine (``--hardware``; when not
+  given, calibrated right before each layout is measured, so both see the machine
+  under the same load; each row keeps the values it was predicted with);
 - **measured**: the trainer's optimizer step (``Trainer.train_step``), median over
   ``--reps`` of the slowest rank, after ``--warmup`` steps, one torch thread per rank;
   peak memory per rank is the peak of **live tensor storage** during one more step
@@ -269,17 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     from hyper_parallel.analysis.suggest import ModelSource, predict
 
     load = os.getloadavg()
-    hardware = args.hardware
-    if hardware is None:
-        from hyper_parallel.analysis.calibrate import calibrate
-
-        hardware = os.path.join(tempfile.mkdtemp(), "calibrated.yaml")
-        # The full calibration (7 repeats per value): under load the quick one's
-        # small-collective latencies are too noisy to predict from.
-        print(calibrate(hardware, ranks=4, threads=1, quick=False), flush=True)
     source = ModelSource("llama3-debug", tuple(sorted(args.overrides.items())))
     rows = []
     for mesh in args.layouts:
+        hardware = args.hardware
+        if hardware is None:
+            # Calibrated right before each layout is measured: on a shared machine the
+            # load moves, and prediction and measurement must see the same machine.
+            # The full calibration (7 repeats per value): the quick one's
+            # small-collective latencies are too noisy under load.
+            from hyper_parallel.analysis.calibrate import calibrate
+
+            hardware = os.path.join(tempfile.mkdtemp(), "calibrated.yaml")
+            print(calibrate(hardware, ranks=4, threads=1, quick=False), flush=True)
         c = _candidate(mesh, args.batch)
         p = predict(
             source,
@@ -304,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
             "measured_bytes": measured["peak_bytes"],
             "rss_bytes": measured["rss_bytes"],
             "memory_error": p.memory_bytes_per_gpu / max(measured["peak_bytes"], 1) - 1,
+            "predicted_time": p.time,
+            "calibration": _calibration(hardware),
+            "load_average": os.getloadavg()[0],
         }
         rows.append(row)
         print(
@@ -321,9 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             "median_memory_error": statistics.median(abs(r["memory_error"]) for r in rows),
             "load_average": load,
             "load_average_end": os.getloadavg(),
-            "hardware": str(hardware),
+            "hardware": args.hardware or "calibrated before each layout",
         },
-        "calibration": _calibration(hardware),
     }
     print(format_result(result))
     if args.json:

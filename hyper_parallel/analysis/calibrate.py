@@ -464,6 +464,8 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
     return (
         f"wrote {path}: matmul fp32 {flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
         f"{flops['bf16'] / 1e9:.1f} GFLOP/s per rank; memory {memory_bw / 1e9:.1f} GB/s; "
+        f"per operator {op_overhead * 1e6:.1f} us (+{dtensor_overhead * 1e6:.1f} us on "
+        f"DTensor); collectives hidden behind compute {overlap:.0%}; "
         + "; ".join(parts)
     )
 

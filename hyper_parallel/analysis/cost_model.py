@@ -45,7 +45,11 @@ slowest one the group crosses: the mesh is laid out outermost first as ``pp,
 dp_replicate, dp_shard, cp, tp`` (tp innermost), so an axis whose ranks are
 ``stride`` apart with ``size`` ranks stays inside a node when ``stride * size <=
 gpus_per_node``; otherwise it crosses nodes and runs at the per-GPU network bandwidth
-(a ring through several nodes is limited by its inter-node hops).
+(a ring through several nodes is limited by its inter-node hops). A calibrated file
+may give links per collective kind (``collectives``) and per kind and group size
+(``collectives_by_group``: measured with every group of that size at once, as a
+mesh axis runs them; on one host the groups share its cores and memory); the most
+specific one measured is used.
 
 **Overlap** (stated assumptions, as FSDP2 and torch's pipelining behave):
 

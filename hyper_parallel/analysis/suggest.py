@@ -518,7 +518,10 @@ class _Flops:
     elementwise ops, norms, softmax, copies, concatenations; views excluded), per
     sequence; the parameter tensors of one block and of the rest (``*_tensors``); and
     the operators the trainer's optimizer step runs per parameter tensor
-    (``optimizer_ops_per_tensor``: gradient-norm and AdamW on a CPU tensor)."""
+    (``optimizer_ops_per_tensor``: gradient-norm and AdamW on a CPU tensor), of which
+    ``optimizer_grad_reads`` arguments are the gradient (a gradient DTensor left
+    ``Partial`` is reduced for each: DTensor redistributes per operator argument and
+    keeps no result)."""
 
     block_fwd: float
     block_bwd: float
@@ -536,6 +539,7 @@ class _Flops:
     block_tensors: int = 0
     rest_tensors: int = 0
     optimizer_ops_per_tensor: int = 0
+    optimizer_grad_reads: int = 1
 
     @property
     def total(self) -> float:
@@ -608,11 +612,30 @@ def count_operators() -> _OperatorCount:
     return _OperatorCount()
 
 
-def _optimizer_ops_per_tensor() -> int:
-    """Operators the trainer's optimizer step runs per parameter tensor on a CPU: the
-    gradient norm (``train.trainer.clip_grad_norm_``), AdamW's step and ``zero_grad``;
-    the difference between two parameters and one (AdamW's lazily created states made
-    first)."""
+class _GradReads(TorchDispatchMode):
+    """Counts the arguments of operators that are one of ``grads`` (by storage): a
+    DTensor operator redistributes each argument apart."""
+
+    def __init__(self, grads: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {g.untyped_storage().data_ptr() for g in grads}
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_leaves
+
+        self.count += sum(
+            isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages
+            for t in tree_leaves((args, kwargs or {}))
+        )
+        return func(*args, **(kwargs or {}))
+
+
+def _optimizer_ops_per_tensor() -> tuple[int, int]:
+    """Operators the trainer's optimizer step runs per parameter tensor on a CPU (the
+    gradient norm, ``train.trainer.clip_grad_norm_``, AdamW's step and ``zero_grad``),
+    and how many of their arguments are the gradient: the differences between two
+    parameters and one (AdamW's lazily created states made first)."""
     from hyper_parallel.train.trainer import clip_grad_norm_
 
     counts = []
@@ -622,12 +645,12 @@ def _optimizer_ops_per_tensor() -> int:
         for _ in range(2):
             for q in params:
                 q.grad = torch.zeros(2, 2)
-            with count_operators() as ops:
+            with count_operators() as ops, _GradReads([q.grad for q in params]) as reads:
                 clip_grad_norm_(params, math.inf)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        counts.append(ops.count)
-    return max(0, counts[1] - counts[0])
+        counts.append((ops.count, reads.count))
+    return max(0, counts[1][0] - counts[0][0]), max(1, counts[1][1] - counts[0][1])
 
 
 def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
@@ -677,6 +700,7 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
         )
     (f1, b1, fo1, bo1, fe1, be1, t1), (f2, b2, fo2, bo2, fe2, be2, t2) = counts
     n = len(source.config().layers)
+    optimizer_ops, grad_reads = _optimizer_ops_per_tensor()
     return _Flops(
         f2 - f1,
         b2 - b1,
@@ -693,7 +717,8 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
         rest_bwd_elements=max(0, be1 - (be2 - be1)),
         block_tensors=t2 - t1,
         rest_tensors=max(0, t1 - (t2 - t1)),
-        optimizer_ops_per_tensor=_optimizer_ops_per_tensor(),
+        optimizer_ops_per_tensor=optimizer_ops,
+        optimizer_grad_reads=grad_reads,
     )
 
 
@@ -1311,12 +1336,14 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         t_w.append((compute_seconds(hw, bwd, ctx.dtype) + overhead_b + traffic_b) / 2)
         comm_f_all.append(comm_f)
         comm_b_all.append(comm_b)
-    # Gradients left Partial by backward are reduced when the optimizer reads them.
+    # Gradients left Partial by backward are reduced when the optimizer reads them:
+    # for each operator argument that is one (DTensor keeps no reduced copy).
     optimizer_comm = 0.0
+    reads = f.optimizer_grad_reads
     for k, _, last, _ in stages:
-        owed = _comm_seconds(ctx, layout, trace.per_layer, 1.0, k).get("optimizer", 0.0)
+        owed = _comm_seconds(ctx, layout, trace.per_layer, 1.0, k * reads).get("optimizer", 0.0)
         if last:
-            owed += _comm_seconds(ctx, layout, trace.rest, 1.0).get("optimizer", 0.0)
+            owed += _comm_seconds(ctx, layout, trace.rest, 1.0, reads).get("optimizer", 0.0)
         optimizer_comm = max(optimizer_comm, owed)
     bubble = 0.0
     if c.pp > 1:

@@ -49,7 +49,13 @@ def test_every_measured_figure_in_the_readme_prose_is_latest_jsons(run_all):
     assert set(in_readme) == set(expected)
     for name, text in expected.items():
         assert in_readme[name] == text, name
-        section = {"init-memory": "e", "dry-run": "r", "dry-run-moe": "r", "hf-load": "h"}[name]
+        section = {
+            "init-memory": "e",
+            "dry-run": "r",
+            "dry-run-moe": "r",
+            "hf-load": "h",
+            "suggest-fidelity": "s",
+        }[name]
         if section not in results:  # no stale hand number: exactly the placeholder
             assert text == run_all.not_measured(section), name
 
@@ -61,7 +67,8 @@ def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_p
         "peak: <!-- bench:init-memory -->253 MiB<!-- /bench:init-memory -->; "
         "plan: <!-- bench:dry-run -->8.5 s<!-- /bench:dry-run -->; "
         "moe: <!-- bench:dry-run-moe -->~30 s<!-- /bench:dry-run-moe -->; "
-        "hf: <!-- bench:hf-load -->1.24 s<!-- /bench:hf-load -->\n"
+        "hf: <!-- bench:hf-load -->1.24 s<!-- /bench:hf-load -->; "
+        "s: <!-- bench:suggest-fidelity -->0.83<!-- /bench:suggest-fidelity -->\n"
     )
     rows = [
         {"model": m, "mesh": mesh, "world_size": n, "wall_s": w, "cpu_s": c, "peak_rss_bytes": b}
@@ -79,6 +86,7 @@ def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_p
     assert got["dry-run-moe"].startswith(f"qwen3-235b-a22b at dp_shard=512{X}tp=8{X}ep=64 (4,096")
     assert got["init-memory"] == run_all.not_measured("e")
     assert got["hf-load"] == run_all.not_measured("h")
+    assert got["suggest-fidelity"] == run_all.not_measured("s")
     assert "old" not in readme.read_text() and "table" in readme.read_text()
     # Section r without the MoE case: that figure is not measured, the other is.
     figs = run_all.figures({"r": {"stamp": {}, "data": rows[:1]}})

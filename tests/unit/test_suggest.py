@@ -141,6 +141,34 @@ def test_overhead_and_overlap_fields(tmp_path) -> None:
         assert gpu.sources.get("comm_overlap") and gpu.sources.get("op_overhead_s")
 
 
+def test_calibrated_links_per_group_size(tmp_path) -> None:
+    from hyper_parallel.analysis.calibrate import _fit, _group_sizes
+
+    assert _group_sizes(4) == [2] and _group_sizes(8) == [2, 4] and _group_sizes(2) == []
+    # the latency-bandwidth model solved back: 3 ring steps of 1 ms, 6 MiB on the wire at 1 GB/s
+    fit = _fit("all_gather", 3e-3, 3e-3 + 6 * 2**20 / 1e9, 4)
+    assert math.isclose(fit["latency_s"], 1e-3) and math.isclose(fit["bandwidth"], 1e9)
+    slow = {"bandwidth": 1e9, "latency_s": 1e-3}  # all_gather over 2 ranks, measured
+    raw = {
+        "memory_bytes": 8e9,
+        "peak_flops": 1e12,
+        "compute_efficiency": 0.5,
+        "hbm_bandwidth": 1e10,
+        "gpus_per_node": 4,
+        "intra_node": {"bandwidth": 1e10, "latency_s": 1e-5},
+        "inter_node": {"bandwidth": 1e9, "latency_s": 1e-4},
+        "collectives_by_group": {2: {"all_gather": slow}},
+    }
+    path = tmp_path / "cpu.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    hw = load_hardware(path)
+    assert hw.link("all_gather", False, 2).bandwidth == 1e9  # measured for 2 ranks
+    assert hw.link("all_gather", False, 4).bandwidth == 1e10  # not measured: intra_node
+    assert hw.link("reduce_scatter", False, 2).bandwidth == 1e10
+    got = collective_seconds(hw, "all_gather", 2e6, count=1, group_size=2, crosses_nodes=False)
+    assert math.isclose(got, 1e-3 + 1e6 / 1e9)
+
+
 def test_operator_counts_and_memory_traffic() -> None:
     import torch
 
