@@ -104,13 +104,27 @@ def _collective(kind: str, numel: int, world: int, rank: int, group: Any = None)
     return p2p
 
 
+_BURST_S = 5e-3
+"""Compute before each timed collective: a few milliseconds, as between a training
+step's collectives, and longer than a scheduler's time slice, so that ranks sharing
+cores arrive at the collective as the scheduler lets them (measured on 4 ranks on 2
+cores: the cost of a small all-reduce after compute grows with the burst up to about a
+millisecond of compute, then stays)."""
+
+
 def _after_compute(fn: Any, repeats: int) -> float:
-    """Median seconds of ``fn()`` issued right after a short burst of matmuls (about a
-    millisecond) on every rank, less the burst's own median time."""
+    """Median seconds of ``fn()`` issued right after a burst of matmuls of about
+    :data:`_BURST_S` on every rank, less the burst's own median time."""
     a = torch.randn(128, 128)
+    one = _timed(lambda: torch.mm(a, a), repeats)
+    inner = max(1, round(_BURST_S / max(one, 1e-7)))
+    # The same count on every rank (the slowest rank's), so they compute alike.
+    count = torch.tensor([inner])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    inner = int(count.item())
 
     def burst() -> None:
-        for _ in range(8):
+        for _ in range(inner):
             torch.mm(a, a)
 
     def both() -> None:
@@ -465,8 +479,7 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
         f"wrote {path}: matmul fp32 {flops['fp32'] / 1e9:.1f} GFLOP/s, bf16 "
         f"{flops['bf16'] / 1e9:.1f} GFLOP/s per rank; memory {memory_bw / 1e9:.1f} GB/s; "
         f"per operator {op_overhead * 1e6:.1f} us (+{dtensor_overhead * 1e6:.1f} us on "
-        f"DTensor); collectives hidden behind compute {overlap:.0%}; "
-        + "; ".join(parts)
+        f"DTensor); collectives hidden behind compute {overlap:.0%}; " + "; ".join(parts)
     )
 
 

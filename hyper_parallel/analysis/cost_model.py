@@ -81,7 +81,11 @@ inside its backward: its forward FLOPs and its forward collectives once more.
 
 **Optimizer.** AdamW is memory-bound: per local element it reads parameter, gradient
 and two moments and writes parameter and moments (about 28 bytes in fp32) at the HBM
-bandwidth.
+bandwidth; plus its operators (above). A gradient that backward leaves ``Partial``
+(the dry run's collectives of phase ``optimizer``: e.g. the norms' weights under
+sequence parallelism without FSDP2) is reduced for every operator argument of the
+optimizer step that reads it (``optimizer_grad_reads`` per tensor, counted on a CPU
+tensor: DTensor redistributes each argument and keeps no reduced copy).
 
 Example::
 

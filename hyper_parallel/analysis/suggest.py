@@ -574,9 +574,10 @@ def _moves_no_data(func: Any) -> bool:
     the compute term has it)."""
     from torch.utils.flop_counter import flop_registry
 
-    if getattr(func, "is_view", False) or func.overloadpacket in flop_registry:
+    packet = getattr(func, "overloadpacket", None)
+    if packet is None or getattr(func, "is_view", False) or packet in flop_registry:
         return True
-    name = func.overloadpacket.__name__
+    name = packet.__name__
     return name in _NO_DATA_OPS or name.startswith("_grouped_mm")
 
 
@@ -1606,7 +1607,9 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "Optimizer: AdamW's 28 bytes per local element at the memory bandwidth, plus "
         "the trainer's gradient-norm, AdamW and zero_grad operators per parameter "
         f"tensor at {hw.op_overhead_s * 1e6:.1f} us each, "
-        f"+{hw.dtensor_op_overhead_s * 1e6:.1f} us on DTensor (sharded) parameters.",
+        f"+{hw.dtensor_op_overhead_s * 1e6:.1f} us on DTensor (sharded) parameters; a "
+        "gradient left Partial by backward is reduced once per optimizer-operator "
+        "argument that reads it.",
         f"Overlap: {hw.comm_overlap:.0%} of an FSDP2 all-gather / reduce-scatter / HSDP "
         "all-reduce hides behind the compute of its phase (up to that compute's length); "
         "the Python cost of DTensor around forward and backward operators and of "
