@@ -256,7 +256,10 @@ def _dtensor_op_overhead(world: int, repeats: int, overhead: float) -> float:
 
 def _comm_overlap(world: int, repeats: int) -> float:
     """Share of an all-gather's time hidden by matmuls running while it is in flight:
-    ``(compute + collective - both) / min(compute, collective)``, clipped to [0, 1]."""
+    ``(compute + collective - both) / min(compute, collective)``, clipped to [0, 1].
+
+    The three are timed in turn within each repetition (medians over ``3 x repeats``),
+    so a change of the machine's load touches them alike."""
     shard = torch.ones(_LARGE // world)
     out = torch.empty(_LARGE)
     a = torch.randn(256, 256)
@@ -265,7 +268,11 @@ def _comm_overlap(world: int, repeats: int) -> float:
         dist.all_gather_into_tensor(out, shard)
 
     alone = _timed(gather, repeats)
-    inner = max(1, round(alone / max(_timed(lambda: torch.mm(a, a), repeats), 1e-9)))
+    count = torch.tensor(
+        [max(1, round(alone / max(_timed(lambda: torch.mm(a, a), repeats), 1e-9)))]
+    )
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # the same compute on every rank
+    inner = int(count.item())
 
     def compute() -> None:
         for _ in range(inner):
@@ -276,7 +283,14 @@ def _comm_overlap(world: int, repeats: int) -> float:
         compute()
         work.wait()
 
-    c, g, b = _timed(compute, repeats), _timed(gather, repeats), _timed(both, repeats)
+    times: dict[str, list[float]] = {"c": [], "g": [], "b": []}
+    for _ in range(3 * repeats):
+        for key, fn in (("c", compute), ("g", gather), ("b", both)):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    c, g, b = (statistics.median(times[k]) for k in ("c", "g", "b"))
     return min(1.0, max(0.0, (c + g - b) / max(min(c, g), 1e-9)))
 
 
