@@ -554,17 +554,18 @@ class _OperatorCount(TorchDispatchMode):
     result of an operator that is neither a view nor has a formula in
     ``torch.utils.flop_counter`` (matmuls, convolutions, attention)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scores: int | None = None) -> None:
         super().__init__()
         self.count = 0
         self.elements = 0
+        self.scores = scores
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.count += 1
         out = func(*args, **(kwargs or {}))
         if not _moves_no_data(func):
-            self.elements += (
-                _tensor_elements(args) + _tensor_elements(kwargs) + _tensor_elements(out)
+            self.elements += sum(
+                _tensor_elements(tree, self.scores) for tree in (args, kwargs, out)
             )
         return out
 
@@ -595,22 +596,37 @@ _NO_DATA_OPS = frozenset(
         "set_",
         "resize_",
         "_local_scalar_dense",
+        "_unsafe_view",
+        "_reshape_alias",
     )
 )
 
 
-def _tensor_elements(tree: Any) -> int:
+def _tensor_elements(tree: Any, scores: int | None = None) -> int:
+    """Elements of the tensors in ``tree``; with ``scores``, less those shaped ``[...,
+    scores, scores]`` (an attention score matrix or mask of a ``scores``-token sequence)."""
     from torch.utils._pytree import tree_leaves
 
-    return sum(t.numel() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel()
+        for t in tree_leaves(tree)
+        if isinstance(t, torch.Tensor)
+        and not (scores is not None and t.dim() >= 2 and t.shape[-2:] == (scores, scores))
+    )
 
 
-def count_operators() -> _OperatorCount:
+def count_operators(scores: int | None = None) -> _OperatorCount:
     """A context that counts the aten operators run inside it (``.count``) and the
     elements the non-matmul ones read and write (``.elements``): what the cost model
     multiplies by the hardware's ``op_overhead_s`` and charges at its memory
-    bandwidth, and what ``calibrate`` takes out of a small step's time."""
-    return _OperatorCount()
+    bandwidth, and what ``calibrate`` takes out of a small step's time.
+
+    ``scores``: a sequence length whose ``[..., S, S]`` tensors are left out of
+    ``.elements``: on the meta device attention runs torch's unfused math path
+    (scores, mask, softmax materialized), while the kernels a training step runs
+    (flash attention on GPUs and CPUs) never write them; their reads of queries, keys
+    and values and writes of the output are counted with the neighbouring operators."""
+    return _OperatorCount(scores)
 
 
 class _GradReads(TorchDispatchMode):
@@ -683,10 +699,16 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
         with torch.device("meta"):
             model = config.build().to(torch.bfloat16)
         tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-        with FlopCounterMode(display=False, custom_mapping=mapping) as fwd, count_operators() as fo:
+        with (
+            FlopCounterMode(display=False, custom_mapping=mapping) as fwd,
+            count_operators(seq_len) as fo,
+        ):
             out = model(tokens)
             loss = loss_fn(out, tokens) if loss_fn is not None else out.float().sum()
-        with FlopCounterMode(display=False, custom_mapping=mapping) as bwd, count_operators() as bo:
+        with (
+            FlopCounterMode(display=False, custom_mapping=mapping) as bwd,
+            count_operators(seq_len) as bo,
+        ):
             loss.backward()
         counts.append(
             (
