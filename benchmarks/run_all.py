@@ -1017,7 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
         "o": ("bench_op_counts.py", ["--tp", "2"], 300),
         "r": ("bench_dry_run.py", [], 900),
         "h": ("bench_hf_load.py", ["--size-mb", "256", "--reps", "3" if args.quick else "5"], 900),
-        "s": ("bench_suggest.py", ["--reps", "3" if args.quick else "5"], 1200),
+        "s": ("bench_suggest.py", ["--reps", "3" if args.quick else "5"], 1800),
     }
     results = load_results()
     if not args.render_only:
