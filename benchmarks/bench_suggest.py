@@ -5,15 +5,24 @@ ranks, each of 8 layouts (dp_shard=4, dp_replicate=2 x dp_shard=2, tp=4,
 dp_shard=2 x tp=2, cp=2 x tp=2, pp=2 x dp_shard=2, pp=2 x tp=2, pp=4) is
 
 - **predicted** by :func:`hyper_parallel.analysis.suggest.predict` with the hardware
-  file ``hyper-parallel calibrate`` wrote for this machine (``--hardware``; calibrated
-  first when not given);
+  file ``hyper-parallel calibrate`` wrote for this machine (``--hardware``; when not
+  given, calibrated right before each layout is measured, so both see the machine
+  under the same load; each row keeps the values it was predicted with);
 - **measured**: the trainer's optimizer step (``Trainer.train_step``), median over
   ``--reps`` of the slowest rank, after ``--warmup`` steps, one torch thread per rank;
-  peak memory per rank is the rise of the process's peak resident set during the steps
-  (``VmHWM``, reset through ``/proc/self/clear_refs`` after the build) over its size
-  after the build, plus the local parameter shards the build allocated (so it holds
-  states, activations and every transient buffer, plus malloc's slack), the largest
-  rank's.
+  peak memory per rank is the peak of **live tensor storage** during one more step
+  (what ``torch.cuda.max_memory_allocated`` measures on a GPU, and what the cost
+  model predicts): the bytes of every distinct tensor storage alive when the step
+  starts (found through the garbage collector: parameters, optimizer states, anything
+  the trainer keeps), plus the running maximum of the step's allocations minus its
+  frees, recorded by ``torch.profiler`` (``profile_memory=True``: every allocation and
+  free of torch's CPU allocator, in order). The largest rank's. That step is not
+  timed (the profiler slows it).
+- for transparency, the rise of the process's resident set over the timed steps
+  (``VmHWM``, reset through ``/proc/self/clear_refs`` after the build, over its size
+  after the build, plus the parameter shards the build allocated): it also holds
+  malloc's arenas and slack, gloo's buffers and Python objects, so it is reported
+  (``rss MiB``) but not compared.
 
 Printed: per layout predicted and measured step time and memory, then Spearman's rank
 correlation of the step times, the median relative error of the step time and of the
@@ -68,6 +77,54 @@ def _reset_peak() -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
+def _live_storage_bytes() -> int:
+    """Bytes of the distinct CPU tensor storages reachable from Python now (a DTensor's
+    local tensor included; wrapper subclasses without storage of their own skipped)."""
+    import gc
+    import warnings
+
+    import torch
+
+    gc.collect()
+    storages: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        for t in (obj, getattr(obj, "_local_tensor", None)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            try:
+                s = t.untyped_storage()
+                if s.device.type == "cpu":
+                    storages[s.data_ptr()] = s.nbytes()
+            except (RuntimeError, NotImplementedError):  # no storage of its own
+                continue
+    return sum(storages.values())
+
+
+def _peak_tensor_bytes(step: Any) -> int:
+    """Peak live tensor bytes while ``step()`` runs: what is alive before it plus the
+    running maximum of its allocations less its frees (``torch.profiler``'s memory
+    records of the CPU allocator, in time order)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    before = _live_storage_bytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    records = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    running = peak = 0
+    for _, delta in records:
+        running += delta
+        peak = max(peak, running)
+    return before + peak
+
+
 def _candidate(mesh: str, batch: int) -> Any:
     from hyper_parallel.analysis.suggest import Candidate
     from hyper_parallel.distributed.layout import MeshLayout
@@ -101,7 +158,7 @@ def _rank(
         mesh=c.layout.active(),
         global_batch_size=batch,
         seq_len=seq,
-        num_steps=warmup + reps,
+        num_steps=warmup + reps + 1,
         log_every=0,
         progress=False,
         max_grad_norm=0.0,
@@ -132,11 +189,17 @@ def _rank(
         took = time.perf_counter() - start
         if step >= warmup:
             times.append(took)
-    peak = _status("VmHWM") - baseline
+    rss = _status("VmHWM") - baseline
+    dist.barrier()
+    tensors = _peak_tensor_bytes(trainer.train_step)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"times": times, "peak": peak})
+    dist.all_gather_object(gathered, {"times": times, "rss": rss, "tensors": tensors})
     slowest = [max(g["times"][i] for g in gathered) for i in range(len(times))]
-    return {"step_s": statistics.median(slowest), "peak_bytes": max(g["peak"] for g in gathered)}
+    return {
+        "step_s": statistics.median(slowest),
+        "peak_bytes": max(g["tensors"] for g in gathered),
+        "rss_bytes": max(g["rss"] for g in gathered),
+    }
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -162,17 +225,26 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var if var else 0.0
 
 
+def _calibration(hardware: str) -> dict[str, Any]:
+    """The measured values the predictions used (a JSON copy of the hardware file)."""
+    from hyper_parallel.analysis.cost_model import load_hardware
+
+    hw = load_hardware(hardware).to_dict()
+    hw.pop("sources", None)
+    return hw
+
+
 def format_result(result: dict[str, Any]) -> str:
     lines = [
         f"{'layout':<28} {'pred step ms':>12} {'meas step ms':>12} {'err':>7}  "
-        f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7}"
+        f"{'pred MiB':>9} {'meas MiB':>9} {'err':>7} {'rss MiB':>8}"
     ]
     for r in result["rows"]:
         lines.append(
             f"{r['layout']:<28} {1e3 * r['predicted_step_s']:>12.1f} "
             f"{1e3 * r['measured_step_s']:>12.1f} {r['step_error']:>+7.0%}  "
             f"{r['predicted_bytes'] / 2**20:>9.1f} {r['measured_bytes'] / 2**20:>9.1f} "
-            f"{r['memory_error']:>+7.0%}"
+            f"{r['memory_error']:>+7.0%} {r.get('rss_bytes', 0) / 2**20:>8.1f}"
         )
     s = result["summary"]
     lines.append(
@@ -198,15 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     from hyper_parallel.analysis.suggest import ModelSource, predict
 
     load = os.getloadavg()
-    hardware = args.hardware
-    if hardware is None:
-        from hyper_parallel.analysis.calibrate import calibrate
-
-        hardware = os.path.join(tempfile.mkdtemp(), "calibrated.yaml")
-        print(calibrate(hardware, ranks=4, threads=1, quick=True), flush=True)
     source = ModelSource("llama3-debug", tuple(sorted(args.overrides.items())))
     rows = []
     for mesh in args.layouts:
+        hardware = args.hardware
+        if hardware is None:
+            # Calibrated right before each layout is measured: on a shared machine the
+            # load moves, and prediction and measurement must see the same machine.
+            # The full calibration (7 repeats per value): the quick one's
+            # small-collective latencies are too noisy under load.
+            from hyper_parallel.analysis.calibrate import calibrate
+
+            hardware = os.path.join(tempfile.mkdtemp(), "calibrated.yaml")
+            print(calibrate(hardware, ranks=4, threads=1, quick=False), flush=True)
         c = _candidate(mesh, args.batch)
         p = predict(
             source,
@@ -229,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
             "predicted_bytes": p.memory_bytes_per_gpu,
             "predicted_memory": p.memory,
             "measured_bytes": measured["peak_bytes"],
+            "rss_bytes": measured["rss_bytes"],
             "memory_error": p.memory_bytes_per_gpu / max(measured["peak_bytes"], 1) - 1,
+            "predicted_time": p.time,
+            "calibration": _calibration(hardware),
+            "load_average": os.getloadavg()[0],
         }
         rows.append(row)
         print(
@@ -247,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             "median_memory_error": statistics.median(abs(r["memory_error"]) for r in rows),
             "load_average": load,
             "load_average_end": os.getloadavg(),
-            "hardware": str(hardware),
+            "hardware": args.hardware or "calibrated before each layout",
         },
     }
     print(format_result(result))

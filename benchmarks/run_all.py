@@ -683,11 +683,23 @@ def _figure_hf_load(h: dict[str, Any]) -> str:
     )
 
 
+def _figure_suggest(s: dict[str, Any]) -> str:
+    """Section s in one sentence: rank correlation and median errors over the layouts."""
+    summary = s["summary"]
+    return (
+        f"over {len(s['rows'])} layouts on 4 gloo ranks, Spearman rank correlation "
+        f"{summary['spearman']:.2f}, median step-time error {summary['median_step_error']:.0%}, "
+        f"median peak-memory error {summary['median_memory_error']:.0%} (load average "
+        f"{summary['load_average'][0]:.1f} at start, {summary['load_average_end'][0]:.1f} at end)"
+    )
+
+
 FIGURES: dict[str, tuple[str, Callable[[Any], str | None]]] = {
     "init-memory": ("e", _figure_init_memory),
     "dry-run": ("r", lambda rows: _figure_dry_run(rows, moe=False)),
     "dry-run-moe": ("r", lambda rows: _figure_dry_run(rows, moe=True)),
     "hf-load": ("h", _figure_hf_load),
+    "suggest-fidelity": ("s", _figure_suggest),
     "suggest-speed": ("t", _figure_suggest_speed),
 }
 """The README's measured figures: marker name -> (section, how it is written from the data)."""
@@ -768,24 +780,32 @@ def section_suggest(result: dict[str, Any], charts: list[str]) -> str:
     lines = [
         "## s. The planner's cost model vs measured steps — 8 layouts on 4 gloo ranks",
         "",
-        "`hyper-parallel calibrate` measures this machine (matmul FLOP/s, gloo collectives); "
-        "`suggest`'s cost model predicts each layout's step time and peak memory per rank; "
-        "the trainer's step is measured (median of the slowest rank) and peak memory is the "
-        "rise of the peak resident set over the size before the build (largest rank). "
+        "`hyper-parallel calibrate` measures this machine (matmul FLOP/s, per-operator and "
+        "DTensor dispatch cost, memory bandwidth, gloo collectives per group size, how much "
+        "of a collective hides behind compute); `suggest`'s cost model predicts each "
+        "layout's step time and peak memory per rank; the trainer's step is measured "
+        "(median of the slowest rank) and peak memory is the peak of live tensor storage "
+        "during a step (what is alive before it plus the running maximum of the CPU "
+        "allocator's allocations less frees, from `torch.profiler`; the GPU analogue is "
+        "`torch.cuda.max_memory_allocated`), largest rank. The rise of the resident set "
+        "(malloc's arenas, gloo's buffers and Python objects too) is shown for comparison. "
         f"Spearman rank correlation {s['spearman']:.2f} (goal >= 0.8); median relative "
         f"error: step time {s['median_step_error']:.0%} (goal <= 25%), memory "
         f"{s['median_memory_error']:.0%} (goal within 15%); load average "
         f"{s['load_average'][0]:.1f} at start, {s['load_average_end'][0]:.1f} at end.",
         "",
-        "| layout | predicted ms | measured ms | error | predicted MiB | measured MiB | error |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| layout | predicted ms | measured ms | error | predicted MiB | measured MiB | error "
+        "| RSS rise MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
+        rss = r.get("rss_bytes")
         lines.append(
             f"| {r['layout']} | {1e3 * r['predicted_step_s']:.1f} | "
             f"{1e3 * r['measured_step_s']:.1f} | {r['step_error']:+.0%} | "
             f"{r['predicted_bytes'] / 2**20:.1f} | {r['measured_bytes'] / 2**20:.1f} | "
-            f"{r['memory_error']:+.0%} |"
+            f"{r['memory_error']:+.0%} | "
+            f"{'-' if rss is None else f'{rss / 2**20:.1f}'} |"
         )
     return "\n".join([*lines, ""])
 
@@ -1037,7 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
         "o": ("bench_op_counts.py", ["--tp", "2"], 300),
         "r": ("bench_dry_run.py", [], 900),
         "h": ("bench_hf_load.py", ["--size-mb", "256", "--reps", "3" if args.quick else "5"], 900),
-        "s": ("bench_suggest.py", ["--reps", "3" if args.quick else "5"], 1200),
+        "s": ("bench_suggest.py", ["--reps", "3" if args.quick else "5"], 1800),
         "t": ("bench_suggest_speed.py", [], 1200),
     }
     results = load_results()

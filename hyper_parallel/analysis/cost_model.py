@@ -14,10 +14,25 @@ fields, plain numbers or ``{value, source}`` pairs (:func:`load_hardware`).
 are counted on the meta device by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls,
 attention as torch counts it: the full, non-causal score matrix), forward and backward
 apart; each rank does ``1 / (tp * cp)`` of a sequence's work (experts: uniform routing).
-Plus ``op_overhead_s`` (optional; 0 for the shipped GPU kinds) per aten operator the
-step runs, counted on the meta device per block and for the rest; ``calibrate``
-measures it on a CPU. Not counted: the optimizer's operators, and the Python cost of
-DTensor and FSDP2 around each operator and collective.
+Three more terms, each a field of the hardware file that ``calibrate`` measures on a
+CPU (the shipped GPU kinds give the value that makes it vanish, with the reason):
+
+- **fixed cost per operator**: ``op_overhead_s`` x the aten operators the step runs,
+  counted on the meta device per block and for the rest (forward, backward,
+  recompute); GPU kinds 0 (host launches are queued ahead of long kernels);
+- **memory traffic of the operators without a FLOP formula** (elementwise, norms,
+  softmax, copies, concatenations; matmuls and attention are in the FLOPs): the
+  elements they read and write, counted on the meta device per sequence, times the
+  compute dtype's bytes, over ``hbm_bandwidth``; divided by ``tp x cp`` like the
+  FLOPs;
+- **the optimizer step's operators**: the trainer's gradient norm, AdamW step and
+  ``zero_grad`` run ``optimizer_ops_per_tensor`` operators per parameter tensor
+  (counted once on a small CPU tensor: the single-tensor AdamW a CPU runs), each
+  costing ``op_overhead_s`` plus ``dtensor_op_overhead_s`` when the parameters are
+  DTensors (FSDP2, tp or ep shard them); GPU kinds 0 (as above).
+
+Not counted: the Python cost of DTensor around the forward and backward operators
+(tp, cp), and of FSDP2's hooks per unit.
 
 **Collectives** (Hockney's latency-bandwidth model, as NCCL's own tuner writes it in
 ``src/graph/tuning.cc``): ``seconds = steps * latency + wire_bytes / (bandwidth *
@@ -30,7 +45,11 @@ slowest one the group crosses: the mesh is laid out outermost first as ``pp,
 dp_replicate, dp_shard, cp, tp`` (tp innermost), so an axis whose ranks are
 ``stride`` apart with ``size`` ranks stays inside a node when ``stride * size <=
 gpus_per_node``; otherwise it crosses nodes and runs at the per-GPU network bandwidth
-(a ring through several nodes is limited by its inter-node hops).
+(a ring through several nodes is limited by its inter-node hops). A calibrated file
+may give links per collective kind (``collectives``) and per kind and group size
+(``collectives_by_group``: measured with every group of that size at once, as a
+mesh axis runs them; on one host the groups share its cores and memory); the most
+specific one measured is used.
 
 **Overlap** (stated assumptions, as FSDP2 and torch's pipelining behave):
 
@@ -45,7 +64,12 @@ gpus_per_node``; otherwise it crosses nodes and runs at the per-GPU network band
   (torch's ``REDUCE_GRAD`` action): hidden behind the last backward only;
 - pipeline point-to-point sends of a micro-batch's activations add to the op that
   produces them (a stage waits for its input);
-- compute and communication do not slow each other (no SM or memory contention).
+- compute and communication do not slow each other (no SM or memory contention);
+- "hidden" is scaled by ``comm_overlap`` (0 to 1): the part of an overlappable
+  collective that compute running with it hides is ``comm_overlap x min(collective,
+  compute)``. GPU kinds 1 (NCCL moves data on its own channels); ``calibrate``
+  measures it (an asynchronous all-gather with matmuls running against the two
+  apart; about 0 on a CPU, where gloo and the compute share the same cores).
 
 **Pipeline.** The bubble comes from the schedule's own action list (torch's
 ``get_schedule_ops``, :func:`~hyper_parallel.analysis.pipeline_cost.rank_ops`)
@@ -57,7 +81,11 @@ inside its backward: its forward FLOPs and its forward collectives once more.
 
 **Optimizer.** AdamW is memory-bound: per local element it reads parameter, gradient
 and two moments and writes parameter and moments (about 28 bytes in fp32) at the HBM
-bandwidth.
+bandwidth; plus its operators (above). A gradient that backward leaves ``Partial``
+(the dry run's collectives of phase ``optimizer``: e.g. the norms' weights under
+sequence parallelism without FSDP2) is reduced for every operator argument of the
+optimizer step that reads it (``optimizer_grad_reads`` per tensor, counted on a CPU
+tensor: DTensor redistributes each argument and keeps no reduced copy).
 
 Example::
 
@@ -88,8 +116,10 @@ __all__ = [
     "axis_span",
     "collective_seconds",
     "compute_seconds",
+    "exposed_seconds",
     "list_hardware",
     "load_hardware",
+    "optimizer_seconds",
     "usable_memory",
 ]
 
@@ -140,11 +170,24 @@ class Hardware:
         inter_node: The network between nodes (per GPU).
         collectives: Optional per-kind links measured by ``calibrate`` (inside a node);
             they replace ``intra_node`` for that kind of collective.
+        collectives_by_group: Optional per-kind links for a group size (``{2:
+            {all_gather: link, ...}}``), measured by ``calibrate`` with every group of
+            that size running at once; they replace ``collectives`` for groups of that
+            size inside a node.
         op_overhead_s: Optional fixed seconds per operator the step runs (host
             dispatch, autograd bookkeeping, the kernel's start), added per counted
             operator; ``calibrate`` measures it on a CPU. Default 0: on a GPU the
             kernels are queued asynchronously and this cost hides behind the previous
-            kernel while kernels are long (the shipped kinds do not give it).
+            kernel while kernels are long (the shipped kinds say so).
+        dtensor_op_overhead_s: Optional extra seconds per operator run on a DTensor
+            (sharding propagation, unwrapping and wrapping in Python), charged for
+            the optimizer step's operators on sharded parameters; ``calibrate``
+            measures it. Default 0, as ``op_overhead_s`` (host work hidden behind the
+            GPU's queued kernels).
+        comm_overlap: Share (0 to 1) of an overlappable collective's time that hides
+            behind compute running at the same time. Default 1: NCCL moves data on
+            its own channels while kernels run; ``calibrate`` measures it (on a CPU
+            the same cores run gloo's collectives and the compute).
         sources: Where each value comes from, by dotted field name.
     """
 
@@ -158,7 +201,10 @@ class Hardware:
     intra_node: Link
     inter_node: Link
     collectives: dict[str, Link] = dataclasses.field(default_factory=dict)
+    collectives_by_group: dict[int, dict[str, Link]] = dataclasses.field(default_factory=dict)
     op_overhead_s: float = 0.0
+    dtensor_op_overhead_s: float = 0.0
+    comm_overlap: float = 1.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def flops(self, dtype: str) -> float:
@@ -166,11 +212,12 @@ class Hardware:
         key = "bf16" if dtype in ("bf16", "fp16") else "fp32"
         return self.peak_flops[key] * self.compute_efficiency[key]
 
-    def link(self, kind: str, crosses_nodes: bool) -> Link:
-        """The link a collective of ``kind`` runs at."""
+    def link(self, kind: str, crosses_nodes: bool, group_size: int | None = None) -> Link:
+        """The link a collective of ``kind`` over ``group_size`` ranks runs at."""
         if crosses_nodes:
             return self.inter_node
-        return self.collectives.get(kind, self.intra_node)
+        measured = self.collectives_by_group.get(group_size or 0, {})
+        return measured.get(kind) or self.collectives.get(kind, self.intra_node)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (the ``hardware`` key of ``suggest --format json``)."""
@@ -185,7 +232,13 @@ class Hardware:
             "intra_node": self.intra_node.to_dict(),
             "inter_node": self.inter_node.to_dict(),
             "collectives": {k: v.to_dict() for k, v in self.collectives.items()},
+            "collectives_by_group": {
+                g: {k: v.to_dict() for k, v in links.items()}
+                for g, links in self.collectives_by_group.items()
+            },
             "op_overhead_s": self.op_overhead_s,
+            "dtensor_op_overhead_s": self.dtensor_op_overhead_s,
+            "comm_overlap": self.comm_overlap,
             "sources": dict(self.sources),
         }
 
@@ -232,7 +285,7 @@ def load_hardware(kind_or_path: str | Path) -> Hardware:
 def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
     sources: dict[str, str] = {}
 
-    def value(key: str, node: Any, cast: type = float) -> Any:
+    def value(key: str, node: Any, cast: type = float, low: float | None = None) -> Any:
         if isinstance(node, Mapping):
             if "value" not in node:
                 raise ValueError(
@@ -246,8 +299,18 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
             out = cast(node)
         except (TypeError, ValueError):
             raise ValueError(f"{where}: field {key!r} is {node!r}, not a number.") from None
-        if out <= 0:
+        if low is None and out <= 0:
             raise ValueError(f"{where}: field {key!r} is {out}; it must be > 0.")
+        if low is not None and out < low:
+            raise ValueError(f"{where}: field {key!r} is {out}; it must be >= {low}.")
+        return out
+
+    def optional(key: str, default: float, high: float | None = None) -> float:
+        if key not in raw:
+            return default
+        out = value(key, raw[key], float, low=0.0)
+        if high is not None and out > high:
+            raise ValueError(f"{where}: field {key!r} is {out}; it must be <= {high}.")
         return out
 
     def need(key: str) -> Any:
@@ -287,6 +350,23 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
     collectives = raw.get("collectives") or {}
     if not isinstance(collectives, Mapping):
         raise ValueError(f"{where}: field 'collectives' must map a collective kind to a link.")
+    by_group_raw = raw.get("collectives_by_group") or {}
+    if not isinstance(by_group_raw, Mapping) or not all(
+        isinstance(v, Mapping) for v in by_group_raw.values()
+    ):
+        raise ValueError(
+            f"{where}: field 'collectives_by_group' must map a group size to "
+            "{collective kind: link}."
+        )
+    by_group: dict[int, dict[str, Link]] = {}
+    for size, links in by_group_raw.items():
+        try:
+            g = int(size)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{where}: field 'collectives_by_group' key {size!r} is not a group size."
+            ) from None
+        by_group[g] = {str(k): link(f"collectives_by_group.{g}.{k}", v) for k, v in links.items()}
     return Hardware(
         name=str(raw.get("name", default_name)),
         description=str(raw.get("description", "")),
@@ -298,9 +378,10 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
         intra_node=link("intra_node", need("intra_node")),
         inter_node=link("inter_node", need("inter_node")),
         collectives={str(k): link(f"collectives.{k}", v) for k, v in collectives.items()},
-        op_overhead_s=value("op_overhead_s", raw["op_overhead_s"])
-        if "op_overhead_s" in raw
-        else 0.0,
+        collectives_by_group=by_group,
+        op_overhead_s=optional("op_overhead_s", 0.0),
+        dtensor_op_overhead_s=optional("dtensor_op_overhead_s", 0.0),
+        comm_overlap=optional("comm_overlap", 1.0, high=1.0),
         sources=sources,
     )
 
@@ -374,6 +455,32 @@ def compute_seconds(hw: Hardware, flops: float, dtype: str) -> float:
     return flops / hw.flops(dtype)
 
 
+def exposed_seconds(hw: Hardware, comm: float, compute: float) -> float:
+    """What of an overlappable collective of ``comm`` seconds stays on the critical path
+    while ``compute`` seconds of work run with it: ``comm - comm_overlap x min(comm,
+    compute)`` (at ``comm_overlap`` 1: ``max(0, comm - compute)``).
+
+    Example:
+        >>> exposed_seconds(load_hardware("h100-80gb"), 3.0, 2.0)
+        1.0
+    """
+    return comm - hw.comm_overlap * min(comm, compute)
+
+
+def optimizer_seconds(
+    hw: Hardware, elements: float, tensors: float, ops_per_tensor: float, sharded: bool
+) -> float:
+    """One optimizer step over ``elements`` local fp32 elements in ``tensors`` parameter
+    tensors: AdamW's :data:`OPTIMIZER_BYTES_PER_ELEMENT` at the memory bandwidth, plus
+    ``ops_per_tensor`` operators per tensor at ``op_overhead_s`` each, and
+    ``dtensor_op_overhead_s`` more each when the parameters are DTensors (``sharded``).
+    """
+    per_op = hw.op_overhead_s + (hw.dtensor_op_overhead_s if sharded else 0.0)
+    return OPTIMIZER_BYTES_PER_ELEMENT * elements / hw.hbm_bandwidth + (
+        tensors * ops_per_tensor * per_op
+    )
+
+
 _WIRE = {
     "all_reduce": lambda p: 2 * (p - 1) / p,
     "all_gather": lambda p: (p - 1) / p,
@@ -405,7 +512,7 @@ def collective_seconds(
     """
     if group_size <= 1 or count <= 0:
         return 0.0
-    link = hw.link(kind, crosses_nodes)
+    link = hw.link(kind, crosses_nodes, group_size)
     wire = num_bytes * _WIRE.get(kind, _WIRE["all_gather"])(group_size)
     transfer = wire / (link.bandwidth * link.efficiency)
     ring_steps = (2 if kind == "all_reduce" else 1) * (group_size - 1)

@@ -13,7 +13,9 @@ shards them; the activations one micro-batch saves for backward, times the
 micro-batches a pipeline stage holds at once (from the schedule's own action list);
 and FSDP2's transient buffers (two units gathered in the compute dtype: the one
 running and the one prefetched; one unit's unsharded fp32 gradients before its
-reduce-scatter). A layout fits when that is at most
+reduce-scatter; under a pipeline, every unit of the stage gathered with its
+unsharded fp32 gradients, which are reduced once at the step's end). A layout fits
+when that is at most
 :func:`~hyper_parallel.analysis.cost_model.usable_memory` (device memory less the
 stated allocator and communication-library headroom).
 
@@ -55,12 +57,13 @@ import torch
 from hyper_parallel._torch_private import TorchDispatchMode
 from hyper_parallel.analysis._format import human_bytes, table
 from hyper_parallel.analysis.cost_model import (
-    OPTIMIZER_BYTES_PER_ELEMENT,
     Hardware,
     axis_span,
     collective_seconds,
     compute_seconds,
+    exposed_seconds,
     load_hardware,
+    optimizer_seconds,
     usable_memory,
 )
 from hyper_parallel.analysis.pipeline_cost import (
@@ -499,8 +502,16 @@ class _Tracer:
 
 @dataclasses.dataclass(frozen=True)
 class _Flops:
-    """FLOPs of one sequence: one block's and the rest's, forward and backward; and the
-    operators each runs (``*_ops``: one per aten call, whatever the batch)."""
+    """FLOPs of one sequence: one block's and the rest's, forward and backward; the
+    operators each runs (``*_ops``: one per aten call, whatever the batch); the
+    elements the operators without a FLOP formula read and write (``*_elements``:
+    elementwise ops, norms, softmax, copies, concatenations; views excluded), per
+    sequence; the parameter tensors of one block and of the rest (``*_tensors``); and
+    the operators the trainer's optimizer step runs per parameter tensor
+    (``optimizer_ops_per_tensor``: gradient-norm and AdamW on a CPU tensor), of which
+    ``optimizer_grad_reads`` arguments are the gradient (a gradient DTensor left
+    ``Partial`` is reduced for each: DTensor redistributes per operator argument and
+    keeps no result)."""
 
     block_fwd: float
     block_bwd: float
@@ -511,6 +522,14 @@ class _Flops:
     block_bwd_ops: int = 0
     rest_fwd_ops: int = 0
     rest_bwd_ops: int = 0
+    block_fwd_elements: float = 0.0
+    block_bwd_elements: float = 0.0
+    rest_fwd_elements: float = 0.0
+    rest_bwd_elements: float = 0.0
+    block_tensors: int = 0
+    rest_tensors: int = 0
+    optimizer_ops_per_tensor: int = 0
+    optimizer_grad_reads: int = 1
 
     @property
     def total(self) -> float:
@@ -520,22 +539,125 @@ class _Flops:
 
 class _OperatorCount(TorchDispatchMode):
     """Counts the aten operators that run under it (views and metadata ops included:
-    each is a dispatch with its fixed cost)."""
+    each is a dispatch with its fixed cost), and the tensor elements the operators
+    without a FLOP formula read and write (``elements``): every tensor argument and
+    result of an operator that is neither a view nor has a formula in
+    ``torch.utils.flop_counter`` (matmuls, convolutions, attention)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scores: int | None = None) -> None:
         super().__init__()
         self.count = 0
+        self.elements = 0
+        self.scores = scores
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.count += 1
+        out = func(*args, **(kwargs or {}))
+        if not _moves_no_data(func):
+            self.elements += sum(
+                _tensor_elements(tree, self.scores) for tree in (args, kwargs, out)
+            )
+        return out
+
+
+def _moves_no_data(func: Any) -> bool:
+    """A view, a metadata or allocation-only op, or a FLOP-counted op (matmul, attention:
+    the compute term has it)."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(func, "overloadpacket", None)
+    if packet is None or getattr(func, "is_view", False) or packet in flop_registry:
+        return True
+    name = packet.__name__
+    return name in _NO_DATA_OPS or name.startswith("_grouped_mm")
+
+
+_NO_DATA_OPS = frozenset(
+    (
+        "detach",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "_to_copy_meta",
+        "lift_fresh",
+        "alias",
+        "set_",
+        "resize_",
+        "_local_scalar_dense",
+        "_unsafe_view",
+        "_reshape_alias",
+    )
+)
+
+
+def _tensor_elements(tree: Any, scores: int | None = None) -> int:
+    """Elements of the tensors in ``tree``; with ``scores``, less those shaped ``[...,
+    scores, scores]`` (an attention score matrix or mask of a ``scores``-token sequence)."""
+    from torch.utils._pytree import tree_leaves
+
+    return sum(
+        t.numel()
+        for t in tree_leaves(tree)
+        if isinstance(t, torch.Tensor)
+        and not (scores is not None and t.dim() >= 2 and t.shape[-2:] == (scores, scores))
+    )
+
+
+def count_operators(scores: int | None = None) -> _OperatorCount:
+    """A context that counts the aten operators run inside it (``.count``) and the
+    elements the non-matmul ones read and write (``.elements``): what the cost model
+    multiplies by the hardware's ``op_overhead_s`` and charges at its memory
+    bandwidth, and what ``calibrate`` takes out of a small step's time.
+
+    ``scores``: a sequence length whose ``[..., S, S]`` tensors are left out of
+    ``.elements``: on the meta device attention runs torch's unfused math path
+    (scores, mask, softmax materialized), while the kernels a training step runs
+    (flash attention on GPUs and CPUs) never write them; their reads of queries, keys
+    and values and writes of the output are counted with the neighbouring operators."""
+    return _OperatorCount(scores)
+
+
+class _GradReads(TorchDispatchMode):
+    """Counts the arguments of operators that are one of ``grads`` (by storage): a
+    DTensor operator redistributes each argument apart."""
+
+    def __init__(self, grads: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {g.untyped_storage().data_ptr() for g in grads}
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_leaves
+
+        self.count += sum(
+            isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages
+            for t in tree_leaves((args, kwargs or {}))
+        )
         return func(*args, **(kwargs or {}))
 
 
-def count_operators() -> _OperatorCount:
-    """A context that counts the aten operators run inside it (``.count``): what the
-    cost model multiplies by the hardware's ``op_overhead_s``, and what ``calibrate``
-    divides a tiny step's time by."""
-    return _OperatorCount()
+def _optimizer_ops_per_tensor() -> tuple[int, int]:
+    """Operators the trainer's optimizer step runs per parameter tensor on a CPU (the
+    gradient norm, ``train.trainer.clip_grad_norm_``, AdamW's step and ``zero_grad``),
+    and how many of their arguments are the gradient: the differences between two
+    parameters and one (AdamW's lazily created states made first)."""
+    from hyper_parallel.train.trainer import clip_grad_norm_
+
+    counts = []
+    for n in (1, 2):
+        params = [torch.nn.Parameter(torch.zeros(2, 2)) for _ in range(n)]
+        opt = torch.optim.AdamW(params)
+        for _ in range(2):
+            for q in params:
+                q.grad = torch.zeros(2, 2)
+            with count_operators() as ops, _GradReads([q.grad for q in params]) as reads:
+                clip_grad_norm_(params, math.inf)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        counts.append((ops.count, reads.count))
+    return max(0, counts[1][0] - counts[0][0]), max(1, counts[1][1] - counts[0][1])
 
 
 def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
@@ -567,14 +689,31 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
         with torch.device("meta"):
             model = config.build().to(torch.bfloat16)
         tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-        with FlopCounterMode(display=False, custom_mapping=mapping) as fwd, count_operators() as fo:
+        with (
+            FlopCounterMode(display=False, custom_mapping=mapping) as fwd,
+            count_operators(seq_len) as fo,
+        ):
             out = model(tokens)
             loss = loss_fn(out, tokens) if loss_fn is not None else out.float().sum()
-        with FlopCounterMode(display=False, custom_mapping=mapping) as bwd, count_operators() as bo:
+        with (
+            FlopCounterMode(display=False, custom_mapping=mapping) as bwd,
+            count_operators(seq_len) as bo,
+        ):
             loss.backward()
-        counts.append((fwd.get_total_flops(), bwd.get_total_flops(), fo.count, bo.count))
-    (f1, b1, fo1, bo1), (f2, b2, fo2, bo2) = counts
+        counts.append(
+            (
+                fwd.get_total_flops(),
+                bwd.get_total_flops(),
+                fo.count,
+                bo.count,
+                fo.elements,
+                bo.elements,
+                sum(1 for _ in model.parameters()),
+            )
+        )
+    (f1, b1, fo1, bo1, fe1, be1, t1), (f2, b2, fo2, bo2, fe2, be2, t2) = counts
     n = len(source.config().layers)
+    optimizer_ops, grad_reads = _optimizer_ops_per_tensor()
     return _Flops(
         f2 - f1,
         b2 - b1,
@@ -585,6 +724,14 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
         block_bwd_ops=bo2 - bo1,
         rest_fwd_ops=max(0, fo1 - (fo2 - fo1)),
         rest_bwd_ops=max(0, bo1 - (bo2 - bo1)),
+        block_fwd_elements=fe2 - fe1,
+        block_bwd_elements=be2 - be1,
+        rest_fwd_elements=max(0, fe1 - (fe2 - fe1)),
+        rest_bwd_elements=max(0, be1 - (be2 - be1)),
+        block_tensors=t2 - t1,
+        rest_tensors=max(0, t1 - (t2 - t1)),
+        optimizer_ops_per_tensor=optimizer_ops,
+        optimizer_grad_reads=grad_reads,
     )
 
 
@@ -1136,18 +1283,35 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         acts = trace.activations(k, first, last, c.ac) * mbs * in_flight.get(s, 1)
         into = per_rank.setdefault(
             rank,
-            {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "elements": 0.0},
+            {
+                "params": 0.0,
+                "grads": 0.0,
+                "optimizer": 0.0,
+                "activations": 0.0,
+                "elements": 0.0,
+                "tensors": 0.0,
+                "unsharded": 0.0,
+            },
         )
         into["params"] += 4 * elements
         into["grads"] += 4 * elements
         into["optimizer"] += 8 * elements
         into["activations"] += acts
         into["elements"] += elements
+        into["tensors"] += k * ctx.flops.block_tensors + (first + last) / 2 * ctx.flops.rest_tensors
+        into["unsharded"] += dense * fsdp + experts * efsdp
     # FSDP2's transient buffers: two units gathered (compute dtype), one unit's fp32 grads.
     unit = max(block_dense * dense_ratio + block_expert / c.ep, rest_dense / 2 * dense_ratio)
     transient = (2 * compute_bytes + 4) * unit if fsdp > 1 else 0
     heaviest = max(per_rank.values(), key=lambda d: d["params"] + d["activations"])
-    memory = {k: int(v) for k, v in heaviest.items() if k != "elements"}
+    if c.pp > 1 and fsdp > 1:
+        # Under a pipeline FSDP2 keeps a unit gathered from its backward to the next
+        # forward and reduces gradients once, at the step's end (REDUCE_GRAD): at the
+        # end of a backward every unit of the stage is gathered (compute dtype) and
+        # holds its unsharded fp32 gradients.
+        transient = (compute_bytes + 4) * heaviest["unsharded"]
+    kept = ("elements", "tensors", "unsharded")
+    memory = {k: int(v) for k, v in heaviest.items() if k not in kept}
     memory["transient"] = int(transient)
     total_memory = sum(memory.values())
     # --- compute per micro-batch per stage
@@ -1169,17 +1333,30 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         comm_b = comm_layer.get("backward", 0.0) + comm_rest.get("backward", 0.0)
         comm_b += recompute_blocks * comm_layer.get("forward", 0.0)
         overhead_f, overhead_b = hw.op_overhead_s * ops_f, hw.op_overhead_s * ops_b
-        t_f.append(compute_seconds(hw, fwd, ctx.dtype) + overhead_f + comm_f)
-        t_b.append(compute_seconds(hw, bwd + recompute, ctx.dtype) + overhead_b + comm_b)
-        t_w.append((compute_seconds(hw, bwd, ctx.dtype) + overhead_b) / 2)
+        # Operators without a FLOP formula (elementwise, norms, softmax, copies) move
+        # their elements through memory: compute-dtype bytes at the memory bandwidth.
+        moved = compute_bytes * mbs * share / hw.hbm_bandwidth
+        traffic_f = moved * (k * f.block_fwd_elements + last * f.rest_fwd_elements)
+        traffic_b = moved * (
+            k * f.block_bwd_elements
+            + last * f.rest_bwd_elements
+            + recompute_blocks * k * f.block_fwd_elements
+        )
+        t_f.append(compute_seconds(hw, fwd, ctx.dtype) + overhead_f + traffic_f + comm_f)
+        t_b.append(
+            compute_seconds(hw, bwd + recompute, ctx.dtype) + overhead_b + traffic_b + comm_b
+        )
+        t_w.append((compute_seconds(hw, bwd, ctx.dtype) + overhead_b + traffic_b) / 2)
         comm_f_all.append(comm_f)
         comm_b_all.append(comm_b)
-    # Gradients left Partial by backward are reduced when the optimizer reads them.
+    # Gradients left Partial by backward are reduced when the optimizer reads them:
+    # for each operator argument that is one (DTensor keeps no reduced copy).
     optimizer_comm = 0.0
+    reads = f.optimizer_grad_reads
     for k, _, last, _ in stages:
-        owed = _comm_seconds(ctx, layout, trace.per_layer, 1.0, k).get("optimizer", 0.0)
+        owed = _comm_seconds(ctx, layout, trace.per_layer, 1.0, k * reads).get("optimizer", 0.0)
         if last:
-            owed += _comm_seconds(ctx, layout, trace.rest, 1.0).get("optimizer", 0.0)
+            owed += _comm_seconds(ctx, layout, trace.rest, 1.0, reads).get("optimizer", 0.0)
         optimizer_comm = max(optimizer_comm, owed)
     bubble = 0.0
     if c.pp > 1:
@@ -1226,14 +1403,23 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
     ctx.pipeline_cache[data_key] = data
     fwd_compute = sum(t_f) if c.pp == 1 else max(t_f) * c.microbatches
     bwd_compute = sum(t_b) if c.pp == 1 else max(t_b) * c.microbatches
-    exposed = max(0.0, data["gather_forward"] - fwd_compute) + data["first_unit"]
+    # hw.comm_overlap of each collective hides behind the compute of its phase.
+    exposed = exposed_seconds(hw, data["gather_forward"], fwd_compute) + data["first_unit"]
     if c.pp > 1:  # gradients reduced once, at the end of the step
-        exposed += max(0.0, data["gather_backward"] - bwd_compute)
-        exposed += max(0.0, data["reduce"] - max(t_b))
+        exposed += exposed_seconds(hw, data["gather_backward"], bwd_compute)
+        exposed += exposed_seconds(hw, data["reduce"], max(t_b))
     else:
-        exposed += max(0.0, data["gather_backward"] + data["reduce"] - bwd_compute)
+        exposed += exposed_seconds(hw, data["gather_backward"] + data["reduce"], bwd_compute)
         exposed += data["last_unit"]
-    optimizer = OPTIMIZER_BYTES_PER_ELEMENT * heaviest["elements"] / hw.hbm_bandwidth
+    # AdamW's bytes, and the optimizer step's operators (gradient norm, AdamW,
+    # zero_grad) per parameter tensor: DTensor operators when FSDP2, tp or ep shard them.
+    optimizer = optimizer_seconds(
+        hw,
+        heaviest["elements"],
+        heaviest["tensors"],
+        f.optimizer_ops_per_tensor,
+        sharded=c.dp_replicate * c.fsdp * c.tp * c.ep > 1,
+    )
     step = makespan + exposed + optimizer + optimizer_comm
     tokens = ctx.global_batch * ctx.seq_len
     peak = hw.peak_flops["bf16" if ctx.dtype == "bf16" else "fp32"]
@@ -1416,7 +1602,9 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "Per-rank memory: the dry run's parameters, gradients and AdamW moments (fp32 "
         "master weights) sharded by FSDP2, activations per micro-batch times the "
         "micro-batches a stage holds (schedule's action list), and FSDP2's transient "
-        "buffers (two units gathered + one unit's fp32 gradients).",
+        "buffers (two units gathered + one unit's fp32 gradients; under a pipeline the "
+        "whole stage gathered with its unsharded fp32 gradients, reduced at the step's "
+        "end).",
         "Time: FLOPs counted on the meta device at the hardware file's efficiency; "
         "collectives by a latency-bandwidth model per link (tp/cp/ep exposed; FSDP2 "
         "gathers and reduces hidden behind compute of the same phase, except one unit "
@@ -1424,7 +1612,20 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "op times; recompute of checkpointed blocks' forward (FLOPs and collectives).",
         f"Fixed cost per operator: {hw.op_overhead_s * 1e6:.1f} us x the aten operators "
         "counted on the meta device per block and for the rest (forward, backward, "
-        "recompute); optimizer operators not counted.",
+        "recompute).",
+        "Operators without a FLOP formula (elementwise, norms, softmax, copies): the "
+        "elements they read and write (counted on the meta device per sequence) x the "
+        f"compute dtype's bytes at {hw.hbm_bandwidth / 1e9:.1f} GB/s, divided by tp x cp.",
+        "Optimizer: AdamW's 28 bytes per local element at the memory bandwidth, plus "
+        "the trainer's gradient-norm, AdamW and zero_grad operators per parameter "
+        f"tensor at {hw.op_overhead_s * 1e6:.1f} us each, "
+        f"+{hw.dtensor_op_overhead_s * 1e6:.1f} us on DTensor (sharded) parameters; a "
+        "gradient left Partial by backward is reduced once per optimizer-operator "
+        "argument that reads it.",
+        f"Overlap: {hw.comm_overlap:.0%} of an FSDP2 all-gather / reduce-scatter / HSDP "
+        "all-reduce hides behind the compute of its phase (up to that compute's length); "
+        "the Python cost of DTensor around forward and backward operators and of "
+        "FSDP2's hooks is not modeled.",
         "Without pp the data-parallel rank's whole batch runs as one forward (train.run "
         "has no gradient accumulation); with pp it is split into the micro-batches.",
         f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank; pp up "

@@ -62,7 +62,8 @@ def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_p
         "plan: <!-- bench:dry-run -->8.5 s<!-- /bench:dry-run -->; "
         "moe: <!-- bench:dry-run-moe -->~30 s<!-- /bench:dry-run-moe -->; "
         "hf: <!-- bench:hf-load -->1.24 s<!-- /bench:hf-load -->; "
-        "suggest: <!-- bench:suggest-speed -->60 s<!-- /bench:suggest-speed -->\n"
+        "suggest: <!-- bench:suggest-speed -->60 s<!-- /bench:suggest-speed -->; "
+        "s: <!-- bench:suggest-fidelity -->0.83<!-- /bench:suggest-fidelity -->\n"
     )
     rows = [
         {"model": m, "mesh": mesh, "world_size": n, "wall_s": w, "cpu_s": c, "peak_rss_bytes": b}
@@ -81,6 +82,7 @@ def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_p
     assert got["init-memory"] == run_all.not_measured("e")
     assert got["hf-load"] == run_all.not_measured("h")
     assert got["suggest-speed"] == run_all.not_measured("t")
+    assert got["suggest-fidelity"] == run_all.not_measured("s")
     assert "old" not in readme.read_text() and "table" in readme.read_text()
     # Section r without the MoE case: that figure is not measured, the other is.
     figs = run_all.figures({"r": {"stamp": {}, "data": rows[:1]}})

@@ -16,15 +16,20 @@ import yaml
 
 from hyper_parallel.analysis.cost_model import (
     HARDWARE_KINDS,
+    OPTIMIZER_BYTES_PER_ELEMENT,
     axis_span,
     collective_seconds,
+    exposed_seconds,
     list_hardware,
     load_hardware,
+    optimizer_seconds,
     usable_memory,
 )
 from hyper_parallel.analysis.suggest import (
     DoesNotFit,
     ModelSource,
+    count_flops,
+    count_operators,
     model_from_hf_config,
     suggest,
 )
@@ -95,6 +100,92 @@ def test_user_hardware_file_plain_numbers(tmp_path) -> None:
         load_hardware(bad)
     with pytest.raises(ValueError, match=r"unknown GPU kind 'h100'.*h100-80gb"):
         load_hardware("h100")
+
+
+def test_overhead_and_overlap_fields(tmp_path) -> None:
+    base = {
+        "memory_bytes": 16e9,
+        "peak_flops": 1e14,
+        "compute_efficiency": 0.5,
+        "hbm_bandwidth": 1e12,
+        "gpus_per_node": 4,
+        "intra_node": {"bandwidth": 1e11, "latency_s": 5e-6},
+        "inter_node": {"bandwidth": 1e10, "latency_s": 2e-5},
+    }
+    path = tmp_path / "hw.yaml"
+    path.write_text(yaml.safe_dump(base))
+    hw = load_hardware(path)  # absent: the GPU defaults
+    assert (hw.op_overhead_s, hw.dtensor_op_overhead_s, hw.comm_overlap) == (0.0, 0.0, 1.0)
+    path.write_text(
+        yaml.safe_dump(
+            base | {"op_overhead_s": 5e-6, "dtensor_op_overhead_s": 6e-5, "comm_overlap": 0}
+        )
+    )
+    hw = load_hardware(path)
+    assert (hw.op_overhead_s, hw.dtensor_op_overhead_s, hw.comm_overlap) == (5e-6, 6e-5, 0.0)
+    for bad, match in ((1.5, "<= 1.0"), (-0.1, ">= 0.0")):
+        path.write_text(yaml.safe_dump(base | {"comm_overlap": bad}))
+        with pytest.raises(ValueError, match=f"field 'comm_overlap' is {bad}; it must be {match}"):
+            load_hardware(path)
+    # exposure: comm_overlap of the shorter of the two hides
+    assert exposed_seconds(hw, 3.0, 2.0) == 3.0  # nothing hides at 0
+    assert exposed_seconds(dataclasses.replace(hw, comm_overlap=0.5), 3.0, 2.0) == 2.0
+    assert exposed_seconds(dataclasses.replace(hw, comm_overlap=1.0), 1.0, 2.0) == 0.0
+    # optimizer: AdamW's bytes + operators per tensor (DTensor ones dearer)
+    plain = optimizer_seconds(hw, 1e6, 10, 10, sharded=False)
+    assert math.isclose(plain, OPTIMIZER_BYTES_PER_ELEMENT * 1e6 / 1e12 + 100 * 5e-6)
+    assert math.isclose(optimizer_seconds(hw, 1e6, 10, 10, sharded=True) - plain, 100 * 6e-5)
+    for kind in HARDWARE_KINDS:  # the shipped kinds state these, with a source
+        gpu = load_hardware(kind)
+        assert (gpu.op_overhead_s, gpu.dtensor_op_overhead_s, gpu.comm_overlap) == (0, 0, 1)
+        assert gpu.sources.get("comm_overlap") and gpu.sources.get("op_overhead_s")
+
+
+def test_calibrated_links_per_group_size(tmp_path) -> None:
+    from hyper_parallel.analysis.calibrate import _fit, _group_sizes
+
+    assert _group_sizes(4) == [2] and _group_sizes(8) == [2, 4] and _group_sizes(2) == []
+    # the latency-bandwidth model solved back: 3 ring steps of 1 ms, 6 MiB on the wire at 1 GB/s
+    fit = _fit("all_gather", 3e-3, 3e-3 + 6 * 2**20 / 1e9, 4)
+    assert math.isclose(fit["latency_s"], 1e-3) and math.isclose(fit["bandwidth"], 1e9)
+    slow = {"bandwidth": 1e9, "latency_s": 1e-3}  # all_gather over 2 ranks, measured
+    raw = {
+        "memory_bytes": 8e9,
+        "peak_flops": 1e12,
+        "compute_efficiency": 0.5,
+        "hbm_bandwidth": 1e10,
+        "gpus_per_node": 4,
+        "intra_node": {"bandwidth": 1e10, "latency_s": 1e-5},
+        "inter_node": {"bandwidth": 1e9, "latency_s": 1e-4},
+        "collectives_by_group": {2: {"all_gather": slow}},
+    }
+    path = tmp_path / "cpu.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    hw = load_hardware(path)
+    assert hw.link("all_gather", False, 2).bandwidth == 1e9  # measured for 2 ranks
+    assert hw.link("all_gather", False, 4).bandwidth == 1e10  # not measured: intra_node
+    assert hw.link("reduce_scatter", False, 2).bandwidth == 1e10
+    got = collective_seconds(hw, "all_gather", 2e6, count=1, group_size=2, crosses_nodes=False)
+    assert math.isclose(got, 1e-3 + 1e6 / 1e9)
+
+
+def test_operator_counts_and_memory_traffic() -> None:
+    import torch
+
+    a, b = torch.ones(4, 8, device="meta"), torch.ones(8, 2, device="meta")
+    with count_operators() as ops:
+        a * 2  # elementwise: reads 32, writes 32
+        a.view(32)  # a view: no traffic
+        a @ b  # a matmul: in the FLOPs, not the traffic
+    assert ops.count == 3 and ops.elements == 64
+    f = count_flops(
+        ModelSource("llama3-debug", (("num_layers", 2), ("dim", 64), ("num_heads", 4))), 32
+    )
+    # one block: norms, SwiGLU, rotary, residuals move at least a few times its
+    # activations (32 tokens x 64 dims); 9 parameter tensors (2 norms, 7 linears)
+    assert f.block_fwd_elements > 10 * 32 * 64 and f.block_bwd_elements > f.block_fwd_elements / 2
+    assert f.block_tensors == 9 and f.rest_tensors == 3
+    assert f.optimizer_ops_per_tensor >= 5  # AdamW's single-tensor step on a CPU
 
 
 def test_axis_span_follows_mesh_order() -> None:
