@@ -73,7 +73,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "torch.distributed.tensor.placement_types": ("_StridedShard",),
     "torch.distributed.distributed_c10d": ("_resolve_process_group",),
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
-    "torch.utils._pytree": ("tree_map", "tree_flatten"),
+    "torch.utils._pytree": ("tree_map", "tree_flatten", "tree_leaves"),
     "torch.utils._python_dispatch": ("TorchDispatchMode",),
 }
 """Private modules and the names read from each (the imports above, and the fake store)."""

@@ -196,6 +196,12 @@ class DryRunReport:
     activations_outside_blocks: tuple[int, int] = (0, 0)
     """Saved bytes before the first block (embedding) and after the last (final norm,
     output projection, loss) of one micro-batch."""
+    activations_per_block: tuple[int, int, int] | None = None
+    """``(saved, kept, recomputed)`` of one block: what it adds to the ``none`` peak
+    (everything it saves) and to the ``full`` peak (the input a checkpointed block
+    keeps), the slopes between the two traced depths (a model traced whole: its last
+    block's); and what it holds while backward recomputes it (its input and what it
+    saves again). ``None`` for a model without blocks."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (the CLI's ``--format json``)."""
@@ -507,6 +513,7 @@ class _Run:
     activation_bytes: int = 0
     activations_by_ac: dict[str, int] = field(default_factory=dict)
     activations_outside_blocks: tuple[int, int] = (0, 0)
+    block_bytes: tuple[int, int, int] | None = None  # the last block's (saved, kept, recomputed)
 
 
 def _declared_blocks(model: nn.Module) -> str | None:
@@ -560,13 +567,14 @@ def _trace_step(
     # The one builder, as the trainer applies it (plan on its submesh, experts on ep
     # and FSDP2 over efsdp, FSDP2 with the dtype's policy); a fake model: nothing
     # compiled, activation checkpointing estimated below rather than applied.
+    # The blocks activation checkpointing applies to: the list of identical layers (the
+    # family's blocks; a pipeline stage keys its blocks by their index in a dict). Asked
+    # before FSDP2 swaps the model's class for its own subclass.
+    field = target.layers_field or _declared_blocks(model)
     units = apply_run_plan(model, run, world, entries=entries, plan_findings=findings, trace=True)
     modules = _module_shards(model, types, _fsdp_dim_names(fsdp_mesh))
     recorder = CollectiveRecorder(*_recorder_groups(world, fsdp_mesh))
     comm = CommDebugMode()
-    # The blocks activation checkpointing applies to: the list of identical layers (the
-    # family's blocks; a pipeline stage keys its blocks by their index in a dict).
-    field = target.layers_field or _declared_blocks(model)
     blocks = getattr(model, field, None) if field else None
     if isinstance(blocks, nn.ModuleDict):
         blocks = nn.ModuleList(blocks.values())
@@ -606,6 +614,7 @@ def _trace_step(
         activation_bytes=saved.peak_bytes(run.ac),
         activations_by_ac={m: saved.peak_bytes(m) for m in ("none", "selective", "full")},
         activations_outside_blocks=saved.outside_blocks(),
+        block_bytes=saved.block_bytes(len(saved.blocks) - 1) if saved.blocks else None,
     )
 
 
@@ -820,6 +829,7 @@ def _combine(
             comm_debug_counts=last.comm_counts,
             per_rank_experts=None if last.expert_bytes is None else state_bytes(*last.expert_bytes),
             num_expert_params=last.expert_numel,
+            activations_per_block=last.block_bytes,
             activations_by_ac=dict(last.activations_by_ac),
             activations_outside_blocks=last.activations_outside_blocks,
         )
@@ -890,8 +900,21 @@ def _combine(
         else state_bytes(*(ext(x, y) for x, y in zip(a.expert_bytes, b.expert_bytes))),
         num_expert_params=ext(a.expert_numel, b.expert_numel),
         activations_by_ac=by_ac,
+        activations_per_block=_block_slopes(a, b),
         activations_outside_blocks=b.activations_outside_blocks,
     )
+
+
+def _block_slopes(a: _Run, b: _Run) -> tuple[int, int, int] | None:
+    """``(saved, kept, recomputed)`` of one block: the ``none`` and ``full`` slopes
+    between the depths, and what the deeper trace's last block holds recomputed."""
+    none, full = (b.activations_by_ac.get(m) for m in ("none", "full"))
+    if none is None or full is None:
+        return None
+    if b.block_bytes is None:
+        return None
+    saved = none - a.activations_by_ac["none"]
+    return saved, full - a.activations_by_ac["full"], b.block_bytes[2]
 
 
 def _activations_by_ac(
@@ -917,18 +940,47 @@ def _activations_by_ac(
         for m in b.activations_by_ac
         if m != "selective"
     }
-    if "none" in by_ac and "full" in by_ac and "selective" in b.activations_by_ac:
-        saved = b.activations_by_ac["none"] - a.activations_by_ac["none"]
-        kept = b.activations_by_ac["full"] - a.activations_by_ac["full"]
-        chosen = checkpointed_blocks(num_layers, "selective")
-        end_of_forward = by_ac["none"] - len(chosen) * (saved - kept)
-        peak = end_of_forward
-        if chosen:
-            after = num_layers - 1 - chosen[-1]
-            tail = b.activations_outside_blocks[1]
-            peak = max(peak, end_of_forward - kept - after * saved - tail + saved)
-        by_ac["selective"] = peak
+    slopes = _block_slopes(a, b)
+    if slopes is not None and "selective" in b.activations_by_ac:
+        saved, kept, recomputed = slopes
+        tail = b.activations_outside_blocks[1]
+        by_ac["selective"] = checkpointed_peak(
+            by_ac["none"], num_layers, saved, kept, recomputed, tail, "selective"
+        )
     return by_ac
+
+
+def checkpointed_peak(
+    none: int, blocks: int, saved: int, kept: int, recomputed: int, tail: int, ac: str
+) -> int:
+    """Peak saved bytes of ``blocks`` identical blocks (plus what surrounds them) when
+    ``ac`` checkpoints some, from the peak without checkpointing.
+
+    Following :meth:`~hyper_parallel.analysis.memory.SavedActivations.peak_bytes`: a
+    block saves ``saved`` and a checkpointed one keeps only its input, ``kept``. At the
+    end of the forward the ``none`` peak is less ``saved - kept`` per checkpointed block;
+    recomputing the last checkpointed block holds everything kept before it plus what
+    it holds recomputed, ``recomputed`` (its input and what it saves again), i.e. the
+    end-of-forward peak less its own ``kept``, the ``saved`` of each block after it and
+    the bytes saved after the blocks, ``tail`` (consumed by then), plus ``recomputed``.
+    The peak is the larger of the two (equal to a trace at the full depth:
+    ``tests/unit/test_dry_run.py``).
+
+    Args:
+        none: The peak without checkpointing.
+        blocks: Number of blocks.
+        saved: Bytes one block saves.
+        kept: Bytes one checkpointed block keeps (its input).
+        recomputed: Bytes one block holds while backward recomputes it.
+        tail: Bytes saved after the last block (0 on a pipeline stage without it).
+        ac: ``"none"``, ``"selective"`` or ``"full"``.
+    """
+    chosen = checkpointed_blocks(blocks, ac)
+    end_of_forward = none - len(chosen) * (saved - kept)
+    if not chosen:
+        return end_of_forward
+    after = blocks - 1 - chosen[-1]
+    return max(end_of_forward, end_of_forward - kept - after * saved - tail + recomputed)
 
 
 def _expand_layers(

@@ -125,6 +125,11 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return storage._cdata, storage.nbytes()
 
 
+def _held(t: torch.Tensor) -> Any:
+    """The storage behind ``t``, to hold while its address is used as a key."""
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+
+
 class SavedActivations:
     """Bytes autograd saves for backward during one forward, by segment of the model.
 
@@ -152,6 +157,10 @@ class SavedActivations:
         self._seen: set[int] = set()
         self._handles: list[Any] = []
         self._hooks: Any = None
+        # The storages whose addresses are keys, held until the forward ends: a storage
+        # freed meanwhile (a block input nothing saves) could hand its address to a new
+        # one, and two tensors would count as one (counts varied from run to run).
+        self._alive: list[Any] = []
 
     # -- recording
 
@@ -167,6 +176,7 @@ class SavedActivations:
             return t
         key, nbytes = _storage(t)
         if key not in self._seen and key not in self._states():
+            self._alive.append(_held(t))
             self._seen.add(key)
             self.saved[self._segment][key] = nbytes
         return t
@@ -179,6 +189,7 @@ class SavedActivations:
                 if isinstance(x, torch.Tensor):
                     key, nbytes = _storage(x)
                     if key not in states:
+                        self._alive.append(_held(x))
                         self.inputs[index + 1][key] = nbytes
 
         return hook
@@ -202,12 +213,25 @@ class SavedActivations:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._alive.clear()
 
     # -- results
 
     def outside_blocks(self) -> tuple[int, int]:
         """Bytes saved before the first block and after the last one (no checkpointing)."""
         return sum(self.saved[0].values()), sum(self.saved[-1].values())
+
+    def block_bytes(self, index: int) -> tuple[int, int, int]:
+        """``(saved, kept, recomputed)`` of block ``index``: what it saves, what it keeps
+        when checkpointed (its inputs not already held before it), and what it holds
+        while backward recomputes it (its inputs and what it saves again)."""
+        segment = index + 1
+        earlier: set[int] = set()
+        for held in (*self.saved[:segment], *self.inputs[:segment]):
+            earlier.update(held)
+        kept = sum(n for k, n in self.inputs[segment].items() if k not in earlier)
+        recomputed = sum({**self.inputs[segment], **self.saved[segment]}.values())
+        return sum(self.saved[segment].values()), kept, recomputed
 
     def peak_bytes(self, ac: str = "none") -> int:
         """Peak bytes held for backward when the blocks ``ac`` selects are checkpointed.

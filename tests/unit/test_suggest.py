@@ -458,16 +458,30 @@ SMALL_MOE = ModelSource(
 def test_predicted_states_equal_the_dry_run_of_the_layout(source, mesh) -> None:
     # "Memory exact": the states one rank holds (fp32 parameters, gradients, AdamW
     # moments) are the dry run's of that very layout — routed experts split over ep x
-    # efsdp included (a model whose experts went uncounted was predicted 89 % low).
+    # efsdp included (a model whose experts went uncounted was predicted 89 % low) — and
+    # so are the activations under every checkpointing mode (composed per block from
+    # one trace per structure: they were summed where the dry run takes the larger).
     from hyper_parallel.analysis.dry_run import dry_run
     from hyper_parallel.analysis.suggest import Candidate, predict
     from hyper_parallel.distributed.axes import apply_model_axes
 
     sizes = dict.fromkeys(("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"), 1) | mesh
-    c = Candidate(**sizes, microbatches=1, schedule=None, ac="none", sp=sizes["tp"] > 1)
-    gpus = c.layout.world_size
-    p = predict(source, c, gpus=gpus, gpu="h100-80gb", seq_len=256, global_batch_tokens=gpus * 256)
-    config = apply_model_axes(source.spec, source.config(), c.layout, sequence_parallel=c.sp)
-    report = dry_run(config, c.layout, seq_len=256, loss_fn=source.spec.family.loss_fn)
-    expected = {"params": report.per_rank.params, "optimizer": report.per_rank.optimizer}
-    assert {k: p.memory[k] for k in expected} == expected
+    sp = sizes["tp"] > 1
+    layout = Candidate(**sizes, microbatches=1, schedule=None, ac="none", sp=sp).layout
+    gpus = layout.world_size
+    config = apply_model_axes(source.spec, source.config(), layout, sequence_parallel=sp)
+    for ac in ("none", "selective", "full"):
+        c = Candidate(**sizes, microbatches=1, schedule=None, ac=ac, sp=sp)
+        p = predict(
+            source, c, gpus=gpus, gpu="h100-80gb", seq_len=256, global_batch_tokens=gpus * 256
+        )
+        report = dry_run(
+            config, c.layout, seq_len=256, loss_fn=source.spec.family.loss_fn, ac=ac, dtype="bf16"
+        )
+        sequences = gpus // c.dp  # the data-parallel rank's batch, one forward
+        expected = {
+            "params": report.per_rank.params,
+            "optimizer": report.per_rank.optimizer,
+            "activations": report.per_rank.activations * sequences,
+        }
+        assert {k: p.memory[k] for k in expected} == expected, ac

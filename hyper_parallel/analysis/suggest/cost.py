@@ -1,0 +1,429 @@
+"""The cost model applied to one candidate: memory per rank and step time."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from hyper_parallel.analysis.cost_model import (
+    Hardware,
+    axis_span,
+    collective_seconds,
+    compute_seconds,
+    exposed_seconds,
+    optimizer_seconds,
+)
+from hyper_parallel.analysis.pipeline_cost import (
+    _block_gathers,
+    in_flight_microbatches,
+    rank_ops,
+    simulate,
+)
+from hyper_parallel.analysis.suggest.checks import _Checks
+from hyper_parallel.analysis.suggest.operators import _Flops
+from hyper_parallel.analysis.suggest.report import Candidate, Prediction
+from hyper_parallel.analysis.suggest.source import ModelSource
+from hyper_parallel.analysis.suggest.trace import _Comm, _Tracer
+from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.distributed.pipeline import (
+    SPLIT_BACKWARD_SCHEDULES,
+)
+
+
+@dataclasses.dataclass
+class _Context:
+    source: ModelSource
+    hw: Hardware
+    node: int
+    gpus: int
+    seq_len: int
+    global_batch: int
+    dtype: str
+    flops: _Flops
+    checks: _Checks
+    tracer: _Tracer
+    limit: float
+    pipeline_cache: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+
+def _stage_blocks(ctx: _Context, c: Candidate) -> list[tuple[int, bool, bool, int]]:
+    """Per stage: (blocks, holds the first unit, holds the last, pp rank)."""
+    if c.pp == 1:
+        return [(ctx.flops.num_layers, True, True, 0)]
+    key = ("plan", c.pp, c.schedule, c.microbatches)
+    if key not in ctx.pipeline_cache:
+        plan = ctx.checks.run(c).pipeline
+        stages = ctx.checks.stages
+        first, last = stages.first_name, stages.last_name
+        ctx.pipeline_cache[key] = [
+            (
+                len(names) - (first in names) - (last in names),
+                first in names,
+                last in names,
+                plan.ranks[s],
+            )
+            for s, names in enumerate(plan.stages)
+        ]
+    return ctx.pipeline_cache[key]
+
+
+def _schedule(ctx: _Context, c: Candidate) -> tuple[Any, dict[int, int]]:
+    key = ("ops", c.pp, c.schedule, c.microbatches)
+    if key not in ctx.pipeline_cache:
+        ops = rank_ops(c.schedule or "1F1B", c.pp, c.microbatches)
+        ctx.pipeline_cache[key] = (ops, in_flight_microbatches(ops))
+    return ctx.pipeline_cache[key]
+
+
+def _simulated(
+    ctx: _Context, c: Candidate, ops: Any, costs: dict[str, float]
+) -> tuple[float, float, float]:
+    """Makespan, the busiest rank's busy time and the bubble of the schedule's actions.
+
+    The actions are replayed once per schedule, pp and micro-batch count with the
+    zero-bubble paper's ratios (F : B : I : W = 1 : 2 : 1 : 1,
+    :data:`~hyper_parallel.analysis.pipeline_cost.DEFAULT_COSTS`); the makespan is
+    scaled by the heaviest stage's ``F + B`` over ``3`` (exact for GPipe and 1F1B, whose
+    bubble does not depend on the ratio; an approximation for the zero-bubble ones).
+    """
+    key = ("sim", c.pp, c.schedule, c.microbatches)
+    if key not in ctx.pipeline_cache:
+        timeline = simulate(ops)
+        bubble = 1.0 - sum(timeline.busy) / (len(timeline.busy) * timeline.makespan)
+        ctx.pipeline_cache[key] = (timeline.makespan, max(timeline.busy), bubble)
+    makespan, busy, bubble = ctx.pipeline_cache[key]
+    scale = (costs["F"] + costs["B"]) / 3.0
+    return makespan * scale, busy * scale, bubble
+
+
+def _comm_seconds(
+    ctx: _Context,
+    layout: MeshLayout,
+    comms: Sequence[_Comm],
+    scale: float,
+    count_scale: float = 1.0,
+) -> dict[str, float]:
+    """Seconds per phase of ``comms`` repeated ``count_scale`` times, bytes times ``scale``.
+
+    Linear in both: per phase the latency part (counts x steps x latency) and the
+    transfer part (wire bytes over bandwidth) are cached per traced list and the spans
+    of the axes it uses.
+    """
+    spans = tuple(axis_span(layout, a, ctx.node) for a in ("tp", "cp", "ep"))
+    key = ("comm", id(comms), spans)
+    if key not in ctx.pipeline_cache:
+        parts: dict[str, list[float]] = {}
+        for c in comms:
+            group, crosses = axis_span(layout, c.axis, ctx.node)
+            latency = collective_seconds(
+                ctx.hw,
+                c.kind,
+                0.0,
+                count=max(1, round(c.count)),
+                group_size=group,
+                crosses_nodes=crosses,
+            )
+            transfer = collective_seconds(
+                ctx.hw, c.kind, c.bytes, count=1, group_size=group, crosses_nodes=crosses
+            ) - collective_seconds(
+                ctx.hw, c.kind, 0.0, count=1, group_size=group, crosses_nodes=crosses
+            )
+            into = parts.setdefault(c.phase, [0.0, 0.0])
+            into[0] += latency
+            into[1] += transfer
+        ctx.pipeline_cache[key] = parts
+    return {
+        phase: count_scale * (latency + scale * transfer)
+        for phase, (latency, transfer) in ctx.pipeline_cache[key].items()
+    }
+
+
+def _predict(ctx: _Context, c: Candidate) -> Prediction:
+    """Memory and step time of one candidate (see the module's and cost_model's notes)."""
+    hw, layout = ctx.hw, c.layout
+    fsdp_on = c.dp_replicate * c.fsdp > 1
+    trace = ctx.tracer.get(c.tp, c.cp, c.sp, c.ep, fsdp_on)
+    local = ctx.global_batch // c.dp  # sequences per data-parallel rank per step
+    mbs = local // c.microbatches  # sequences per micro-batch
+    stages = _stage_blocks(ctx, c)
+    n_layers = ctx.flops.num_layers
+    compute_bytes = 2 if ctx.dtype == "bf16" else 4
+    # --- states per stage (fp32 master, grads, AdamW): local elements after FSDP
+    dense_ratio = trace.dense_local / max(trace.dense_total, 1)
+    block_dense = (trace.dense_total - _rest_params(ctx)) / n_layers
+    block_expert = trace.expert_total / n_layers
+    rest_dense = _rest_params(ctx)
+    fsdp = c.fsdp if fsdp_on else 1
+    efsdp = layout.efsdp if fsdp_on else 1
+    if c.pp > 1:
+        ops, in_flight = _schedule(ctx, c)
+    else:
+        ops, in_flight = None, {0: 1}
+    per_rank: dict[int, dict[str, float]] = {}
+    for s, (k, first, last, rank) in enumerate(stages):
+        ends = rest_dense * (first + last) / 2  # embedding and output: about equal halves
+        dense = (k * block_dense + ends) * dense_ratio / fsdp
+        experts = k * block_expert / c.ep / efsdp
+        elements = dense + experts
+        acts = trace.activations(k, first, last, c.ac) * mbs * in_flight.get(s, 1)
+        into = per_rank.setdefault(
+            rank,
+            {
+                "params": 0.0,
+                "grads": 0.0,
+                "optimizer": 0.0,
+                "activations": 0.0,
+                "elements": 0.0,
+                "tensors": 0.0,
+                "unsharded": 0.0,
+            },
+        )
+        into["params"] += 4 * elements
+        into["grads"] += 4 * elements
+        into["optimizer"] += 8 * elements
+        into["activations"] += acts
+        into["elements"] += elements
+        into["tensors"] += k * ctx.flops.block_tensors + (first + last) / 2 * ctx.flops.rest_tensors
+        into["unsharded"] += dense * fsdp + experts * efsdp
+    # FSDP2's transient buffers: two units gathered (compute dtype), one unit's fp32 grads.
+    unit = max(block_dense * dense_ratio + block_expert / c.ep, rest_dense / 2 * dense_ratio)
+    transient = (2 * compute_bytes + 4) * unit if fsdp > 1 else 0
+    heaviest = max(per_rank.values(), key=lambda d: d["params"] + d["activations"])
+    if c.pp > 1 and fsdp > 1:
+        # Under a pipeline FSDP2 keeps a unit gathered from its backward to the next
+        # forward and reduces gradients once, at the step's end (REDUCE_GRAD): at the
+        # end of a backward every unit of the stage is gathered (compute dtype) and
+        # holds its unsharded fp32 gradients.
+        transient = (compute_bytes + 4) * heaviest["unsharded"]
+    kept = ("elements", "tensors", "unsharded")
+    memory = {k: int(v) for k, v in heaviest.items() if k not in kept}
+    memory["transient"] = int(transient)
+    total_memory = sum(memory.values())
+    # --- compute per micro-batch per stage
+    share = 1.0 / (c.tp * c.cp)
+    f = ctx.flops
+    recompute_blocks = {"none": 0.0, "full": 1.0, "selective": 0.5}[c.ac]
+    t_f, t_b, t_w = [], [], []
+    comm_f_all, comm_b_all = [], []
+    for k, _first, last, _ in stages:
+        fwd = mbs * share * (k * f.block_fwd + last * f.rest_fwd)
+        bwd = mbs * share * (k * f.block_bwd + last * f.rest_bwd)
+        recompute = mbs * share * recompute_blocks * k * f.block_fwd
+        # A fixed cost per operator, whatever its size (hardware's op_overhead_s).
+        ops_f = k * f.block_fwd_ops + last * f.rest_fwd_ops
+        ops_b = k * f.block_bwd_ops + last * f.rest_bwd_ops + recompute_blocks * k * f.block_fwd_ops
+        comm_layer = _comm_seconds(ctx, layout, trace.per_layer, mbs, k)
+        comm_rest = _comm_seconds(ctx, layout, trace.rest, mbs) if last else {}
+        comm_f = comm_layer.get("forward", 0.0) + comm_rest.get("forward", 0.0)
+        comm_b = comm_layer.get("backward", 0.0) + comm_rest.get("backward", 0.0)
+        comm_b += recompute_blocks * comm_layer.get("forward", 0.0)
+        overhead_f, overhead_b = hw.op_overhead_s * ops_f, hw.op_overhead_s * ops_b
+        # Operators without a FLOP formula (elementwise, norms, softmax, copies) move
+        # their elements through memory: compute-dtype bytes at the memory bandwidth.
+        moved = compute_bytes * mbs * share / hw.hbm_bandwidth
+        traffic_f = moved * (k * f.block_fwd_elements + last * f.rest_fwd_elements)
+        traffic_b = moved * (
+            k * f.block_bwd_elements
+            + last * f.rest_bwd_elements
+            + recompute_blocks * k * f.block_fwd_elements
+        )
+        t_f.append(compute_seconds(hw, fwd, ctx.dtype) + overhead_f + traffic_f + comm_f)
+        t_b.append(
+            compute_seconds(hw, bwd + recompute, ctx.dtype) + overhead_b + traffic_b + comm_b
+        )
+        t_w.append((compute_seconds(hw, bwd, ctx.dtype) + overhead_b + traffic_b) / 2)
+        comm_f_all.append(comm_f)
+        comm_b_all.append(comm_b)
+    # Gradients left Partial by backward are reduced when the optimizer reads them:
+    # for each operator argument that is one (DTensor keeps no reduced copy).
+    optimizer_comm = 0.0
+    reads = f.optimizer_grad_reads
+    for k, _, last, _ in stages:
+        owed = _comm_seconds(ctx, layout, trace.per_layer, 1.0, k * reads).get("optimizer", 0.0)
+        if last:
+            owed += _comm_seconds(ctx, layout, trace.rest, 1.0, reads).get("optimizer", 0.0)
+        optimizer_comm = max(optimizer_comm, owed)
+    bubble = 0.0
+    if c.pp > 1:
+        hidden = mbs * (ctx.seq_len // c.cp) * _dim(ctx) * compute_bytes
+        if c.sp:
+            hidden //= c.tp
+        _group, crosses = axis_span(layout, "pp", ctx.node)
+        link = hw.link("p2p", crosses)
+        p2p = link.latency_s + hidden / (link.bandwidth * link.efficiency)
+        costs = {"F": max(t_f) + p2p, "B": max(t_b) + p2p}
+        costs["W"] = max(t_w)
+        costs["I"] = max(costs["B"] - costs["W"], 1e-12)
+        makespan, busy, bubble = _simulated(ctx, c, ops, costs)
+    else:
+        makespan = busy = t_f[0] + t_b[0]
+    # --- data-parallel collectives (FSDP2 / HSDP), per step, on the heaviest rank
+    # The same for every checkpointing mode and SP choice of this mesh and pipeline.
+    data_key = (
+        "data",
+        c.pp,
+        c.schedule,
+        c.microbatches,
+        c.dp_replicate,
+        c.dp_shard,
+        c.cp,
+        c.tp,
+        c.ep,
+        dense_ratio,
+    )
+    data = ctx.pipeline_cache.get(data_key) or _data_comm(
+        ctx,
+        c,
+        layout,
+        stages,
+        ops,
+        dense_ratio,
+        block_dense,
+        block_expert,
+        rest_dense,
+        compute_bytes,
+        fsdp,
+        efsdp,
+    )
+    ctx.pipeline_cache[data_key] = data
+    fwd_compute = sum(t_f) if c.pp == 1 else max(t_f) * c.microbatches
+    bwd_compute = sum(t_b) if c.pp == 1 else max(t_b) * c.microbatches
+    # hw.comm_overlap of each collective hides behind the compute of its phase.
+    exposed = exposed_seconds(hw, data["gather_forward"], fwd_compute) + data["first_unit"]
+    if c.pp > 1:  # gradients reduced once, at the end of the step
+        exposed += exposed_seconds(hw, data["gather_backward"], bwd_compute)
+        exposed += exposed_seconds(hw, data["reduce"], max(t_b))
+    else:
+        exposed += exposed_seconds(hw, data["gather_backward"] + data["reduce"], bwd_compute)
+        exposed += data["last_unit"]
+    # AdamW's bytes, and the optimizer step's operators (gradient norm, AdamW,
+    # zero_grad) per parameter tensor: DTensor operators when FSDP2, tp or ep shard them.
+    optimizer = optimizer_seconds(
+        hw,
+        heaviest["elements"],
+        heaviest["tensors"],
+        f.optimizer_ops_per_tensor,
+        sharded=c.dp_replicate * c.fsdp * c.tp * c.ep > 1,
+    )
+    step = makespan + exposed + optimizer + optimizer_comm
+    tokens = ctx.global_batch * ctx.seq_len
+    peak = hw.peak_flops["bf16" if ctx.dtype == "bf16" else "fp32"]
+    model_flops = ctx.global_batch * f.total
+    times = {
+        "pipeline_or_compute": makespan,
+        "model_axes_comm": (sum(comm_f_all) + sum(comm_b_all))
+        * (c.microbatches if c.pp > 1 else 1),
+        "data_comm_exposed": exposed,
+        "optimizer": optimizer + optimizer_comm,
+        "busy": busy,
+    }
+    return Prediction(
+        step_s=step,
+        tokens_per_s_per_gpu=tokens / step / ctx.gpus,
+        mfu=model_flops / (step * ctx.gpus * peak),
+        memory_bytes_per_gpu=int(total_memory),
+        memory=memory,
+        time=times,
+        bubble_fraction=bubble,
+    )
+
+
+def _data_comm(
+    ctx: _Context,
+    c: Candidate,
+    layout: MeshLayout,
+    stages: Any,
+    ops: Any,
+    dense_ratio: float,
+    block_dense: float,
+    block_expert: float,
+    rest_dense: float,
+    compute_bytes: int,
+    fsdp: int,
+    efsdp: int,
+) -> dict[str, float]:
+    """FSDP2 / HSDP seconds per step on the heaviest pp rank, by what hides them."""
+    hw = ctx.hw
+    out = dict.fromkeys(
+        ("gather_forward", "gather_backward", "reduce", "first_unit", "last_unit"), 0.0
+    )
+    fsdp_axis = axis_span(layout, "fsdp", ctx.node)
+    efsdp_axis = axis_span(layout, "efsdp", ctx.node)
+    rep_axis = axis_span(layout, "dp_replicate", ctx.node)
+    worst = None
+    for s, (k, first, last, rank) in enumerate(stages):
+        if c.pp > 1 and c.schedule not in SPLIT_BACKWARD_SCHEDULES:
+            gathers_f, gathers_b = _block_gathers(ops[rank], s)
+        elif c.pp > 1:
+            gathers_f, gathers_b = 1, 0
+        else:
+            gathers_f, gathers_b = 1, 1
+        dense_block = block_dense * dense_ratio
+        expert_block = block_expert / c.ep
+        root = rest_dense * (first + last) / 2 * dense_ratio
+        t = dict.fromkeys(out, 0.0)
+
+        def gather(per_unit: float, axis: tuple[int, bool], units: int, times: int = 1) -> float:
+            """``units`` units of ``per_unit`` elements each gathered ``times`` times."""
+            return collective_seconds(
+                hw,
+                "all_gather",
+                per_unit * units * times * compute_bytes,
+                count=units * times,
+                group_size=axis[0],
+                crosses_nodes=axis[1],
+            )
+
+        def reduce(elements: float, axis: tuple[int, bool], count: int) -> float:
+            return collective_seconds(
+                hw,
+                "reduce_scatter",
+                4 * elements,
+                count=count,
+                group_size=axis[0],
+                crosses_nodes=axis[1],
+            )
+
+        def replicas(elements: float, shards: int, count: int) -> float:
+            return collective_seconds(
+                hw,
+                "all_reduce",
+                4 * elements / shards,
+                count=count,
+                group_size=rep_axis[0],
+                crosses_nodes=rep_axis[1],
+            )
+
+        units = k + (1 if root else 0)
+        if fsdp > 1:
+            t["gather_forward"] += gather(dense_block, fsdp_axis, k, gathers_f) + (
+                gather(root, fsdp_axis, 1) if root else 0.0
+            )
+            t["gather_backward"] += gather(dense_block, fsdp_axis, k, gathers_b)
+            t["reduce"] += reduce(dense_block * k + root, fsdp_axis, units)
+            t["first_unit"] = gather(max(dense_block, root), fsdp_axis, 1)
+            t["last_unit"] = reduce(max(dense_block, root), fsdp_axis, 1)
+        if block_expert and efsdp > 1:
+            t["gather_forward"] += gather(expert_block, efsdp_axis, k, gathers_f)
+            t["gather_backward"] += gather(expert_block, efsdp_axis, k, gathers_b)
+            t["reduce"] += reduce(expert_block * k, efsdp_axis, k)
+        if c.dp_replicate > 1:
+            t["reduce"] += replicas(dense_block * k + root, fsdp, units)
+            if block_expert:
+                t["reduce"] += replicas(expert_block * k, efsdp, k)
+            t["last_unit"] += replicas(max(dense_block, root), fsdp, 1)
+        if worst is None or sum(t.values()) > sum(worst.values()):
+            worst = t
+    return worst or out
+
+
+def _rest_params(ctx: _Context) -> float:
+    units = ctx.checks.units
+    if units is None:
+        return 0.0
+    return float(units[0].num_params + units[-1].num_params)
+
+
+def _dim(ctx: _Context) -> int:
+    return ctx.checks.stages.stage_width(ctx.checks.config)

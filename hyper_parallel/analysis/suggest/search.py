@@ -1,0 +1,465 @@
+"""The search: candidates, the run plan's checks as the filter, the ranking, the command."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from hyper_parallel.analysis._format import human_bytes
+from hyper_parallel.analysis.cost_model import (
+    Hardware,
+    load_hardware,
+    usable_memory,
+)
+from hyper_parallel.analysis.suggest.checks import _Checks
+from hyper_parallel.analysis.suggest.cost import _Context, _predict
+from hyper_parallel.analysis.suggest.operators import count_flops
+from hyper_parallel.analysis.suggest.report import (
+    Candidate,
+    DoesNotFit,
+    Prediction,
+    SuggestReport,
+)
+from hyper_parallel.analysis.suggest.source import ModelSource, _long_enough, _num_experts
+from hyper_parallel.analysis.suggest.trace import _Tracer
+from hyper_parallel.distributed.pipeline import (
+    SCHEDULES,
+)
+from hyper_parallel.dmodule._checks import Finding
+
+AC_MODES = ("none", "selective", "full")
+MODEL_AXES = ("tp", "cp", "ep")
+SP_DOMINATES = (
+    "sp off: dominated by the same layout with sp (equal bytes on the wire: all-gather + "
+    "reduce-scatter = all-reduce; fewer activations; Korthikanti et al. 2022)"
+)
+"""Why tp > 1 without sequence parallelism is not traced: Megatron's sequence parallelism
+replaces each tp all-reduce by an all-gather and a reduce-scatter of the same total ring
+bytes, and shards the norms' and dropouts' activations over tp (Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models", 2022, section 4.2.2)."""
+MAX_PP = 32
+"""Largest pipeline searched (Llama 3 405B trained at pp=16; Dubey et al. 2024, Table 4)."""
+MIN_CP_TOKENS = 1024
+"""Context parallelism is searched down to this many tokens per cp rank (attention kernels
+lose their efficiency on shorter pieces; torchtitan's cp runs keep >= 8k per rank)."""
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _candidates(
+    *,
+    gpus: int,
+    gpus_per_node: int,
+    num_layers: int,
+    global_batch: int,
+    seq_len: int,
+    num_experts: int,
+    allow_cross_node_tp: bool,
+    allow_cross_node_ep: bool,
+    rejected: Counter,
+) -> Iterator[Candidate]:
+    """Every layout worth asking the checks about; the ones refused here are counted."""
+    tps = [t for t in _divisors(gpus) if allow_cross_node_tp or gpus_per_node % t == 0]
+    if not allow_cross_node_tp:
+        skipped = len(_divisors(gpus)) - len(tps)
+        if skipped:
+            rejected["tp would span nodes (allow with --allow-cross-node-tp)"] += skipped
+    for tp in tps:
+        rest_tp = gpus // tp
+        for cp in _divisors(rest_tp):
+            if cp > 1 and (cp & (cp - 1) or seq_len // cp < MIN_CP_TOKENS):
+                continue  # not searched: see MIN_CP_TOKENS (powers of two only)
+            rest_cp = rest_tp // cp
+            for pp in _divisors(rest_cp):
+                if pp > min(num_layers, MAX_PP):
+                    continue
+                dp = rest_cp // pp
+                if global_batch % dp:
+                    rejected["global batch does not split over the data-parallel ranks"] += 1
+                    continue
+                local = global_batch // dp
+                for dp_replicate in _divisors(dp):
+                    dp_shard = dp // dp_replicate
+                    borrow = dp_shard * cp * tp
+                    eps = [1]
+                    if num_experts > 1:
+                        eps = [e for e in _divisors(borrow) if num_experts % e == 0]
+                        if not allow_cross_node_ep:
+                            near = [e for e in eps if gpus_per_node % e == 0]
+                            if len(near) < len(eps):
+                                rejected[
+                                    "ep would span nodes (allow with --allow-cross-node-ep)"
+                                ] += len(eps) - len(near)
+                            eps = near
+                    for ep in eps:
+                        for schedule, m in _pipelines(pp, local):
+                            for ac in AC_MODES:
+                                if tp > 1:  # searched, and refused without a trace
+                                    rejected[SP_DOMINATES] += 1
+                                yield Candidate(
+                                    pp, dp_replicate, dp_shard, cp, tp, ep, m, schedule, ac, tp > 1
+                                )
+
+
+def _pipelines(pp: int, local: int) -> list[tuple[str | None, int]]:
+    """Schedules and micro-batch counts: none without pp (one forward of the local batch,
+    as ``train.run`` steps); with pp every schedule torch runs, at the run plan's
+    micro-batch count (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`:
+    one per stage) and at 2 and 4 times it. Whether the local batch splits into them is
+    the run plan's finding."""
+    from hyper_parallel.distributed.run_plan import default_num_microbatches
+
+    del local  # the run plan checks the batch
+    if pp == 1:
+        return [(None, 1)]
+    out: list[tuple[str | None, int]] = []
+    for schedule in SCHEDULES:
+        base = default_num_microbatches(pp, schedule)
+        out += [(schedule, k * base) for k in (1, 2, 4)]
+    return out
+
+
+def suggest(
+    model: str | ModelSource,
+    *,
+    gpus: int,
+    gpu: str | Path | Hardware,
+    seq_len: int,
+    global_batch_tokens: int,
+    gpus_per_node: int | None = None,
+    dtype: str = "bf16",
+    top: int = 5,
+    allow_cross_node_tp: bool = False,
+    allow_cross_node_ep: bool = False,
+) -> SuggestReport:
+    """Search the layouts of ``model`` on ``gpus`` GPUs; the best ``top`` by step time.
+
+    Args:
+        model: A registered model name, or a :class:`ModelSource` (e.g. from
+            :func:`model_from_hf_config`).
+        gpus: Number of GPUs.
+        gpu: A shipped hardware kind (``"h100-80gb"``), a hardware file, or a
+            :class:`~hyper_parallel.analysis.cost_model.Hardware`.
+        seq_len: Tokens per sequence.
+        global_batch_tokens: Tokens per optimizer step (a multiple of ``seq_len``).
+        gpus_per_node: GPUs per node (default: the hardware file's).
+        dtype: ``"bf16"`` (mixed precision, fp32 master weights) or ``"fp32"``.
+        top: How many plans to return.
+        allow_cross_node_tp: Also search tp groups that span nodes.
+        allow_cross_node_ep: Also search ep groups that span nodes.
+
+    Returns:
+        A :class:`SuggestReport`, plans best first.
+
+    Raises:
+        ValueError: Bad arguments (named, with the fix).
+        DoesNotFit: No layout fits; its message names the smallest memory per GPU
+            needed and the layout that needs it.
+    """
+    start = time.perf_counter()
+    source = model if isinstance(model, ModelSource) else ModelSource(model)
+    hw = gpu if isinstance(gpu, Hardware) else load_hardware(gpu)
+    node = gpus_per_node or hw.gpus_per_node
+    _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, top)
+    source, max_seq = _long_enough(source, seq_len)
+    config = source.config()
+    num_layers = len(config.layers)
+    num_experts = _num_experts(config)
+    global_batch = global_batch_tokens // seq_len
+    rejected: Counter = Counter()
+    checks = _Checks(source, seq_len, global_batch, dtype)
+    tracer = _Tracer(source, seq_len, dtype)
+    flops = count_flops(source, seq_len)
+    limit = usable_memory(hw)
+    ctx = _Context(
+        source, hw, node, gpus, seq_len, global_batch, dtype, flops, checks, tracer, limit
+    )
+    lower_bound_states = 16 * sum(p for p in _param_counts(checks))
+    searched = 0
+    evaluated: list[tuple[Candidate, Prediction]] = []
+    points: list[tuple[float, int, bool]] = []
+    best_unfit: tuple[Candidate, int] | None = None
+    for c in _candidates(
+        gpus=gpus,
+        gpus_per_node=node,
+        num_layers=num_layers,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        num_experts=num_experts,
+        allow_cross_node_tp=allow_cross_node_tp,
+        allow_cross_node_ep=allow_cross_node_ep,
+        rejected=rejected,
+    ):
+        searched += 1
+        problems = _findings(checks, c)
+        if problems:
+            check, f = problems[0]
+            rejected[f"{check}: {f.field or f.path}"] += 1
+            continue
+        # States alone, spread over every rank that does not hold a replica: a lower
+        # bound needing no trace.
+        floor = lower_bound_states / (gpus // c.dp_replicate)
+        if floor > limit:
+            rejected["does not fit in memory"] += 1
+            if best_unfit is None or floor < best_unfit[1]:
+                best_unfit = (c, int(floor))
+            continue
+        prediction = _predict(ctx, c)
+        fits = prediction.memory_bytes_per_gpu <= limit
+        points.append((prediction.step_s, prediction.memory_bytes_per_gpu, fits))
+        if not fits:
+            rejected["does not fit in memory"] += 1
+            if best_unfit is None or prediction.memory_bytes_per_gpu < best_unfit[1]:
+                best_unfit = (c, prediction.memory_bytes_per_gpu)
+            continue
+        evaluated.append((c, prediction))
+    # What the enumeration refused without yielding (sp off, tp or ep across nodes, a
+    # batch that does not split) was searched too.
+    searched += sum(rejected.values()) - (searched - len(evaluated))
+    evaluated.sort(key=lambda cp: (cp[1].step_s, cp[1].memory_bytes_per_gpu))
+    plans = [
+        (c, p, _command(source, c, gpus, node, seq_len, global_batch, dtype))
+        for c, p in evaluated[:top]
+    ]
+    report = SuggestReport(
+        model=source.name,
+        gpus=gpus,
+        gpus_per_node=node,
+        hardware=hw,
+        seq_len=seq_len,
+        global_batch_tokens=global_batch_tokens,
+        dtype=dtype,
+        plans=plans,
+        rejected=dict(rejected),
+        searched=searched,
+        traced=tracer.count,
+        elapsed_s=time.perf_counter() - start,
+        points=points,
+        memory_limit=int(limit),
+        best_unfit=best_unfit,
+        assumptions=_assumptions(hw, max_seq, seq_len),
+    )
+    if not plans:
+        if best_unfit is None:
+            raise DoesNotFit(
+                f"no layout of {source.name} on {gpus} GPUs passes the plan checks; "
+                f"rejected: {dict(rejected)}.",
+                report,
+            )
+        c, need = best_unfit
+        device_need = _device_memory_needed(need)
+        raise DoesNotFit(
+            f"does not fit: needs >= {device_need / 1e9:.1f} GB per GPU at best (layout "
+            f"{c.describe()}: {human_bytes(need)} per rank plus the headroom); "
+            f"{hw.name} has {hw.memory_bytes / 1e9:.0f} GB. Use more GPUs, a GPU with more "
+            "memory, or a shorter sequence / smaller batch.",
+            report,
+        )
+    return report
+
+
+def predict(
+    model: str | ModelSource,
+    candidate: Candidate,
+    *,
+    gpus: int,
+    gpu: str | Path | Hardware,
+    seq_len: int,
+    global_batch_tokens: int,
+    gpus_per_node: int | None = None,
+    dtype: str = "bf16",
+) -> Prediction:
+    """The cost model's prediction for one given layout (no search).
+
+    Raises:
+        ValueError: When the plan checks refuse ``candidate`` (every finding listed).
+
+    Example::
+
+        c = Candidate(pp=1, dp_replicate=1, dp_shard=4, cp=1, tp=1, ep=1,
+                      microbatches=1, schedule=None, ac="none", sp=False)
+        predict("llama3-debug", c, gpus=4, gpu="h100-80gb", seq_len=128,
+                global_batch_tokens=8 * 128).step_s
+    """
+    source = model if isinstance(model, ModelSource) else ModelSource(model)
+    source, _ = _long_enough(source, seq_len)
+    hw = gpu if isinstance(gpu, Hardware) else load_hardware(gpu)
+    node = gpus_per_node or hw.gpus_per_node
+    _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, 1)
+    global_batch = global_batch_tokens // seq_len
+    checks = _Checks(source, seq_len, global_batch, dtype)
+    problems = _findings(checks, candidate)
+    if candidate.layout.world_size != gpus:
+        raise ValueError(
+            f"predict: {candidate.mesh_text()} has {candidate.layout.world_size} ranks, not {gpus}."
+        )
+    if problems:
+        raise ValueError(
+            "predict: the plan checks refuse "
+            + candidate.describe()
+            + ": "
+            + "; ".join(str(f) for _, f in problems)
+        )
+    ctx = _Context(
+        source,
+        hw,
+        node,
+        gpus,
+        seq_len,
+        global_batch,
+        dtype,
+        count_flops(source, seq_len),
+        checks,
+        _Tracer(source, seq_len, dtype),
+        usable_memory(hw),
+    )
+    return _predict(ctx, candidate)
+
+
+def _findings(checks: _Checks, c: Candidate) -> list[tuple[str, Finding]]:
+    """The plan checks' errors for one candidate: the one place the search asks them."""
+    return checks.findings(c)
+
+
+def _check_arguments(gpus: int, node: int, seq_len: int, tokens: int, dtype: str, top: int) -> None:
+    if gpus < 1 or node < 1 or seq_len < 1 or top < 1:
+        raise ValueError("suggest: --gpus, --gpus-per-node, --seq and --top must be >= 1.")
+    if gpus > node and gpus % node:
+        raise ValueError(
+            f"suggest: {gpus} GPUs do not fill nodes of {node}; give a multiple of "
+            f"--gpus-per-node ({node})."
+        )
+    if tokens % seq_len or tokens < seq_len:
+        raise ValueError(
+            f"suggest: --global-batch-tokens {tokens:,} is not a multiple of --seq "
+            f"{seq_len:,}; use e.g. {max(1, tokens // seq_len) * seq_len:,}."
+        )
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"suggest: --dtype {dtype!r}; use bf16 or fp32.")
+
+
+def _param_counts(checks: _Checks) -> list[int]:
+    if checks.units is not None:
+        return [u.num_params for u in checks.units]
+    with torch.device("meta"):
+        return [sum(p.numel() for p in checks.config.build().parameters())]
+
+
+def _device_memory_needed(per_rank: int) -> float:
+    from hyper_parallel.analysis.cost_model import (
+        MEMORY_HEADROOM_BYTES,
+        MEMORY_HEADROOM_FRACTION,
+    )
+
+    return (per_rank + MEMORY_HEADROOM_BYTES) / (1 - MEMORY_HEADROOM_FRACTION)
+
+
+def _command(
+    source: ModelSource,
+    c: Candidate,
+    gpus: int,
+    node: int,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+) -> str:
+    """The ``torchrun ... -m hyper_parallel.train.run ...`` line that runs ``c``."""
+    if gpus <= node:
+        launch = ["torchrun", "--standalone", "--nproc-per-node", str(gpus)]
+    else:
+        launch = [
+            "torchrun",
+            "--nnodes",
+            str(gpus // node),
+            "--nproc-per-node",
+            str(node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "HOST:29400",
+        ]
+    args = ["-m", "hyper_parallel.train.run", "--model", source.spec_name]
+    if source.overrides:
+        args += ["--model-overrides", json.dumps(dict(source.overrides), separators=(",", ":"))]
+    args += [
+        "--mesh",
+        c.mesh_text(),
+        "--seq-len",
+        str(seq_len),
+        "--batch-size",
+        str(global_batch),
+        "--dtype",
+        dtype,
+        "--ac",
+        c.ac,
+    ]
+    if c.sp:
+        args.append("--sp")
+    if c.pp > 1:
+        args += ["--schedule", c.schedule or "1F1B", "--microbatches", str(c.microbatches)]
+    return " ".join(shlex.quote(a) for a in launch + args)
+
+
+def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
+    from hyper_parallel.analysis.cost_model import (
+        MEMORY_HEADROOM_BYTES,
+        MEMORY_HEADROOM_FRACTION,
+    )
+
+    notes = [
+        f"Memory limit: {hw.memory_bytes / 1e9:.0f} GB less {MEMORY_HEADROOM_FRACTION:.0%} "
+        f"(allocator fragmentation) less {MEMORY_HEADROOM_BYTES / 1024**3:.0f} GiB (CUDA "
+        "context, workspaces, NCCL buffers).",
+        "Per-rank memory: the dry run's parameters, gradients and AdamW moments (fp32 "
+        "master weights) sharded by FSDP2, activations per micro-batch times the "
+        "micro-batches a stage holds (schedule's action list), and FSDP2's transient "
+        "buffers (two units gathered + one unit's fp32 gradients; under a pipeline the "
+        "whole stage gathered with its unsharded fp32 gradients, reduced at the step's "
+        "end).",
+        "Time: FLOPs counted on the meta device at the hardware file's efficiency; "
+        "collectives by a latency-bandwidth model per link (tp/cp/ep exposed; FSDP2 "
+        "gathers and reduces hidden behind compute of the same phase, except one unit "
+        "each); pipeline bubble from the schedule's action list with the heaviest stage's "
+        "op times; recompute of checkpointed blocks' forward (FLOPs and collectives).",
+        f"Fixed cost per operator: {hw.op_overhead_s * 1e6:.1f} us x the aten operators "
+        "counted on the meta device per block and for the rest (forward, backward, "
+        "recompute).",
+        "Operators without a FLOP formula (elementwise, norms, softmax, copies): the "
+        "elements they read and write (counted on the meta device per sequence) x the "
+        f"compute dtype's bytes at {hw.hbm_bandwidth / 1e9:.1f} GB/s, divided by tp x cp.",
+        "Optimizer: AdamW's 28 bytes per local element at the memory bandwidth, plus "
+        "the trainer's gradient-norm, AdamW and zero_grad operators per parameter "
+        f"tensor at {hw.op_overhead_s * 1e6:.1f} us each, "
+        f"+{hw.dtensor_op_overhead_s * 1e6:.1f} us on DTensor (sharded) parameters; a "
+        "gradient left Partial by backward is reduced once per optimizer-operator "
+        "argument that reads it.",
+        f"Overlap: {hw.comm_overlap:.0%} of an FSDP2 all-gather / reduce-scatter / HSDP "
+        "all-reduce hides behind the compute of its phase (up to that compute's length); "
+        "the Python cost of DTensor around forward and backward operators and of "
+        "FSDP2's hooks is not modeled.",
+        "Without pp the data-parallel rank's whole batch runs as one forward (train.run "
+        "has no gradient accumulation); with pp it is split into the micro-batches.",
+        f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank; pp up "
+        f"to {MAX_PP}, with 1, 2 and 4 times the run plan's micro-batch count (one per "
+        "stage: pp, or 2 pp for the interleaved schedules); counts the local batch does "
+        "not split into are the run plan's 'num_microbatches' refusals.",
+    ]
+    for field_name, source in sorted(hw.sources.items()):
+        notes.append(f"{hw.name} {field_name}: {source}")
+    if max_seq is not None and seq_len > max_seq:
+        notes.append(
+            f"seq {seq_len} exceeds the model's max_seq_len {max_seq}: the model is built "
+            f"with max_seq_len={seq_len} (in the commands' --model-overrides)."
+        )
+    return notes

@@ -1,0 +1,163 @@
+"""One dry run per local structure, reduced to what every candidate with it needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from hyper_parallel.analysis.suggest.source import ModelSource
+from hyper_parallel.distributed.layout import MeshLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class _Comm:
+    """Collectives of one kind on one axis in one phase: count and buffer bytes."""
+
+    kind: str
+    axis: str
+    phase: str
+    count: float
+    bytes: float
+
+
+@dataclasses.dataclass
+class _Trace:
+    """One dry run, reduced to what every candidate with its local structure needs.
+
+    Per sequence (one micro-batch of one sequence): ``pre`` / ``post`` are the bytes
+    saved before the first block and after the last; ``block`` what one block saves
+    without checkpointing, ``block_input`` what a checkpointed block keeps (its input),
+    ``block_recompute`` what it holds while backward recomputes it: the dry run's
+    ``activations_per_block``; ``shared`` what the first block of a run of blocks saves
+    beyond the others (tensors every block reads, such as the rotary tables' slices and
+    the mask: saved once per stage); ``whole`` the dry run's peak per checkpointing mode
+    of the whole model (``num_layers`` blocks with both ends).
+    ``per_layer`` and ``rest`` the model axes' collectives of one block and of
+    everything else. ``dense_local`` / ``expert_local`` the elements a rank holds
+    before FSDP (after tp, resp. ep), ``dense_total`` / ``expert_total`` of the model.
+    """
+
+    pre: int
+    post: int
+    block: int
+    block_input: int
+    block_recompute: int
+    shared: int
+    whole: dict[str, int]
+    num_layers: int
+    per_layer: list[_Comm]
+    rest: list[_Comm]
+    dense_local: float
+    expert_local: float
+    dense_total: int
+    expert_total: int
+
+    def activations(self, blocks: int, first: bool, last: bool, ac: str) -> int:
+        """Peak saved bytes of one sequence on a rank holding ``blocks`` blocks (+ the
+        embedding when ``first``, the head and loss when ``last``), as the dry run
+        composes them (:func:`~hyper_parallel.analysis.dry_run.checkpointed_peak`)."""
+        from hyper_parallel.analysis.dry_run import checkpointed_peak
+
+        if first and last and blocks == self.num_layers and ac in self.whole:
+            return self.whole[ac]  # the model traced: the dry run's own number
+        ends = first * self.pre + last * self.post
+        none = ends + blocks * self.block + (self.shared if blocks else 0)
+        tail = last * self.post
+        return checkpointed_peak(
+            none, blocks, self.block, self.block_input, self.block_recompute, tail, ac
+        )
+
+
+def _trace_layout(tp: int, cp: int, ep: int, fsdp: bool) -> MeshLayout:
+    """The smallest mesh with these local shapes (FSDP on when the candidate has it)."""
+    dp_shard = 2 if fsdp and cp == 1 else 1
+    need = ep // math.gcd(ep, dp_shard * cp * tp)
+    if need > 1:
+        dp_shard *= need
+    return MeshLayout(dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
+
+
+class _Tracer:
+    """Dry runs per local structure, cached; counts how many ran."""
+
+    def __init__(self, source: ModelSource, seq_len: int, dtype: str) -> None:
+        self.source = source
+        self.seq_len = seq_len
+        self.dtype = dtype
+        self.cache: dict[tuple[int, int, bool, int, bool], _Trace] = {}
+        self.num_layers = len(source.config().layers)
+
+    @property
+    def count(self) -> int:
+        return len(self.cache)
+
+    def get(self, tp: int, cp: int, sp: bool, ep: int, fsdp: bool) -> _Trace:
+        key = (tp, cp, sp, ep, fsdp)
+        if key not in self.cache:
+            self.cache[key] = self._run(*key)
+        return self.cache[key]
+
+    def _run(self, tp: int, cp: int, sp: bool, ep: int, fsdp: bool) -> _Trace:
+        from hyper_parallel.analysis.dry_run import dry_run
+        from hyper_parallel.distributed.axes import apply_model_axes
+
+        layout = _trace_layout(tp, cp, ep, fsdp)
+        spec = self.source.spec
+        config = apply_model_axes(spec, self.source.config(), layout, sequence_parallel=sp)
+        report = dry_run(
+            config,
+            layout,
+            batch_size=1,
+            seq_len=self.seq_len,
+            param_dtype=torch.float32,
+            loss_fn=spec.family.loss_fn,
+            dtype=self.dtype,
+        )
+        num_layers = report.num_layers or self.num_layers
+        pre, post = report.activations_outside_blocks
+        assert report.activations_per_block is not None  # traced at two depths
+        block, block_input, block_recompute = report.activations_per_block
+        model_axes = {"tp", "cp", "ep"}
+        total = [
+            _Comm(c.kind, c.axis, c.phase, c.count, c.bytes)
+            for c in report.collectives
+            if c.axis in model_axes
+        ]
+        per_layer = [
+            _Comm(c.kind, c.axis, c.phase, c.count, c.bytes)
+            for c in (report.collectives_per_layer or [])
+            if c.axis in model_axes
+        ]
+        layer_sum: dict[tuple[str, str, str], tuple[float, float]] = {}
+        for c in per_layer:
+            layer_sum[(c.kind, c.axis, c.phase)] = (c.count, c.bytes)
+        rest = []
+        for c in total:
+            n, b = layer_sum.get((c.kind, c.axis, c.phase), (0, 0))
+            count, nbytes = c.count - num_layers * n, c.bytes - num_layers * b
+            if count > 0:
+                rest.append(_Comm(c.kind, c.axis, c.phase, count, max(nbytes, 0)))
+        element = 4  # fp32 master parameters in the trace
+        experts = report.per_rank_experts
+        expert_params = experts.params if experts is not None else 0
+        efsdp = layout.efsdp if fsdp else 1
+        fsdp_size = layout.fsdp if report.fsdp else 1
+        expert_total = report.num_expert_params
+        return _Trace(
+            pre=pre,
+            post=post,
+            block=round(block),
+            block_input=round(block_input),
+            block_recompute=block_recompute,
+            shared=report.activations_by_ac["none"] - pre - post - num_layers * block,
+            whole=dict(report.activations_by_ac),
+            num_layers=num_layers,
+            per_layer=per_layer,
+            rest=rest,
+            dense_local=(report.per_rank.params - expert_params) / element * fsdp_size,
+            expert_local=expert_params / element * efsdp,
+            dense_total=report.num_params - expert_total,
+            expert_total=expert_total,
+        )
