@@ -22,12 +22,22 @@ def _load(name: str) -> ModuleType:
     return module
 
 
-def test_dry_run_bench_measures_the_cli_plan_command():
+def test_dry_run_bench_measures_the_cli_plan_command(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its _common
     bench = _load("bench_dry_run")
     row = bench.measure("llama3-debug", "dp=2,tp=2", "--seq", "64")
     assert row["world_size"] == 4 and row["num_params"] > 0
     assert row["cpu_s"] > 0 and row["wall_s"] > 0
     assert 50e6 < row["peak_rss_bytes"] < 4e9  # torch alone is tens of MB
+    assert "llama3-debug" in bench.format_result([row])
+
+
+def test_suggest_speed_bench_measures_the_cli_suggest_command(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = _load("bench_suggest_speed")
+    row = bench.measure("llama3-debug", 2, 128, 2 * 128, None)
+    assert row["searched"] > 0 and row["traced"] > 0 and row["best"]
+    assert row["cpu_s"] > 0 and row["wall_s"] > 0 and 50e6 < row["peak_rss_bytes"] < 4e9
     assert "llama3-debug" in bench.format_result([row])
 
 
