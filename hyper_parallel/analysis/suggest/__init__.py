@@ -33,11 +33,12 @@ states alone cannot fit are dropped before any trace. FLOPs are counted once per
 model on the meta device.
 
 
-The package, by role: ``source`` (the model: a spec and overrides, or a Hugging Face
-config), ``search`` (candidates, the run plan's checks as the filter, the ranking, the
-command), ``trace`` (one dry run per local structure), ``operators`` (FLOPs and operator
-counts on the meta device), ``cost`` (one candidate's memory and step time) and
-``report`` (what a search returns, and its chart).
+The package, by role (its modules are private; this one is the API): ``_source`` (the
+model: a spec and overrides, or a Hugging Face config), ``_search`` (candidates, the
+ranking, the command), ``_checks`` (the run plan's findings as the filter), ``_trace``
+(one dry run per local structure), ``_operators`` (FLOPs and operator counts on the
+meta device), ``_cost`` (one candidate's memory and step time) and ``_report`` (what a
+search returns, and its chart).
 
 Example::
 
@@ -47,18 +48,18 @@ Example::
     print(report.to_table())
 """
 
-from hyper_parallel.analysis.suggest.operators import count_flops as count_flops
-from hyper_parallel.analysis.suggest.operators import count_operators as count_operators
-from hyper_parallel.analysis.suggest.report import Candidate as Candidate
-from hyper_parallel.analysis.suggest.report import DoesNotFit as DoesNotFit
-from hyper_parallel.analysis.suggest.report import Prediction as Prediction
-from hyper_parallel.analysis.suggest.report import SuggestReport as SuggestReport
-from hyper_parallel.analysis.suggest.report import suggest_chart as suggest_chart
-from hyper_parallel.analysis.suggest.search import AC_MODES as AC_MODES
-from hyper_parallel.analysis.suggest.search import predict as predict
-from hyper_parallel.analysis.suggest.search import suggest as suggest
-from hyper_parallel.analysis.suggest.source import ModelSource as ModelSource
-from hyper_parallel.analysis.suggest.source import model_from_hf_config as model_from_hf_config
+from hyper_parallel.analysis.suggest._operators import count_flops as count_flops
+from hyper_parallel.analysis.suggest._operators import count_operators as count_operators
+from hyper_parallel.analysis.suggest._report import Candidate as Candidate
+from hyper_parallel.analysis.suggest._report import DoesNotFit as DoesNotFit
+from hyper_parallel.analysis.suggest._report import Prediction as Prediction
+from hyper_parallel.analysis.suggest._report import SuggestReport as SuggestReport
+from hyper_parallel.analysis.suggest._report import suggest_chart as suggest_chart
+from hyper_parallel.analysis.suggest._search import AC_MODES as AC_MODES
+from hyper_parallel.analysis.suggest._search import predict as predict
+from hyper_parallel.analysis.suggest._search import suggest as suggest
+from hyper_parallel.analysis.suggest._source import ModelSource as ModelSource
+from hyper_parallel.analysis.suggest._source import model_from_hf_config as model_from_hf_config
 
 __all__ = [
     "AC_MODES",

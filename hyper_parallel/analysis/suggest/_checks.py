@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyper_parallel.analysis.suggest.report import Candidate
-from hyper_parallel.analysis.suggest.source import ModelSource
+from hyper_parallel.analysis.suggest._report import Candidate
+from hyper_parallel.analysis.suggest._source import ModelSource
 from hyper_parallel.dmodule._checks import Finding
 
 

@@ -20,11 +20,11 @@ from hyper_parallel.analysis.pipeline_cost import (
     rank_ops,
     simulate,
 )
-from hyper_parallel.analysis.suggest.checks import _Checks
-from hyper_parallel.analysis.suggest.operators import _Flops
-from hyper_parallel.analysis.suggest.report import Candidate, Prediction
-from hyper_parallel.analysis.suggest.source import ModelSource
-from hyper_parallel.analysis.suggest.trace import _Comm, _Tracer
+from hyper_parallel.analysis.suggest._checks import _Checks
+from hyper_parallel.analysis.suggest._operators import _Flops
+from hyper_parallel.analysis.suggest._report import Candidate, Prediction
+from hyper_parallel.analysis.suggest._source import ModelSource
+from hyper_parallel.analysis.suggest._trace import _Comm, _Tracer
 from hyper_parallel.distributed.layout import MeshLayout
 from hyper_parallel.distributed.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,

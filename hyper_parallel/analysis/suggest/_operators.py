@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from hyper_parallel._torch_private import TorchDispatchMode, pytree
-from hyper_parallel.analysis.suggest.source import ModelSource
+from hyper_parallel.analysis.suggest._source import ModelSource
 
 
 @dataclasses.dataclass(frozen=True)

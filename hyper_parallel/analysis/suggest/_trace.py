@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from hyper_parallel.analysis.suggest.source import ModelSource
+from hyper_parallel.analysis.suggest._source import ModelSource
 from hyper_parallel.distributed.layout import MeshLayout
 
 

@@ -17,17 +17,17 @@ from hyper_parallel.analysis.cost_model import (
     load_hardware,
     usable_memory,
 )
-from hyper_parallel.analysis.suggest.checks import _Checks
-from hyper_parallel.analysis.suggest.cost import _Context, _predict
-from hyper_parallel.analysis.suggest.operators import count_flops
-from hyper_parallel.analysis.suggest.report import (
+from hyper_parallel.analysis.suggest._checks import _Checks
+from hyper_parallel.analysis.suggest._cost import _Context, _predict
+from hyper_parallel.analysis.suggest._operators import count_flops
+from hyper_parallel.analysis.suggest._report import (
     Candidate,
     DoesNotFit,
     Prediction,
     SuggestReport,
 )
-from hyper_parallel.analysis.suggest.source import ModelSource, _long_enough, _num_experts
-from hyper_parallel.analysis.suggest.trace import _Tracer
+from hyper_parallel.analysis.suggest._source import ModelSource, _long_enough, _num_experts
+from hyper_parallel.analysis.suggest._trace import _Tracer
 from hyper_parallel.distributed.pipeline import (
     SCHEDULES,
 )
