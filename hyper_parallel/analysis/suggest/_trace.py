@@ -30,13 +30,10 @@ class _Trace:
     saved before the first block and after the last; ``block`` what one block saves
     without checkpointing, ``block_input`` what a checkpointed block keeps (its input),
     ``block_recompute`` what it holds while backward recomputes it: the dry run's
-    ``activations_per_block``; ``shared`` what the first block of a run of blocks saves
-    beyond the others (tensors every block reads, such as the rotary tables' slices and
-    the mask: saved once per stage); ``whole`` the dry run's peak per checkpointing mode
-    of the whole model (``num_layers`` blocks with both ends).
-    ``per_layer`` and ``rest`` the model axes' collectives of one block and of
-    everything else. ``dense_local`` / ``expert_local`` the elements a rank holds
-    before FSDP (after tp, resp. ep), ``dense_total`` / ``expert_total`` of the model.
+    ``activations_per_block``; ``shared`` per checkpointing mode, what a run of blocks
+    holds beyond that (tensors every block reads, such as the rotary tables' slices and
+    the mask, held once per stage by its first block): the dry run's peak of the whole
+    model less the same composition of its blocks.
     """
 
     pre: int
@@ -44,9 +41,7 @@ class _Trace:
     block: int
     block_input: int
     block_recompute: int
-    shared: int
-    whole: dict[str, int]
-    num_layers: int
+    shared: dict[str, int]
     per_layer: list[_Comm]
     rest: list[_Comm]
     dense_local: float
@@ -60,14 +55,13 @@ class _Trace:
         composes them (:func:`~hyper_parallel.analysis.dry_run.checkpointed_peak`)."""
         from hyper_parallel.analysis.dry_run import checkpointed_peak
 
-        if first and last and blocks == self.num_layers and ac in self.whole:
-            return self.whole[ac]  # the model traced: the dry run's own number
         ends = first * self.pre + last * self.post
-        none = ends + blocks * self.block + (self.shared if blocks else 0)
+        none = ends + blocks * self.block
         tail = last * self.post
-        return checkpointed_peak(
+        peak = checkpointed_peak(
             none, blocks, self.block, self.block_input, self.block_recompute, tail, ac
         )
+        return peak + (self.shared[ac] if blocks else 0)
 
 
 def _trace_layout(tp: int, cp: int, ep: int, fsdp: bool) -> MeshLayout:
@@ -100,7 +94,7 @@ class _Tracer:
         return self.cache[key]
 
     def _run(self, tp: int, cp: int, sp: bool, ep: int, fsdp: bool) -> _Trace:
-        from hyper_parallel.analysis.dry_run import dry_run
+        from hyper_parallel.analysis.dry_run import checkpointed_peak, dry_run
         from hyper_parallel.distributed.axes import apply_model_axes
 
         layout = _trace_layout(tp, cp, ep, fsdp)
@@ -151,9 +145,19 @@ class _Tracer:
             block=round(block),
             block_input=round(block_input),
             block_recompute=block_recompute,
-            shared=report.activations_by_ac["none"] - pre - post - num_layers * block,
-            whole=dict(report.activations_by_ac),
-            num_layers=num_layers,
+            shared={
+                ac: peak
+                - checkpointed_peak(
+                    pre + post + num_layers * block,
+                    num_layers,
+                    block,
+                    block_input,
+                    block_recompute,
+                    post,
+                    ac,
+                )
+                for ac, peak in report.activations_by_ac.items()
+            },
             per_layer=per_layer,
             rest=rest,
             dense_local=(report.per_rank.params - expert_params) / element * fsdp_size,
