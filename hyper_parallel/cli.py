@@ -31,7 +31,6 @@ from typing import Any
 
 __all__ = ["main"]
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Tiny Hugging Face configs hold 128 positions; their dry run defaults to a short sequence.
 _HF_SEQ_LEN = 64
 _SEQ_LEN = 2048
@@ -65,15 +64,18 @@ def _mesh(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _add_model_arguments(p: argparse.ArgumentParser) -> None:
-    from hyper_parallel.train.arguments import positive_int
+def _add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
+    """The options of ``plan`` and ``validate``: the run options of the table
+    (:data:`~hyper_parallel.train.arguments.COMMAND_OPTIONS`: ``--model``,
+    ``--model-overrides``, ``--hf-config`` and the switches), and the analysis' own."""
+    from hyper_parallel.train.arguments import add_command_arguments, positive_int
 
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="registered model name (see 'hyper-parallel models')")
-    which.add_argument(
+    add_command_arguments(p, command)
+    p.add_argument(
         "--hf-model",
         metavar="FAMILY",
-        help="a tiny Hugging Face model built on the meta device: llama, qwen2, mistral, gpt2",
+        help="instead of --model: a tiny Hugging Face model built on the meta device: llama, "
+        "qwen2, mistral, gpt2",
     )
     p.add_argument(
         "--mesh",
@@ -104,14 +106,6 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format")
 
 
-def _add_switch_arguments(p: argparse.ArgumentParser) -> None:
-    """``--sp``, ``--schedule``, ``--microbatches``: the run options the trainer takes too,
-    defined once (:mod:`hyper_parallel.train.arguments`)."""
-    from hyper_parallel.train.arguments import SWITCHES, add_train_arguments
-
-    add_train_arguments(p, fields=SWITCHES, defaults={"schedule": "1F1B"}, config_file=False)
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyper-parallel",
@@ -126,26 +120,12 @@ def _parser() -> argparse.ArgumentParser:
         "group, fake tensors) and report the per-module sharding, per-rank memory and the "
         "collectives per step.",
     )
-    _add_model_arguments(plan)
+    _add_model_arguments(plan, "plan")
     plan.add_argument(
         "--no-fsdp",
         action="store_true",
         help="do not shard states with FSDP2 over fsdp = dp_shard x cp (HSDP with dp_replicate)",
     )
-    plan.add_argument(
-        "--dtype",
-        choices=tuple(_DTYPES),
-        default="fp32",
-        help="parameter and compute dtype; sets the activations' dtype too (default fp32)",
-    )
-    plan.add_argument(
-        "--ac",
-        choices=("none", "full", "selective"),
-        default="none",
-        help="activation checkpointing for the activation bytes: none (default), full "
-        "(every block), selective (every second block)",
-    )
-    _add_switch_arguments(plan)
     plan.add_argument(
         "--chart",
         metavar="PNG",
@@ -160,11 +140,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Report every problem of a model, its plan and a mesh shape at once, "
         "each with its module path. No process group is needed.",
     )
-    _add_model_arguments(validate)
+    _add_model_arguments(validate, "validate")
     validate.add_argument(
         "--verbose", action="store_true", help="also list info findings and every redistribution"
     )
-    _add_switch_arguments(validate)
     # None: one sequence (per micro-batch under pp); see _cmd_validate.
     validate.set_defaults(func=_cmd_validate, batch=None)
 
@@ -228,9 +207,47 @@ class _Subject:
     run: Any = None  # the run plan of a registered model with its own sharding
 
 
+def _resolve_model(args: argparse.Namespace) -> None:
+    """Set ``args.model`` and ``args.model_overrides`` from ``--model``,
+    ``--hf-config`` and ``--model-overrides`` (as the trainer resolves them), or
+    refuse a command line that names no model or two."""
+    from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
+    from hyper_parallel.checkpoint_hf.specs import register_specs
+    from hyper_parallel.train.run_hooks import hf_model
+
+    if args.model in SPEC_NAMES.values():
+        register_specs()  # the *-hf specs, also when named directly
+    overrides = dict(args.model_overrides or {})
+    if args.hf_model is not None:
+        if args.model or args.hf_config or overrides:
+            raise _UsageError(
+                "--hf-model builds a tiny Hugging Face model of its own; give it alone, or "
+                "--model NAME / --hf-config PATH (with --model-overrides) instead."
+            )
+        return
+    if args.hf_config is not None:
+        try:
+            spec, overrides = hf_model(args.hf_config, overrides)
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
+        if args.model not in (None, spec):
+            raise _UsageError(
+                f"--model {args.model} and --hf-config {args.hf_config!r} (a {spec} model) "
+                "both name the model; give one of them."
+            )
+        args.model = spec
+    elif args.model is None:
+        raise _UsageError(
+            "no model: give --model NAME (see 'hyper-parallel models'), --hf-config PATH "
+            "(a Hugging Face config.json) or --hf-model FAMILY."
+        )
+    args.model_overrides = overrides
+
+
 def _subject(args: argparse.Namespace) -> _Subject:
     from hyper_parallel.dmodule.plan_file import load_plan
 
+    _resolve_model(args)
     layout = args.mesh
     plan = None
     if args.plan is not None:
@@ -262,7 +279,6 @@ def _subject(args: argparse.Namespace) -> _Subject:
         spec = get_spec(args.model)
     except ValueError as e:
         raise _UsageError(str(e)) from None
-    config = spec.config()
     if args.sequence_parallel and (plan is not None or layout.tp == 1):
         raise _UsageError(
             "--sp shards the sequence over the 'tp' axis: give the mesh a tp axis "
@@ -275,6 +291,11 @@ def _subject(args: argparse.Namespace) -> _Subject:
         if run.subject is None:  # e.g. heads not divisible by the tp size
             raise _PlanError(_problems(run.errors), run.errors)
         config = run.subject
+    else:
+        try:
+            config = spec.config(**args.model_overrides)
+        except (ValueError, TypeError) as e:
+            raise _UsageError(f"--model-overrides: {e}") from None
     return _Subject(args.model, config, plan, spec.family.loss_fn, args.seq or _SEQ_LEN, run)
 
 
@@ -290,8 +311,7 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
     if args.command == "plan":
         batch = args.batch * (microbatches if layout.pp > 1 else 1)
         seq_len = args.seq or _SEQ_LEN
-        switches = {"ac": args.ac, "dtype": "bf16" if args.dtype == "bf16" else "fp32"}
-        switches["fsdp"] = not args.no_fsdp
+        switches = {"ac": args.ac, "dtype": args.dtype, "fsdp": not args.no_fsdp}
     else:
         batch = args.batch if args.batch is not None or layout.pp == 1 else microbatches
         seq_len = args.seq
@@ -299,6 +319,7 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
     return RunPlan.for_model(
         args.model,
         layout,
+        model_overrides=args.model_overrides,
         sequence_parallel=args.sequence_parallel,
         schedule=args.schedule,
         num_microbatches=args.num_microbatches,
@@ -365,11 +386,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             batch_size=args.batch,
             seq_len=subject.seq_len,
             fsdp=not args.no_fsdp,
-            param_dtype=getattr(torch, _DTYPES[args.dtype]),
+            # --dtype is the trainer's precision: fp32 master weights, gradients and
+            # AdamW state under either; bf16 computes (and gathers) in bf16.
+            param_dtype=torch.float32,
             loss_fn=subject.loss_fn,
             ac=args.ac,
-            # fp16 parameters already compute in fp16; no mixed-precision policy on top.
-            dtype="bf16" if args.dtype == "bf16" else "fp32",
+            dtype=args.dtype,
         )
     except ParallelizeError as e:
         print(
@@ -422,6 +444,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
 
     from hyper_parallel.analysis.pipeline_cost import pipeline_report
     from hyper_parallel.distributed.pipeline import PipelineError
+    from hyper_parallel.distributed.precision import DTYPES
     from hyper_parallel.dmodule.model_spec import get_spec
 
     stages = get_spec(args.model).family.pipeline if args.model else None
@@ -433,12 +456,12 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
         )
     assert subject.run is not None
     microbatches = subject.run.num_microbatches  # the run plan's count
-    element_bytes = getattr(torch, _DTYPES[args.dtype]).itemsize
+    element_bytes = DTYPES[args.dtype].itemsize  # the activations: the compute dtype
     try:
         return pipeline_report(
             layout,
             stages,
-            get_spec(args.model).config(),
+            get_spec(args.model).config(**args.model_overrides),
             schedule=args.schedule,
             num_microbatches=microbatches,
             microbatch_size=args.batch,
@@ -447,9 +470,9 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
             sequence_parallel=args.sequence_parallel,
             sharded_config=subject.model,
             fsdp=not args.no_fsdp,
-            param_dtype=getattr(torch, _DTYPES[args.dtype]),
+            param_dtype=torch.float32,  # fp32 master weights under either --dtype
             ac=args.ac,
-            dtype="bf16" if args.dtype == "bf16" else "fp32",
+            dtype=args.dtype,
             loss_fn=get_spec(args.model).family.loss_fn,
         )
     except PipelineError as e:
@@ -508,7 +531,7 @@ def _print_validate_failure(args: argparse.Namespace, findings: list[Any]) -> in
     """Report a model/plan/mesh refused before tracing the way ``validate`` reports."""
     from hyper_parallel.analysis.validate import ValidationReport
 
-    name = args.model if args.model is not None else f"hf:{args.hf_model}"
+    name = f"hf:{args.hf_model}" if args.hf_model is not None else args.model
     report = ValidationReport(
         model=name, mesh=args.mesh.active(), layout=args.mesh, findings=findings
     )

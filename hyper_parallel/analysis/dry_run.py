@@ -234,6 +234,15 @@ class DryRunReport:
             "elapsed_s": round(self.elapsed_s, 3),
         }
 
+    def _precision(self) -> str:
+        """``float32 parameters`` or, under ``dtype="bf16"``, the mixed precision's split."""
+        if self.dtype == "bf16":
+            return (
+                f"{self.param_dtype} parameters, gradients and AdamW state, bfloat16 compute "
+                "(mixed precision)"
+            )
+        return f"{self.param_dtype} parameters"
+
     def to_table(self) -> str:
         """The report for people: parameters, memory, collectives, assumptions, summary."""
         axes = list(self.columns)
@@ -245,7 +254,7 @@ class DryRunReport:
                 fsdp_text += " (fsdp = dp_shard x cp)"
         out = [
             f"plan: {self.model} on {self.layout.describe()} ({self.world_size:,} ranks); "
-            f"batch {self.batch_size} x seq {self.seq_len}; {self.param_dtype} parameters; "
+            f"batch {self.batch_size} x seq {self.seq_len}; {self._precision()}; "
             f"{fsdp_text}; plan on {' x '.join(self.plan_axes) or 'no axis'}",
             "",
             "Parameters (rank 0's shard; one placement column per mesh axis; numbered layers "

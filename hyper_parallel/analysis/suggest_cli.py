@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from hyper_parallel.train.arguments import positive_int
+from hyper_parallel.train.arguments import add_command_arguments, positive_int
 
 __all__ = ["add_calibrate_parser", "add_suggest_parser", "run_calibrate", "run_suggest"]
 
@@ -35,13 +35,8 @@ def add_suggest_parser(sub: Any) -> None:
         "activation checkpointing and sequence parallel; drop what the plan checks refuse and "
         "what does not fit in memory (dry run); rank the rest by the cost model's step time.",
     )
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="registered model name (see 'hyper-parallel models')")
-    which.add_argument(
-        "--hf-config",
-        metavar="PATH",
-        help="a Hugging Face config.json or its directory (Llama / Mistral, Qwen3, Qwen3-MoE)",
-    )
+    # --model, --model-overrides, --hf-config and --dtype: the run options' table.
+    add_command_arguments(p, "suggest")
     p.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
     p.add_argument(
         "--gpus-per-node",
@@ -56,7 +51,6 @@ def add_suggest_parser(sub: Any) -> None:
     p.add_argument(
         "--global-batch-tokens", type=positive_int, required=True, help="tokens per optimizer step"
     )
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="default bf16")
     p.add_argument("--top", type=positive_int, default=5, help="plans to print (default 5)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--chart", metavar="PNG", help="draw step time vs memory of the candidates")
@@ -71,21 +65,10 @@ def add_suggest_parser(sub: Any) -> None:
 
 def run_suggest(args: argparse.Namespace) -> int:
     """Run ``suggest``; returns the exit status."""
-    from hyper_parallel.analysis.suggest import (
-        DoesNotFit,
-        ModelSource,
-        model_from_hf_config,
-        suggest,
-    )
+    from hyper_parallel.analysis.suggest import DoesNotFit, suggest
 
     try:
-        if args.hf_config is not None:
-            source = model_from_hf_config(args.hf_config)
-        else:
-            from hyper_parallel.dmodule.model_spec import get_spec
-
-            get_spec(args.model)
-            source = ModelSource(args.model)
+        source = _source(args)
         report = suggest(
             source,
             gpus=args.gpus,
@@ -113,6 +96,42 @@ def run_suggest(args: argparse.Namespace) -> int:
         print(report.to_table())
     _chart(args, report)
     return 0
+
+
+def _source(args: argparse.Namespace) -> Any:
+    """The model ``--model`` / ``--hf-config`` and ``--model-overrides`` name, resolved as
+    the trainer resolves them.
+
+    Raises:
+        ValueError: No model, two, or one that cannot be read or is not registered.
+    """
+    from hyper_parallel.analysis.suggest import ModelSource
+    from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
+    from hyper_parallel.checkpoint_hf.specs import register_specs
+    from hyper_parallel.dmodule.model_spec import get_spec
+    from hyper_parallel.train.run_hooks import hf_model
+
+    overrides = dict(args.model_overrides or {})
+    label = ""
+    if args.hf_config is not None:
+        spec, overrides = hf_model(args.hf_config, overrides)
+        if args.model not in (None, spec):
+            raise ValueError(
+                f"--model {args.model} and --hf-config {args.hf_config!r} (a {spec} model) "
+                "both name the model; give one of them."
+            )
+        label = str(args.hf_config)
+    elif args.model is None:
+        raise ValueError(
+            "no model: give --model NAME (see 'hyper-parallel models') or --hf-config PATH "
+            "(a Hugging Face config.json)."
+        )
+    else:
+        spec = args.model
+        if spec in SPEC_NAMES.values():
+            register_specs()
+        get_spec(spec)  # an unknown name: its error lists the known ones
+    return ModelSource(spec, tuple(sorted(overrides.items())), label=label)
 
 
 def _chart(args: argparse.Namespace, report: Any) -> None:

@@ -2,15 +2,18 @@
 
 Each option maps to a :class:`~hyper_parallel.train.TrainConfig` field (its ``dest``)
 and is defined once here; its default is the field's default, read from the dataclass
-(shown in the help). ``python -m hyper_parallel.train.run`` and ``hyper-parallel demo``
-add them all with :func:`add_train_arguments` (values left unset fall back to
-``--config`` and then to ``TrainConfig``); ``hyper-parallel plan`` / ``validate`` add the
-switches that change the run they check (:data:`SWITCHES`).
+(shown in the help). :data:`COMMAND_OPTIONS` says which of them each command takes and
+the few defaults a command sets otherwise; every command adds its options with
+:func:`add_command_arguments` (``python -m hyper_parallel.train.run`` and
+``hyper-parallel demo`` all of them, values left unset falling back to ``--config`` and
+then to ``TrainConfig``; ``plan``, ``validate`` and ``suggest`` the model options and
+the switches that change the run they check). So ``--model``, ``--model-overrides``,
+``--hf-config`` and ``--dtype`` mean one thing in every command.
 
 Example::
 
     parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
+    add_command_arguments(parser, "train")
     cfg = config_from_args(parser.parse_args(["--mesh", "dp=2,tp=2"]))
 """
 
@@ -20,6 +23,7 @@ import argparse
 import dataclasses
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hyper_parallel.distributed.activation_checkpoint import AC_MODES
@@ -28,7 +32,11 @@ from hyper_parallel.distributed.pipeline import SCHEDULES
 from hyper_parallel.distributed.precision import DTYPES
 
 __all__ = [
+    "COMMAND_OPTIONS",
+    "MODEL_FIELDS",
     "SWITCHES",
+    "CommandOptions",
+    "add_command_arguments",
     "add_train_arguments",
     "config_from_args",
     "json_object",
@@ -103,7 +111,18 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {
             "type": json_object,
             "metavar": "JSON",
-            "help": "model config overrides, e.g. '{\"num_layers\": 4}'",
+            "help": "model config overrides, e.g. '{\"num_layers\": 4}' or "
+            "'{\"max_seq_len\": 32768}'",
+        },
+    ),
+    (
+        "--hf-config",
+        "hf_config",
+        {
+            "metavar": "PATH",
+            "help": "take the model from a Hugging Face config.json or its directory "
+            "(Llama / Mistral, Qwen3, Qwen3-MoE; no weights); sets the model, "
+            "--model-overrides apply on top",
         },
     ),
     (
@@ -175,7 +194,11 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     (
         "--dtype",
         "dtype",
-        {"choices": tuple(DTYPES), "help": "fp32, or bf16 mixed precision (fp32 master weights)"},
+        {
+            "choices": tuple(DTYPES),
+            "help": "fp32, or bf16: bf16 compute with fp32 master weights, gradients and "
+            "AdamW state (FSDP2's MixedPrecisionPolicy; autocast without FSDP)",
+        },
     ),
     (
         "--ac",
@@ -233,6 +256,72 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 
 SWITCHES = ("sequence_parallel", "schedule", "num_microbatches")
 """The options ``plan`` and ``validate`` take too: they change the run those check."""
+
+MODEL_FIELDS = ("model", "model_overrides", "hf_config")
+"""The options that name the model: every command takes them."""
+
+
+@dataclass(frozen=True)
+class CommandOptions:
+    """Which run options a command takes, and the defaults it sets otherwise.
+
+    Attributes:
+        fields: The ``TrainConfig`` fields whose options it takes (``None``: all).
+        defaults: Parsed defaults by field that differ from "unset" (``None``, which
+            falls back to ``--config`` and then to ``TrainConfig``). A command without
+            ``--config`` parses to the ``TrainConfig`` default, unless set here.
+        config_file: It takes ``--config FILE``.
+    """
+
+    fields: tuple[str, ...] | None = None
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    config_file: bool = False
+
+
+COMMAND_OPTIONS: dict[str, CommandOptions] = {
+    "train": CommandOptions(config_file=True),
+    "demo": CommandOptions(defaults={"mesh": {"dp_shard": 2, "tp": 2}}),
+    # The planners need a model named: --model, --hf-config (or plan's --hf-model).
+    "plan": CommandOptions(
+        fields=(*MODEL_FIELDS, *SWITCHES, "dtype", "ac"), defaults={"model": None}
+    ),
+    "validate": CommandOptions(fields=(*MODEL_FIELDS, *SWITCHES), defaults={"model": None}),
+    # The search is for GPUs, where training runs in bf16 mixed precision.
+    "suggest": CommandOptions(
+        fields=(*MODEL_FIELDS, "dtype"), defaults={"model": None, "dtype": "bf16"}
+    ),
+}
+"""The one table of which options each command takes (``train`` is
+``python -m hyper_parallel.train.run``)."""
+
+
+def command_defaults(command: str) -> dict[str, Any]:
+    """The parsed default of each option ``command`` takes, by field."""
+    spec = COMMAND_OPTIONS[command]
+    fields = [dest for _, dest, _ in _OPTIONS] if spec.fields is None else spec.fields
+    if spec.config_file or spec.fields is None:
+        out: dict[str, Any] = {}
+    else:  # no --config to fall back on: the TrainConfig default itself
+        fallback = _defaults()
+        out = {f: fallback[f] for f in fields if f in fallback}
+    out.update(spec.defaults)
+    return out
+
+
+def add_command_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add the run options ``command`` takes (:data:`COMMAND_OPTIONS`) to ``parser``.
+
+    Example::
+
+        add_command_arguments(argparse.ArgumentParser(), "plan")
+    """
+    spec = COMMAND_OPTIONS[command]
+    add_train_arguments(
+        parser,
+        fields=spec.fields,
+        defaults=command_defaults(command),
+        config_file=spec.config_file,
+    )
 
 
 def add_train_arguments(

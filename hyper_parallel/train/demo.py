@@ -45,7 +45,11 @@ from dataclasses import dataclass
 import torch
 
 from hyper_parallel.distributed.layout import MeshLayout
-from hyper_parallel.train.arguments import add_train_arguments, config_from_args
+from hyper_parallel.train.arguments import (
+    COMMAND_OPTIONS,
+    add_command_arguments,
+    config_from_args,
+)
 from hyper_parallel.train.run import full_gradients
 from hyper_parallel.train.trainer import TrainConfig, Trainer, check_config
 
@@ -58,7 +62,7 @@ mantissa (relative 2**-8 = 3.9e-3), in different orders (sharded partial sums, F
 casts vs autocast), on losses around 2-6 nats; dp=2 x tp=2 measured 2.4e-3 over 30 steps."""
 
 
-DEFAULT_MESH = {"dp_shard": 2, "tp": 2}
+DEFAULT_MESH = dict(COMMAND_OPTIONS["demo"].defaults["mesh"])
 
 GRAD_RTOL = 1e-3
 """Largest ``||g - g_ref|| / ||g_ref||`` of any parameter's first-step gradient (fp32): far
@@ -118,9 +122,9 @@ def compare_gradients(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``: the run options every entry point shares
-    (:func:`~hyper_parallel.train.arguments.add_train_arguments`), and the tolerance
+    (:func:`~hyper_parallel.train.arguments.add_command_arguments`), and the tolerance
     and output directory."""
-    add_train_arguments(parser, defaults={"mesh": DEFAULT_MESH}, config_file=False)
+    add_command_arguments(parser, "demo")
     parser.add_argument(
         "--tol",
         type=float,

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from hyper_parallel.train.arguments import (
+    add_command_arguments,
     add_train_arguments,
     config_from_args,
     json_object,
@@ -151,7 +152,7 @@ def main(
         description="Train a registered model on an N-D mesh (TP (+SP) x FSDP2 / HSDP) "
         "with DCP checkpoints.",
     )
-    add_train_arguments(parser)
+    add_command_arguments(parser, "train")
     parser.add_argument("--metrics-out", help="rank 0 writes steps, losses and timing here (JSON)")
     parser.add_argument(
         "--grads-out",

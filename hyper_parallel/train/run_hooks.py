@@ -28,6 +28,7 @@ __all__ = [
     "HF_ARGUMENT_FIELDS",
     "StepLogger",
     "build_data",
+    "hf_model",
     "load_weights",
     "model_record",
     "peak_flops",
@@ -41,30 +42,65 @@ HF_ARGUMENT_FIELDS = ("hf_checkpoint", "save_hf", "data", "tokenizer", "text_fie
 (:mod:`hyper_parallel.train.arguments`)."""
 
 
+def hf_model(
+    source: str, overrides: Any = None, *, where: str = "--hf-config"
+) -> tuple[str, dict[str, Any]]:
+    """The registered spec and config overrides of a Hugging Face ``config.json``.
+
+    The converter (:func:`~hyper_parallel.checkpoint_hf.config.read_hf_config`) gives
+    the spec (``llama3-hf``, ``qwen3-hf``, ``qwen3-moe-hf``, registered here) and its
+    sizes; ``overrides`` apply on top. Every command that takes ``--hf-config`` asks this.
+
+    Raises:
+        ValueError: The file cannot be read, is not JSON, or the converter refuses it
+            (each field we do not implement, named); the message starts with ``where``.
+    """
+    import json
+
+    from hyper_parallel.checkpoint_hf.config import read_hf_config
+    from hyper_parallel.checkpoint_hf.specs import register_specs
+
+    where = f"{where} {str(source)!r}"
+    try:
+        hf = read_hf_config(source)
+    except OSError as e:  # FileNotFoundError included
+        raise ValueError(f"{where}: cannot read it ({e.strerror or e}).") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e}).") from None
+    except ValueError as e:  # HFConfigError: fields we do not implement
+        raise ValueError(f"{where}: {e}") from None
+    register_specs()
+    return hf.spec, {**hf.model_overrides, **dict(overrides or {})}
+
+
 def resolve_model(cfg: Any) -> None:
-    """Set ``cfg.model`` and ``cfg.model_overrides`` from ``cfg.hf_checkpoint`` (in place).
+    """Set ``cfg.model`` and ``cfg.model_overrides`` from ``cfg.hf_checkpoint`` or
+    ``cfg.hf_config`` (in place); the user's ``model_overrides`` apply on top.
 
     Raises:
         ValueError: The checkpoint's config has fields our model does not implement,
-            or there is no ``config.json``.
+            there is no ``config.json``, or both sources are given.
     """
     from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
 
-    if cfg.hf_checkpoint or cfg.model in SPEC_NAMES.values():
+    hf_config = getattr(cfg, "hf_config", None)
+    if cfg.hf_checkpoint and hf_config:
+        raise ValueError(
+            "TrainConfig: hf_checkpoint and hf_config both name the model; give one "
+            "(--hf-checkpoint DIR loads the weights too)."
+        )
+    if cfg.hf_checkpoint or hf_config or cfg.model in SPEC_NAMES.values():
         from hyper_parallel.checkpoint_hf.specs import register_specs
 
         register_specs()  # the *-hf specs, also when named directly
-    if not cfg.hf_checkpoint:
+    source = cfg.hf_checkpoint or hf_config
+    if not source:
         return
-    from hyper_parallel.checkpoint_hf.config import read_hf_config
-
-    try:
-        hf = read_hf_config(cfg.hf_checkpoint)
-    except FileNotFoundError as e:
-        raise ValueError(f"TrainConfig.hf_checkpoint: {e}") from None
-    own = dict(cfg.model_overrides) if cfg.model == hf.spec else {}
-    cfg.model = hf.spec
-    cfg.model_overrides = {**hf.model_overrides, **own}
+    field = "hf_checkpoint" if cfg.hf_checkpoint else "hf_config"
+    # Overrides of another named model are not this config's.
+    default_model = type(cfg).__dataclass_fields__["model"].default
+    own = cfg.model_overrides if cfg.model in (default_model, *SPEC_NAMES.values()) else {}
+    cfg.model, cfg.model_overrides = hf_model(source, own, where=f"TrainConfig.{field}")
 
 
 def load_weights(cfg: Any, parts: list[Any]) -> None:

@@ -141,6 +141,8 @@ class TrainConfig:
             :mod:`hyper_parallel.distributed.activation_checkpoint`).
         hf_checkpoint: Start from this Hugging Face checkpoint; sets ``model`` (and
             ``model_overrides``) to its config (:mod:`hyper_parallel.train.run_hooks`).
+        hf_config: Take the model from this Hugging Face ``config.json`` (or its
+            directory) without its weights; sets ``model`` and ``model_overrides``.
         save_hf: Write the trained model here in Hugging Face format at the end.
         data: Training data instead of ``text``: a token file (``.bin``, ``.npy``) or
             text files (``.txt``, ``.jsonl``) (:mod:`hyper_parallel.train.tokens`).
@@ -174,6 +176,7 @@ class TrainConfig:
     dtype: str = "fp32"
     ac: str = "none"
     hf_checkpoint: str | None = None
+    hf_config: str | None = None
     save_hf: str | None = None
     data: str | None = None
     tokenizer: str | None = None

@@ -99,7 +99,10 @@ def test_plan_table_sp_no_fsdp_bf16(capsys):
     )  # fmt: skip
     assert code == 0
     assert out.splitlines()[-1].startswith("Summary: 131,392 parameters on 4 ranks")
-    assert "no FSDP" in out.splitlines()[0] and "bfloat16" in out.splitlines()[0]
+    # --dtype bf16 is the trainer's mixed precision: fp32 states, bf16 compute.
+    head = out.splitlines()[0]
+    assert "no FSDP" in head and "float32 parameters, gradients and AdamW state" in head
+    assert "bfloat16 compute" in head
     rows = [line.split() for line in out.splitlines()]
     assert ["forward", "reduce_scatter", "tp"] in [r[:3] for r in rows]
     assert ["backward", "all_reduce", "(computed)", "dp_shard"] in [r[:4] for r in rows]
