@@ -143,7 +143,10 @@ def train_vs_one_device(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     cfg = TrainConfig.from_dict(cfg_dict)
     pp = cfg.mesh.get("pp", 1)
     grads: dict[str, Any] = {}
-    result = Trainer(cfg, device="cpu", grad_callback=_keep_first(grads, pp)).fit()
+    trainer = Trainer(cfg, device="cpu", grad_callback=_keep_first(grads, pp))
+    # Blocks held by each of this rank's model parts (pipeline stages).
+    blocks = [len(getattr(part, "layers", ())) for part in trainer.model_parts]
+    result = trainer.fit()
     if c10d.get_rank() != 0:
         return None
     one = cfg.replace(
@@ -172,6 +175,7 @@ def train_vs_one_device(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
         "grad_diffs": diffs(grads, ref_grads),
         "fp32_grad_diffs": fp32_grad_diffs,
         "num_params": num_params,
+        "blocks_per_part": blocks,
     }
 
 
