@@ -8,7 +8,7 @@ TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 LINT   := $(wildcard hyper_parallel tests benchmarks examples)
 
-.PHONY: install test test-fast lint format demo bench clean
+.PHONY: install test test-fast lint format demo bench matrix clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/hyper-parallel demo --mesh dp=2,tp=2
+
+# Every configuration of the matrix (tests/matrix): refused with the same finding by every
+# gate, or trained on gloo ranks and matched to one device; one row each, then a summary.
+matrix: $(STAMP)
+	$(PY) -m tests.matrix.run_matrix
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py --write-readme

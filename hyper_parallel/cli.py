@@ -325,6 +325,7 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
         num_microbatches=args.num_microbatches,
         batch_size=batch,
         seq_len=seq_len,
+        pipeline_split=args.pipeline_split,
         **switches,
     )
 
@@ -474,6 +475,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
             ac=args.ac,
             dtype=args.dtype,
             loss_fn=get_spec(args.model).family.loss_fn,
+            split=subject.run.pipeline_split,
         )
     except PipelineError as e:
         raise _PlanError(str(e), e.findings) from None
@@ -516,6 +518,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             seq_len=args.seq,
             schedule=args.schedule,
             num_microbatches=args.num_microbatches,
+            pipeline_split=args.pipeline_split,
         )
     except (ValueError, TypeError) as e:
         raise _UsageError(str(e)) from None

@@ -1,9 +1,12 @@
-"""Under ``CI=true`` a skipped test fails the run: a skip would hide what it covers.
+"""Under ``CI=true`` a skipped or xfail-marked test fails the run: either hides what it covers.
 
 Every skip in this suite is a missing test dependency (``pytest.importorskip``,
 ``skipif`` on ``find_spec``). Locally such a test skips with its reason; in CI the
 dependency is part of the ``test`` extra, so its absence is a broken environment and
-must not leave the run green. Registered by ``tests/conftest.py``; usable on its own
+must not leave the run green. An ``xfail`` (``pytest.mark.xfail`` or ``pytest.xfail``)
+passes a run whatever the test does — failing as expected, or passing unexpectedly
+without ``strict`` — so under ``CI=true`` it fails the run too: a known failure is
+fixed or refused by the code with a test of the refusal, not marked. Registered by ``tests/conftest.py``; usable on its own
 as ``pytest -p tests.ci_skips``.
 """
 
@@ -38,10 +41,25 @@ def _fail_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
     )
 
 
+def _fail_xfail(report: pytest.TestReport) -> None:
+    reason = getattr(report, "wasxfail", None)
+    if reason is None:
+        return
+    happened = "failed as expected" if report.skipped else "passed unexpectedly"
+    report.outcome = "failed"
+    del report.wasxfail  # else pytest still counts it as xfailed / xpassed
+    report.longrepr = (
+        f"{report.nodeid}: marked xfail ({reason or 'no reason given'}) and {happened}; "
+        "under CI=true an xfail fails the run, since it passes whatever the test does. "
+        "Fix the failure, or make the code refuse the case and test the refusal."
+    )
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Iterator[Any]:
     report = yield
     if in_ci():
+        _fail_xfail(report)
         _fail_skip(report)
     return report
 

@@ -359,6 +359,7 @@ def pipeline_report(
     ac: str = "none",
     dtype: str = "fp32",
     loss_fn: Any = None,
+    split: Any = None,
 ) -> dict[str, Any]:
     """The pipeline part of a dry run: stages, per-rank bytes, bubble and P2P traffic.
 
@@ -379,6 +380,8 @@ def pipeline_report(
             are the traced stage's saved bytes (rank 0's ``seq_len / cp`` tokens under
             context parallelism) times its in-flight micro-batches; without it, the
             model's per-token estimate (``stages.activation_elements``, no cp).
+        split: The stage split (a :class:`~hyper_parallel.distributed.pipeline.PipelineSplit`,
+            as the run plan holds it); ``None``: balanced by parameters.
 
     Returns:
         ``stages`` (per stage: units, parameters, per-rank bytes, and with
@@ -388,7 +391,9 @@ def pipeline_report(
     from hyper_parallel.distributed.pipeline import plan_pipeline
 
     units = stages.units(config)
-    plan = plan_pipeline(units, pp=layout.pp, schedule=schedule, num_microbatches=num_microbatches)
+    plan = plan_pipeline(
+        units, pp=layout.pp, schedule=schedule, num_microbatches=num_microbatches, split=split
+    )
     if sharded_config is None and layout.cp > 1:
         raise ValueError(
             f"pipeline_report: cp={layout.cp} splits each stage's sequence, which the "

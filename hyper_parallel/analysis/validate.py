@@ -875,7 +875,11 @@ def _trace_on(
         kwargs: dict[str, torch.Tensor] = {}
         layout = report.layout
         if args is None and layout is not None and layout.cp > 1 and "cp" in report.plan_axes:
-            args, kwargs = cp_inputs(model, batch_size, seq_len, layout.cp, mode)
+            # One sequence: the placements do not depend on the batch, and a linear layer
+            # flattening (batch, seq / cp) reads a sequence shard as a strided shard of
+            # the rows, whose sharding DTensor cannot propagate on fake tensors (a
+            # data-dependent size): a batch > 1 refused runs the trainer runs.
+            args, kwargs = cp_inputs(model, 1, seq_len, layout.cp, mode)
         if args is None:
             args = default_inputs(model, batch_size, seq_len, mode)
     except ValueError as e:

@@ -108,7 +108,8 @@ def apply_parallelism(
 
     Raises:
         ParallelizeError: The plan is refused; the module is left unchanged.
-        ValueError: FSDP2 is to shard a module without blocks.
+        ValueError: FSDP2 is to shard a module without a blocks container (a pipeline
+            stage whose container is empty is one FSDP2 unit, its root).
     """
     precision.check_dtype(dtype)
     entries = module_entries(module) if entries is None else list(entries)
@@ -133,7 +134,10 @@ def apply_parallelism(
     paths: list[str] = []
     if fsdp_mesh is not None:
         units = [] if split_backward else fsdp_units(module)
-        if not units and not split_backward:
+        # A pipeline stage may hold no block (the embedding or the head alone, when a
+        # schedule has as many stages as units): its root is its one FSDP2 unit, as
+        # every stage is under split_backward. A model with no blocks at all is refused.
+        if not units and not split_backward and not _holds_empty_blocks(module, blocks_field):
             raise ValueError(
                 f"{who}: {type(module).__name__} has no ModuleList (or ModuleDict) of blocks "
                 "to wrap with fully_shard; FSDP2 shards each block and then the root."
@@ -177,6 +181,12 @@ def _apply_plan(
     if experts:
         assert mesh is not None
         parallelize_entries(module, mesh["ep"], experts)
+
+
+def _holds_empty_blocks(module: nn.Module, field: str) -> bool:
+    """Whether ``module`` has its blocks container, and it is empty (a stage without blocks)."""
+    blocks = getattr(module, field, None)
+    return isinstance(blocks, (nn.ModuleList, nn.ModuleDict)) and len(blocks) == 0
 
 
 def _blocks(module: nn.Module, field: str) -> list[tuple[int, nn.Module]]:

@@ -254,7 +254,7 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ),
 )
 
-SWITCHES = ("sequence_parallel", "schedule", "num_microbatches")
+SWITCHES = ("sequence_parallel", "schedule", "num_microbatches", "pipeline_split")
 """The options ``plan`` and ``validate`` take too: they change the run those check."""
 
 MODEL_FIELDS = ("model", "model_overrides", "hf_config")

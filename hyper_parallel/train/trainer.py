@@ -51,6 +51,7 @@ from torch import nn
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
 from hyper_parallel.distributed.axes import MODEL_AXES, apply_model_axes, declared_axes
+from hyper_parallel.distributed.compile import BACKENDS
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
 from hyper_parallel.distributed.pipeline import build_schedule, pipeline_step
 from hyper_parallel.distributed.precision import check_dtype, loss_logits
@@ -134,6 +135,9 @@ class TrainConfig:
         compile: ``torch.compile`` each transformer block (``fullgraph=True``), after
             the tensor-parallel plan and before FSDP2
             (:mod:`hyper_parallel.distributed.compile`).
+        compile_backend: ``torch.compile``'s backend under ``compile``: ``"inductor"``
+            (torch's code generator), or ``"aot_eager"`` / ``"eager"`` (tracing without
+            code generation: what the configuration matrix runs on a small CPU machine).
         dtype: ``"fp32"``, or ``"bf16"`` mixed precision with fp32 master weights
             (:mod:`hyper_parallel.distributed.precision`).
         ac: Activation checkpointing: ``"none"``, ``"full"`` (every block) or
@@ -173,6 +177,7 @@ class TrainConfig:
     num_microbatches: int | None = None
     pipeline_split: dict[str, Any] | None = None
     compile: bool = False
+    compile_backend: str = "inductor"
     dtype: str = "fp32"
     ac: str = "none"
     hf_checkpoint: str | None = None
@@ -187,6 +192,11 @@ class TrainConfig:
         run_hooks.resolve_model(self)
         if not isinstance(self.compile, bool):
             raise ValueError(f"TrainConfig.compile must be True or False, got {self.compile!r}.")
+        if self.compile_backend not in BACKENDS:
+            raise ValueError(
+                f"TrainConfig.compile_backend {self.compile_backend!r} is not one of "
+                f"{list(BACKENDS)}; leave it 'inductor' unless debugging a compile."
+            )
         try:
             check_dtype(self.dtype)
             check_ac_mode(self.ac)
@@ -400,6 +410,7 @@ def run_plan(
         world_size=world_size,
         sequence_parallel=cfg.sequence_parallel,
         compile=cfg.compile,
+        compile_backend=cfg.compile_backend,
         ac=cfg.ac,
         dtype=cfg.dtype,
         schedule=cfg.schedule,

@@ -1,4 +1,5 @@
-"""A missing test dependency skips locally (with its reason) and fails the run under CI=true."""
+"""A missing test dependency skips locally (with its reason) and fails the run under CI=true;
+an xfail passes locally and fails the run under CI=true; ``.ci/run`` sets CI=true itself."""
 
 from __future__ import annotations
 
@@ -31,6 +32,22 @@ pytest.importorskip("hp_no_such_dependency", reason="needs hp_no_such_dependency
 
 def test_covered():
     assert True
+"""
+
+
+XFAILS = """
+import pytest
+
+@pytest.mark.xfail(reason="known wrong")
+def test_marked_and_failing():
+    assert 1 == 2
+
+@pytest.mark.xfail(reason="known wrong")
+def test_marked_and_passing():
+    assert True
+
+def test_xfail_called():
+    pytest.xfail("called inside")
 """
 
 
@@ -81,3 +98,30 @@ def test_what_counts_as_ci(monkeypatch, value, expected):
     else:
         monkeypatch.setenv("CI", value)
     assert in_ci() is expected
+
+
+def test_xfail_passes_locally(tmp_path):
+    (tmp_path / "test_x.py").write_text(XFAILS)
+    result = _pytest(tmp_path, ci=None)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed, 2 xfailed, 1 xpassed" in result.stdout
+
+
+def test_every_xfail_fails_the_run_in_ci(tmp_path):
+    (tmp_path / "test_x.py").write_text(XFAILS)
+    result = _pytest(tmp_path, ci="true")
+    assert result.returncode != 0, result.stdout
+    last = result.stdout.splitlines()[-1]
+    assert "3 failed, 1 passed" in last, result.stdout
+    assert "xfail" not in last and "xpass" not in last
+    for name in ("test_marked_and_failing", "test_marked_and_passing", "test_xfail_called"):
+        assert f"FAILED test_x.py::{name}" in result.stdout, name
+    assert "under CI=true an xfail fails the run" in result.stdout
+    assert "failed as expected" in result.stdout and "passed unexpectedly" in result.stdout
+
+
+def test_the_ci_script_sets_ci_itself():
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    code = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert "export CI=true" in code
+    assert code.index("export CI=true") < code.index("make test")

@@ -1,0 +1,209 @@
+"""One matrix configuration: refused before any rank builds, or trained and held to one device.
+
+:func:`gate` runs in the driver process (no process group): the trainer's gate
+(:func:`~hyper_parallel.train.trainer.check_config`) and ``hyper-parallel validate``
+with the same switches; a refused run must be refused by both with the same findings,
+word for word. :func:`train_vs_one_device` runs on every rank of a gloo pool
+(``tests/distributed/harness.py``): the trainer for 2 steps at the configuration's mesh,
+then on rank 0 the same run in one process; :func:`judge` holds the result to one
+device through ``tests/_compare.py``:
+
+- fp32: every first-step gradient within ``atol=1e-5`` and ``FP32_RTOL`` of the
+  one-process run's, and both losses within 1e-5;
+- bf16: both losses within the demo's ``BF16_TOL`` of the one-process bf16 run (same
+  autocast policy), and every first-step gradient within ``BF16_GRAD_RTOL`` of the
+  one-process fp32 run's (a 2x, zero or NaN gradient fails).
+
+Activation checkpointing and compile change no number of the one-process run, so its
+reference runs without them (and without sequence parallelism, a tp layout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from typing import Any
+
+from tests._compare import BF16_GRAD_RTOL, FP32_RTOL, Diff, check, diffs, worst_abs
+
+__all__ = ["FP32_LOSS_TOL", "gate", "judge", "train_vs_one_device", "validate_argv"]
+
+FP32_LOSS_TOL = 1e-5
+
+
+def validate_argv(cfg: dict[str, Any]) -> list[str]:
+    """``hyper-parallel validate`` arguments for the trainer config ``cfg``."""
+    import json
+
+    mesh = ",".join(f"{k}={v}" for k, v in cfg["mesh"].items()) or "dp_shard=1"
+    dp = cfg["mesh"].get("dp_replicate", 1) * cfg["mesh"].get("dp_shard", 1)
+    argv = ["validate", "--model", cfg["model"], "--mesh", mesh]
+    argv += ["--batch", str(cfg["global_batch_size"] // dp), "--seq", str(cfg["seq_len"])]
+    if cfg.get("sequence_parallel"):
+        argv.append("--sp")
+    if "schedule" in cfg:
+        argv += ["--schedule", cfg["schedule"]]
+    if cfg.get("num_microbatches") is not None:
+        argv += ["--microbatches", str(cfg["num_microbatches"])]
+    if cfg.get("pipeline_split") is not None:
+        argv += ["--pipeline-split", json.dumps(cfg["pipeline_split"])]
+    return argv
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def gate(cfg: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The trainer's gate and ``validate --format json`` on ``cfg``, in this process.
+
+    A finding is the same in both when its path, field, message and fix are (word for
+    word); a refusal ``TrainConfig`` raises itself (not a finding) must appear in
+    validate's output.
+
+    Returns:
+        ``refused`` (whether the trainer refuses), ``findings`` (its error texts),
+        ``validate_rc`` and ``validate_missing`` (the trainer's findings validate does
+        not report; empty when they agree), ``validate_extra`` (validate's errors on a
+        run the trainer accepts).
+    """
+    import json
+
+    from hyper_parallel.cli import main as cli_main
+    from hyper_parallel.train.trainer import TrainConfig, check_config
+
+    raised: str | None = None
+    found: list[Any] = []
+    try:
+        config = TrainConfig.from_dict(cfg)
+    except ValueError as e:
+        raised = str(e)
+    else:
+        found = check_config(config, world_size)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli_main([*validate_argv(cfg), "--format", "json"])
+    except SystemExit as e:  # argparse refused the arguments
+        rc = e.code if isinstance(e.code, int) else 2
+    try:
+        reported = json.loads(out.getvalue())["findings"]
+    except (ValueError, KeyError, TypeError):
+        reported = []
+    errors = {
+        tuple(_words(str(f.get(k, ""))) for k in ("path", "field", "message", "fix"))
+        for f in reported
+        if f.get("severity") == "error"
+    }
+    text = _words(out.getvalue() + err.getvalue())
+    if raised is not None:
+        findings = [raised]
+        # TrainConfig's own text: its lines after the first name the problems.
+        lines = [ln.strip() for ln in raised.splitlines()[1:] if ln.strip()] or [raised]
+        missing = [ln for ln in lines if _words(ln) not in text]
+    else:
+        findings = [str(f) for f in found]
+        missing = [
+            str(f)
+            for f in found
+            if tuple(_words(x) for x in (f.path, f.field, f.message, f.fix)) not in errors
+        ]
+    extra = "" if findings or rc == 0 else (" | ".join(" ".join(e) for e in errors) or text)
+    return {
+        "refused": bool(findings),
+        "findings": findings,
+        "validate_rc": rc,
+        "validate_missing": missing,
+        "validate_extra": extra,
+    }
+
+
+def _keep_first(into: dict[str, Any], pp: int) -> Any:
+    from hyper_parallel.train.run import full_gradients
+
+    def keep(step: int, parts: list[Any]) -> None:
+        if step == 0:
+            into.update(full_gradients(parts, pp))
+
+    return keep
+
+
+def train_vs_one_device(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """On every rank: the trainer at ``cfg_dict``'s mesh for its steps; then on rank 0
+    the one-process run (and, under bf16, the fp32 one-process first step).
+
+    Returns:
+        On rank 0: losses of both, and the first-step gradient diffs; ``None`` elsewhere.
+    """
+    import torch.distributed as c10d
+
+    from hyper_parallel.train import TrainConfig, Trainer
+
+    cfg = TrainConfig.from_dict(cfg_dict)
+    pp = cfg.mesh.get("pp", 1)
+    grads: dict[str, Any] = {}
+    trainer = Trainer(cfg, device="cpu", grad_callback=_keep_first(grads, pp))
+    # Blocks held by each of this rank's model parts (pipeline stages).
+    blocks = [len(getattr(part, "layers", ())) for part in trainer.model_parts]
+    result = trainer.fit()
+    if c10d.get_rank() != 0:
+        return None
+    one = cfg.replace(
+        mesh={},
+        sequence_parallel=False,
+        compile=False,
+        ac="none",
+        num_microbatches=None,
+        pipeline_split=None,
+        schedule="1F1B",
+    )
+    ref_grads: dict[str, Any] = {}
+    ref_trainer = Trainer(one, device="cpu", grad_callback=_keep_first(ref_grads, 1))
+    reference = ref_trainer.fit()
+    num_params = sum(1 for m in ref_trainer.model_parts for _ in m.named_parameters())
+    fp32_grad_diffs: dict[str, Diff] | None = None
+    if cfg.dtype != "fp32":
+        fp32_grads: dict[str, Any] = {}
+        fp32 = one.replace(dtype="fp32")
+        Trainer(fp32, device="cpu", grad_callback=_keep_first(fp32_grads, 1)).train_step()
+        fp32_grad_diffs = diffs(grads, fp32_grads)
+    return {
+        "dtype": cfg.dtype,
+        "losses": result.losses,
+        "ref_losses": reference.losses,
+        "grad_diffs": diffs(grads, ref_grads),
+        "fp32_grad_diffs": fp32_grad_diffs,
+        "num_params": num_params,
+        "blocks_per_part": blocks,
+    }
+
+
+def judge(r: dict[str, Any]) -> tuple[float, float]:
+    """Hold a :func:`train_vs_one_device` result to one device (module doc).
+
+    Returns:
+        The largest loss difference and the largest gradient relative error.
+
+    Raises:
+        AssertionError: A loss or a gradient is off (or NaN), or one is missing.
+    """
+    loss_tol = FP32_LOSS_TOL
+    if r["dtype"] != "fp32":
+        from hyper_parallel.train.demo import BF16_TOL
+
+        loss_tol = BF16_TOL
+    assert len(r["losses"]) == len(r["ref_losses"]) > 0, (r["losses"], r["ref_losses"])
+    loss_err = worst_abs([abs(a - b) for a, b in zip(r["losses"], r["ref_losses"], strict=True)])
+    if not loss_err <= loss_tol:
+        raise AssertionError(
+            f"losses {r['losses']} vs one device {r['ref_losses']}: {loss_err:.3g} > {loss_tol:g}"
+        )
+    if r["dtype"] == "fp32":
+        grads = r["grad_diffs"]
+        check(grads, atol=1e-5, rtol=FP32_RTOL, expect_count=r["num_params"])
+    else:
+        grads = r["fp32_grad_diffs"]
+        check(grads, rtol=BF16_GRAD_RTOL, expect_count=r["num_params"])
+    rel = max((d.rel for d in grads.values()), default=0.0)
+    return loss_err, rel if not math.isnan(rel) else math.inf

@@ -1,0 +1,219 @@
+"""The run configurations of the matrix: every switch, reduced by a pairwise covering array.
+
+Switches (:data:`SWITCHES`): the model family, the pipeline (``pp=1``, or ``pp=2`` with
+each of the five schedules), micro-batches, stages per rank, dp_replicate, dp_shard,
+cp, tp, sequence parallelism, ep, dtype, activation checkpointing and compile. The
+schedule is one switch with ``pp`` (a schedule only means something at ``pp=2``), so
+"every schedule with every data axis" is a pair the covering array holds.
+
+Constraints (:func:`allowed`) keep rows that are *runs someone would ask for*, not
+rows a one-line rule already refuses: 4 ranks exactly (pp x dp_replicate x dp_shard
+x cp x tp), ``sp`` only with ``tp=2``, ``ep=2`` only for the mixture of experts,
+stages per rank and micro-batches other than the default only with ``pp=2``. Whatever
+the run plan then refuses among them (a schedule against a stage count, ep with a
+split backward, ...) is a refusal the matrix checks is given before any rank builds.
+:data:`EIGHT_RANKS` adds a few 8-rank runs.
+
+Stages per rank map onto the trainer's ``pipeline_split``: 1 -> two units a stage,
+2 -> one unit a stage (the debug models have 4 units: embedding, 2 blocks, head).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from tests.matrix.covering import Covering, pairwise
+
+__all__ = [
+    "EIGHT_RANKS",
+    "SEED",
+    "SLICE",
+    "SWITCHES",
+    "Config",
+    "allowed",
+    "covering",
+    "matrix",
+]
+
+SEED = 2026
+"""The covering array's seed: the same matrix on every run."""
+
+PIPELINES = ("pp1", "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+
+SWITCHES: dict[str, tuple[Any, ...]] = {
+    "family": ("llama3-debug", "qwen3-debug", "qwen3-moe-debug"),
+    "pipeline": PIPELINES,
+    "microbatches": ("default", 2, 4),
+    "stages_per_rank": ("default", 1, 2),
+    "dp_replicate": (1, 2),
+    "dp_shard": (1, 2),
+    "cp": (1, 2),
+    "tp": (1, 2),
+    "sp": (False, True),
+    "ep": (1, 2),
+    "dtype": ("fp32", "bf16"),
+    "ac": ("none", "full", "selective"),
+    "compile": (False, True),
+}
+"""Every switch of a run and the values the matrix takes of it."""
+
+WORLD_SIZE = 4
+GLOBAL_BATCH = 8
+SEQ_LEN = 16
+UNITS = 4  # embedding, 2 blocks, head: every debug family
+
+
+def _world(row: Mapping[str, Any]) -> int:
+    pp = 1 if row.get("pipeline", "pp1") == "pp1" else 2
+    size = pp
+    for axis in ("dp_replicate", "dp_shard", "cp", "tp"):
+        size *= row.get(axis, 1)
+    return size
+
+
+def allowed(row: Mapping[str, Any]) -> bool:
+    """Whether a (partial) row can be a matrix run (module doc); exact for full rows."""
+    if _world(row) > WORLD_SIZE:
+        return False
+    if len(row) == len(SWITCHES) and _world(row) != WORLD_SIZE:
+        return False
+    if row.get("sp") is True and row.get("tp") == 1:
+        return False
+    if row.get("ep") == 2 and row.get("family", "qwen3-moe-debug") != "qwen3-moe-debug":
+        return False
+    if row.get("pipeline") == "pp1":
+        if row.get("stages_per_rank", "default") != "default":
+            return False
+        if row.get("microbatches", "default") != "default":
+            return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One run of the matrix: its switches, and the trainer's config for them."""
+
+    index: int
+    switches: dict[str, Any]
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        s = self.switches
+        pp = 1 if s["pipeline"] == "pp1" else s.get("pp", 2)
+        sizes = {
+            "pp": pp,
+            "dp_replicate": s["dp_replicate"],
+            "dp_shard": s["dp_shard"],
+            "cp": s["cp"],
+            "tp": s["tp"],
+            "ep": s["ep"],
+        }
+        return {k: v for k, v in sizes.items() if v > 1}
+
+    @property
+    def world_size(self) -> int:
+        size = 1
+        for axis, n in self.mesh.items():
+            if axis != "ep":
+                size *= n
+        return size
+
+    def train_config(self, compile_backend: str = "aot_eager") -> dict[str, Any]:
+        """The :class:`~hyper_parallel.train.TrainConfig` fields of this run (2 steps)."""
+        s = self.switches
+        pipelined = s["pipeline"] != "pp1"
+        split = None
+        if pipelined and s["stages_per_rank"] != "default":
+            pp = self.mesh["pp"]
+            split = {"units_per_stage": max(1, UNITS // (pp * s["stages_per_rank"]))}
+        out: dict[str, Any] = dict(
+            model=s["family"],
+            mesh=self.mesh,
+            sequence_parallel=s["sp"],
+            num_steps=2,
+            global_batch_size=GLOBAL_BATCH,
+            seq_len=SEQ_LEN,
+            log_every=0,
+            progress=False,
+            dtype=s["dtype"],
+            ac=s["ac"],
+            compile=s["compile"],
+            compile_backend=compile_backend,
+        )
+        if pipelined:
+            out["schedule"] = s["pipeline"]
+            out["pipeline_split"] = split
+        if s["microbatches"] != "default":
+            out["num_microbatches"] = s["microbatches"]
+        if s["family"] == "qwen3-moe-debug":
+            # The balance loss on, so its gradients through every axis are compared too.
+            out["model_overrides"] = {"aux_loss_coef": 0.1}
+        return out
+
+    def describe(self) -> str:
+        s = self.switches
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh.items()) or "1"
+        parts = [s["family"], mesh]
+        if s["pipeline"] != "pp1":
+            parts.append(s["pipeline"])
+            parts.append(f"mb={s['microbatches']}")
+            parts.append(f"spr={s['stages_per_rank']}")
+        elif s["microbatches"] != "default":
+            parts.append(f"mb={s['microbatches']}")
+        parts += [
+            s["dtype"],
+            f"ac={s['ac']}",
+            *(["sp"] if s["sp"] else []),
+            *(["compile"] if s["compile"] else []),
+        ]
+        return " ".join(parts)
+
+
+def covering(seed: int = SEED) -> Covering:
+    """The covering array over :data:`SWITCHES` under :func:`allowed`."""
+    return pairwise(SWITCHES, allowed, seed=seed)
+
+
+_EIGHT_BASE = dict(
+    microbatches="default",
+    stages_per_rank="default",
+    sp=False,
+    ep=1,
+    dtype="fp32",
+    ac="none",
+    compile=False,
+)
+
+EIGHT_RANKS: tuple[dict[str, Any], ...] = (
+    # Every data axis and tp at once; HSDP x cp x tp with ep borrowing dp_shard x cp.
+    dict(_EIGHT_BASE, family="llama3-debug", pipeline="pp1", dp_replicate=2, dp_shard=2, cp=1,
+         tp=2, sp=True),
+    dict(_EIGHT_BASE, family="qwen3-moe-debug", pipeline="pp1", dp_replicate=2, dp_shard=2, cp=2,
+         tp=1, ep=4),
+    dict(_EIGHT_BASE, family="qwen3-debug", pipeline="Interleaved1F1B", dp_replicate=1,
+         dp_shard=2, cp=1, tp=2, dtype="bf16"),
+    dict(_EIGHT_BASE, family="llama3-debug", pipeline="1F1B", dp_replicate=2, dp_shard=1, cp=2,
+         tp=1, pp=2, ac="full"),
+)  # fmt: skip
+"""A few 8-rank runs (``pp`` = 2 where piped), beside the 4-rank covering array."""
+
+
+def matrix(seed: int = SEED, eight: bool = True) -> list[Config]:
+    """Every configuration of the matrix: the covering array, then the 8-rank runs."""
+    rows = covering(seed).rows + (list(EIGHT_RANKS) if eight else [])
+    return [Config(i, dict(r)) for i, r in enumerate(rows)]
+
+
+SLICE = (
+    # The fixed slice in ``make test``: the crash the matrix was built for (4 stages over
+    # 2 blocks: stages without a block), a refusal, and pipelined MoE with ep and bf16.
+    dict(_EIGHT_BASE, family="llama3-debug", pipeline="Interleaved1F1B", microbatches=4,
+         dp_replicate=1, dp_shard=2, cp=1, tp=1),
+    dict(_EIGHT_BASE, family="qwen3-moe-debug", pipeline="ZBVZeroBubble", dp_replicate=1,
+         dp_shard=2, cp=1, tp=1, ep=2),
+    dict(_EIGHT_BASE, family="qwen3-moe-debug", pipeline="1F1B", dp_replicate=1, dp_shard=1,
+         cp=1, tp=2, sp=True, ep=2, dtype="bf16", ac="selective"),
+)  # fmt: skip
+"""A few configurations run by ``tests/matrix/test_matrix_slice.py``."""
