@@ -16,11 +16,15 @@ activation checkpointing, dtype, pipeline schedule, micro-batches, stage split).
   rank's loss is divided by ``cp``, the ``cp`` ranks' gradients are *summed* (FSDP2
   divides by the data-parallel ranks only), and expert gradients are brought to the
   dense convention after backward;
-- the **micro-batch count** under ``pp`` (:func:`default_num_microbatches`): unless
-  given, as many micro-batches as the schedule has stages (``pp`` x stages per rank)
-  — the fewest every schedule runs, known without the batch size, so the trainer,
-  ``validate``, ``plan`` and the pipeline cost model describe the same run; each
-  data-parallel rank's batch is split into that many equal micro-batches.
+- the **micro-batch count** (:func:`default_num_microbatches`), one meaning with and
+  without ``pp``: each data-parallel rank's batch is split into that many equal
+  micro-batches, run one after the other, and the gradients are reduced once per
+  step. Under ``pp`` the schedule runs them (unless given, as many as the schedule
+  has stages, ``pp`` x stages per rank — the fewest every schedule runs, known
+  without the batch size, so the trainer, ``validate``, ``plan`` and the pipeline
+  cost model describe the same run); at ``pp=1`` they are gradient accumulation
+  (default 1): FSDP2 skips its reduction on all but the last micro-batch
+  (:attr:`RunPlan.accumulation_steps`, :meth:`RunPlan.finish_gradients`).
 
 :func:`apply_run_plan` is the one builder: plan (dense states on the plan's submesh,
 routed experts on ``ep``) → the experts' FSDP2 unit over ``efsdp`` → ``torch.compile``
@@ -89,6 +93,7 @@ __all__ = [
     "RUN_AXES",
     "PlanCache",
     "RunPlan",
+    "accumulation_findings",
     "apply_run_plan",
     "build_model",
     "build_stages",
@@ -106,8 +111,10 @@ def default_num_microbatches(pp: int, schedule: str, stages_per_rank: int | None
 
     ``pp`` x stages per rank (2 for the interleaved schedules unless given, 1 for GPipe
     and 1F1B): the fewest micro-batches every schedule runs (torch's own minimum), and
-    known without the batch size, so every entry point agrees. Each data-parallel
-    rank's batch must split into that many equal micro-batches (a finding otherwise).
+    known without the batch size, so every entry point agrees. At ``pp=1`` it is 1
+    (one forward of the whole batch); a larger count given there is gradient
+    accumulation. Each data-parallel rank's batch must split into that many equal
+    micro-batches (a finding otherwise).
 
     Example:
         >>> default_num_microbatches(2, "1F1B"), default_num_microbatches(2, "Interleaved1F1B")
@@ -116,6 +123,54 @@ def default_num_microbatches(pp: int, schedule: str, stages_per_rank: int | None
     if pp <= 1:
         return 1
     return pp * stages_per_rank_of(schedule, stages_per_rank)
+
+
+def accumulation_findings(
+    num_microbatches: int, batch_size: int | None, layout: MeshLayout
+) -> list[Finding]:
+    """What refuses gradient accumulation at ``pp=1``: a count below 1, or a batch per
+    data-parallel rank that does not split into that many equal micro-batches.
+
+    Equal micro-batches make the step's loss the mean of theirs, so the accumulated
+    gradient is exactly the one of one forward over the whole batch.
+
+    Args:
+        num_microbatches: Micro-batches per step (``--microbatches``).
+        batch_size: Sequences per data-parallel rank per step, when known.
+        layout: The mesh (its data-parallel size names the global batch in the fix).
+
+    Example:
+        >>> from hyper_parallel.distributed import MeshLayout
+        >>> [f.field for f in accumulation_findings(3, 4, MeshLayout(dp_shard=2))]
+        ['num_microbatches']
+    """
+    if num_microbatches < 1:
+        return [
+            Finding(
+                "error",
+                "",
+                "num_microbatches",
+                f"--microbatches {num_microbatches}: a step needs at least one micro-batch.",
+                "give --microbatches >= 1 (1: one forward of the whole batch).",
+            )
+        ]
+    if batch_size is None or batch_size % num_microbatches == 0:
+        return []
+    dp = layout.size("batch")
+    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+    shown = ", ".join(str(d) for d in divisors[:8]) + (", ..." if len(divisors) > 8 else "")
+    return [
+        Finding(
+            "error",
+            "",
+            "num_microbatches",
+            f"--microbatches {num_microbatches} does not divide the batch of {batch_size} "
+            f"sequences per data-parallel rank (global batch {batch_size * dp} over "
+            f"dp_replicate x dp_shard = {dp}): the micro-batches would be unequal.",
+            f"use --microbatches among {shown} (divisors of {batch_size}), or a global batch "
+            f"that is a multiple of {dp * num_microbatches} (dp x micro-batches).",
+        )
+    ]
 
 
 def raise_findings(findings: Iterable[Finding], where: str) -> None:
@@ -182,7 +237,8 @@ class RunPlan:
         compile_backend: ``torch.compile``'s backend when ``compile``.
         fsdp: Whether FSDP2 shards states over the data axes (always in training).
         schedule: The pipeline schedule (torch's name), when ``pp > 1``.
-        num_microbatches: Micro-batches per step (resolved; 1 at ``pp=1``).
+        num_microbatches: Micro-batches per step (resolved): the pipeline's under
+            ``pp``, gradient accumulation at ``pp=1`` (default 1).
         batch_size: Sequences per data-parallel rank per step, when known.
         seq_len: Tokens per sequence, when known.
         pipeline_split: The stage split (``None``: balanced by parameters).
@@ -448,6 +504,8 @@ class RunPlan:
             plan, found = found_plan
             pipeline_found = found
             findings += found
+        elif layout.pp == 1:
+            findings += accumulation_findings(num_microbatches, batch_size, layout)
         num_blocks = None
         field = _blocks_field(family, pipeline_layout)
         if model is not None and field is not None:
@@ -551,10 +609,40 @@ class RunPlan:
         """This rank's loss as backward takes it (:attr:`loss_divisor`)."""
         return loss if self.loss_divisor == 1 else loss / self.loss_divisor
 
-    def finish_gradients(self, modules: Iterable[nn.Module]) -> None:
-        """After backward: reduce gradients left ``Partial`` over ``cp`` (states the plan
-        replicates over cp), and bring routed-expert gradients to the dense convention
-        (:func:`~hyper_parallel.distributed.expert_parallel.rescale_expert_grads`)."""
+    @property
+    def accumulation_steps(self) -> int:
+        """Forward and backward passes per step at ``pp=1`` (gradient accumulation):
+        :attr:`num_microbatches`; 1 under ``pp``, whose schedule runs the micro-batches.
+
+        Each micro-batch's backward takes :meth:`scale_loss` of its own mean loss; the
+        summed gradients are divided by the count once, after the last one
+        (:meth:`finish_gradients`), as torch's pipeline schedule does (``scale_grads``).
+        Scaling the gradients rather than each loss keeps exact what a model sends in
+        backward at a fixed size (the MoE balance loss's gradient): its mean over equal
+        micro-batches is the whole batch's.
+        """
+        return self.num_microbatches if self.layout.pp == 1 else 1
+
+    def finish_gradients(self, modules: Iterable[nn.Module], accumulated: int = 1) -> None:
+        """After the step's last backward: average the gradients of ``accumulated``
+        micro-batches (their sum divided by it), reduce gradients left ``Partial`` over
+        ``cp`` (states the plan replicates over cp), and bring routed-expert gradients
+        to the dense convention
+        (:func:`~hyper_parallel.distributed.expert_parallel.rescale_expert_grads`).
+
+        Args:
+            modules: The model (or this rank's pipeline stages).
+            accumulated: Backward passes whose gradients were summed
+                (:attr:`accumulation_steps` at ``pp=1``; 1 after a pipeline schedule,
+                which scales its own).
+        """
+        modules = list(modules)
+        if accumulated > 1:
+            with torch.no_grad():
+                for module in modules:
+                    for p in module.parameters():
+                        if p.grad is not None:
+                            p.grad.div_(accumulated)
         for module in modules:
             if self.layout.cp > 1:
                 for p in module.parameters():

@@ -126,10 +126,12 @@ class TrainConfig:
         progress: Show a progress bar on rank 0 when stderr is a terminal.
         schedule: Pipeline schedule (torch's name) when ``pp > 1``: ``GPipe``,
             ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``.
-        num_microbatches: Micro-batches per step under ``pp > 1``; ``None``: one per
-            stage, ``pp`` x stages per rank (the run plan's one rule,
-            :func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`); each
-            data-parallel rank's batch splits into that many equal micro-batches.
+        num_microbatches: Micro-batches per step, with and without ``pp``: each
+            data-parallel rank's batch splits into that many equal micro-batches, run
+            one after the other, gradients reduced once per step (gradient accumulation
+            at ``pp=1``). ``None``: 1 at ``pp=1``, one per stage under ``pp`` (``pp`` x
+            stages per rank; the run plan's one rule,
+            :func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`).
         pipeline_split: The stage split (``{"units_per_stage": n}`` or
             ``{"stages": [[unit, ...], ...]}``); ``None`` balances stages by parameters.
         compile: ``torch.compile`` each transformer block (``fullgraph=True``), after
@@ -254,7 +256,7 @@ class TrainConfig:
 
     @property
     def microbatches(self) -> int:
-        """Micro-batches per step (``num_microbatches``, or one per pipeline stage)."""
+        """Micro-batches per step (``num_microbatches``; else 1, or one per pipeline stage)."""
         if self.num_microbatches is not None:
             return self.num_microbatches
         return default_num_microbatches(self.layout.pp, self.schedule)
@@ -309,6 +311,23 @@ class Batch:
     inputs: torch.Tensor
     targets: torch.Tensor
     model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def split(self, num_microbatches: int) -> list[Batch]:
+        """This batch as ``num_microbatches`` equal micro-batches of consecutive rows.
+
+        The model's keyword arguments (the cp positions, the same for every row) go
+        to each. The run plan refuses a count that does not divide the rows.
+        """
+        if num_microbatches == 1:
+            return [self]
+        rows = self.inputs.shape[0]
+        assert rows % num_microbatches == 0, (rows, num_microbatches)  # the run plan's check
+        return [
+            Batch(inputs=i, targets=t, model_kwargs=self.model_kwargs)
+            for i, t in zip(
+                self.inputs.chunk(num_microbatches), self.targets.chunk(num_microbatches)
+            )
+        ]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -578,6 +597,17 @@ def _quiet_redistribute_hints() -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether FSDP2 reduces gradients in the next backward, for every FSDP2 unit of
+    ``model`` (its blocks, the routed experts' own unit, the root; HSDP's all-reduce
+    too). Without FSDP2 (one device, no data axis) there is nothing to defer."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(enabled, recurse=False)
+
+
 class _ScaledLoss:
     """The schedule's loss: ``loss_fn`` scaled as the run plan says (``1 / cp``)."""
 
@@ -796,10 +826,7 @@ class Trainer:
             params = [p for m in self.model_parts for p in m.parameters()]
             grad_norm = clip_grad_norm_(params, max_norm, group=self.mesh["pp"].get_group())
         else:
-            # bf16: FSDP2's policy casts, or the builder's autocast where there is no FSDP2.
-            logits = self.model(batch.inputs, **batch.model_kwargs)
-            loss = self.loss_fn(loss_logits(logits), batch.targets)
-            self.backward(loss)
+            loss = self.accumulate(batch)
             if self.grad_callback is not None:
                 self.grad_callback(self.step, self.model_parts)
             grad_norm = clip_grad_norm_(self.model.parameters(), max_norm)
@@ -835,6 +862,35 @@ class Trainer:
         return Batch(
             inputs=inputs.to(self.device), targets=targets.to(self.device), model_kwargs=kwargs
         )
+
+    def accumulate(self, batch: Batch) -> torch.Tensor:
+        """Forward and backward of ``batch`` as the run plan's micro-batches (``pp=1``).
+
+        Each micro-batch's mean loss is backpropagated as the run plan scales it
+        (``1 / cp``); FSDP2 reduces no gradient but the last micro-batch's (HSDP's
+        all-reduce included), which carries the sum of all of them; the sum is then
+        divided by the count, once, with the rest of the run plan's finishing
+        (:meth:`~hyper_parallel.distributed.run_plan.RunPlan.finish_gradients`: cp
+        partial sums, expert gradients). Equal micro-batches: the mean of their mean
+        losses is the whole batch's, and so is the gradient.
+
+        Returns:
+            This rank's mean loss over the whole batch (detached).
+        """
+        steps = self.run.accumulation_steps
+        total: torch.Tensor | None = None
+        for i, micro in enumerate(batch.split(steps)):
+            if steps > 1:
+                _set_gradient_sync(self.model, i == steps - 1)
+            # bf16: FSDP2's policy casts, or the builder's autocast where there is no FSDP2.
+            logits = self.model(micro.inputs, **micro.model_kwargs)
+            loss = self.loss_fn(loss_logits(logits), micro.targets)
+            self.run.scale_loss(loss).backward()
+            loss = loss.detach()
+            total = loss if total is None else total + loss
+        assert total is not None
+        self.run.finish_gradients(self.model_parts, accumulated=steps)
+        return total if steps == 1 else total / steps
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate this rank's mean ``loss`` so every gradient is the global-batch one.
