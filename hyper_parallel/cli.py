@@ -109,7 +109,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hyper-parallel",
-        description="Declarative named-axis sharding: plan, validate and demo.",
+        description="Declarative named-axis sharding for PyTorch: check a layout before a "
+        "cluster sees it, train on it, and move weights to and from Hugging Face.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -171,6 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     from hyper_parallel.checkpoint_hf.commands import add_commands as add_hf_commands
 
     add_hf_commands(sub)
+    # The description names every command there is (it said "plan, validate and demo").
+    parser.description += f" Commands: {', '.join(sub.choices)}."
     return parser
 
 
@@ -181,6 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         main(["validate", "--model", "llama3-debug", "--mesh", "tp=2"])
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # every option after it is the trainer's (argparse would eat them)
+        from hyper_parallel.train.run import main as train_main
+
+        return train_main(argv[1:], prog="hyper-parallel train")
     args = _parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,4 +1,5 @@
-"""Subcommands of ``hyper-parallel``: ``verify-hf``, ``export-hf``, ``generate``, ``tokenize``.
+"""Subcommands of ``hyper-parallel``: ``train``, ``verify-hf``, ``export-hf``, ``generate``,
+``tokenize``.
 
 :func:`add_commands` adds them to the command line's subparsers (one call in
 :mod:`hyper_parallel.cli`); each returns an exit status (0 success, 1 failure, 2 a
@@ -23,8 +24,17 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def add_commands(sub: Any) -> None:
-    """Add ``verify-hf``, ``export-hf``, ``generate``, ``tokenize`` to ``sub`` (argparse subparsers)."""
+    """Add ``train``, ``verify-hf``, ``export-hf``, ``generate``, ``tokenize`` to ``sub``."""
     from hyper_parallel.checkpoint_hf import verify
+
+    r = sub.add_parser(
+        "train",
+        add_help=False,  # --help goes to the trainer's own parser
+        help="train a model on an N-D mesh (one process per rank under torchrun); the "
+        "options of python -m hyper_parallel.train.run (train --help lists them)",
+    )
+    r.add_argument("options", nargs=argparse.REMAINDER)  # cli.main passes them on itself
+    r.set_defaults(func=_train)
 
     v = sub.add_parser(
         "verify-hf",
@@ -49,6 +59,15 @@ def add_commands(sub: Any) -> None:
     e.add_argument("--model", help="model, for a checkpoint that does not record it")
     e.add_argument("--model-overrides", type=_json_object, default=None)
     e.add_argument("--hf-config", help="config.json (or its directory) of the model")
+    e.add_argument(
+        "--tokenizer", help="tokenizer.json to ship with it (default: the run's, as recorded)"
+    )
+    e.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty OUT (its old files all go; the checkpoint's own folder is "
+        "always refused)",
+    )
     e.set_defaults(func=_export)
 
     g = sub.add_parser(
@@ -91,6 +110,12 @@ def add_commands(sub: Any) -> None:
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def _train(args: argparse.Namespace) -> int:
+    from hyper_parallel.train.run import main
+
+    return main(args.options, prog="hyper-parallel train")
+
+
 def _export(args: argparse.Namespace) -> int:
     import torch
 
@@ -106,12 +131,27 @@ def _export(args: argparse.Namespace) -> int:
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     try:
         files = export_hf(
-            args.checkpoint, args.out, max_shard_size=args.max_shard_size, dtype=dtype, **model
+            args.checkpoint,
+            args.out,
+            max_shard_size=args.max_shard_size,
+            dtype=dtype,
+            overwrite=args.overwrite,
+            tokenizer=args.tokenizer,
+            **model,
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"hyper-parallel export-hf: error: {err}", file=sys.stderr)
         return 2
-    print(f"export-hf: wrote {len(files)} safetensors file(s), index and config.json to {args.out}")
+    extra = sorted(set(os.listdir(args.out)) - {os.path.basename(f) for f in files})
+    print(f"export-hf: wrote {len(files)} safetensors file(s) and {', '.join(extra)} to {args.out}")
+    with open(os.path.join(args.out, "config.json"), encoding="utf-8") as f:
+        vocab = json.load(f).get("vocab_size")
+    if "tokenizer.json" not in extra and vocab != 256:  # 256: bytes, no tokenizer needed
+        print(
+            "export-hf: no tokenizer recorded for this checkpoint; generate on the export needs "
+            "--tokenizer FILE (or rerun export-hf with --tokenizer FILE)",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,11 +22,45 @@ from torch import nn
 
 __all__ = [
     "MODEL_KEY",
+    "TOKENIZER_FILES",
     "checkpoint_record",
     "export_hf",
     "load_trainer_checkpoint",
     "model_record",
+    "tokenizer_files",
 ]
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+)
+"""Files of a Hugging Face checkpoint that travel with its weights (whichever are present)."""
+
+
+def tokenizer_files(tokenizer: str | None, folders: Iterable[str | None] = ()) -> dict[str, str]:
+    """``{name: source}`` of the tokenizer files to put next to exported weights.
+
+    ``tokenizer`` (a ``tokenizer.json``, under any name) is copied as ``tokenizer.json``
+    and the other :data:`TOKENIZER_FILES` found beside it come along; then those of
+    ``folders`` (the Hugging Face checkpoint the run started from) fill the gaps.
+    """
+    found: dict[str, str] = {}
+    dirs = [os.path.dirname(os.path.abspath(tokenizer))] if tokenizer else []
+    if tokenizer:
+        found["tokenizer.json"] = tokenizer
+    for folder in [*dirs, *(f for f in folders if f)]:
+        for name in TOKENIZER_FILES:
+            candidate = os.path.join(folder, name)
+            if name not in found and os.path.isfile(candidate):
+                found[name] = candidate
+    return found
+
 
 MODEL_KEY = "model_json"
 """The key of the model record in a checkpoint's ``train`` state."""
@@ -73,7 +109,10 @@ def _saved_record(path: str) -> dict[str, Any] | None:
     if f"train.{MODEL_KEY}" not in keys:
         return None
     state: dict[str, Any] = {"train": {MODEL_KEY: None}}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():
+        # DCP's notice that it assumes one process: reading one record is meant to be.
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
     return json.loads(state["train"][MODEL_KEY])
 
 
@@ -138,24 +177,43 @@ def export_hf(
     *,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    tokenizer: str | None = None,
     **model: Any,
 ) -> list[str]:
     """Write the model of a trainer checkpoint as a Hugging Face checkpoint in ``out``.
 
+    The tokenizer files of the run (:func:`tokenizer_files` of the recorded tokenizer)
+    are copied along, so ``generate --hf-checkpoint OUT`` works on the export. ``out``
+    is written aside and renamed into place when complete
+    (:mod:`~hyper_parallel.checkpoint_hf.outputs`).
+
     Args:
         checkpoint: Step or checkpoint directory (see :func:`load_trainer_checkpoint`).
-        out: Output directory.
+        out: Output directory: new or empty, or any with ``overwrite``; never the
+            checkpoint's own.
         max_shard_size: Largest safetensors file.
         dtype: Cast the tensors (default: as trained, fp32).
+        overwrite: Replace a non-empty ``out`` (nothing of it is left).
+        tokenizer: The ``tokenizer.json`` to ship (default: the one the run recorded).
         **model: ``model``, ``model_overrides`` or ``hf_config`` for a checkpoint
             that does not record its model.
 
     Returns:
         The safetensors files written.
+
+    Raises:
+        OutputError: ``out`` is the checkpoint's folder, or not empty without ``overwrite``.
     """
     from hyper_parallel.checkpoint_hf.io import save_hf
+    from hyper_parallel.checkpoint_hf.outputs import check_output
 
+    check_output(out, overwrite=overwrite, inputs=[checkpoint], what="export-hf OUT")
     built, config, hf_config = load_trainer_checkpoint(checkpoint, **model)
+    if tokenizer is None:
+        tokenizer = (checkpoint_record(checkpoint) or {}).get("tokenizer")
+        if tokenizer is not None and not os.path.isfile(tokenizer):
+            tokenizer = None  # moved since the run; generate then takes --tokenizer
     return save_hf(
         built,
         out,
@@ -163,4 +221,8 @@ def export_hf(
         model_config=config,
         max_shard_size=max_shard_size,
         dtype=dtype,
+        overwrite=overwrite,
+        inputs=[checkpoint],
+        extra_files=tokenizer_files(tokenizer),
+        what="export-hf OUT",
     )

@@ -33,6 +33,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -42,12 +43,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel._warnings import quiet_strided_gather
 from hyper_parallel.checkpoint_hf.config import (
     HFConfig,
     hf_config_from_model,
     read_hf_config,
 )
 from hyper_parallel.checkpoint_hf.mapping import TensorMap, family_maps, to_hf_tensors
+from hyper_parallel.checkpoint_hf.outputs import staged_output
 from hyper_parallel.checkpoint_hf.shards import shard_indices
 
 __all__ = [
@@ -55,8 +58,11 @@ __all__ = [
     "LoadReport",
     "checkpoint_files",
     "load_hf",
+    "safetensors_problem",
     "save_hf",
 ]
+
+quiet_strided_gather()  # save_hf's full_tensor of FSDP-over-TP parameters (see _warnings)
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -64,6 +70,8 @@ _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped
 
 class HFCheckpointError(ValueError):
     """A checkpoint that does not fit the model; ``problems`` lists each, nothing was loaded."""
+
+    same_on_every_rank = True  # every rank reads every file's header: one message suffices
 
     def __init__(self, where: str, problems: list[str]) -> None:
         self.problems = problems
@@ -88,6 +96,52 @@ class LoadReport:
     config: HFConfig
 
 
+_HEADER_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
+                    "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # fmt: skip
+
+
+def safetensors_problem(file: str | os.PathLike[str]) -> str | None:
+    """What is wrong with a safetensors file, or ``None``: read from its header, not its data.
+
+    A safetensors file is an 8-byte little-endian header length, a JSON header giving
+    each tensor's dtype, shape and byte range, then the data. A file cut short (an
+    interrupted download or copy) or with a damaged header is named with what is
+    wrong, instead of the reader's own error deep in a load.
+    """
+    file = os.fspath(file)
+    if not os.path.isfile(file):
+        return f"{file} is missing"
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{file} has {size} bytes, too few for a safetensors header (truncated)"
+        length = int.from_bytes(head, "little")
+        if 8 + length > size:
+            return (
+                f"{file} is truncated: its header alone needs {8 + length} bytes, the file "
+                f"has {size}"
+            )
+        try:
+            header = json.loads(f.read(length))
+            entries = {k: v for k, v in header.items() if k != "__metadata__"}
+            ends = [int(v["data_offsets"][1]) for v in entries.values()]
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return f"{file} has a damaged header (not a safetensors file, or corrupted)"
+    for name, entry in entries.items():
+        begin, end = (int(x) for x in entry["data_offsets"])
+        itemsize = _HEADER_ITEMSIZE.get(entry.get("dtype"))
+        if itemsize and end - begin != math.prod(entry.get("shape", [])) * itemsize:
+            return f"{file}: the header's entry for {name} is inconsistent (corrupted)"
+    needed = 8 + length + max(ends, default=0)
+    if needed > size:
+        return (
+            f"{file} is truncated: it has {size:,} bytes, its header describes {needed:,}; "
+            "download or save it again"
+        )
+    return None
+
+
 def checkpoint_files(path: str | os.PathLike[str]) -> dict[str, str]:
     """Hugging Face tensor name -> safetensors file path of a checkpoint directory.
 
@@ -105,10 +159,13 @@ def checkpoint_files(path: str | os.PathLike[str]) -> dict[str, str]:
         return {name: os.path.join(path, file) for name, file in weight_map.items()}
     single = os.path.join(path, "model.safetensors")
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), single)
+        problem = safetensors_problem(single)
+        if problem is not None:
+            raise HFCheckpointError(f"checkpoint {path}", [problem])
+        with open(single, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            names = [k for k in json.loads(f.read(length)) if k != "__metadata__"]
+        return dict.fromkeys(names, single)
     raise FileNotFoundError(
         f"{path}: no model.safetensors or model.safetensors.index.json; save the checkpoint "
         "with safetensors (transformers' save_pretrained does by default)."
@@ -344,6 +401,9 @@ def load_hf(model: nn.Module | Iterable[nn.Module], path: str | os.PathLike[str]
             TensorMap("output.weight", ("model.embed_tokens.weight",))
         ]
     params = _named_params(_parts(model))
+    damaged = [p for p in map(safetensors_problem, sorted(set(files.values()))) if p]
+    if damaged:
+        raise HFCheckpointError(f"load_hf({path})", damaged)
     problems = _check(config, maps, files, _headers(files), params)
     if problems:
         raise HFCheckpointError(f"load_hf({path})", problems)
@@ -394,6 +454,10 @@ def save_hf(
     model_config: Any = None,
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    inputs: Iterable[str | os.PathLike[str] | None] = (),
+    extra_files: dict[str, str] | None = None,
+    what: str = "save_hf",
 ) -> list[str]:
     """Write ``model`` (or this rank's stages) as a Hugging Face checkpoint in ``path``.
 
@@ -411,9 +475,22 @@ def save_hf(
         max_shard_size: Largest safetensors file, bytes or ``"500MB"``-style.
         dtype: Cast every tensor to this dtype (default: the checkpoint's ``dtype``
             when ``hf_config`` says bf16 or fp16, else the parameters' own).
+        overwrite: Replace a non-empty ``path`` (nothing of the old files is left).
+        inputs: The run's inputs (the checkpoint it started from): ``path`` may never
+            be one of them.
+        extra_files: ``{name: source file}`` copied into the checkpoint by rank 0
+            (the tokenizer's files).
+        what: How the user named ``path``, for error messages (``--save-hf``).
+
+    The files are written into ``path.partial`` and renamed onto ``path`` once every
+    rank is done (:mod:`~hyper_parallel.checkpoint_hf.outputs`).
 
     Returns:
         The files written (on rank 0; other ranks: those they wrote).
+
+    Raises:
+        OutputError: ``path`` is an input, or not empty and ``overwrite`` is false;
+            nothing is written.
     """
     path = os.fspath(path)
     if isinstance(hf_config, HFConfig):
@@ -451,8 +528,33 @@ def save_hf(
     missing = sorted({m.ours for m in maps} - set(writer))
     if missing:
         raise ValueError(f"save_hf: no rank holds {missing}; pass every pipeline stage.")
-    os.makedirs(path, exist_ok=True)
-    limit = _parse_size(max_shard_size)
+    with staged_output(
+        path, overwrite=overwrite, inputs=inputs, what=what, distributed=distributed
+    ) as tmp:
+        result = _write_hf(
+            tmp, path, rank, distributed, maps, params, writer, config, raw, dtype,
+            _parse_size(max_shard_size),
+        )  # fmt: skip
+        if rank == 0:
+            for name, source in (extra_files or {}).items():
+                shutil.copyfile(source, os.path.join(tmp, name))
+    return result
+
+
+def _write_hf(
+    path: str,
+    final_dir: str,
+    rank: int,
+    distributed: bool,
+    maps: list[TensorMap],
+    params: dict[str, nn.Parameter],
+    writer: dict[str, int],
+    config: HFConfig,
+    raw: dict[str, Any],
+    dtype: torch.dtype | None,
+    limit: int,
+) -> list[str]:
+    """Write the shards, index and config into ``path`` (to be renamed onto ``final_dir``)."""
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = 0
     written: list[tuple[str, list[str]]] = []
@@ -520,11 +622,10 @@ def save_hf(
             weight_map.update(dict.fromkeys(keys, final))
             result.append(os.path.join(path, final))
         size = sum(int(os.path.getsize(f)) for f in result)
+        result = [os.path.join(final_dir, os.path.basename(f)) for f in result]
         index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
         with open(os.path.join(path, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
             json.dump(index, f, indent=2)
         with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
             json.dump(raw, f, indent=2)
-    if distributed:
-        dist.barrier()
     return result

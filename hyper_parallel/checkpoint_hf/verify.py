@@ -30,7 +30,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hyper_parallel.checkpoint_hf.config import read_hf_config
-from hyper_parallel.checkpoint_hf.io import load_hf
+from hyper_parallel.checkpoint_hf.io import (
+    HFCheckpointError,
+    checkpoint_files,
+    load_hf,
+    safetensors_problem,
+)
 
 __all__ = [
     "DEFAULT_TOL",
@@ -258,14 +263,20 @@ def run(args: argparse.Namespace) -> int:
         layout = MeshLayout.from_sizes(args.mesh)
         run_cfg = _run_config(args.dir, layout.active(), args.batch, args.seq_len, args.sp)
         problems = check_config(run_cfg, layout.world_size)
+        if not problems:
+            damaged = [
+                p for p in map(safetensors_problem, set(checkpoint_files(args.dir).values()))
+            ]
+            damaged = sorted(p for p in damaged if p)
+            if damaged:
+                raise HFCheckpointError(f"checkpoint {args.dir}", damaged)
     except (ValueError, FileNotFoundError) as e:
-        print(f"verify-hf: {e}", file=sys.stderr)
-        print(f"parity: max_abs_logit_diff=nan loss_diff=nan tol={tol_text} FAIL")
+        # Refused before anything ran: no numbers were compared, so no parity line.
+        print(f"verify-hf: error: {e}", file=sys.stderr)
         return 2
     if problems:
         lines = "\n".join(f"  {f}" for f in problems)
         print(f"verify-hf: {len(problems)} problem(s) with --mesh:\n{lines}", file=sys.stderr)
-        print(f"parity: max_abs_logit_diff=nan loss_diff=nan tol={tol_text} FAIL")
         return 2
     vocab = cfg.model_overrides["vocab_size"]
     tokens = batch_tokens(vocab, args.batch, args.seq_len, args.seed)
@@ -299,8 +310,12 @@ def run(args: argparse.Namespace) -> int:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         status = subprocess.run(cmd, env=env, check=False).returncode
         if status != 0 or not os.path.exists(out_path):
-            print(f"verify-hf: the ranks failed (exit status {status}); see above.")
-            print(f"parity: max_abs_logit_diff=nan loss_diff=nan tol={tol_text} FAIL")
+            # No logits to compare: say so instead of a parity line of NaNs.
+            print(
+                f"verify-hf: the ranks failed (exit status {status}; see above); nothing was "
+                "compared.",
+                file=sys.stderr,
+            )
             return status or 1
         ours = torch.load(out_path)
     theirs = hf_logits(args.dir, tokens)

@@ -30,6 +30,7 @@ from hyper_parallel.distributed.activation_checkpoint import AC_MODES
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout
 from hyper_parallel.distributed.pipeline import SCHEDULES
 from hyper_parallel.distributed.precision import DTYPES
+from hyper_parallel.train.schedule import LR_SCHEDULES
 
 __all__ = [
     "COMMAND_OPTIONS",
@@ -145,6 +146,13 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--lr", "lr", {"type": float, "help": "peak learning rate"}),
     ("--weight-decay", "weight_decay", {"type": float, "help": "AdamW weight decay"}),
     ("--warmup-steps", "warmup_steps", {"type": int, "help": "linear warm-up steps"}),
+    ("--lr-schedule", "lr_schedule", {"choices": LR_SCHEDULES, "help": "decay after warm-up"}),
+    ("--min-lr", "min_lr", {"type": float, "help": "rate decayed to (default: 0.1 x --lr)"}),
+    (
+        "--lr-schedule-steps",
+        "lr_schedule_steps",
+        {"type": int, "help": "schedule length (default: --steps; a resumed run keeps its own)"},
+    ),
     ("--max-grad-norm", "max_grad_norm", {"type": float, "help": "clipping norm (0: off)"}),
     ("--seed", "seed", {"type": int, "help": "initialization seed"}),
     ("--text", "text", {"help": "shipped text to train on"}),
@@ -154,6 +162,13 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {"metavar": "DIR", "help": "directory for DCP checkpoints"},
     ),
     ("--checkpoint-every", "checkpoint_every", {"type": int, "help": "save every N steps"}),
+    ("--keep-checkpoints", "keep_checkpoints", {"type": int, "help": "keep the N newest (0: all)"}),
+    (
+        "--overwrite",
+        "overwrite",
+        {"action": "store_true", "help": "replace a non-empty --save-hf and old checkpoints"},
+    ),
+    ("--run-dir", "run_dir", {"metavar": "DIR", "help": "train.log here (default: ckpt dir)"}),
     (
         "--resume",
         "resume",
@@ -247,6 +262,9 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "text_field",
         {"metavar": "NAME", "help": "the .jsonl field holding a document"},
     ),
+    ("--eval-data", "eval_data", {"metavar": "PATH", "help": "held-out data, as --data"}),
+    ("--eval-every", "eval_every", {"type": int, "help": "evaluate every N steps (0: at the end)"}),
+    ("--eval-batches", "eval_batches", {"type": int, "help": "batches per eval (default: all)"}),
     (
         "--tensorboard",
         "tensorboard",

@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import warnings
 import zlib
 from collections.abc import Iterator, Sequence
@@ -49,10 +50,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hyper_parallel.checkpoint_hf.outputs import staged_output
+
 __all__ = [
     "checkpoint_path",
+    "checkpoint_steps",
     "latest_checkpoint",
     "load_checkpoint",
+    "prune_checkpoints",
+    "remove_checkpoints",
     "save_checkpoint",
     "verify_checkpoint",
 ]
@@ -61,6 +67,55 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _METADATA = ".metadata"  # written by DCP's coordinator after all ranks finished
 _MANIFEST = "checksums.json"  # written after .metadata: every file's size and CRC-32
 _CHUNK = 1 << 22
+
+
+def checkpoint_steps(checkpoint_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
+    """``(step, path)`` of every step directory under ``checkpoint_dir`` holding DCP's
+    ``.metadata``, by step (damaged ones included: see :func:`verify_checkpoint`)."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    steps = []
+    for name in os.listdir(checkpoint_dir):
+        match = _STEP_DIR.match(name)
+        if match and os.path.isfile(os.path.join(checkpoint_dir, name, _METADATA)):
+            steps.append((int(match.group(1)), os.path.join(checkpoint_dir, name)))
+    return sorted(steps)
+
+
+def prune_checkpoints(checkpoint_dir: str | os.PathLike[str], keep: int) -> list[str]:
+    """Delete all but the ``keep`` newest intact checkpoints under ``checkpoint_dir``.
+
+    Only intact checkpoints count towards ``keep`` (sizes checked, as
+    :func:`verify_checkpoint` with ``contents=False``), so a damaged newest one never
+    costs the last good one. Call it on one process (the trainer: rank 0).
+
+    Returns:
+        The step directories deleted.
+    """
+    if keep < 1:
+        return []
+    kept, deleted = 0, []
+    for _, path in reversed(checkpoint_steps(checkpoint_dir)):
+        if kept < keep:
+            kept += verify_checkpoint(path, contents=False) is None
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
+def remove_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """Delete every step directory (complete, partial or damaged) under ``checkpoint_dir``."""
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    removed = []
+    for name in sorted(os.listdir(checkpoint_dir)):
+        if _STEP_DIR.match(name.removesuffix(".partial")):
+            shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
+            removed.append(os.path.join(checkpoint_dir, name))
+    return removed
 
 
 def checkpoint_path(checkpoint_dir: str | os.PathLike[str], step: int) -> str:
@@ -94,15 +149,7 @@ def latest_checkpoint(
 
 
 def _latest_on_disk(checkpoint_dir: str) -> str | None:
-    if not os.path.isdir(checkpoint_dir):
-        return None
-    steps = []
-    for name in os.listdir(checkpoint_dir):
-        match = _STEP_DIR.match(name)
-        if match and os.path.isfile(os.path.join(checkpoint_dir, name, _METADATA)):
-            steps.append((int(match.group(1)), name))
-    for _, name in sorted(steps, reverse=True):
-        path = os.path.join(checkpoint_dir, name)
+    for _, path in reversed(checkpoint_steps(checkpoint_dir)):
         problem = verify_checkpoint(path)
         if problem is None:
             return path
@@ -288,15 +335,13 @@ def save_checkpoint(
     state["train"] = dict(train_state or {})
     # Keyed by rank: each rank's generator state is its own, not a replicated value.
     state["rng"] = {f"rank{_rank(distributed)}": _rng_state()}
-    if _rank(distributed) == 0:
-        # Saving over an earlier save of this step: until this one completes, the
-        # directory must not look complete (DCP rewrites .metadata last).
-        for stale in (_MANIFEST, _METADATA):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(os.fspath(path), stale))
-    with _single_process_notice_muted(distributed):
-        dcp.save(state, checkpoint_id=os.fspath(path), no_dist=not distributed)
-    _write_manifest(os.fspath(path), distributed)
+    # Written into ``path.partial`` and renamed onto ``path`` by rank 0 once every rank
+    # is done: a step directory is there complete or not at all, and a save over an
+    # earlier one of this step replaces it whole.
+    with staged_output(path, distributed=distributed, check=False) as tmp:
+        with _single_process_notice_muted(distributed):
+            dcp.save(state, checkpoint_id=tmp, no_dist=not distributed)
+        _write_manifest(tmp, distributed)
 
 
 def _check_same_model(

@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from hyper_parallel._warnings import quiet_strided_gather
+from hyper_parallel.train import run_hooks
 from hyper_parallel.train.arguments import (
     add_command_arguments,
     add_train_arguments,
@@ -47,6 +49,8 @@ from hyper_parallel.train.arguments import (
     parse_mesh,
 )
 from hyper_parallel.train.trainer import Trainer, check_config, default_device
+
+quiet_strided_gather()  # full_gradients' full_tensor of FSDP-over-TP gradients (see _warnings)
 
 __all__ = ["add_train_arguments", "config_from_args", "full_gradients", "main", "parse_mesh"]
 
@@ -140,15 +144,17 @@ def main(
     argv: Sequence[str] | None = None,
     *,
     step_callback: Callable[[int, float], None] | None = None,
+    prog: str = "python -m hyper_parallel.train.run",
 ) -> int:
     """Train from command-line options; returns the exit status.
 
     Args:
         argv: Options (default ``sys.argv[1:]``).
         step_callback: Passed to :class:`~hyper_parallel.train.Trainer`.
+        prog: The command's name in messages (``hyper-parallel train``).
     """
     parser = argparse.ArgumentParser(
-        prog="python -m hyper_parallel.train.run",
+        prog=prog,
         description="Train a registered model on an N-D mesh (TP (+SP) x FSDP2 / HSDP) "
         "with DCP checkpoints.",
     )
@@ -160,16 +166,23 @@ def main(
     )
     args = parser.parse_args(argv)
     # Every problem of the run (the mesh against the ranks torchrun started, axes the
-    # trainer cannot run, the model's shapes) is reported before any process group.
+    # trainer cannot run, the model's shapes, outputs that would clobber something, a
+    # damaged checkpoint) is reported before any process group. Every rank finds the
+    # same from the same options and files: rank 0 alone says it.
+    first = int(os.environ.get("RANK", "0")) == 0
     try:
         cfg = config_from_args(args, int(os.environ.get("WORLD_SIZE", "1")))
         problems = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if not problems:
+            run_hooks.check_files(cfg)
     except ValueError as e:
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        if first:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     if problems:
         lines = "\n".join(f"  {f}" for f in problems)
-        print(f"{parser.prog}: error: {len(problems)} problem(s):\n{lines}", file=sys.stderr)
+        if first:
+            print(f"{parser.prog}: error: {len(problems)} problem(s):\n{lines}", file=sys.stderr)
         return 2
     _init_process_group()
     try:
@@ -179,7 +192,11 @@ def main(
             )
             trainer = Trainer(cfg, step_callback=step_callback, grad_callback=grad_callback)
         except ValueError as e:  # a run that cannot start: say why, no traceback
-            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            # An error every rank meets alike (the same files) is said once, by rank 0.
+            if rank == 0 or not getattr(e, "same_on_every_rank", False):
+                where = f"[rank {rank}] " if rank else ""
+                print(f"{parser.prog}: error: {where}{e}", file=sys.stderr)
             return 2
         result = trainer.fit()
         rank = dist.get_rank() if dist.is_initialized() else 0

@@ -28,6 +28,7 @@ __all__ = [
     "HF_ARGUMENT_FIELDS",
     "StepLogger",
     "build_data",
+    "check_files",
     "hf_model",
     "load_weights",
     "model_record",
@@ -103,6 +104,33 @@ def resolve_model(cfg: Any) -> None:
     cfg.model, cfg.model_overrides = hf_model(source, own, where=f"TrainConfig.{field}")
 
 
+def check_files(cfg: Any) -> None:
+    """Before any rank builds: outputs that would clobber something, a damaged checkpoint.
+
+    Raises:
+        OutputError: See :func:`~hyper_parallel.train.report.check_outputs`.
+        HFCheckpointError: A safetensors file of ``hf_checkpoint`` is missing,
+            truncated or corrupt (each named, with what is wrong).
+    """
+    from hyper_parallel.train.report import check_outputs
+
+    check_outputs(cfg)
+    if cfg.hf_checkpoint:
+        from hyper_parallel.checkpoint_hf.io import (
+            HFCheckpointError,
+            checkpoint_files,
+            safetensors_problem,
+        )
+
+        try:
+            files = sorted(set(checkpoint_files(cfg.hf_checkpoint).values()))
+        except FileNotFoundError as e:
+            raise ValueError(f"--hf-checkpoint: {e}") from None
+        damaged = [p for p in map(safetensors_problem, files) if p]
+        if damaged:
+            raise HFCheckpointError(f"--hf-checkpoint {cfg.hf_checkpoint}", damaged)
+
+
 def load_weights(cfg: Any, parts: list[Any]) -> None:
     """Fill the built model parts from ``cfg.hf_checkpoint`` (nothing when unset)."""
     if cfg.hf_checkpoint:
@@ -142,16 +170,20 @@ def build_data(cfg: Any, vocab_size: int | None) -> Any:
 
     if vocab_size is None:
         raise ValueError(f"--data: model {cfg.model!r} declares no vocabulary size.")
-    tokens = open_corpus(
-        cfg.data,
-        vocab_size=vocab_size,
-        tokenizer=tokenizer_path(cfg),
-        text_field=cfg.text_field,
-        eos=_eos(cfg),
-    )
-    return TokenBatches(
-        tokens, global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, source=cfg.data
-    )
+    try:
+        tokens = open_corpus(
+            cfg.data,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer_path(cfg),
+            text_field=cfg.text_field,
+            eos=_eos(cfg),
+        )
+        return TokenBatches(
+            tokens, global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, source=cfg.data
+        )
+    except ValueError as e:
+        e.same_on_every_rank = True  # type: ignore[attr-defined]  # the files every rank reads
+        raise
 
 
 def model_record(cfg: Any) -> str:
@@ -169,14 +201,14 @@ def model_record(cfg: Any) -> str:
 def save_weights(cfg: Any, parts: list[Any]) -> None:
     """Write the model parts to ``cfg.save_hf`` in Hugging Face format (every rank calls it).
 
-    The tokenizer the run used is copied next to them, so ``generate`` finds it.
+    The tokenizer files the run used (and those of its Hugging Face checkpoint) are
+    copied next to them, so ``generate`` finds them; the directory is written aside and
+    renamed into place when complete, and refused when it is not empty (unless
+    ``cfg.overwrite``) or is one of the run's inputs.
     """
     if not cfg.save_hf:
         return
-    import shutil
-
-    import torch.distributed as dist
-
+    from hyper_parallel.checkpoint_hf.export import tokenizer_files
     from hyper_parallel.checkpoint_hf.io import save_hf
     from hyper_parallel.dmodule.model_spec import get_spec
 
@@ -186,11 +218,16 @@ def save_weights(cfg: Any, parts: list[Any]) -> None:
 
         hf_config = read_hf_config(cfg.hf_checkpoint)
     config = get_spec(cfg.model).config(**cfg.model_overrides)
-    save_hf(parts, cfg.save_hf, hf_config=hf_config, model_config=config)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tokenizer = tokenizer_path(cfg)
-    if rank == 0 and tokenizer:
-        shutil.copyfile(tokenizer, os.path.join(cfg.save_hf, "tokenizer.json"))
+    save_hf(
+        parts,
+        cfg.save_hf,
+        hf_config=hf_config,
+        model_config=config,
+        overwrite=cfg.overwrite,
+        inputs=[cfg.hf_checkpoint, cfg.tokenizer, cfg.eval_data, *(cfg.data or "").split(",")],
+        extra_files=tokenizer_files(tokenizer_path(cfg), [cfg.hf_checkpoint]),
+        what="--save-hf",
+    )
 
 
 # Dense bf16 peak FLOP/s of accelerators we know by name (vendor datasheets).

@@ -227,7 +227,14 @@ def open_corpus(
                 f"vocabulary is {vocab_size}; use the model's tokenizer or a model with "
                 f"vocab_size >= {tok.get_vocab_size()}."
             )
-        tokens = tokenize_documents(tok, iter_documents(paths, text_field), eos_id(tok, eos))
+        separator = eos_id(tok, eos)
+        tokens = tokenize_documents(tok, iter_documents(paths, text_field), separator)
+        if tokens.size and bool((tokens == separator).all()):
+            # Only the separators of empty documents: there is nothing to learn from.
+            raise ValueError(
+                f"--data {where}: the corpus is empty: {tokens.size} document(s), none "
+                "holding any text; give files that hold text."
+            )
     else:
         raise ValueError(
             f"--data {where}: use one token file (.bin/.npy) or text files (.txt/.jsonl)."
@@ -332,10 +339,16 @@ class TokenBatches(TextBatches):
     ) -> None:
         span = global_batch_size * seq_len
         if span + 1 > tokens.size:
+            most = (tokens.size - 1) // seq_len
+            fix = (
+                f"lower --batch-size to {most} or less, or --seq-len"
+                if most >= 1
+                else "lower --seq-len"
+            )
             raise ValueError(
-                f"--data {source}: {tokens.size} tokens, fewer than one global batch needs "
-                f"({global_batch_size} x {seq_len} + 1 = {span + 1}); add data or lower "
-                "--global-batch-size / --seq-len."
+                f"--data {source}: {tokens.size:,} token(s), fewer than one step needs "
+                f"(--batch-size {global_batch_size} x --seq-len {seq_len} + 1 = {span + 1:,}); "
+                f"add data, or {fix}."
             )
         self.array = tokens
         # TextBatches' bookkeeping (sizes, position, epoch) on a stand-in of the same length.

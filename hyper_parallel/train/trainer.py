@@ -64,7 +64,8 @@ from hyper_parallel.distributed.run_plan import (
 from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.dmodule.module import Module
-from hyper_parallel.train import run_hooks
+from hyper_parallel.train import report, run_hooks
+from hyper_parallel.train import schedule as lr_schedules
 from hyper_parallel.train.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
@@ -114,7 +115,12 @@ class TrainConfig:
         seq_len: Tokens per sequence.
         lr: Peak learning rate of AdamW.
         weight_decay: AdamW's decoupled weight decay.
-        warmup_steps: Linear warm-up steps; then cosine decay to 10% at ``num_steps``.
+        warmup_steps: Linear warm-up steps; then the ``lr_schedule``.
+        lr_schedule: ``"cosine"``, ``"linear"``, ``"constant"`` or ``"wsd"``
+            (:mod:`hyper_parallel.train.schedule`), decaying to ``min_lr``.
+        min_lr: The rate the schedule decays to; ``None``: 10 % of ``lr``.
+        lr_schedule_steps: The schedule's length in steps; ``None``: ``num_steps`` for
+            a new run, and for a resumed run the length it was started with.
         max_grad_norm: Clip the global gradient norm to this; ``0`` disables clipping.
         seed: Seeds initialization (same values at every mesh).
         text: A text shipped in ``hyper_parallel/train/data/``.
@@ -155,6 +161,15 @@ class TrainConfig:
         tokenizer: ``tokenizer.json`` for text ``data`` (default: the checkpoint's).
         text_field: The ``.jsonl`` field holding a document.
         tensorboard: Write per-step TensorBoard scalars to this directory.
+        overwrite: Let ``save_hf`` replace a non-empty directory and a new run (not
+            ``resume``) replace the checkpoints in ``checkpoint_dir``; without it they
+            are refused before training (:mod:`hyper_parallel.checkpoint_hf.outputs`).
+        keep_checkpoints: Keep only this many newest checkpoints (``0``: all).
+        eval_data: Held-out data (as ``data``); its mean loss is logged every
+            ``eval_every`` steps and at the end.
+        eval_every: Evaluate every this many steps (``0``: at the end only).
+        eval_batches: Global batches per evaluation (``None``: the whole of ``eval_data``).
+        run_dir: Where the run's log (``train.log``) goes; ``None``: ``checkpoint_dir``.
     """
 
     model: str = "llama3-debug"
@@ -189,6 +204,15 @@ class TrainConfig:
     tokenizer: str | None = None
     text_field: str = "text"
     tensorboard: str | None = None
+    lr_schedule: str = "cosine"
+    min_lr: float | None = None
+    lr_schedule_steps: int | None = None
+    overwrite: bool = False
+    keep_checkpoints: int = 0
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_batches: int | None = None
+    run_dir: str | None = None
 
     def __post_init__(self) -> None:
         run_hooks.resolve_model(self)
@@ -238,6 +262,7 @@ class TrainConfig:
             )
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("TrainConfig: resume=True needs a checkpoint_dir to resume from.")
+        report.check_fields(self)
 
     @property
     def layout(self) -> MeshLayout:
@@ -290,12 +315,15 @@ class TrainConfig:
         return cls(**values)
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based): linear warm-up, cosine decay."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        decay_steps = max(1, self.num_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
-        return self.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+        """Learning rate of optimizer step ``step`` (0-based): warm-up, then ``lr_schedule``."""
+        return lr_schedules.lr_at(
+            step,
+            lr=self.lr,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.lr_schedule_steps or self.num_steps,
+            min_lr=0.1 * self.lr if self.min_lr is None else self.min_lr,
+            schedule=self.lr_schedule,
+        )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -683,6 +711,7 @@ class Trainer:
         # The run plan decides everything once: its errors stop the run here.
         self.run = run_plan(cfg, world)
         self.run.raise_for_errors(f"Trainer (mesh {layout.describe()})")
+        report.check_outputs(cfg)
         self.mesh = build_mesh(layout, self.device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         # Rows of the global batch are split over `batch` (dp_replicate x dp_shard);
@@ -743,11 +772,12 @@ class Trainer:
         self.resumed_from = 0
         self.step_callback = step_callback
         self.grad_callback = grad_callback
+        self.report = report.RunReport(self)
         if cfg.resume:
             assert cfg.checkpoint_dir is not None  # checked by TrainConfig
             path = latest_checkpoint(cfg.checkpoint_dir, distributed=self.mesh is not None)
             if path is not None:
-                self.load(path)
+                self.report.resumed(path, self.load(path))
                 self.resumed_from = self.step
 
     # ------------------------------------------------------------------ checkpoints
@@ -760,6 +790,7 @@ class Trainer:
             "data_position": data["position"],
             "data_epoch": data["epoch"],
             "model_json": run_hooks.model_record(self.cfg),
+            "lr_schedule_steps": self.cfg.lr_schedule_steps or self.cfg.num_steps,
         }
 
     def save(self, path: str | None = None) -> str:
@@ -777,8 +808,12 @@ class Trainer:
         )
         return path
 
-    def load(self, path: str) -> None:
-        """Restore model, optimizer, step, data position and RNG from a checkpoint."""
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore model, optimizer, step, data position and RNG from a checkpoint.
+
+        Returns:
+            The checkpoint's ``train`` record (step, data position, schedule length).
+        """
         state = load_checkpoint(
             path,
             model=self._parts(self.model_parts),
@@ -789,6 +824,8 @@ class Trainer:
         self.data.load_state_dict(
             {"position": state["data_position"], "epoch": state["data_epoch"]}
         )
+        self.report.epoch = self.data.epoch
+        return state
 
     # ------------------------------------------------------------------ training
 
@@ -932,14 +969,14 @@ class Trainer:
         end = cfg.num_steps if until_step is None else min(until_step, cfg.num_steps)
         is_logger = self.rank == 0
         progress = _Progress(cfg.num_steps, self.step, cfg.progress and is_logger)
-        if is_logger and cfg.log_every and self.resumed_from:
-            print(f"resumed from step {self.resumed_from}", flush=True)
-        elif is_logger and cfg.log_every and cfg.resume and self.step == 0:
-            print(f"no checkpoint in {cfg.checkpoint_dir}; starting from step 0", flush=True)
+        if cfg.resume and not self.resumed_from and not self.report.started:
+            self.report.notes.append(f"no checkpoint in {cfg.checkpoint_dir}; starting at step 0")
+        self.report.start()
         steps, losses, grad_norms = [], [], []
         logger = run_hooks.StepLogger(
             cfg, self.device, self.rank, dist.get_world_size() if self.mesh is not None else 1
         )
+        self.report.step_logger = logger
         t0 = time.perf_counter()
         while self.step < end:
             step_start = time.perf_counter()
@@ -961,13 +998,18 @@ class Trainer:
             if cfg.checkpoint_dir is not None and (
                 (every and self.step % every == 0) or self.step == end
             ):
-                self.save()
+                saving = time.perf_counter()
+                path = self.save()
+                self.report.saved(path, time.perf_counter() - saving)
+            self.report.after_step(loss)
             if self.step_callback is not None:
                 self.step_callback(self.step, loss)
         progress.close()
         logger.close()
-        if self.step == cfg.num_steps:
+        if self.step == cfg.num_steps and cfg.save_hf:
+            saving = time.perf_counter()
             run_hooks.save_weights(cfg, self.model_parts)
+            self.report.exported(cfg.save_hf, time.perf_counter() - saving)
         return TrainResult(
             steps=steps,
             losses=losses,
@@ -982,11 +1024,10 @@ class Trainer:
     ) -> None:
         if progress.enabled:
             sys.stderr.write("\r")  # the log line replaces the bar; the bar redraws after
-        print(
+        self.report.say(
             f"step {self.step:>5}/{self.cfg.num_steps} | loss {loss:.4f} | grad_norm "
             f"{grad_norm:.3f} | lr {self.cfg.lr_at(self.step - 1):.2e} | "
-            f"{tokens_per_second:,.0f} tok/s",
-            flush=True,
+            f"{tokens_per_second:,.0f} tok/s"
         )
 
 

@@ -217,7 +217,8 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
     state = load_checkpoint(path, model=fresh.model, optimizer=fresh.optimizer)
     record = json.loads(state.pop("model_json"))  # which model: for export-hf and generate
     assert record == {"model": cfg.model, "model_overrides": cfg.model_overrides, "hf_config": None}
-    assert state == {"step": 2, "data_position": 2 * 4 * 16, "data_epoch": 0}
+    expected = {"step": 2, "data_position": 2 * 4 * 16, "data_epoch": 0, "lr_schedule_steps": 2}
+    assert state == expected  # the schedule's length: a resumed run keeps it
     for p, q in zip(trainer.model.parameters(), fresh.model.parameters()):
         assert torch.equal(p, q)
     saved = trainer.optimizer.state_dict()["state"]

@@ -1,0 +1,166 @@
+"""Output directories that are never clobbered: written aside, renamed into place when complete.
+
+Every writer of the package (``--save-hf`` / :func:`~hyper_parallel.checkpoint_hf.save_hf`,
+``export-hf``, the trainer's DCP checkpoints) goes through :func:`staged_output`:
+
+- :func:`check_output` refuses, before anything is written, a target that is one of
+  the run's inputs' folders (or holds one) — always — and a target that exists and
+  is not empty, unless ``overwrite``;
+- the files are written into a temporary sibling (``OUT.partial``); only when every
+  rank has finished does rank 0 rename it onto ``OUT`` (after a barrier), so a crash
+  leaves ``OUT`` as it was and a reader never sees half a checkpoint;
+- with ``overwrite`` the old target is moved aside and deleted after the rename, so
+  nothing of it is left next to the new files (no stale shard of a larger model).
+
+The directories must be on a file system every rank sees (as DCP already requires).
+
+Example::
+
+    with staged_output("out/model", overwrite=False, inputs=["ckpt/base"]) as tmp:
+        ...  # write files into tmp
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+
+import torch.distributed as dist
+
+__all__ = ["OutputError", "check_output", "partial_path", "staged_output"]
+
+
+class OutputError(ValueError):
+    """A target directory that may not be written (an input, or not empty without overwrite)."""
+
+    same_on_every_rank = True  # decided from the file system every rank sees
+
+
+def partial_path(path: str | os.PathLike[str]) -> str:
+    """The temporary sibling ``path`` is written into before it is renamed onto ``path``."""
+    return os.path.normpath(os.fspath(path)) + ".partial"
+
+
+def _inside(child: str, parent: str) -> bool:
+    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_output(
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    inputs: Iterable[str | os.PathLike[str] | None] = (),
+    what: str = "output",
+) -> None:
+    """Refuse ``path`` as an output directory, before anything is written, when it must not be.
+
+    Args:
+        path: The directory to write.
+        overwrite: Replace a non-empty ``path`` (its old files all go).
+        inputs: Files or directories the run reads; ``path`` may not be (or hold) one
+            of them or a file's folder, even with ``overwrite``.
+        what: How the user named ``path`` (``--save-hf``, ``export-hf OUT``), for the message.
+
+    Raises:
+        OutputError: ``path`` is an input, a file, or a non-empty directory without
+            ``overwrite``.
+    """
+    target = os.path.realpath(os.fspath(path))
+    for given in inputs:
+        if not given:
+            continue
+        source = os.path.realpath(os.fspath(given))
+        if os.path.isfile(source):
+            source = os.path.dirname(source)
+        # A new folder inside an input's folder is harmless; the input's folder itself
+        # or one holding it would be replaced (with --overwrite: deleted).
+        if _inside(source, target):
+            how = "is" if source == target else "holds"
+            raise OutputError(
+                f"{what} {os.fspath(path)}: it {how} the input {os.fspath(given)}; writing "
+                "there would replace what is being read (even with --overwrite). Choose "
+                "another directory."
+            )
+    if os.path.isfile(target):
+        raise OutputError(f"{what} {os.fspath(path)}: a file is there; give a directory.")
+    if os.path.isdir(target) and os.listdir(target) and not overwrite:
+        names = sorted(os.listdir(target))
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        raise OutputError(
+            f"{what} {os.fspath(path)}: the directory is not empty ({len(names)} entries: "
+            f"{shown}); choose a new directory, or pass --overwrite to replace its contents."
+        )
+
+
+def _rank(distributed: bool) -> int:
+    return dist.get_rank() if distributed else 0
+
+
+def _barrier(distributed: bool) -> None:
+    if distributed and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _replace(tmp: str, path: str) -> None:
+    """Rename ``tmp`` onto ``path``; an old ``path`` is moved aside first and then deleted."""
+    old = None
+    if os.path.lexists(path):
+        old = os.path.normpath(path) + ".old"
+        if os.path.lexists(old):
+            shutil.rmtree(old)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_output(
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    inputs: Iterable[str | os.PathLike[str] | None] = (),
+    what: str = "output",
+    distributed: bool | None = None,
+    check: bool = True,
+) -> Iterator[str]:
+    """Write a directory as a whole: yields the temporary sibling to write into.
+
+    Call it on every rank of the default process group (``distributed``, default:
+    whether one is initialized): every rank writes into the same temporary directory,
+    and on leaving the block all ranks meet at a barrier, rank 0 renames it onto
+    ``path`` and all meet again. On an error in one process the partial directory is
+    removed (one process) or left for the next attempt to replace (several ranks; a
+    rank that fails cannot tell the others), and ``path`` is untouched.
+
+    Args:
+        path: The directory to write.
+        overwrite, inputs, what: See :func:`check_output` (``check=False`` skips it,
+            for a writer whose target is its own, such as a checkpoint step).
+
+    Raises:
+        OutputError: See :func:`check_output`.
+    """
+    if distributed is None:
+        distributed = dist.is_available() and dist.is_initialized()
+    path = os.path.normpath(os.fspath(path))
+    if check:
+        check_output(path, overwrite=overwrite, inputs=inputs, what=what)
+    tmp = partial_path(path)
+    if _rank(distributed) == 0:
+        if os.path.lexists(tmp):  # an earlier attempt that did not finish
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    _barrier(distributed)
+    try:
+        yield tmp
+    except BaseException:
+        if not distributed:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _barrier(distributed)
+    if _rank(distributed) == 0:
+        _replace(tmp, path)
+    _barrier(distributed)

@@ -1,0 +1,369 @@
+"""What the trainer tells its user: a start summary, events, evaluation and a log file.
+
+:class:`RunReport` is created by the :class:`~hyper_parallel.train.Trainer` and
+called at a few fixed points of a run. On rank 0 it prints (when ``log_every`` > 0)
+and appends to ``train.log`` in the run directory (``run_dir``, else
+``checkpoint_dir``):
+
+- at the start, a summary: the model and where its weights come from, its
+  parameters, the mesh, the data (tokens, sequences) and how many passes over it the
+  run makes, the learning-rate schedule, the step it resumes from, where
+  checkpoints, the Hugging Face export and the log go;
+- events: a checkpoint saved (and old ones removed with ``keep_checkpoints``), the
+  Hugging Face export written, the data starting over (an epoch boundary), the
+  schedule a resumed run keeps;
+- the held-out loss (``eval_data``) every ``eval_every`` steps and at the end, also
+  to TensorBoard as ``eval/loss``.
+
+:func:`check_outputs` refuses, before any rank builds, a run whose outputs would
+clobber something (:mod:`hyper_parallel.checkpoint_hf.outputs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RunReport", "check_fields", "check_outputs", "log_path"]
+
+
+def check_fields(cfg: Any) -> None:
+    """Raise a ``ValueError`` naming the option for a bad reporting or schedule field."""
+    from hyper_parallel.train.schedule import check_schedule
+
+    min_lr = 0.1 * cfg.lr if cfg.min_lr is None else cfg.min_lr
+    check_schedule(cfg.lr_schedule, cfg.lr, min_lr, cfg.warmup_steps)
+    for flag, value in (
+        ("--keep-checkpoints", cfg.keep_checkpoints),
+        ("--eval-every", cfg.eval_every),
+    ):
+        if value < 0:
+            raise ValueError(f"{flag} {value} must be >= 0.")
+    for flag, value in (
+        ("--eval-batches", cfg.eval_batches),
+        ("--lr-schedule-steps", cfg.lr_schedule_steps),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1.")
+    if cfg.eval_data and cfg.layout.pp > 1:
+        raise ValueError(
+            "--eval-data: evaluation under pp > 1 is not supported yet; drop --eval-data or "
+            "train without a pp axis."
+        )
+
+
+def log_path(cfg: Any) -> str | None:
+    """The run's log file: ``train.log`` in ``run_dir``, else in ``checkpoint_dir``."""
+    folder = cfg.run_dir or cfg.checkpoint_dir
+    return None if folder is None else os.path.join(folder, "train.log")
+
+
+def check_outputs(cfg: Any) -> None:
+    """Refuse outputs that would clobber something, before anything runs.
+
+    ``save_hf`` must be new or empty (or ``overwrite``) and never one of the run's
+    inputs; a new run (no ``resume``) may not start in a ``checkpoint_dir`` that holds
+    checkpoints of another run unless ``overwrite``.
+
+    Raises:
+        OutputError: What is refused and how to proceed.
+    """
+    from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output
+    from hyper_parallel.train.checkpoint import checkpoint_steps
+
+    inputs = [cfg.hf_checkpoint, cfg.tokenizer, cfg.eval_data]
+    inputs += (cfg.data or "").split(",")
+    if cfg.save_hf:
+        check_output(cfg.save_hf, overwrite=cfg.overwrite, inputs=inputs, what="--save-hf")
+        if cfg.checkpoint_dir and os.path.realpath(cfg.save_hf) == os.path.realpath(
+            cfg.checkpoint_dir
+        ):
+            raise OutputError(
+                f"--save-hf {cfg.save_hf} is also --checkpoint-dir; give them different "
+                "directories."
+            )
+    if cfg.checkpoint_dir and not cfg.resume and not cfg.overwrite:
+        steps = checkpoint_steps(cfg.checkpoint_dir)
+        if steps:
+            raise OutputError(
+                f"--checkpoint-dir {cfg.checkpoint_dir} holds checkpoints of an earlier run "
+                f"({len(steps)}, the latest {os.path.basename(steps[-1][1])}); pass --resume to "
+                "continue it, --overwrite to replace them, or choose another directory."
+            )
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:,.0f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+    )
+
+
+def num_parameters(cfg: Any) -> int:
+    """The whole model's parameter count (built on the meta device: no memory)."""
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    with torch.device("meta"):
+        model = get_spec(cfg.model).config(**cfg.model_overrides).build()
+    return sum(p.numel() for p in model.parameters())
+
+
+def batches_per_epoch(data: Any) -> int:
+    """Global batches a stream serves before it starts over (see ``TextBatches``)."""
+    return max(1, (len(data.tokens) - 1) // data.span)
+
+
+class RunReport:
+    """The reporting side of one :class:`~hyper_parallel.train.Trainer` (see the module).
+
+    Args:
+        trainer: The trainer (its config, rank, data and model are read).
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        cfg = trainer.cfg
+        self.trainer = trainer
+        self.is_logger = trainer.rank == 0
+        self.prints = self.is_logger and cfg.log_every > 0
+        self.log_file = log_path(cfg) if self.is_logger else None
+        self.step_logger: Any = None
+        self.started = False
+        self.notes: list[str] = []
+        self.epoch = trainer.data.epoch
+        self.eval_data: Any = None
+        if cfg.eval_data:
+            self.eval_data = _eval_stream(cfg, trainer)
+        if cfg.checkpoint_dir and cfg.overwrite and not cfg.resume:
+            self._clear_checkpoints(cfg.checkpoint_dir)
+        if self.log_file is not None:
+            os.makedirs(os.path.dirname(self.log_file) or ".", exist_ok=True)
+            mode = "w" if cfg.overwrite and not cfg.resume else "a"
+            with open(self.log_file, mode, encoding="utf-8") as f:
+                now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+                f.write(f"=== run started {now} ===\n")
+
+    def _clear_checkpoints(self, checkpoint_dir: str) -> None:
+        from hyper_parallel.train.checkpoint import remove_checkpoints
+
+        removed = remove_checkpoints(checkpoint_dir) if self.is_logger else []
+        if self.trainer.mesh is not None and dist.get_world_size() > 1:
+            dist.barrier()  # no rank looks for a checkpoint before they are gone
+        if removed:
+            self.notes.append(
+                f"--overwrite: removed {len(removed)} checkpoint(s) of an earlier run from "
+                f"{checkpoint_dir}"
+            )
+
+    def say(self, line: str) -> None:
+        """Print ``line`` (rank 0, ``log_every`` > 0) and append it to the log file."""
+        if self.prints:
+            print(line, flush=True)
+        if self.log_file is not None:
+            with open(self.log_file, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+
+    # ------------------------------------------------------------------ start
+
+    def resumed(self, path: str, state: dict[str, Any]) -> None:
+        """Keep the schedule a resumed run was started with (unless told otherwise)."""
+        t = self.trainer
+        cfg = t.cfg
+        saved = state.get("lr_schedule_steps")
+        self.notes.append(f"resumed from step {t.step} ({path})")
+        if saved is None or cfg.lr_schedule_steps is not None:
+            return
+        saved = int(saved)
+        if saved != cfg.num_steps:
+            t.cfg = dataclasses.replace(cfg, lr_schedule_steps=saved)
+            final = t.cfg.lr_at(saved)
+            tail = (
+                f"; steps {saved + 1}-{cfg.num_steps} run at its final {final:.2e}"
+                if cfg.num_steps > saved
+                else ""
+            )
+            self.notes.append(
+                f"lr: the resumed run keeps the {cfg.lr_schedule} schedule of {saved} steps it "
+                f"was started with{tail} (pass --lr-schedule-steps {cfg.num_steps} to fit it "
+                f"to --steps {cfg.num_steps} instead)"
+            )
+        else:
+            t.cfg = dataclasses.replace(cfg, lr_schedule_steps=saved)
+
+    def summary(self) -> list[str]:
+        """The start summary's lines."""
+        t = self.trainer
+        cfg = t.cfg
+        if cfg.hf_checkpoint:
+            source = f"weights from the Hugging Face checkpoint {cfg.hf_checkpoint}"
+        else:
+            source = f"preset, initialized with seed {cfg.seed}"
+        lines = [f"model: {cfg.model} ({source}), {_count(num_parameters(cfg))} parameters"]
+        ranks = dist.get_world_size() if t.mesh is not None else 1
+        extras = [f"dtype {cfg.dtype}"]
+        if cfg.ac != "none":
+            extras.append(f"ac {cfg.ac}")
+        if cfg.sequence_parallel:
+            extras.append("sp")
+        lines.append(
+            f"mesh: {cfg.layout.describe()} ({ranks} rank(s) on {t.device.type}), "
+            + ", ".join(extras)
+        )
+        data = t.data
+        tokens = len(data.tokens)
+        source = cfg.data or f"the shipped text {cfg.text}"
+        per_epoch = batches_per_epoch(data)
+        lines.append(
+            f"data: {source}: {tokens:,} tokens, {per_epoch * cfg.global_batch_size:,} "
+            f"sequences of {cfg.seq_len} ({per_epoch} step(s) per pass)"
+        )
+        remaining = max(0, cfg.num_steps - t.step)
+        passes = remaining / per_epoch
+        wrap = f"; the data starts over every {per_epoch} step(s)" if passes > 1 else ""
+        lines.append(
+            f"run: steps {t.step + 1}-{cfg.num_steps} ({remaining}) x {cfg.global_batch_size} "
+            f"sequences x {cfg.seq_len} tokens = {remaining * data.span:,} tokens, "
+            f"{passes:.2f} pass(es) over the data{wrap}"
+        )
+        total = cfg.lr_schedule_steps or cfg.num_steps
+        min_lr = 0.1 * cfg.lr if cfg.min_lr is None else cfg.min_lr
+        lines.append(
+            f"lr: {cfg.lr_schedule}, peak {cfg.lr:.2e} after {cfg.warmup_steps} warm-up "
+            f"step(s), down to {min_lr:.2e} at step {total}"
+            if cfg.lr_schedule != "constant"
+            else f"lr: constant {cfg.lr:.2e} after {cfg.warmup_steps} warm-up step(s)"
+        )
+        if cfg.checkpoint_dir:
+            every = f"every {cfg.checkpoint_every} steps and " if cfg.checkpoint_every else ""
+            keep = f", keeping the newest {cfg.keep_checkpoints}" if cfg.keep_checkpoints else ""
+            lines.append(f"checkpoints: {every}at the end, to {cfg.checkpoint_dir}{keep}")
+        if cfg.save_hf:
+            lines.append(f"export: Hugging Face checkpoint to {cfg.save_hf} at the end")
+        if self.eval_data is not None:
+            when = f"every {cfg.eval_every} steps and " if cfg.eval_every else ""
+            lines.append(f"eval: {cfg.eval_data}, {self.eval_batches} batch(es), {when}at the end")
+        if self.log_file is not None:
+            lines.append(f"log: {self.log_file}")
+        return lines + self.notes
+
+    def start(self) -> None:
+        """Print the summary once (the first :meth:`~hyper_parallel.train.Trainer.fit`)."""
+        if self.started:
+            return
+        self.started = True
+        if self.is_logger:
+            for line in self.summary():
+                self.say(line)
+
+    # ------------------------------------------------------------------ events
+
+    def after_step(self, loss: float) -> None:
+        """Note an epoch boundary; evaluate when due (every rank calls it)."""
+        t = self.trainer
+        if t.data.epoch != self.epoch:
+            self.epoch = t.data.epoch
+            self.say(
+                f"step {t.step}: the data starts over (pass {self.epoch + 1}; every one of its "
+                f"{len(t.data.tokens):,} tokens was seen)"
+            )
+        cfg = t.cfg
+        end = t.step == cfg.num_steps
+        if self.eval_data is not None and (
+            end or (cfg.eval_every and t.step % cfg.eval_every == 0)
+        ):
+            loss = self.evaluate()
+            self.say(f"step {t.step:>5}/{cfg.num_steps} | eval loss {loss:.4f}")
+            if self.step_logger is not None and self.step_logger.writer is not None:
+                self.step_logger.writer.add_scalar("eval/loss", loss, t.step)
+                self.step_logger.writer.flush()
+
+    @property
+    def eval_batches(self) -> int:
+        cfg = self.trainer.cfg
+        whole = batches_per_epoch(self.eval_data)
+        return whole if cfg.eval_batches is None else min(cfg.eval_batches, whole)
+
+    def evaluate(self) -> float:
+        """The mean loss over ``eval_batches`` global batches of the held-out data."""
+        t = self.trainer
+        stream, saved = self.eval_data, t.data
+        stream.load_state_dict({"position": 0, "epoch": 0})
+        total = 0.0
+        t.data = stream  # the trainer's own batching (dp rows, cp chunks)
+        try:
+            with torch.no_grad():
+                for _ in range(self.eval_batches):
+                    batch = t.local_batch()
+                    from hyper_parallel.distributed.precision import loss_logits
+
+                    logits = t.model(batch.inputs, **batch.model_kwargs)
+                    total += t.global_mean(t.loss_fn(loss_logits(logits), batch.targets))
+        finally:
+            t.data = saved
+        return total / self.eval_batches
+
+    def saved(self, path: str, seconds: float) -> None:
+        """A checkpoint was written; remove old ones beyond ``keep_checkpoints``."""
+        cfg = self.trainer.cfg
+        removed: list[str] = []
+        if self.is_logger and cfg.keep_checkpoints and cfg.checkpoint_dir:
+            from hyper_parallel.train.checkpoint import prune_checkpoints
+
+            removed = prune_checkpoints(cfg.checkpoint_dir, cfg.keep_checkpoints)
+        if not self.is_logger:
+            return
+        gone = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
+        self.say(
+            f"step {self.trainer.step}: checkpoint saved to {path} "
+            f"({_bytes(_dir_bytes(path))}, {seconds:.2f} s){gone}"
+        )
+
+    def exported(self, path: str, seconds: float) -> None:
+        """The Hugging Face checkpoint was written."""
+        if not self.is_logger:
+            return
+        names = sorted(os.listdir(path))
+        shards = sum(n.endswith(".safetensors") for n in names)
+        others = [n for n in names if not n.endswith(".safetensors")]
+        self.say(
+            f"step {self.trainer.step}: Hugging Face checkpoint written to {path} "
+            f"({shards} safetensors file(s), {', '.join(others)}; "
+            f"{_bytes(_dir_bytes(path))}, {seconds:.2f} s)"
+        )
+
+
+def _eval_stream(cfg: Any, trainer: Any) -> Any:
+    from hyper_parallel.dmodule.model_spec import get_spec
+    from hyper_parallel.train.run_hooks import build_data
+
+    spec = get_spec(cfg.model)
+    vocab = None
+    if spec.family.vocab_size is not None:
+        vocab = spec.family.vocab_size(spec.config(**cfg.model_overrides))
+    try:
+        return build_data(dataclasses.replace(cfg, data=cfg.eval_data), vocab)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--data ", "--eval-data ")) from None
+
+
+def timed() -> float:
+    """``time.perf_counter()``: the clock events are timed with."""
+    return time.perf_counter()

@@ -1,0 +1,298 @@
+"""Writers that never clobber, and the errors a newcomer meets, each said once and clearly.
+
+Every writer (``save_hf`` / ``--save-hf``, ``export-hf``, the trainer's checkpoints)
+writes a temporary sibling and renames it when complete; a non-empty target is
+refused unless ``--overwrite``, which leaves nothing of the old one; an input's
+folder is always refused. A truncated or corrupt safetensors file is one message
+naming the file; ``verify-hf`` refused prints no parity line; an empty data file
+names ``--batch-size`` and the counts; ``hyper-parallel --help`` names every command.
+One process each (the distributed writers are exercised in tests/distributed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from hyper_parallel.checkpoint_hf import HFCheckpointError, load_hf, read_hf_config, save_hf
+from hyper_parallel.checkpoint_hf.io import safetensors_problem
+from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output, staged_output
+from hyper_parallel.cli import main as cli
+from hyper_parallel.train import TrainConfig, Trainer, save_checkpoint
+from hyper_parallel.train.checkpoint import checkpoint_steps, latest_checkpoint
+from hyper_parallel.train.run import main as run
+
+pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+
+_EXAMPLE = os.path.join(
+    os.path.dirname(__file__), "..", "..", "examples", "hf", "make_tiny_checkpoint.py"
+)
+TINY = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--log-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """A transformers-written Llama with its tokenizer (several safetensors files)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", _EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = str(tmp_path_factory.mktemp("tiny") / "hf")
+    module.build(out, hidden_size=32, num_layers=1, vocab_size=300, max_shard_size="60KB")
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 256}, f)
+    return out
+
+
+def _tiny_model():
+    cfg = TrainConfig(model_overrides={"num_layers": 1}, log_every=0, progress=False)
+    return Trainer(cfg, device="cpu")
+
+
+# ---------------------------------------------------------------------- outputs
+
+
+def test_check_output_refuses_an_input_folder_always_and_a_full_one_without_overwrite(tmp_path):
+    data = tmp_path / "in" / "corpus.bin"
+    data.parent.mkdir()
+    data.write_bytes(b"12")
+    for target in (tmp_path / "in", tmp_path):  # the input's folder, or one holding it
+        with pytest.raises(OutputError, match=r"input .*corpus\.bin.*even with --overwrite"):
+            check_output(target, overwrite=True, inputs=[str(data)], what="--save-hf")
+    check_output(tmp_path / "in" / "new", inputs=[str(data)])  # a new folder beside it: fine
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "a").write_text("x")
+    with pytest.raises(
+        OutputError, match=r"--save-hf .*full: .*not empty \(1 entries: a\).*--overwrite"
+    ):
+        check_output(full, what="--save-hf")
+    check_output(full, overwrite=True)
+    check_output(tmp_path / "missing")
+
+
+def test_staged_output_leaves_the_target_untouched_on_error_and_replaces_it_whole(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError), staged_output(out, overwrite=True) as tmp:
+        with open(os.path.join(tmp, "new.txt"), "w") as f:
+            f.write("half")
+        raise RuntimeError("crash while writing")
+    assert sorted(os.listdir(out)) == ["old.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+    with staged_output(out, overwrite=True) as tmp:
+        assert not os.path.exists(os.path.join(out, "new.txt"))  # nothing visible yet
+        with open(os.path.join(tmp, "new.txt"), "w") as f:
+            f.write("whole")
+    assert sorted(os.listdir(out)) == ["new.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_save_hf_refuses_a_full_folder_and_overwrite_leaves_nothing_stale(tmp_path):
+    trainer = _tiny_model()
+    out = tmp_path / "hf"
+    out.mkdir()
+    stale = out / "model-00007-of-00009.safetensors"  # a shard of a larger, older export
+    stale.write_bytes(b"old")
+    with pytest.raises(OutputError, match="not empty"):
+        save_hf(trainer.model, out, model_config=_config())
+    assert sorted(os.listdir(out)) == [stale.name]  # untouched
+    save_hf(trainer.model, out, model_config=_config(), overwrite=True)
+    names = sorted(os.listdir(out))
+    assert stale.name not in names and "config.json" in names
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no .partial, no .old left
+
+
+def _config():
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    return get_spec("llama3-debug").config(num_layers=1)
+
+
+def test_a_checkpoint_step_appears_complete_or_not_at_all(tmp_path, monkeypatch):
+    trainer = _tiny_model()
+    path = tmp_path / "step_000001"
+    save_checkpoint(path, model=trainer.model, optimizer=trainer.optimizer)
+    (path / "stale.distcp").write_bytes(b"x")  # a file the next save of this step lacks
+    import torch.distributed.checkpoint as dcp
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp, "save", crash)
+    with pytest.raises(OSError):
+        save_checkpoint(path, model=trainer.model, optimizer=trainer.optimizer)
+    assert latest_checkpoint(tmp_path) == str(path)  # the earlier save still stands
+    assert sorted(os.listdir(tmp_path)) == ["step_000001"]
+    monkeypatch.undo()
+    save_checkpoint(path, model=trainer.model, optimizer=trainer.optimizer)
+    assert "stale.distcp" not in os.listdir(path)  # replaced whole
+    assert sorted(os.listdir(tmp_path)) == ["step_000001"]
+
+
+def test_keep_checkpoints_keeps_the_newest(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = [*TINY, "--steps", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    assert run([*argv, "--keep-checkpoints", "2"]) == 0
+    assert [s for s, _ in checkpoint_steps(ckpt)] == [3, 4]
+
+
+def test_a_new_run_refuses_another_runs_checkpoints_and_save_hf_into_a_full_folder(
+    tmp_path, capsys
+):
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    argv = [*TINY, "--steps", "2", "--checkpoint-dir", str(ckpt)]
+    assert run([*argv, "--save-hf", str(hf)]) == 0
+    capsys.readouterr()
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds checkpoints of an earlier run" in err and "--resume" in err
+    assert "--overwrite" in err
+    assert run([*argv, "--resume", "--steps", "3", "--save-hf", str(hf)]) == 2
+    err = capsys.readouterr().err
+    assert "--save-hf" in err and "not empty" in err
+    assert [s for s, _ in checkpoint_steps(ckpt)] == [2]  # nothing ran
+    # --overwrite: a fresh run, nothing of the old one left.
+    assert run([*TINY, "--steps", "1", "--checkpoint-dir", str(ckpt), "--overwrite"]) == 0
+    assert [s for s, _ in checkpoint_steps(ckpt)] == [1]
+
+
+def test_export_hf_carries_the_tokenizer_and_never_writes_into_its_checkpoint(tiny_hf, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = [*TINY, "--steps", "1", "--hf-checkpoint", tiny_hf, "--checkpoint-dir", str(ckpt)]
+    assert run(argv) == 0
+    assert cli(["export-hf", str(ckpt), str(ckpt)]) == 2  # its own folder: refused
+    assert cli(["export-hf", str(ckpt / "step_000001"), str(ckpt)]) == 2  # holds it: refused
+    out = tmp_path / "exported"
+    assert cli(["export-hf", str(ckpt), str(out)]) == 0
+    names = set(os.listdir(out))
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= names
+    assert cli(["export-hf", str(ckpt), str(out)]) == 2  # full: refused
+    assert (
+        cli(["generate", "--hf-checkpoint", str(out), "--prompt", "First", "--max-new-tokens", "3"])
+        == 0
+    )
+    (out / "junk.safetensors").write_bytes(b"x")
+    assert cli(["export-hf", str(ckpt), str(out), "--overwrite"]) == 0
+    assert "junk.safetensors" not in os.listdir(out)
+
+
+def test_save_hf_into_the_checkpoint_it_started_from_is_refused(tiny_hf, tmp_path, capsys):
+    before = sorted(os.listdir(tiny_hf))
+    argv = [*TINY, "--steps", "1", "--hf-checkpoint", tiny_hf, "--save-hf", tiny_hf]
+    assert run([*argv, "--overwrite"]) == 2
+    assert "is the input" in capsys.readouterr().err
+    assert sorted(os.listdir(tiny_hf)) == before
+
+
+# ---------------------------------------------------------------------- bad inputs
+
+
+def _damaged_copy(tiny_hf, tmp_path, how):
+    copy = str(tmp_path / "damaged")
+    shutil.copytree(tiny_hf, copy)
+    with open(os.path.join(copy, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shard = os.path.join(copy, sorted(set(index["weight_map"].values()))[-1])
+    size = os.path.getsize(shard)
+    if how == "truncated":
+        with open(shard, "r+b") as f:
+            f.truncate(size - 1000)
+    else:
+        with open(shard, "r+b") as f:
+            f.seek(8)
+            f.write(b"\x00garbage")
+    return copy, shard
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupt"])
+def test_a_damaged_safetensors_file_is_one_message_naming_it(tiny_hf, tmp_path, capsys, how):
+    copy, shard = _damaged_copy(tiny_hf, tmp_path, how)
+    problem = safetensors_problem(shard)
+    assert shard in problem and (
+        "truncated" in problem if how == "truncated" else "damaged header" in problem
+    )
+    cfg = read_hf_config(copy)
+    model = cfg.model_config().build()
+    with pytest.raises(HFCheckpointError, match=os.path.basename(shard)):
+        load_hf(model, copy)
+    assert run([*TINY, "--steps", "1", "--hf-checkpoint", copy]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count(os.path.basename(shard)) == 1, captured.err
+    assert "Traceback" not in captured.err and "SafetensorError" not in captured.err
+    assert cli(["verify-hf", copy, "--mesh", "tp=2"]) == 2
+    captured = capsys.readouterr()
+    assert os.path.basename(shard) in captured.err
+    assert "parity:" not in captured.out + captured.err
+
+
+def test_verify_hf_refused_prints_the_refusal_and_no_parity_line(tiny_hf, capsys):
+    assert cli(["verify-hf", tiny_hf, "--mesh", "tp=3"]) == 2
+    captured = capsys.readouterr()
+    assert "problem" in captured.err and "parity:" not in captured.out + captured.err
+
+
+def test_pre_launch_errors_are_said_by_rank_0_only(tmp_path, capsys, monkeypatch):
+    argv = [*TINY, "--steps", "1", "--min-lr", "1.0"]
+    monkeypatch.setenv("RANK", "1")
+    assert run(argv) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert run(argv) == 2
+    assert "--min-lr 1.0 must be between 0 and --lr" in capsys.readouterr().err
+
+
+def test_an_empty_or_short_data_file_names_the_real_flags_and_counts(tiny_hf, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    argv = [*TINY, "--steps", "1", "--hf-checkpoint", tiny_hf]
+    assert run([*argv, "--data", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert "corpus is empty" in err and "1 document(s), none holding any text" in err
+    short = tmp_path / "short.npy"
+    np.save(short, np.arange(20))
+    assert run([*argv, "--data", str(short)]) == 2
+    err = capsys.readouterr().err
+    assert "20 token(s)" in err and "--batch-size 2 x --seq-len 16 + 1 = 33" in err
+    assert "lower --batch-size to 1" in err and "--global-batch-size" not in err
+
+
+def test_help_names_every_command(capsys):
+    from hyper_parallel.cli import _parser
+
+    parser = _parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert {"plan", "validate", "demo", "suggest", "train", "export-hf", "generate"} <= set(
+        commands
+    )
+    with pytest.raises(SystemExit):
+        cli(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in commands:
+        assert f" {name}" in text
+    assert "plan, validate and demo." not in text
+    assert cli(["train", *TINY, "--steps", "1"]) == 0
+
+
+def test_strided_shard_gather_warning_is_filtered_and_nothing_else(caplog):
+    import logging
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from hyper_parallel._torch_private import StridedShard
+    from hyper_parallel._warnings import _LOGGER, quiet_strided_gather
+
+    quiet_strided_gather()
+    quiet_strided_gather()  # once
+    logger = logging.getLogger(_LOGGER)
+    assert sum(type(f).__name__ == "_StridedGatherFilter" for f in logger.filters) == 1
+    fmt = "While redistributing from %s to %s, %d sequential %s operations. %s"
+    with caplog.at_level(logging.WARNING, logger=_LOGGER):
+        strided = (StridedShard(0, split_factor=2), Shard(0))
+        logger.warning(fmt, strided, (Replicate(), Replicate()), 2, "all_gather", "")
+        logger.warning(fmt, (Shard(0), Shard(1)), (Replicate(), Replicate()), 2, "all_gather", "")
+    assert len(caplog.records) == 1 and "Shard(dim=1)" in caplog.records[0].getMessage()
