@@ -48,7 +48,14 @@ from hyper_parallel.train.arguments import (
 )
 from hyper_parallel.train.trainer import Trainer, check_config, default_device
 
-__all__ = ["add_train_arguments", "config_from_args", "full_gradients", "main", "parse_mesh"]
+__all__ = [
+    "add_train_arguments",
+    "build_parser",
+    "config_from_args",
+    "full_gradients",
+    "main",
+    "parse_mesh",
+]
 
 
 def full_gradients(model_parts: list[torch.nn.Module], pp: int = 1) -> dict[str, torch.Tensor]:
@@ -136,17 +143,9 @@ def _init_process_group() -> int:
     return world_size
 
 
-def main(
-    argv: Sequence[str] | None = None,
-    *,
-    step_callback: Callable[[int, float], None] | None = None,
-) -> int:
-    """Train from command-line options; returns the exit status.
-
-    Args:
-        argv: Options (default ``sys.argv[1:]``).
-        step_callback: Passed to :class:`~hyper_parallel.train.Trainer`.
-    """
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m hyper_parallel.train.run``: the run options
+    (:data:`~hyper_parallel.train.arguments.COMMAND_OPTIONS` ``"train"``) and its outputs."""
     parser = argparse.ArgumentParser(
         prog="python -m hyper_parallel.train.run",
         description="Train a registered model on an N-D mesh (TP (+SP) x FSDP2 / HSDP) "
@@ -158,6 +157,21 @@ def main(
         "--grads-out",
         help="rank 0 saves the first step's full gradients here (torch.save), before clipping",
     )
+    return parser
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    step_callback: Callable[[int, float], None] | None = None,
+) -> int:
+    """Train from command-line options; returns the exit status.
+
+    Args:
+        argv: Options (default ``sys.argv[1:]``).
+        step_callback: Passed to :class:`~hyper_parallel.train.Trainer`.
+    """
+    parser = build_parser()
     args = parser.parse_args(argv)
     # Every problem of the run (the mesh against the ranks torchrun started, axes the
     # trainer cannot run, the model's shapes) is reported before any process group.
