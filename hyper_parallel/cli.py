@@ -51,19 +51,6 @@ class _PlanError(Exception):
         self.findings = list(findings)
 
 
-def _mesh(text: str) -> Any:
-    from hyper_parallel.distributed.layout import LayoutError, MeshLayout
-
-    if not text.strip():
-        raise argparse.ArgumentTypeError(
-            "the mesh is empty; write axis=size pairs, e.g. 'dp_shard=2,tp=2'."
-        )
-    try:
-        return MeshLayout.parse(text)
-    except LayoutError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
     """The options of ``plan`` and ``validate``: the run options of the table
     (:data:`~hyper_parallel.train.arguments.COMMAND_OPTIONS`: ``--model``,
@@ -76,13 +63,6 @@ def _add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
         metavar="FAMILY",
         help="instead of --model: a tiny Hugging Face model built on the meta device: llama, "
         "qwen2, mistral, gpt2",
-    )
-    p.add_argument(
-        "--mesh",
-        required=True,
-        type=_mesh,
-        help="axis sizes over pp, dp_replicate, dp_shard (alias dp), cp, tp, ep, any order, "
-        "e.g. dp=128,tp=8 or dp_replicate=4,dp_shard=32,tp=8",
     )
     p.add_argument(
         "--plan",
@@ -253,8 +233,11 @@ def _resolve_model(args: argparse.Namespace) -> None:
 
 
 def _subject(args: argparse.Namespace) -> _Subject:
+    from hyper_parallel.distributed.layout import MeshLayout
     from hyper_parallel.dmodule.plan_file import load_plan
 
+    if not isinstance(args.mesh, MeshLayout):  # the table's --mesh: the active axes
+        args.mesh = MeshLayout.from_sizes(args.mesh)
     _resolve_model(args)
     layout = args.mesh
     plan = None

@@ -397,7 +397,10 @@ def dry_run(
             dp_replicate > 1); each element of the model's top-level ``ModuleList``s
             and the root is one ``fully_shard`` unit. Ignored, with a note, when the
             mesh has no data axis.
-        param_dtype: Parameter (and gradient) dtype.
+        param_dtype: Parameter (and gradient) dtype: ``torch.float32`` (the default, and
+            the master weights of ``dtype="bf16"``), or pure low-precision parameters
+            (e.g. ``torch.bfloat16`` with ``dtype="fp32"``: no fp32 master copy; the AdamW
+            moments are still counted in fp32).
         inputs: Example inputs (only shapes and dtypes are used); by default token
             ids ``(batch_size, seq_len)`` or features, see
             :func:`~hyper_parallel.analysis.validate`. Under context parallelism they
@@ -407,8 +410,10 @@ def dry_run(
         ac: Activation checkpointing of the blocks (``"none"``, ``"full"``,
             ``"selective"``; see :mod:`hyper_parallel.distributed.activation_checkpoint`)
             for the activation bytes.
-        dtype: Compute precision, ``"fp32"`` or ``"bf16"`` (fp32 master weights; FSDP2's
-            mixed-precision policy, or autocast without FSDP): the activations' dtype.
+        dtype: The trainer's precision (``--dtype`` in every command): ``"fp32"``, or
+            ``"bf16"`` mixed precision — fp32 parameters, gradients and AdamW state, bf16
+            compute (FSDP2's ``MixedPrecisionPolicy``: bf16 all-gathers, fp32
+            reduce-scatters; autocast without FSDP). It sets the activations' dtype.
 
     Returns:
         A :class:`DryRunReport`.
@@ -420,7 +425,8 @@ def dry_run(
             ``validate``'s: a ``cp`` axis the plan does not declare, experts that do
             not split over ``ep``, ...), a plan that ``parallelize`` refuses (run
             :func:`validate` for the full list), or a plan that places states on a
-            data axis while FSDP shards over it.
+            data axis while FSDP shards over it, or ``dtype="bf16"`` with a
+            ``param_dtype`` other than fp32 (mixed precision keeps fp32 master weights).
         RuntimeError: When a real process group already exists.
 
     Example::
@@ -435,6 +441,12 @@ def dry_run(
     start = time.perf_counter()
     check_ac_mode(ac)
     check_dtype(dtype)
+    if dtype == "bf16" and param_dtype != torch.float32:
+        raise ValueError(
+            f"dry_run: dtype='bf16' is mixed precision with fp32 master weights, gradients and "
+            f"AdamW state; param_dtype={param_dtype} contradicts it. Leave param_dtype at "
+            "torch.float32, or plan pure low-precision parameters with dtype='fp32'."
+        )
     layout = as_layout(mesh)
     # The dry run traces one pipeline's ranks; `plan` cuts a pp mesh into stages first.
     _raise_errors(
@@ -1058,6 +1070,9 @@ def _assumptions(
         "Memory is the steady state between steps: parameters; gradients with the dtype and "
         "sharding of their parameters; AdamW's two moments at 4 bytes (fp32) per local element "
         "(torch.optim.AdamW keeps them in the parameter dtype: exact for fp32 parameters). "
+        "Under bf16 (the trainer's mixed precision) all three stay fp32 and only the compute "
+        "is bf16: FSDP2 gathers bf16 copies of the parameters and reduce-scatters gradients "
+        "in fp32. "
         "Activations and transient buffers (FSDP's unsharded units, collective buffers) are "
         "not included.",
         "Collective bytes are the per-rank buffer (all_gather: gathered output; "

@@ -12,6 +12,12 @@ Formulas (per rank, per parameter element held locally):
   (as mixed-precision training keeps them) for bf16 parameters. The per-parameter
   ``step`` scalar is ignored.
 
+``--dtype bf16`` in every command is the trainer's mixed precision (FSDP2's
+``MixedPrecisionPolicy``, torchtitan's default): parameters, gradients and AdamW
+state stay fp32 (4 + 4 + 8 bytes per local element), only the compute — and so the
+activations — is bf16. Pure bf16 parameters (2 + 2 + 8) are the dry run's
+``param_dtype=torch.bfloat16`` with fp32 ``dtype``, never ``--dtype bf16``.
+
 These are the steady state between steps (ZeRO's "model states", Rajbhandari et
 al., 2020). Activations — what autograd saves for backward during one micro-batch's
 forward — are measured, not modelled: :class:`SavedActivations` records every saved

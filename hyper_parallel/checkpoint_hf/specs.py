@@ -8,8 +8,8 @@ loss, pipeline), whose ``hf`` slot holds the family's Hugging Face description
 checkpoint's model runs wherever a preset does: ``TrainConfig(model="llama3-hf",
 model_overrides=cfg.model_overrides)``, ``plan``, ``validate``, the dry run.
 ``llama3-hf`` also takes ``rope_scaling`` (Llama 3.x frequency scaling, see
-:mod:`hyper_parallel.checkpoint_hf.rope`). Without overrides each builds its family's
-debug preset.
+:mod:`hyper_parallel.models.llama.rope`). Sizes a config does not give are its family's
+debug preset's; given no sizes at all, each refuses (name the config.json).
 """
 
 from __future__ import annotations
@@ -23,37 +23,41 @@ from hyper_parallel.dmodule.model_spec import ModelSpec, get_spec, list_specs, r
 __all__ = ["llama_hf_config", "qwen3_hf_config", "qwen3_moe_hf_config", "register_specs"]
 
 
-def llama_hf_config(*, rope_scaling: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-    """``llama3_config(**kwargs)`` (defaults: ``llama3-debug``) with optional Llama 3.x rope scaling."""
-    from hyper_parallel.checkpoint_hf.rope import Llama3RotaryEmbedding
+def _sized(name: str, kwargs: dict[str, Any]) -> None:
+    """Refuse a ``*-hf`` spec given no sizes: it has no shape of its own."""
+    if not kwargs:
+        raise ValueError(
+            f"{name} takes its sizes from a Hugging Face config.json, and none was given: "
+            "pass --hf-config PATH (or --hf-checkpoint DIR to load its weights too), or name "
+            "a preset (see 'hyper-parallel models')."
+        )
+
+
+def llama_hf_config(**kwargs: Any) -> Any:
+    """``llama3_config(**kwargs)`` (the rest: ``llama3-debug``'s), ``rope_scaling`` included.
+
+    Raises:
+        ValueError: No ``kwargs`` (no config.json's sizes).
+    """
     from hyper_parallel.models.llama.config import PRESETS, llama3_config
 
-    config = llama3_config(**{**PRESETS["llama3-debug"], **kwargs})
-    if rope_scaling is not None:
-        rope = config.rope
-        config.rope = Llama3RotaryEmbedding.Config(
-            head_dim=rope.head_dim,
-            max_seq_len=rope.max_seq_len,
-            theta=rope.theta,
-            factor=float(rope_scaling["factor"]),
-            low_freq_factor=float(rope_scaling["low_freq_factor"]),
-            high_freq_factor=float(rope_scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(rope_scaling["original_max_position_embeddings"]),
-        )
-    return config
+    _sized("llama3-hf", kwargs)
+    return llama3_config(**{**PRESETS["llama3-debug"], **kwargs})
 
 
 def qwen3_hf_config(**kwargs: Any) -> Any:
-    """``qwen3_config(**kwargs)`` (defaults: ``qwen3-debug``)."""
+    """``qwen3_config(**kwargs)`` (the rest: ``qwen3-debug``'s); refused without any."""
     from hyper_parallel.models.qwen3.config import PRESETS, qwen3_config
 
+    _sized("qwen3-hf", kwargs)
     return qwen3_config(**{**PRESETS["qwen3-debug"], **kwargs})
 
 
 def qwen3_moe_hf_config(**kwargs: Any) -> Any:
-    """``qwen3_moe_config(**kwargs)`` (defaults: ``qwen3-moe-debug``)."""
+    """``qwen3_moe_config(**kwargs)`` (the rest: ``qwen3-moe-debug``'s); refused without any."""
     from hyper_parallel.models.qwen3_moe.config import PRESETS, qwen3_moe_config
 
+    _sized("qwen3-moe-hf", kwargs)
     return qwen3_moe_config(**{**PRESETS["qwen3-moe-debug"], **kwargs})
 
 

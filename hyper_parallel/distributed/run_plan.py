@@ -446,6 +446,8 @@ class RunPlan:
         else:
             axes, on_data = declared_axes(entries), states_on_axes(entries, DATA_AXES)
         if subject is not None:
+            findings += _position_findings(name, subject, family, seq_len)
+        if subject is not None:
             assert model is not None
             memo = None
             if cache is not None and structure is not None:
@@ -838,8 +840,68 @@ def _model_findings(
         out += ep_findings(model, layout, layers=layers)
     out += plan_axis_findings(layout, axes, fsdp=fsdp, states_on_data=states_on_data)
     if layout.cp > 1:
-        out += cp_findings(model if isinstance(subject, nn.Module) else subject, layout, seq_len)
+        found = cp_findings(model if isinstance(subject, nn.Module) else subject, layout, seq_len)
+        # The sequence against the positions is _position_findings' (at every cp size).
+        out += [f for f in found if (f.path, f.field) != ("rope", "max_seq_len")]
     return out
+
+
+def _position_findings(
+    name: str | None, subject: Any, family: Any, seq_len: int | None
+) -> list[Finding]:
+    """A sequence longer than the model's rotary positions (``rope.max_seq_len``), refused
+    with the fix: a registered model of the same family and size that takes it (Llama
+    3.1's scaled rope for Llama 3), a shorter sequence, or ``max_seq_len`` overridden.
+
+    The positions are what the model's rope covers: a Llama 3 rope was trained on 8,192,
+    Llama 3.1's is scaled to 131,072; a longer table than that is the user's explicit
+    override, never a silent one.
+    """
+    limit = getattr(getattr(subject, "rope", None), "max_seq_len", None)
+    if seq_len is None or not isinstance(limit, int) or seq_len <= limit:
+        return []
+    who = name or "the model"
+    longer = _longer_models(name, subject, family, seq_len)
+    instead = f"use {longer} instead, " if longer else ""
+    return [
+        Finding(
+            "error",
+            "rope",
+            "max_seq_len",
+            f"seq_len {seq_len:,} exceeds {who}'s {limit:,} positions (rope.max_seq_len="
+            f"{limit}); the rotary embedding has no angle for the positions past them.",
+            f"{instead}shorten the sequence to at most {limit:,} tokens, or set "
+            f"--model-overrides '{{\"max_seq_len\": {seq_len}}}' (positions the rope was "
+            "not trained on).",
+        )
+    ]
+
+
+def _longer_models(name: str | None, subject: Any, family: Any, seq_len: int) -> str | None:
+    """Registered models of ``subject``'s family and parameter count whose positions
+    cover ``seq_len`` (``"llama3.1-8b (131,072 positions)"``), or ``None``."""
+    from hyper_parallel.dmodule.model_spec import get_spec, list_specs
+
+    count = getattr(family, "num_params", None)
+    if family is None or count is None or isinstance(subject, nn.Module):
+        return None
+    try:
+        size = count(subject)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    found = []
+    for other in list_specs():
+        spec = get_spec(other)
+        if other == name or spec.family is None or spec.family.name != family.name:
+            continue
+        try:
+            config = spec.config()
+        except (ValueError, TypeError):  # a spec sized by a file (the *-hf ones)
+            continue
+        positions = getattr(getattr(config, "rope", None), "max_seq_len", 0)
+        if positions >= seq_len and count(config) == size:
+            found.append(f"{other} ({positions:,} positions)")
+    return " or ".join(found) or None
 
 
 def _unique(findings: Iterable[Finding]) -> list[Finding]:

@@ -393,7 +393,11 @@ def family_of(model_or_config: Any) -> ModelFamily | None:
     for name in list_specs():
         spec = _REGISTRY[name]
         if name not in _CONFIG_TYPES:
-            value = spec.config() if spec.build_model_fn is not None else spec.model
+            try:
+                value = spec.config() if spec.build_model_fn is not None else spec.model
+            except ValueError:  # a spec sized by a file it was not given (llama3-hf)
+                _CONFIG_TYPES[name] = None
+                continue
             _CONFIG_TYPES[name] = (
                 getattr(type(value), "Config", None)
                 if isinstance(value, nn.Module)

@@ -39,9 +39,13 @@ __all__ = [
     "CommandOptions",
     "add_command_arguments",
     "add_train_arguments",
+    "command_defaults",
     "config_from_args",
     "json_object",
     "mesh_argument",
+    "option_fields",
+    "option_flag",
+    "option_kwargs",
     "parse_mesh",
     "positive_int",
 ]
@@ -289,21 +293,30 @@ class CommandOptions:
             falls back to ``--config`` and then to ``TrainConfig``). A command without
             ``--config`` parses to the ``TrainConfig`` default, unless set here.
         config_file: It takes ``--config FILE``.
+        required: Fields whose option it requires.
     """
 
     fields: tuple[str, ...] | None = None
     defaults: Mapping[str, Any] = field(default_factory=dict)
     config_file: bool = False
+    required: tuple[str, ...] = ()
 
 
 COMMAND_OPTIONS: dict[str, CommandOptions] = {
     "train": CommandOptions(config_file=True),
     "demo": CommandOptions(defaults={"mesh": {"dp_shard": 2, "tp": 2}}),
-    # The planners need a model named: --model, --hf-config (or plan's --hf-model).
+    # The planners need a model named (--model, --hf-config, or plan's --hf-model) and a
+    # mesh given (required there).
     "plan": CommandOptions(
-        fields=(*MODEL_FIELDS, *SWITCHES, "dtype", "ac"), defaults={"model": None}
+        fields=(*MODEL_FIELDS, "mesh", *SWITCHES, "dtype", "ac"),
+        defaults={"model": None, "mesh": None},
+        required=("mesh",),
     ),
-    "validate": CommandOptions(fields=(*MODEL_FIELDS, *SWITCHES), defaults={"model": None}),
+    "validate": CommandOptions(
+        fields=(*MODEL_FIELDS, "mesh", *SWITCHES),
+        defaults={"model": None, "mesh": None},
+        required=("mesh",),
+    ),
     # The search is for GPUs, where training runs in bf16 mixed precision.
     "suggest": CommandOptions(
         fields=(*MODEL_FIELDS, "dtype"), defaults={"model": None, "dtype": "bf16"}
@@ -339,6 +352,7 @@ def add_command_arguments(parser: argparse.ArgumentParser, command: str) -> None
         fields=spec.fields,
         defaults=command_defaults(command),
         config_file=spec.config_file,
+        required=spec.required,
     )
 
 
@@ -348,6 +362,7 @@ def add_train_arguments(
     fields: Iterable[str] | None = None,
     defaults: Mapping[str, Any] | None = None,
     config_file: bool = True,
+    required: Iterable[str] = (),
 ) -> None:
     """Add the run options (each maps to a :class:`~hyper_parallel.train.TrainConfig` field).
 
@@ -358,26 +373,53 @@ def add_train_arguments(
             demo's mesh). Options without one parse to ``None`` and
             :func:`config_from_args` falls back to ``--config``, then to ``TrainConfig``.
         config_file: Add ``--config FILE`` (a JSON object of TrainConfig fields).
+        required: Fields whose option must be given.
     """
     wanted = None if fields is None else set(fields)
     given = dict(defaults or {})
-    fallback = _defaults()
     if config_file and wanted is None:
         parser.add_argument(
             "--config", help="JSON file of TrainConfig fields (options override it)"
         )
-    for flag, dest, kwargs in _OPTIONS:
+    for flag, dest, _ in _OPTIONS:
         if wanted is not None and dest not in wanted:
             continue
-        kwargs = dict(kwargs)
-        if kwargs.get("type") in (int, float) and "metavar" not in kwargs:
-            kwargs["metavar"] = "N" if kwargs["type"] is int else "X"
-        shown = given.get(dest, fallback.get(dest))
-        if kwargs.get("action") not in ("store_true", "store_false") and shown is not None:
-            kwargs["help"] = f"{kwargs['help']} (default: {_shown(shown)})"
-        parser.add_argument(flag, dest=dest, default=given.get(dest), **kwargs)
+        kwargs = option_kwargs(dest, given)
+        if dest in required:
+            kwargs["required"] = True
+        parser.add_argument(flag, dest=dest, **kwargs)
         if kwargs.get("action") in ("store_true", "store_false") and dest not in given:
             parser.set_defaults(**{dest: None})  # unset: --config, then TrainConfig
+
+
+def option_kwargs(dest: str, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``add_argument`` keywords of the option of field ``dest``, with ``defaults``
+    (by field; unset: ``None``) as :func:`add_train_arguments` adds it: its help ends with
+    the default it takes (the ``TrainConfig`` field's unless ``defaults`` gives one).
+
+    Raises:
+        KeyError: ``dest`` is not a field of the table.
+    """
+    given = dict(defaults or {})
+    (kwargs,) = [dict(k) for _, d, k in _OPTIONS if d == dest]
+    if kwargs.get("type") in (int, float) and "metavar" not in kwargs:
+        kwargs["metavar"] = "N" if kwargs["type"] is int else "X"
+    shown = given.get(dest, _defaults().get(dest))
+    if kwargs.get("action") not in ("store_true", "store_false") and shown is not None:
+        kwargs["help"] = f"{kwargs['help']} (default: {_shown(shown)})"
+    kwargs["default"] = given.get(dest)
+    return kwargs
+
+
+def option_fields() -> tuple[str, ...]:
+    """Every field of the table, in its order (``option_flag`` gives each one's flag)."""
+    return tuple(dest for _, dest, _ in _OPTIONS)
+
+
+def option_flag(dest: str) -> str:
+    """The command-line flag of field ``dest`` (``"num_microbatches"`` -> ``--microbatches``)."""
+    (flag,) = [f for f, d, _ in _OPTIONS if d == dest]
+    return flag
 
 
 def _shown(value: Any) -> str:

@@ -52,7 +52,14 @@ from hyper_parallel.train.trainer import Trainer, check_config, default_device
 
 quiet_strided_gather()  # full_gradients' full_tensor of FSDP-over-TP gradients (see _warnings)
 
-__all__ = ["add_train_arguments", "config_from_args", "full_gradients", "main", "parse_mesh"]
+__all__ = [
+    "add_train_arguments",
+    "build_parser",
+    "config_from_args",
+    "full_gradients",
+    "main",
+    "parse_mesh",
+]
 
 
 def full_gradients(model_parts: list[torch.nn.Module], pp: int = 1) -> dict[str, torch.Tensor]:
@@ -140,6 +147,23 @@ def _init_process_group() -> int:
     return world_size
 
 
+def build_parser(prog: str = "python -m hyper_parallel.train.run") -> argparse.ArgumentParser:
+    """The command line of ``python -m hyper_parallel.train.run``: the run options
+    (:data:`~hyper_parallel.train.arguments.COMMAND_OPTIONS` ``"train"``) and its outputs."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a registered model on an N-D mesh (TP (+SP) x FSDP2 / HSDP) "
+        "with DCP checkpoints.",
+    )
+    add_command_arguments(parser, "train")
+    parser.add_argument("--metrics-out", help="rank 0 writes steps, losses and timing here (JSON)")
+    parser.add_argument(
+        "--grads-out",
+        help="rank 0 saves the first step's full gradients here (torch.save), before clipping",
+    )
+    return parser
+
+
 def main(
     argv: Sequence[str] | None = None,
     *,
@@ -153,17 +177,7 @@ def main(
         step_callback: Passed to :class:`~hyper_parallel.train.Trainer`.
         prog: The command's name in messages (``hyper-parallel train``).
     """
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Train a registered model on an N-D mesh (TP (+SP) x FSDP2 / HSDP) "
-        "with DCP checkpoints.",
-    )
-    add_command_arguments(parser, "train")
-    parser.add_argument("--metrics-out", help="rank 0 writes steps, losses and timing here (JSON)")
-    parser.add_argument(
-        "--grads-out",
-        help="rank 0 saves the first step's full gradients here (torch.save), before clipping",
-    )
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     # Every problem of the run (the mesh against the ranks torchrun started, axes the
     # trainer cannot run, the model's shapes, outputs that would clobber something, a

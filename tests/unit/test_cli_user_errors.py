@@ -40,11 +40,17 @@ def test_unknown_model_is_a_usage_error(capsys):
     assert code == 2 and "no model named 'llama3-7b'" in err and "llama3-8b" in err
 
 
-@pytest.mark.parametrize("mesh", ["tp=0", "tp", "tp=2,,dp=2", "tp=2,tp=2", "tp=x", "tp:2", ""])
+@pytest.mark.parametrize("mesh", ["tp=0", "tp", "tp=2,,dp=2", "tp=2,tp=2", "tp=x", "tp:2"])
 def test_malformed_mesh_is_a_usage_error(capsys, mesh):
     err = _usage_exit(capsys, ["plan", "--model", "llama3-debug", "--mesh", mesh])
     assert "argument --mesh" in err
     assert "axis=size" in err or ">= 1" in err or "more than once" in err
+
+
+def test_an_empty_mesh_is_one_device_as_in_training(capsys):
+    # --mesh is the run options' one flag: "" is one device in train.run and here alike.
+    code, out, _ = _run(capsys, ["plan", "--model", "llama3-debug", "--mesh", "", "--seq", "64"])
+    assert code == 0 and "on one device" in out.splitlines()[0]
 
 
 def test_bad_format_and_batch_are_usage_errors(capsys):

@@ -1,7 +1,8 @@
 """A Llama-3-style decoder with declarative tensor-, sequence- and context-parallel layouts.
 
 Importing this package registers one :class:`~hyper_parallel.dmodule.ModelSpec` per
-preset (``llama3-debug``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``). Each spec's
+preset (``llama3-debug``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, and
+``llama3.1-8b``, ``llama3.1-70b``, ``llama3.1-405b``: rope scaled to 131,072 positions). Each spec's
 ``config(**overrides)`` returns a ``Transformer.Config``; its ``family`` (:data:`FAMILY`,
 a :class:`~hyper_parallel.dmodule.ModelFamily`) declares the sharding functions (``tp``,
 ``tp_sp``, ``cp``; no ``ep``), the loss, ``num_params``, the blocks and the pipeline stages.
@@ -35,22 +36,26 @@ from hyper_parallel.models.common.layers import apply_rotary_emb as apply_rotary
 from hyper_parallel.models.common.layers import causal_mask as causal_mask
 from hyper_parallel.models.common.loss import cross_entropy_loss as cross_entropy_loss
 from hyper_parallel.models.common.sharding import attention_heads as attention_heads
+from hyper_parallel.models.llama.config import LLAMA31_ROPE_SCALING as LLAMA31_ROPE_SCALING
 from hyper_parallel.models.llama.config import PRESETS as PRESETS
 from hyper_parallel.models.llama.config import llama3_config as llama3_config
 from hyper_parallel.models.llama.config import num_params as num_params
 from hyper_parallel.models.llama.config import preset_config as preset_config
 from hyper_parallel.models.llama.model import Transformer as Transformer
 from hyper_parallel.models.llama.model import TransformerBlock as TransformerBlock
+from hyper_parallel.models.llama.rope import Llama3RotaryEmbedding as Llama3RotaryEmbedding
 from hyper_parallel.models.llama.sharding import apply_cp as apply_cp
 from hyper_parallel.models.llama.sharding import apply_tp as apply_tp
 from hyper_parallel.models.llama.sharding import apply_tp_sp as apply_tp_sp
 
 __all__ = [
     "FAMILY",
+    "LLAMA31_ROPE_SCALING",
     "PIPELINE",
     "PRESETS",
     "Attention",
     "FeedForward",
+    "Llama3RotaryEmbedding",
     "RMSNorm",
     "RotaryEmbedding",
     "ScaledDotProductAttention",
@@ -89,5 +94,8 @@ register_presets(
         "llama3-8b": "Llama 3 8B shapes",
         "llama3-70b": "Llama 3 70B shapes",
         "llama3-405b": "Llama 3 405B shapes",
+        "llama3.1-8b": "Llama 3.1 8B: rope scaled to 131,072 positions",
+        "llama3.1-70b": "Llama 3.1 70B: rope scaled to 131,072 positions",
+        "llama3.1-405b": "Llama 3.1 405B: rope scaled to 131,072 positions",
     },
 )

@@ -1,0 +1,227 @@
+"""One run-option table for every command: the same flags, defaults and help in ``plan``,
+``validate``, ``suggest``, ``train.run`` and ``demo``; ``--hf-config`` and
+``--model-overrides`` in all of them; ``--dtype bf16`` one meaning (fp32 states)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+
+import pytest
+import torch
+
+from hyper_parallel.cli import _parser, main
+from hyper_parallel.train.arguments import (
+    COMMAND_OPTIONS,
+    MODEL_FIELDS,
+    command_defaults,
+    config_from_args,
+    option_fields,
+    option_flag,
+    option_kwargs,
+)
+from hyper_parallel.train.run import build_parser
+
+TABLE_FLAGS = {option_flag(dest): dest for dest in option_fields()}
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    out = {name: sub.choices[name] for name in ("plan", "validate", "suggest", "demo")}
+    out["train"] = build_parser()
+    return out
+
+
+PARSERS = _parsers()
+
+
+def test_every_command_is_walked() -> None:
+    assert set(PARSERS) == set(COMMAND_OPTIONS)
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_OPTIONS))
+def test_command_options_are_the_tables(command: str) -> None:
+    parser = PARSERS[command]
+    spec = COMMAND_OPTIONS[command]
+    fields = list(option_fields() if spec.fields is None else spec.fields)
+    defaults = command_defaults(command)
+    actions = {a.dest: a for a in parser._actions}
+    for dest in fields:
+        action = actions.get(dest)
+        assert action is not None, f"{command} lacks {option_flag(dest)}"
+        want = option_kwargs(dest, defaults)
+        assert action.option_strings == [option_flag(dest)], (command, dest)
+        assert action.help == want["help"], (command, dest)
+        assert action.default == parser.get_default(dest) == want["default"], (command, dest)
+        assert action.choices == want.get("choices"), (command, dest)
+        assert action.metavar == want.get("metavar"), (command, dest)
+        assert action.required == (dest in spec.required), (command, dest)
+    # No command defines a flag of the table on its own (another meaning, another help).
+    for action in parser._actions:
+        for flag in action.option_strings:
+            if flag in TABLE_FLAGS:
+                assert TABLE_FLAGS[flag] in fields and action.dest == TABLE_FLAGS[flag], flag
+
+
+def test_every_command_takes_the_model_options() -> None:
+    for command, parser in PARSERS.items():
+        flags = {f for a in parser._actions for f in a.option_strings}
+        for dest in (*MODEL_FIELDS, "dtype") if command != "validate" else MODEL_FIELDS:
+            assert option_flag(dest) in flags, (command, dest)
+    assert {option_flag(d) for d in MODEL_FIELDS} == {"--model", "--model-overrides", "--hf-config"}
+
+
+def test_dtype_help_says_mixed_precision_everywhere() -> None:
+    helps = {
+        PARSERS[c]._option_string_actions["--dtype"].help.split(" (default")[0]
+        for c in ("plan", "suggest", "train", "demo")
+    }
+    assert len(helps) == 1
+    (text,) = helps
+    assert "fp32 master weights, gradients and AdamW state" in text
+
+
+# ---------------------------------------------------------------------- behaviour
+
+
+def _tiny_llama31(tmp_path) -> str:
+    """A tiny config.json with Llama 3.1's rope scaling, as transformers writes one."""
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 160,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 3,
+                "vocab_size": 300,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                "max_position_embeddings": 512,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    return str(path)
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_hf_config_and_overrides_mean_one_model_in_every_command(tmp_path, capsys) -> None:
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    config = _tiny_llama31(tmp_path)
+    overrides = '{"num_layers": 2}'
+    # train.run and the demo: the TrainConfig their options build.
+    for command in ("train", "demo"):
+        args = PARSERS[command].parse_args(
+            ["--hf-config", config, "--model-overrides", overrides, "--mesh", "dp=2"]
+        )
+        cfg = config_from_args(args)
+        assert cfg.model == "llama3-hf" and cfg.model_overrides["num_layers"] == 2
+        assert cfg.model_overrides["rope_scaling"]["factor"] == 8.0
+    spec = get_spec(cfg.model)
+    expected = spec.family.num_params(spec.config(**cfg.model_overrides))
+    # plan: the same model, counted by the dry run.
+    code, out, err = _run(
+        capsys, "plan", "--hf-config", config, "--model-overrides", overrides,
+        "--mesh", "dp=2,tp=2", "--seq", "128", "--format", "json",
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["num_params"] == expected and report["model"] == "llama3-hf"
+    # validate: the same model, checked.
+    code, out, err = _run(
+        capsys, "validate", "--hf-config", config, "--model-overrides", overrides,
+        "--mesh", "tp=2", "--format", "json",
+    )  # fmt: skip
+    assert code == 0, (out, err)
+    # suggest: its commands name the same model, and plan takes them.
+    code, out, err = _run(
+        capsys, "suggest", "--hf-config", config, "--model-overrides", overrides,
+        "--gpus", "2", "--gpu", "h100-80gb", "--seq", "128",
+        "--global-batch-tokens", "1024", "--top", "1", "--format", "json",
+    )  # fmt: skip
+    assert code == 0, err
+    command = shlex.split(json.loads(out)["plans"][0]["command"])
+    given = json.loads(command[command.index("--model-overrides") + 1])
+    assert given == {k: v for k, v in cfg.model_overrides.items()}
+    code, out, err = _run(
+        capsys, "plan", "--model", command[command.index("--model") + 1],
+        "--model-overrides", json.dumps(given), "--mesh", "dp=2", "--seq", "128",
+        "--format", "json",
+    )  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out)["num_params"] == expected
+
+
+def test_a_file_sized_model_without_its_file_is_refused(capsys) -> None:
+    # Once it planned the 131K-parameter debug preset in its place.
+    for command in ("plan", "validate"):
+        code, out, err = _run(capsys, command, "--model", "llama3-hf", "--mesh", "dp=2")
+        assert code == 1
+        assert "llama3-hf takes its sizes from a Hugging Face config.json" in out + err
+        assert "--hf-config PATH" in out + err
+    code, _, err = _run(
+        capsys, "suggest", "--model", "qwen3-hf", "--gpus", "8", "--gpu", "h100-80gb",
+        "--seq", "1024", "--global-batch-tokens", "65536",
+    )  # fmt: skip
+    assert code == 2 and "--hf-config PATH" in err
+    from hyper_parallel.train.trainer import TrainConfig, check_config
+
+    problems = check_config(TrainConfig(model="llama3-hf"), 1)
+    assert any("--hf-config PATH" in str(p) for p in problems)
+
+
+def test_no_model_or_two_models_are_usage_errors(tmp_path, capsys) -> None:
+    code, _, err = _run(capsys, "plan", "--mesh", "dp=2")
+    assert code == 2 and "give --model NAME" in err
+    config = _tiny_llama31(tmp_path)
+    code, _, err = _run(capsys, "plan", "--model", "llama3-8b", "--hf-config", config,
+                        "--mesh", "dp=2")  # fmt: skip
+    assert code == 2 and "give one of them" in err
+    code, _, err = _run(capsys, "validate", "--hf-model", "llama", "--model-overrides", "{}",
+                        "--mesh", "tp=2", "--model", "llama3-8b")  # fmt: skip
+    assert code == 2 and "--hf-model" in err
+
+
+def test_plan_dtype_bf16_keeps_fp32_states(capsys) -> None:
+    # --dtype bf16 is the trainer's: fp32 master weights, gradients and AdamW moments
+    # (once: 2-byte parameters and gradients, half of what a bf16 run holds).
+    reports = {}
+    for dtype in ("fp32", "bf16"):
+        code, out, err = _run(
+            capsys, "plan", "--model", "llama3-debug", "--mesh", "dp=2,tp=2", "--seq", "64",
+            "--dtype", dtype, "--format", "json",
+        )  # fmt: skip
+        assert code == 0, err
+        reports[dtype] = json.loads(out)["per_rank_bytes"]
+    fp32, bf16 = reports["fp32"], reports["bf16"]
+    for state in ("params", "grads", "optimizer"):
+        assert bf16[state] == fp32[state] > 0, state
+    assert fp32["params"] == fp32["grads"] and fp32["optimizer"] == 2 * fp32["params"]
+    assert 0 < bf16["activations"] < fp32["activations"]
+
+
+def test_the_dry_run_refuses_low_precision_masters_under_bf16() -> None:
+    from hyper_parallel.analysis import dry_run
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    config = get_spec("llama3-debug").config()
+    with pytest.raises(ValueError, match="fp32 master weights"):
+        dry_run(config, {"dp": 2}, seq_len=16, param_dtype=torch.bfloat16, dtype="bf16")
