@@ -95,6 +95,7 @@ __all__ = [
     "default_num_microbatches",
     "raise_findings",
     "schedule_findings",
+    "switch_findings",
 ]
 
 RUN_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
@@ -116,6 +117,49 @@ def default_num_microbatches(pp: int, schedule: str, stages_per_rank: int | None
     if pp <= 1:
         return 1
     return pp * stages_per_rank_of(schedule, stages_per_rank)
+
+
+def switch_findings(
+    layout: MeshLayout,
+    *,
+    sequence_parallel: bool = False,
+    seq_len: int | None = None,
+    global_batch_size: int | None = None,
+) -> list[Finding]:
+    """What the switches ask of the mesh: sequence parallelism needs ``tp > 1`` and a
+    sequence divisible by ``tp``; the global batch splits evenly over the data ranks.
+
+    ``TrainConfig`` raises these at construction with the same text
+    (:func:`raise_findings`); ``validate``, ``plan`` and the demo report them as
+    findings of the run plan.
+    """
+    out: list[Finding] = []
+    tp = layout.tp
+    if sequence_parallel and (tp == 1 or (seq_len is not None and seq_len % tp)):
+        out.append(
+            Finding(
+                "error",
+                "switches",
+                "sequence_parallel",
+                f"sequence_parallel needs tp > 1 and seq_len divisible by tp (got tp={tp}, "
+                f"seq_len={seq_len}): it shards each sequence over the tp axis.",
+                "set a tp axis dividing seq_len (e.g. tp=2), or drop sequence_parallel.",
+            )
+        )
+    dp = layout.size("batch")
+    if global_batch_size is not None and global_batch_size % dp:
+        out.append(
+            Finding(
+                "error",
+                "switches",
+                "global_batch_size",
+                f"global_batch_size={global_batch_size} is not divisible by dp_replicate x "
+                f"dp_shard = {dp}; each data-parallel rank takes an equal slice of the "
+                "global batch.",
+                f"make global_batch_size a multiple of {dp}, or change the data axes.",
+            )
+        )
+    return out
 
 
 def raise_findings(findings: Iterable[Finding], where: str) -> None:
@@ -246,6 +290,7 @@ class RunPlan:
             switches: ``sequence_parallel``, ``compile``, ``compile_backend``, ``ac``,
                 ``dtype``, ``fsdp``, ``schedule``, ``num_microbatches``,
                 ``batch_size`` (sequences per data-parallel rank), ``seq_len``,
+                ``global_batch_size`` (sequences per step over all data ranks),
                 ``pipeline_split`` (a split or its dict form), ``stages_per_rank``.
 
         Raises:
@@ -366,6 +411,7 @@ class RunPlan:
         seq_len: int | None = None,
         pipeline_split: PipelineSplit | Mapping[str, Any] | None = None,
         stages_per_rank: int | None = None,
+        global_batch_size: int | None = None,
     ) -> RunPlan:
         check_ac_mode(ac)
         precision.check_dtype(dtype)
@@ -374,6 +420,12 @@ class RunPlan:
                 f"RunPlan: compile backend {compile_backend!r} is not one of {list(BACKENDS)}."
             )
         findings = [*layout.findings(world_size), *early]
+        findings += switch_findings(
+            layout,
+            sequence_parallel=sequence_parallel,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+        )
         findings += ep_layout_findings(layout)
         if subject is not None and model is None:
             model = subject if isinstance(subject, nn.Module) else _meta_build(subject)

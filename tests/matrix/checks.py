@@ -51,6 +51,9 @@ def validate_argv(cfg: dict[str, Any]) -> list[str]:
     return argv
 
 
+_FIELDS = ("severity", "path", "field", "message", "fix")
+
+
 def _words(text: str) -> str:
     return " ".join(text.split())
 
@@ -71,6 +74,7 @@ def gate(cfg: dict[str, Any], world_size: int) -> dict[str, Any]:
     import json
 
     from hyper_parallel.cli import main as cli_main
+    from hyper_parallel.dmodule.findings import Finding
     from hyper_parallel.train.trainer import TrainConfig, check_config
 
     raised: str | None = None
@@ -91,25 +95,22 @@ def gate(cfg: dict[str, Any], world_size: int) -> dict[str, Any]:
         reported = json.loads(out.getvalue())["findings"]
     except (ValueError, KeyError, TypeError):
         reported = []
+    # validate's errors in the trainer's form (str of a Finding), word for word.
     errors = {
-        tuple(_words(str(f.get(k, ""))) for k in ("path", "field", "message", "fix"))
+        _words(str(Finding(*(str(f.get(k, "")) for k in _FIELDS))))
         for f in reported
         if f.get("severity") == "error"
     }
-    text = _words(out.getvalue() + err.getvalue())
     if raised is not None:
         findings = [raised]
-        # TrainConfig's own text: its lines after the first name the problems.
+        # TrainConfig raises the run plan's findings: its lines after the first.
         lines = [ln.strip() for ln in raised.splitlines()[1:] if ln.strip()] or [raised]
-        missing = [ln for ln in lines if _words(ln) not in text]
+        missing = [ln for ln in lines if _words(ln) not in errors]
     else:
         findings = [str(f) for f in found]
-        missing = [
-            str(f)
-            for f in found
-            if tuple(_words(x) for x in (f.path, f.field, f.message, f.fix)) not in errors
-        ]
-    extra = "" if findings or rc == 0 else (" | ".join(" ".join(e) for e in errors) or text)
+        missing = [str(f) for f in found if _words(str(f)) not in errors]
+    text = _words(out.getvalue() + err.getvalue())
+    extra = "" if findings or rc == 0 else (" | ".join(sorted(errors)) or text)
     return {
         "refused": bool(findings),
         "findings": findings,

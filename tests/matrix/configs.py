@@ -28,6 +28,7 @@ from tests.matrix.covering import Covering, pairwise
 
 __all__ = [
     "EIGHT_RANKS",
+    "PROBES",
     "SEED",
     "SLICE",
     "SWITCHES",
@@ -200,9 +201,25 @@ EIGHT_RANKS: tuple[dict[str, Any], ...] = (
 """A few 8-rank runs (``pp`` = 2 where piped), beside the 4-rank covering array."""
 
 
+PROBES: tuple[dict[str, Any], ...] = (
+    # Outside the constraints on purpose: each must be refused, alike by every gate.
+    # Sequence parallelism without tp.
+    dict(_EIGHT_BASE, family="llama3-debug", pipeline="pp1", dp_replicate=2, dp_shard=2, cp=1,
+         tp=1, sp=True),
+    # ep on a dense model (no routed experts to spread).
+    dict(_EIGHT_BASE, family="llama3-debug", pipeline="pp1", dp_replicate=1, dp_shard=2, cp=1,
+         tp=2, ep=2),
+    # Stages per rank at pp=1, spelled as a split.
+    dict(_EIGHT_BASE, family="qwen3-debug", pipeline="ZBVZeroBubble", stages_per_rank=1,
+         dp_replicate=1, dp_shard=2, cp=1, tp=1),
+)  # fmt: skip
+"""Runs every gate must refuse (the covering array's constraints keep them out)."""
+
+
 def matrix(seed: int = SEED, eight: bool = True) -> list[Config]:
-    """Every configuration of the matrix: the covering array, then the 8-rank runs."""
-    rows = covering(seed).rows + (list(EIGHT_RANKS) if eight else [])
+    """Every configuration of the matrix: the covering array, the refusal probes, then the
+    8-rank runs."""
+    rows = covering(seed).rows + list(PROBES) + (list(EIGHT_RANKS) if eight else [])
     return [Config(i, dict(r)) for i, r in enumerate(rows)]
 
 

@@ -98,7 +98,8 @@ def run_one(
     g = gate(cfg, config.world_size)
     if g["refused"]:
         status = "refused" if not g["validate_missing"] else "GATES DIFFER"
-        first = g["findings"][0].splitlines()[0][:240]
+        lines = [ln.strip() for ln in g["findings"][0].splitlines() if ln.strip()]
+        first = lines[1 if len(lines) > 1 else 0][:240]  # past "TrainConfig: n problem(s):"
         detail = f"{len(g['findings'])} finding(s): {first}"
         if g["validate_missing"]:
             detail += f" | validate (rc {g['validate_rc']}) misses it"
