@@ -101,15 +101,20 @@ def gate(cfg: dict[str, Any], world_size: int) -> dict[str, Any]:
         for f in reported
         if f.get("severity") == "error"
     }
+    # A mesh argparse refuses (before any JSON) is printed as the layout's findings.
+    text = _words(out.getvalue() + err.getvalue())
+
+    def reported_alike(finding: str) -> bool:
+        return _words(finding) in errors or (rc == 2 and _words(finding) in text)
+
     if raised is not None:
         findings = [raised]
         # TrainConfig raises the run plan's findings: its lines after the first.
         lines = [ln.strip() for ln in raised.splitlines()[1:] if ln.strip()] or [raised]
-        missing = [ln for ln in lines if _words(ln) not in errors]
+        missing = [ln for ln in lines if not reported_alike(ln)]
     else:
         findings = [str(f) for f in found]
-        missing = [str(f) for f in found if _words(str(f)) not in errors]
-    text = _words(out.getvalue() + err.getvalue())
+        missing = [str(f) for f in found if not reported_alike(str(f))]
     extra = "" if findings or rc == 0 else (" | ".join(sorted(errors)) or text)
     return {
         "refused": bool(findings),
