@@ -305,6 +305,7 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
         batch_size=batch,
         seq_len=seq_len,
         pipeline_split=args.pipeline_split,
+        compile=args.compile,
         **switches,
     )
 

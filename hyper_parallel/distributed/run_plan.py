@@ -92,6 +92,7 @@ __all__ = [
     "apply_run_plan",
     "build_model",
     "build_stages",
+    "compile_findings",
     "default_num_microbatches",
     "raise_findings",
     "schedule_findings",
@@ -160,6 +161,43 @@ def switch_findings(
             )
         )
     return out
+
+
+def compile_findings(
+    layout: MeshLayout, *, compile: bool, fsdp: bool, microbatch_size: int | None
+) -> list[Finding]:
+    """What ``torch.compile`` does not trace: cp on a states mesh of several axes with
+    more than one sequence per micro-batch.
+
+    Under context parallelism a block's input is a sequence shard; each linear layer
+    flattens (batch, sequence) into rows, so a batch of several sequences becomes a
+    strided shard of the rows. On a states mesh of more than one axis (tp, or FSDP2's
+    data axes next to cp) torch 2.13 propagates that sharding through the matmul with a
+    data-dependent size, which dynamo's fake tensors cannot give: every rank stops
+    with ``PendingUnbackedSymbolNotFound`` (found by the configuration matrix at
+    dp_shard=2 x cp=2 and cp=2 x tp=2 with 4 sequences per rank). Eager runs it, and
+    one sequence per micro-batch compiles.
+    """
+    if not compile or layout.cp == 1 or microbatch_size is None or microbatch_size <= 1:
+        return []
+    others = [a for a in ("dp_replicate", "dp_shard") if fsdp and layout.size(a) > 1]
+    others += ["tp"] if layout.tp > 1 else []
+    if not others:
+        return []
+    return [
+        Finding(
+            "error",
+            "switches",
+            "compile",
+            f"compile with cp={layout.cp} next to {' x '.join(others)} and "
+            f"{microbatch_size} sequences per micro-batch: dynamo cannot trace the linear "
+            "layers on a sequence shard flattened with the batch over a states mesh of "
+            "several axes (torch's strided-shard propagation needs a data-dependent size; "
+            "every rank would stop).",
+            "give each rank one sequence per micro-batch (a global batch of data-parallel "
+            "ranks x micro-batches), or leave compile off with cp.",
+        )
+    ]
 
 
 def raise_findings(findings: Iterable[Finding], where: str) -> None:
@@ -468,6 +506,12 @@ class RunPlan:
             split = pipeline_split
         if num_microbatches is None:
             num_microbatches = default_num_microbatches(layout.pp, schedule, stages_per_rank)
+        findings += compile_findings(
+            layout,
+            compile=compile,
+            fsdp=fsdp,
+            microbatch_size=None if batch_size is None else batch_size // max(1, num_microbatches),
+        )
         if layout.pp > 1 and (subject is not None or family is not None):
             args = dict(
                 schedule=schedule,

@@ -46,6 +46,8 @@ def validate_argv(cfg: dict[str, Any]) -> list[str]:
         argv += ["--schedule", cfg["schedule"]]
     if cfg.get("num_microbatches") is not None:
         argv += ["--microbatches", str(cfg["num_microbatches"])]
+    if cfg.get("compile"):
+        argv.append("--compile")
     if cfg.get("pipeline_split") is not None:
         argv += ["--pipeline-split", json.dumps(cfg["pipeline_split"])]
     return argv
