@@ -99,9 +99,7 @@ def allowed(row: Mapping[str, Any]) -> bool:
     # for the interleaved and V schedules.
     if pipeline in ("GPipe", "1F1B") and spr == 2:
         return False
-    if pipeline in MULTI_STAGE and spr == 1:
-        return False
-    return True
+    return not (pipeline in MULTI_STAGE and spr == 1)
 
 
 @dataclasses.dataclass(frozen=True)
