@@ -270,10 +270,10 @@ def _subject(args: argparse.Namespace) -> _Subject:
         spec = get_spec(args.model)
     except ValueError as e:
         raise _UsageError(str(e)) from None
-    if args.sequence_parallel and (plan is not None or layout.tp == 1):
+    if args.sequence_parallel and plan is not None:
         raise _UsageError(
-            "--sp shards the sequence over the 'tp' axis: give the mesh a tp axis "
-            "(e.g. --mesh dp=2,tp=2), and no --plan."
+            "--sp takes the model's own sequence-parallel layout: give no --plan (a plan "
+            "file states its own placements)."
         )
     run = None
     if plan is None:
@@ -317,6 +317,7 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
         batch_size=batch,
         seq_len=seq_len,
         pipeline_split=args.pipeline_split,
+        compile=args.compile,
         **switches,
     )
 
@@ -514,6 +515,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         raise _UsageError(str(e)) from None
     report.model = subject.name
+    if subject.run is not None:  # the run plan's errors are the gate: every one reported
+        report.findings += [f for f in subject.run.errors if f not in report.findings]
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=1))
     else:

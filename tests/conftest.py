@@ -1,4 +1,4 @@
-"""Shared fixtures: the per-module distributed pool; under ``CI=true`` a skip fails the run."""
+"""Shared fixtures: the per-module distributed pool; under ``CI=true`` a skip or an xfail fails the run."""
 
 from __future__ import annotations
 

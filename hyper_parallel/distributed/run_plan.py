@@ -97,9 +97,11 @@ __all__ = [
     "apply_run_plan",
     "build_model",
     "build_stages",
+    "compile_findings",
     "default_num_microbatches",
     "raise_findings",
     "schedule_findings",
+    "switch_findings",
 ]
 
 RUN_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
@@ -169,6 +171,86 @@ def accumulation_findings(
             f"dp_replicate x dp_shard = {dp}): the micro-batches would be unequal.",
             f"use --microbatches among {shown} (divisors of {batch_size}), or a global batch "
             f"that is a multiple of {dp * num_microbatches} (dp x micro-batches).",
+        )
+    ]
+
+
+def switch_findings(
+    layout: MeshLayout,
+    *,
+    sequence_parallel: bool = False,
+    seq_len: int | None = None,
+    global_batch_size: int | None = None,
+) -> list[Finding]:
+    """What the switches ask of the mesh: sequence parallelism needs ``tp > 1`` and a
+    sequence divisible by ``tp``; the global batch splits evenly over the data ranks.
+
+    ``TrainConfig`` raises these at construction with the same text
+    (:func:`raise_findings`); ``validate``, ``plan`` and the demo report them as
+    findings of the run plan.
+    """
+    out: list[Finding] = []
+    tp = layout.tp
+    if sequence_parallel and (tp == 1 or (seq_len is not None and seq_len % tp)):
+        out.append(
+            Finding(
+                "error",
+                "switches",
+                "sequence_parallel",
+                f"sequence_parallel needs tp > 1 and seq_len divisible by tp (got tp={tp}, "
+                f"seq_len={seq_len}): it shards each sequence over the tp axis.",
+                "set a tp axis dividing seq_len (e.g. tp=2), or drop sequence_parallel.",
+            )
+        )
+    dp = layout.size("batch")
+    if global_batch_size is not None and global_batch_size % dp:
+        out.append(
+            Finding(
+                "error",
+                "switches",
+                "global_batch_size",
+                f"global_batch_size={global_batch_size} is not divisible by dp_replicate x "
+                f"dp_shard = {dp}; each data-parallel rank takes an equal slice of the "
+                "global batch.",
+                f"make global_batch_size a multiple of {dp}, or change the data axes.",
+            )
+        )
+    return out
+
+
+def compile_findings(
+    layout: MeshLayout, *, compile: bool, fsdp: bool, microbatch_size: int | None
+) -> list[Finding]:
+    """What ``torch.compile`` does not trace: cp on a states mesh of several axes with
+    more than one sequence per micro-batch.
+
+    Under context parallelism a block's input is a sequence shard; each linear layer
+    flattens (batch, sequence) into rows, so a batch of several sequences becomes a
+    strided shard of the rows. On a states mesh of more than one axis (tp, or FSDP2's
+    data axes next to cp) torch 2.13 propagates that sharding through the matmul with a
+    data-dependent size, which dynamo's fake tensors cannot give: every rank stops
+    with ``PendingUnbackedSymbolNotFound`` (found by the configuration matrix at
+    dp_shard=2 x cp=2 and cp=2 x tp=2 with 4 sequences per rank). Eager runs it, and
+    one sequence per micro-batch compiles.
+    """
+    if not compile or layout.cp == 1 or microbatch_size is None or microbatch_size <= 1:
+        return []
+    others = [a for a in ("dp_replicate", "dp_shard") if fsdp and layout.size(a) > 1]
+    others += ["tp"] if layout.tp > 1 else []
+    if not others:
+        return []
+    return [
+        Finding(
+            "error",
+            "switches",
+            "compile",
+            f"compile with cp={layout.cp} next to {' x '.join(others)} and "
+            f"{microbatch_size} sequences per micro-batch: dynamo cannot trace the linear "
+            "layers on a sequence shard flattened with the batch over a states mesh of "
+            "several axes (torch's strided-shard propagation needs a data-dependent size; "
+            "every rank would stop).",
+            "give each rank one sequence per micro-batch (a global batch of data-parallel "
+            "ranks x micro-batches), or leave compile off with cp.",
         )
     ]
 
@@ -302,6 +384,7 @@ class RunPlan:
             switches: ``sequence_parallel``, ``compile``, ``compile_backend``, ``ac``,
                 ``dtype``, ``fsdp``, ``schedule``, ``num_microbatches``,
                 ``batch_size`` (sequences per data-parallel rank), ``seq_len``,
+                ``global_batch_size`` (sequences per step over all data ranks),
                 ``pipeline_split`` (a split or its dict form), ``stages_per_rank``.
 
         Raises:
@@ -422,6 +505,7 @@ class RunPlan:
         seq_len: int | None = None,
         pipeline_split: PipelineSplit | Mapping[str, Any] | None = None,
         stages_per_rank: int | None = None,
+        global_batch_size: int | None = None,
     ) -> RunPlan:
         check_ac_mode(ac)
         precision.check_dtype(dtype)
@@ -430,6 +514,12 @@ class RunPlan:
                 f"RunPlan: compile backend {compile_backend!r} is not one of {list(BACKENDS)}."
             )
         findings = [*layout.findings(world_size), *early]
+        findings += switch_findings(
+            layout,
+            sequence_parallel=sequence_parallel,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+        )
         findings += ep_layout_findings(layout)
         if subject is not None and model is None:
             model = subject if isinstance(subject, nn.Module) else _meta_build(subject)
@@ -474,6 +564,12 @@ class RunPlan:
             split = pipeline_split
         if num_microbatches is None:
             num_microbatches = default_num_microbatches(layout.pp, schedule, stages_per_rank)
+        findings += compile_findings(
+            layout,
+            compile=compile,
+            fsdp=fsdp,
+            microbatch_size=None if batch_size is None else batch_size // max(1, num_microbatches),
+        )
         if layout.pp > 1 and (subject is not None or family is not None):
             args = dict(
                 schedule=schedule,

@@ -276,7 +276,7 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ),
 )
 
-SWITCHES = ("sequence_parallel", "schedule", "num_microbatches", "pipeline_split")
+SWITCHES = ("sequence_parallel", "schedule", "num_microbatches", "pipeline_split", "compile")
 """The options ``plan`` and ``validate`` take too: they change the run those check."""
 
 MODEL_FIELDS = ("model", "model_overrides", "hf_config")

@@ -60,6 +60,8 @@ from hyper_parallel.distributed.run_plan import (
     build_model,
     build_stages,
     default_num_microbatches,
+    raise_findings,
+    switch_findings,
 )
 from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
@@ -249,17 +251,16 @@ class TrainConfig:
                 f"lr={self.lr}, max_grad_norm={self.max_grad_norm}, "
                 f"weight_decay={self.weight_decay}."
             )
-        if self.global_batch_size % self.dp:
-            raise ValueError(
-                f"TrainConfig: global_batch_size={self.global_batch_size} is not divisible by "
-                f"dp_replicate x dp_shard = {self.dp}; each data-parallel rank takes an equal "
-                "slice of the global batch."
-            )
-        if self.sequence_parallel and (self.tp == 1 or self.seq_len % self.tp):
-            raise ValueError(
-                f"TrainConfig: sequence_parallel needs tp > 1 and seq_len divisible by tp "
-                f"(got tp={self.tp}, seq_len={self.seq_len}); set a tp axis or drop it."
-            )
+        # The run plan's own findings (validate and plan report them with this text).
+        raise_findings(
+            switch_findings(
+                self.layout,
+                sequence_parallel=self.sequence_parallel,
+                seq_len=self.seq_len,
+                global_batch_size=self.global_batch_size,
+            ),
+            "TrainConfig",
+        )
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("TrainConfig: resume=True needs a checkpoint_dir to resume from.")
         report.check_fields(self)
@@ -463,6 +464,7 @@ def run_plan(
         schedule=cfg.schedule,
         num_microbatches=cfg.num_microbatches,
         batch_size=cfg.global_batch_size // layout.size("batch"),
+        global_batch_size=cfg.global_batch_size,
         seq_len=cfg.seq_len,
         pipeline_split=cfg.pipeline_split,
     )

@@ -46,9 +46,47 @@ def validate_argv(cfg: dict[str, Any]) -> list[str]:
         argv += ["--schedule", cfg["schedule"]]
     if cfg.get("num_microbatches") is not None:
         argv += ["--microbatches", str(cfg["num_microbatches"])]
+    if cfg.get("compile"):
+        argv.append("--compile")
     if cfg.get("pipeline_split") is not None:
         argv += ["--pipeline-split", json.dumps(cfg["pipeline_split"])]
     return argv
+
+
+def plan_argv(cfg: dict[str, Any]) -> list[str] | None:
+    """``hyper-parallel plan`` arguments for ``cfg`` (its ``--batch`` is one micro-batch's
+    sequences); ``None`` when the trainer's batch is not a whole number of them."""
+    from hyper_parallel.distributed.run_plan import default_num_microbatches
+
+    argv = validate_argv(cfg)
+    argv[0] = "plan"
+    pp = cfg["mesh"].get("pp", 1)
+    microbatches = cfg.get("num_microbatches") or default_num_microbatches(
+        pp, cfg.get("schedule", "1F1B")
+    )
+    at = argv.index("--batch") + 1
+    per_rank = int(argv[at])
+    if pp > 1:
+        if per_rank % microbatches:
+            return None
+        per_rank //= microbatches
+    argv[at] = str(per_rank)
+    return [*argv, "--dtype", cfg.get("dtype", "fp32"), "--ac", cfg.get("ac", "none")]
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    from hyper_parallel.cli import main as cli_main
+
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli_main(argv)
+    except SystemExit as e:  # argparse refused the arguments
+        rc = e.code if isinstance(e.code, int) else 2
+    return rc, out.getvalue(), err.getvalue()
+
+
+_FIELDS = ("severity", "path", "field", "message", "fix")
 
 
 def _words(text: str) -> str:
@@ -56,7 +94,7 @@ def _words(text: str) -> str:
 
 
 def gate(cfg: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """The trainer's gate and ``validate --format json`` on ``cfg``, in this process.
+    """The trainer's gate, ``validate --format json`` and ``plan`` on ``cfg``, in this process.
 
     A finding is the same in both when its path, field, message and fix are (word for
     word); a refusal ``TrainConfig`` raises itself (not a finding) must appear in
@@ -66,11 +104,12 @@ def gate(cfg: dict[str, Any], world_size: int) -> dict[str, Any]:
         ``refused`` (whether the trainer refuses), ``findings`` (its error texts),
         ``validate_rc`` and ``validate_missing`` (the trainer's findings validate does
         not report; empty when they agree), ``validate_extra`` (validate's errors on a
-        run the trainer accepts).
+        run the trainer accepts), ``plan_missing`` (those ``plan`` does not print, for a
+        refused run whose batch ``plan --batch`` can state).
     """
     import json
 
-    from hyper_parallel.cli import main as cli_main
+    from hyper_parallel.dmodule.findings import Finding
     from hyper_parallel.train.trainer import TrainConfig, check_config
 
     raised: str | None = None
@@ -81,36 +120,42 @@ def gate(cfg: dict[str, Any], world_size: int) -> dict[str, Any]:
         raised = str(e)
     else:
         found = check_config(config, world_size)
-    out, err = io.StringIO(), io.StringIO()
+    rc, out_text, err_text = _cli([*validate_argv(cfg), "--format", "json"])
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = cli_main([*validate_argv(cfg), "--format", "json"])
-    except SystemExit as e:  # argparse refused the arguments
-        rc = e.code if isinstance(e.code, int) else 2
-    try:
-        reported = json.loads(out.getvalue())["findings"]
+        reported = json.loads(out_text)["findings"]
     except (ValueError, KeyError, TypeError):
         reported = []
+    # validate's errors in the trainer's form (str of a Finding), word for word.
     errors = {
-        tuple(_words(str(f.get(k, ""))) for k in ("path", "field", "message", "fix"))
+        _words(str(Finding(*(str(f.get(k, "")) for k in _FIELDS))))
         for f in reported
         if f.get("severity") == "error"
     }
-    text = _words(out.getvalue() + err.getvalue())
+    # A mesh argparse refuses (before any JSON) is printed as the layout's findings.
+    text = _words(out_text + err_text)
+
+    def reported_alike(finding: str) -> bool:
+        return _words(finding) in errors or (rc == 2 and _words(finding) in text)
+
     if raised is not None:
         findings = [raised]
-        # TrainConfig's own text: its lines after the first name the problems.
+        # TrainConfig raises the run plan's findings: its lines after the first.
         lines = [ln.strip() for ln in raised.splitlines()[1:] if ln.strip()] or [raised]
-        missing = [ln for ln in lines if _words(ln) not in text]
+        missing = [ln for ln in lines if not reported_alike(ln)]
     else:
         findings = [str(f) for f in found]
-        missing = [
-            str(f)
-            for f in found
-            if tuple(_words(x) for x in (f.path, f.field, f.message, f.fix)) not in errors
-        ]
-    extra = "" if findings or rc == 0 else (" | ".join(" ".join(e) for e in errors) or text)
+        missing = [str(f) for f in found if not reported_alike(str(f))]
+    extra = "" if findings or rc == 0 else (" | ".join(sorted(errors)) or text)
+    # plan prints a refused run's findings (str of each) and exits non-zero.
+    plan_missing: list[str] = []
+    argv = plan_argv(cfg) if findings else None
+    if argv is not None:
+        plan_rc, plan_out, plan_err = _cli(argv)
+        plan_text = _words(plan_out + plan_err)
+        wanted = lines if raised is not None else [str(f) for f in found]
+        plan_missing = [f for f in wanted if plan_rc == 0 or _words(f) not in plan_text]
     return {
+        "plan_missing": plan_missing,
         "refused": bool(findings),
         "findings": findings,
         "validate_rc": rc,

@@ -8,8 +8,10 @@ schedule is one switch with ``pp`` (a schedule only means something at ``pp=2``)
 
 Constraints (:func:`allowed`) keep rows that are *runs someone would ask for*, not
 rows a one-line rule already refuses: 4 ranks exactly (pp x dp_replicate x dp_shard
-x cp x tp), ``sp`` only with ``tp=2``, ``ep=2`` only for the mixture of experts,
-stages per rank and micro-batches other than the default only with ``pp=2``. Whatever
+x cp x tp), ``sp`` only with ``tp=2``, ``ep=2`` only for the mixture of experts and
+with ranks to borrow (dp_shard x cp x tp >= 2), stages per rank and micro-batches
+other than the default only with ``pp=2``, one stage per rank for GPipe and 1F1B and
+two for the others. Each rule left out this way has a probe in :data:`PROBES`. Whatever
 the run plan then refuses among them (a schedule against a stage count, ep with a
 split backward, ...) is a refusal the matrix checks is given before any rank builds.
 :data:`EIGHT_RANKS` adds a few 8-rank runs.
@@ -28,6 +30,7 @@ from tests.matrix.covering import Covering, pairwise
 
 __all__ = [
     "EIGHT_RANKS",
+    "PROBES",
     "SEED",
     "SLICE",
     "SWITCHES",
@@ -40,6 +43,7 @@ __all__ = [
 SEED = 2026
 """The covering array's seed: the same matrix on every run."""
 
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 PIPELINES = ("pp1", "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 SWITCHES: dict[str, tuple[Any, ...]] = {
@@ -83,12 +87,19 @@ def allowed(row: Mapping[str, Any]) -> bool:
         return False
     if row.get("ep") == 2 and row.get("family", "qwen3-moe-debug") != "qwen3-moe-debug":
         return False
-    if row.get("pipeline") == "pp1":
-        if row.get("stages_per_rank", "default") != "default":
+    if row.get("ep") == 2 and row.get("dp_shard", 2) * row.get("cp", 2) * row.get("tp", 2) < 2:
+        return False  # ep borrows ranks from dp_shard x cp x tp
+    pipeline, spr = row.get("pipeline"), row.get("stages_per_rank", "default")
+    if pipeline == "pp1":
+        if spr != "default":
             return False
         if row.get("microbatches", "default") != "default":
             return False
-    return True
+    # A stage count the schedule runs: one stage per rank for GPipe and 1F1B, several
+    # for the interleaved and V schedules.
+    if pipeline in ("GPipe", "1F1B") and spr == 2:
+        return False
+    return not (pipeline in MULTI_STAGE and spr == 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,9 +211,30 @@ EIGHT_RANKS: tuple[dict[str, Any], ...] = (
 """A few 8-rank runs (``pp`` = 2 where piped), beside the 4-rank covering array."""
 
 
+PROBES: tuple[dict[str, Any], ...] = (
+    # Outside the constraints on purpose: each must be refused, alike by every gate.
+    # Sequence parallelism without tp.
+    dict(_EIGHT_BASE, family="llama3-debug", pipeline="pp1", dp_replicate=2, dp_shard=2, cp=1,
+         tp=1, sp=True),
+    # ep on a dense model (no routed experts to spread).
+    dict(_EIGHT_BASE, family="llama3-debug", pipeline="pp1", dp_replicate=1, dp_shard=2, cp=1,
+         tp=2, ep=2),
+    # One stage per rank for a V schedule, and two per rank for 1F1B (as splits).
+    dict(_EIGHT_BASE, family="qwen3-debug", pipeline="ZBVZeroBubble", stages_per_rank=1,
+         dp_replicate=1, dp_shard=2, cp=1, tp=1),
+    dict(_EIGHT_BASE, family="llama3-debug", pipeline="1F1B", stages_per_rank=2,
+         dp_replicate=1, dp_shard=1, cp=1, tp=2),
+    # ep with no rank to borrow (dp_shard x cp x tp = 1).
+    dict(_EIGHT_BASE, family="qwen3-moe-debug", pipeline="GPipe", dp_replicate=2, dp_shard=1,
+         cp=1, tp=1, ep=2),
+)  # fmt: skip
+"""Runs every gate must refuse (the covering array's constraints keep them out)."""
+
+
 def matrix(seed: int = SEED, eight: bool = True) -> list[Config]:
-    """Every configuration of the matrix: the covering array, then the 8-rank runs."""
-    rows = covering(seed).rows + (list(EIGHT_RANKS) if eight else [])
+    """Every configuration of the matrix: the covering array, the refusal probes, then the
+    8-rank runs."""
+    rows = covering(seed).rows + list(PROBES) + (list(EIGHT_RANKS) if eight else [])
     return [Config(i, dict(r)) for i, r in enumerate(rows)]
 
 

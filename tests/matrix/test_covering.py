@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from tests.matrix.configs import EIGHT_RANKS, SWITCHES, allowed, covering, matrix
+from tests.matrix.configs import EIGHT_RANKS, PROBES, SWITCHES, allowed, covering, matrix
 from tests.matrix.covering import all_pairs, pairwise
 
 
@@ -90,6 +90,8 @@ def test_matrix_runs_are_on_four_ranks_and_a_few_on_eight():
     sizes = [c.world_size for c in configs]
     assert sizes.count(8) == len(EIGHT_RANKS) >= 3
     assert all(s == 4 for s in sizes[: -len(EIGHT_RANKS)])
+    # The refusal probes are outside the constraints (the covering array never holds them).
+    assert not any(allowed(p) for p in PROBES)
     # Every configuration names all the switches, and its trainer config is complete.
     for c in configs:
         assert set(SWITCHES) <= set(c.switches)
