@@ -74,8 +74,9 @@ def _add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
         "--batch",
         type=positive_int,
         default=1,
-        help="per-rank batch size (default 1); with pp: plan's micro-batch size, validate's "
-        "sequences per data-parallel rank split into micro-batches (default one each)",
+        help="per-rank batch size (default 1); with --microbatches or pp: plan's micro-batch "
+        "size, validate's sequences per data-parallel rank split into micro-batches (default "
+        "one each)",
     )
     p.add_argument(
         "--seq",
@@ -294,17 +295,18 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
     """The run plan of ``--model`` on ``--mesh`` with the command's switches.
 
     ``validate --batch`` is the sequences per data-parallel rank; ``plan --batch`` the
-    per-rank batch of one micro-batch (so the rank's batch is ``--batch`` x micro-batches).
+    per-rank batch of one micro-batch (so the rank's batch is ``--batch`` x micro-batches,
+    with and without pp: at pp=1 the micro-batches are gradient accumulation).
     """
     from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
 
     microbatches = args.num_microbatches or default_num_microbatches(layout.pp, args.schedule)
     if args.command == "plan":
-        batch = args.batch * (microbatches if layout.pp > 1 else 1)
+        batch = args.batch * microbatches
         seq_len = args.seq or _SEQ_LEN
         switches = {"ac": args.ac, "dtype": args.dtype, "fsdp": not args.no_fsdp}
     else:
-        batch = args.batch if args.batch is not None or layout.pp == 1 else microbatches
+        batch = args.batch if args.batch is not None or microbatches == 1 else microbatches
         seq_len = args.seq
         switches = {}
     return RunPlan.for_model(
@@ -385,6 +387,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             loss_fn=subject.loss_fn,
             ac=args.ac,
             dtype=args.dtype,
+            # At pp=1 the run plan's micro-batches are gradient accumulation.
+            num_microbatches=subject.run.num_microbatches
+            if subject.run is not None and pipeline is None
+            else 1,
         )
     except ParallelizeError as e:
         print(

@@ -14,6 +14,12 @@ memory and the collectives are those of the real run.
 A model whose config holds a list of identical layers is traced at two depths and
 extrapolated linearly to its real depth (exact: everything but the number of
 layers is the same in both runs); the report says so.
+
+With gradient accumulation (``num_microbatches`` > 1 at pp=1) the traced step is one
+micro-batch: its activations are the per-rank peak; the collectives of the forward and
+backward repeat once per micro-batch, FSDP2's gradient reductions (reduce-scatter,
+HSDP's all-reduce) run once per step, and until then each rank holds its FSDP units'
+unsharded gradients (what the trainer's ``set_requires_gradient_sync(False)`` keeps).
 """
 
 from __future__ import annotations
@@ -127,7 +133,9 @@ class DryRunReport:
         num_params: Parameters of the whole model.
         num_expert_params: Of those, the routed experts' (the modules an ``ep`` plan
             entry dispatches to; 0 for a dense model).
-        batch_size: Per-rank batch of the traced step.
+        batch_size: Per-rank batch of the traced step (one micro-batch).
+        num_microbatches: Micro-batches per step (gradient accumulation at pp=1): the
+            collectives are a whole step's, the activations one micro-batch's.
         seq_len: Sequence length of the traced step.
         param_dtype: Parameter dtype, e.g. ``"float32"``.
         fsdp: Whether FSDP2 shards dense states over the data axes.
@@ -173,6 +181,7 @@ class DryRunReport:
     elapsed_s: float = 0.0
     per_rank_experts: StateBytes | None = None
     num_expert_params: int = 0
+    num_microbatches: int = 1
 
     def _per_rank_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = self.per_rank.to_dict()
@@ -213,6 +222,7 @@ class DryRunReport:
             "num_params": self.num_params,
             "num_expert_params": self.num_expert_params,
             "batch_size": self.batch_size,
+            "num_microbatches": self.num_microbatches,
             "seq_len": self.seq_len,
             "param_dtype": self.param_dtype,
             "fsdp": self.fsdp,
@@ -254,7 +264,9 @@ class DryRunReport:
                 fsdp_text += " (fsdp = dp_shard x cp)"
         out = [
             f"plan: {self.model} on {self.layout.describe()} ({self.world_size:,} ranks); "
-            f"batch {self.batch_size} x seq {self.seq_len}; {self._precision()}; "
+            f"batch {self.batch_size} x seq {self.seq_len}"
+            + (f" x {self.num_microbatches} micro-batches" if self.num_microbatches > 1 else "")
+            + f"; {self._precision()}; "
             f"{fsdp_text}; plan on {' x '.join(self.plan_axes) or 'no axis'}",
             "",
             "Parameters (rank 0's shard; one placement column per mesh axis; numbered layers "
@@ -378,6 +390,7 @@ def dry_run(
     loss_fn: LossFn | None = None,
     ac: str = "none",
     dtype: str = "fp32",
+    num_microbatches: int = 1,
 ) -> DryRunReport:
     """Trace one training step of the sharded model at full scale, in this process.
 
@@ -389,7 +402,7 @@ def dry_run(
             (``{"dp": 128, "tp": 8}``), or a DeviceMesh with those dim names.
         plan: Module path pattern → ShardingConfig, or a plan file. It is applied on
             the submesh of the axes it declares, as the trainer applies it.
-        batch_size: Per-rank batch size of the traced step.
+        batch_size: Per-rank batch size of the traced step: one micro-batch.
         seq_len: Sequence length of the traced step (global: under context parallelism
             each rank traces its ``seq_len / cp`` tokens, head-tail, with their positions).
         fsdp: Shard parameters, gradients and optimizer state with FSDP2 over
@@ -414,6 +427,11 @@ def dry_run(
             ``"bf16"`` mixed precision — fp32 parameters, gradients and AdamW state, bf16
             compute (FSDP2's ``MixedPrecisionPolicy``: bf16 all-gathers, fp32
             reduce-scatters; autocast without FSDP). It sets the activations' dtype.
+        num_microbatches: Micro-batches per step (gradient accumulation, the trainer's
+            ``--microbatches`` at pp=1): the rank's batch is ``batch_size`` x this;
+            collectives of the forward and backward counted once per micro-batch,
+            FSDP2's gradient reductions once per step, and the gradients held as
+            FSDP2 accumulates them (unsharded) before the last micro-batch.
 
     Returns:
         A :class:`DryRunReport`.
@@ -447,6 +465,10 @@ def dry_run(
             f"AdamW state; param_dtype={param_dtype} contradicts it. Leave param_dtype at "
             "torch.float32, or plan pure low-precision parameters with dtype='fp32'."
         )
+    if num_microbatches < 1:
+        raise ValueError(
+            f"dry_run: num_microbatches={num_microbatches}; give at least 1 (--microbatches)."
+        )
     layout = as_layout(mesh)
     # The dry run traces one pipeline's ranks; `plan` cuts a pp mesh into stages first.
     _raise_errors(
@@ -468,6 +490,8 @@ def dry_run(
         ac=ac,
         dtype=dtype,
         seq_len=seq_len,
+        num_microbatches=num_microbatches,
+        batch_size=batch_size * num_microbatches,
     )
     _raise_errors(run.errors)
     loss = loss_fn or default_loss
@@ -504,12 +528,29 @@ def dry_run(
         dtype=dtype,
     )
     report = _combine(target, runs, layout, settings)
+    if num_microbatches > 1:
+        _accumulate(report, runs, target, num_microbatches, use_fsdp)
     data_axis, data_size = _data_axis(layout, plan_axes)
     if not use_fsdp and data_size > 1:
         report.collectives.append(_ddp_all_reduce(report.per_rank.grads, data_axis, data_size))
         phases = {"forward": 0, "backward": 1, "optimizer": 2}
         report.collectives.sort(key=lambda c: (phases.get(c.phase, 3), c.axis, c.kind))
     report.assumptions = _assumptions(target, runs, layout, fsdp_axes, loss)
+    if num_microbatches > 1:
+        report.assumptions.append(
+            f"Gradient accumulation: {num_microbatches} micro-batches of {batch_size} "
+            "sequence(s) per step, run one after the other. Activations are one "
+            "micro-batch's; forward and backward collectives (FSDP2's all-gathers "
+            "included: each micro-batch gathers its units again) count once per "
+            "micro-batch; FSDP2's reduce-scatter and HSDP's all-reduce once per step (the "
+            "trainer's set_requires_gradient_sync(False) before the last micro-batch)"
+            + (
+                ", so gradients are held unsharded (fp32 accumulators of each FSDP2 unit) "
+                "until the last backward: counted as the gradients' bytes."
+                if use_fsdp
+                else "."
+            )
+        )
     report.elapsed_s = time.perf_counter() - start
     return report
 
@@ -535,6 +576,7 @@ class _Run:
     activations_by_ac: dict[str, int] = field(default_factory=dict)
     activations_outside_blocks: tuple[int, int] = (0, 0)
     block_bytes: tuple[int, int, int] | None = None  # the last block's (saved, kept, recomputed)
+    unsharded_grad_bytes: int = 0  # the gradients as FSDP2 accumulates them (unsharded)
 
 
 def _declared_blocks(model: nn.Module) -> str | None:
@@ -636,7 +678,70 @@ def _trace_step(
         activations_by_ac={m: saved.peak_bytes(m) for m in ("none", "selective", "full")},
         activations_outside_blocks=saved.outside_blocks(),
         block_bytes=saved.block_bytes(len(saved.blocks) - 1) if saved.blocks else None,
+        unsharded_grad_bytes=sum(_unsharded_bytes(g, fsdp_mesh) for g in grads),
     )
+
+
+_FSDP_SHARD_DIMS = frozenset({"fsdp", "dp_shard", "efsdp"})
+"""Mesh dims over which FSDP2 shards states (besides the flattened dim of its SPMD form)."""
+_GRADIENT_REDUCTIONS = frozenset(
+    {("reduce_scatter", "fsdp"), ("reduce_scatter", "efsdp"), ("all_reduce", "dp_replicate")}
+    | {("all_reduce", "edp_replicate")}
+)
+"""FSDP2's gradient reductions in backward, as the recorder names them: once per step
+under gradient accumulation."""
+
+
+def _unsharded_bytes(grad: torch.Tensor, fsdp_mesh: DeviceMesh | None) -> int:
+    """``grad``'s bytes before FSDP2's reduce-scatter: its local shard times the sizes of
+    the mesh dims FSDP2 shards it over (tp and ep shards stay)."""
+    size = _local_bytes(grad)
+    if not isinstance(grad, DTensor) or fsdp_mesh is None:
+        return size
+    flat = _fsdp_flat_name(fsdp_mesh)
+    names = grad.device_mesh.mesh_dim_names or ()
+    for i, (name, placement) in enumerate(zip(names, grad.placements)):
+        # FSDP2 shards a tp-sharded dim strided (_StridedShard, not a Shard subclass).
+        sharded = placement.is_shard() or type(placement).__name__ == "_StridedShard"
+        if sharded and (name in _FSDP_SHARD_DIMS or name == flat):
+            size *= grad.device_mesh.size(i)
+    return size
+
+
+def _accumulate(
+    report: DryRunReport, runs: Sequence[_Run], target: Target, microbatches: int, fsdp: bool
+) -> None:
+    """A step of ``microbatches`` micro-batches from the trace of one: forward and
+    backward collectives repeated, FSDP2's gradient reductions (and the optimizer
+    phase's) once, gradients held unsharded under FSDP2 until the last backward."""
+
+    def repeat(stats: list[CollectiveStat] | None) -> list[CollectiveStat] | None:
+        if stats is None:
+            return None
+        out = []
+        for c in stats:
+            once = c.phase == "optimizer" or (
+                c.phase == "backward" and (c.kind, c.axis) in _GRADIENT_REDUCTIONS
+            )
+            k = 1 if once else microbatches
+            out.append(
+                replace(c, count=c.count * k, bytes=c.bytes * k, wire_bytes=c.wire_bytes * k)
+            )
+        return out
+
+    report.collectives = repeat(report.collectives) or []
+    report.collectives_per_layer = repeat(report.collectives_per_layer)
+    report.comm_debug_counts = {}  # one micro-batch's trace: not the step's
+    report.num_microbatches = microbatches
+    if fsdp:
+        a, b = runs[0], runs[-1]
+        grads = b.unsharded_grad_bytes
+        if len(runs) == 2 and target.num_layers is not None and a.depth is not None:
+            extra = target.num_layers - a.depth
+            grads = a.unsharded_grad_bytes + extra * (
+                b.unsharded_grad_bytes - a.unsharded_grad_bytes
+            )
+        report.per_rank = replace(report.per_rank, grads=grads)
 
 
 def _raise_errors(findings: Sequence[Finding]) -> None:

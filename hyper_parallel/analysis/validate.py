@@ -311,16 +311,17 @@ def validate(
         inputs: Example inputs for the traced forward; by default token ids
             ``(batch_size, seq_len)`` for a model that starts with an embedding, or
             features for one that starts with a linear layer.
-        batch_size: Batch size of the default inputs (default 1); with a ``pp`` axis,
-            the sequences per data-parallel rank per step, split into micro-batches
-            (default: ``num_microbatches``, one sequence each).
+        batch_size: The sequences per data-parallel rank per step, split into the
+            micro-batches (default: ``num_microbatches``, one sequence each; 1 without
+            micro-batches); the traced forward takes one micro-batch.
         seq_len: Sequence length of the default inputs; default twice the product of
             the non-data-parallel axis sizes (at least 16), so sequence sharding divides.
         trace: Run the boundary analysis (a forward pass on fake tensors).
         world_size: Ranks the job will have; an error when the mesh's size differs.
         schedule: With ``pp > 1``: the pipeline schedule (torch's name).
-        num_microbatches: With ``pp > 1``: micro-batches per step (default: one per
-            stage, the run plan's rule,
+        num_microbatches: Micro-batches per step, with and without ``pp`` (at ``pp=1``:
+            gradient accumulation, default 1; under ``pp`` default one per stage, the
+            run plan's rule,
             :func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`).
         pipeline_split: With ``pp > 1``: the stage split (a
             :class:`~hyper_parallel.distributed.pipeline.PipelineSplit` or its dict
@@ -359,7 +360,7 @@ def validate(
     target = resolve_target(model_or_config, plan)
     model = target.build_meta()
     entries, plan_findings = target.entries(model)
-    if layout.pp > 1 and batch_size is None:
+    if batch_size is None and (layout.pp > 1 or (num_microbatches or 1) > 1):
         # One sequence per micro-batch unless given: the run's micro-batches.
         batch_size = num_microbatches or default_num_microbatches(
             layout.pp, schedule, stages_per_rank
@@ -380,11 +381,11 @@ def validate(
     )
     pipeline_errors = [f for f in run.pipeline_findings if f.severity == "error"]
     if layout.pp > 1:
-        # The rest is one pipeline's model-parallel group, as each stage is built; one
-        # stage's forward sees one micro-batch.
+        # The rest is one pipeline's model-parallel group, as each stage is built.
         layout = dataclasses.replace(layout, pp=1)
-        if batch_size is not None and batch_size % max(1, run.num_microbatches) == 0:
-            batch_size //= max(1, run.num_microbatches)
+    # One forward sees one micro-batch (a pipeline's, or gradient accumulation's at pp=1).
+    if batch_size is not None and batch_size % max(1, run.num_microbatches) == 0:
+        batch_size //= max(1, run.num_microbatches)
     batch_size = 1 if batch_size is None else batch_size
     plan_axes = run.dense_plan_axes
     report = ValidationReport(

@@ -68,3 +68,22 @@ def test_a_count_below_one_is_refused() -> None:
     assert [f.field for f in found] == ["num_microbatches"]
     assert "at least one" in found[0].message
     assert accumulation_findings(2, None, MeshLayout()) == []  # batch unknown: nothing to say
+
+
+def test_the_dry_run_counts_one_microbatch_of_activations_and_every_microbatch_of_traffic() -> None:
+    from hyper_parallel.analysis import dry_run
+
+    mesh = {"dp_shard": 2, "tp": 2}
+    config = RunPlan.for_model("llama3-debug", mesh).subject
+    one = dry_run(config, mesh, batch_size=2, seq_len=64)
+    four = dry_run(config, mesh, batch_size=2, seq_len=64, num_microbatches=4)
+    assert four.num_microbatches == 4 and four.to_dict()["num_microbatches"] == 4
+    assert four.per_rank.activations == one.per_rank.activations  # one micro-batch's
+    assert four.per_rank.params == one.per_rank.params
+    # FSDP2 holds each unit's unsharded gradients until the last micro-batch (fsdp = 2).
+    assert four.per_rank.grads == 2 * one.per_rank.grads
+    counts = {(c.phase, c.kind, c.axis): c.count for c in one.collectives}
+    for c in four.collectives:
+        once = (c.phase, c.kind, c.axis) == ("backward", "reduce_scatter", "fsdp")
+        assert c.count == counts[(c.phase, c.kind, c.axis)] * (1 if once else 4), c
+    assert any("Gradient accumulation: 4 micro-batches" in a for a in four.assumptions)

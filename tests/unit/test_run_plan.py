@@ -7,8 +7,8 @@ Each good run passes the trainer's gate, ``validate`` (static checks: the traced
 forward is covered by the validate tests) and the gate ``plan`` and the dry run ask
 (``RunPlan.for_subject`` on the sharded config, what ``dry_run`` builds); two good runs
 go through the whole ``plan`` command. ``plan`` takes the micro-batch size as
-``--batch``, so a batch that does not split into micro-batches cannot be said to it;
-that row compares the trainer and ``validate`` only.
+``--batch`` (with and without pp), so a batch that does not split into micro-batches
+cannot be said to it; those rows compare the trainer and ``validate`` only.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class Run:
         extra = " sp" if self.sp else ""
         if self.layout.pp > 1:
             extra += f" {self.schedule} M={self.microbatches}"
+        elif self.microbatches is not None:
+            extra += f" M={self.microbatches}"
         return f"{self.model}:{self.mesh}{extra}:seq{self.seq}:b{self.batch}"
 
 
@@ -82,6 +84,7 @@ RUNS = [
     Run(MOE, "pp=2,dp_shard=2,ep=2"),
     Run(MOE, "dp_shard=2,tp=2,ep=2"),
     Run(MOE, "cp=2,ep=2"),
+    Run(LLAMA, "dp_shard=2,tp=2", microbatches=4),  # gradient accumulation at pp=1
     # bad: each refused by the run plan, with the same findings everywhere
     Run(LLAMA, "tp=3", bad=("llama3-debug",)),
     Run(LLAMA, "cp=2", seq=14, bad=("seq_len",)),
@@ -93,6 +96,7 @@ RUNS = [
     Run(MOE, "tp=4,ep=2", bad=("ep",)),
     Run(MOE, "dp_shard=6,ep=3", batch=6, bad=("ep",)),
     Run(LLAMA, "pp=2", microbatches=4, batch=6, bad=("num_microbatches",), plan_can_say_it=False),
+    Run(LLAMA, "dp_shard=2", microbatches=3, bad=("num_microbatches",), plan_can_say_it=False),
 ]
 
 
@@ -120,7 +124,7 @@ def _validate(run: Run, capsys: pytest.CaptureFixture[str]) -> set[str]:
 
 def _plan(run: Run, capsys: pytest.CaptureFixture[str]) -> set[str]:
     per_rank = run.batch // run.layout.size("batch")
-    microbatch = per_rank // run.num_microbatches if run.layout.pp > 1 else per_rank
+    microbatch = per_rank // run.num_microbatches  # with and without pp
     code = main(["plan", *run.switches(), "--batch", str(microbatch)])
     captured = capsys.readouterr()
     if code == 0:

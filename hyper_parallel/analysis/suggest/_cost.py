@@ -146,6 +146,8 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
     trace = ctx.tracer.get(c.tp, c.cp, c.sp, c.ep, fsdp_on)
     local = ctx.global_batch // c.dp  # sequences per data-parallel rank per step
     mbs = local // c.microbatches  # sequences per micro-batch
+    # Gradient accumulation (pp=1): forward and backward of each micro-batch in turn.
+    accumulation = c.microbatches if c.pp == 1 else 1
     stages = _stage_blocks(ctx, c)
     n_layers = ctx.flops.num_layers
     compute_bytes = 2 if ctx.dtype == "bf16" else 4
@@ -196,6 +198,10 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         # end of a backward every unit of the stage is gathered (compute dtype) and
         # holds its unsharded fp32 gradients.
         transient = (compute_bytes + 4) * heaviest["unsharded"]
+    if accumulation > 1 and fsdp > 1:
+        # FSDP2 reduces only the last micro-batch's backward: until then each unit's
+        # gradients are summed unsharded, in fp32 (its reduce dtype).
+        heaviest = dict(heaviest, grads=4 * heaviest["unsharded"])
     kept = ("elements", "tensors", "unsharded")
     memory = {k: int(v) for k, v in heaviest.items() if k not in kept}
     memory["transient"] = int(transient)
@@ -257,7 +263,7 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         costs["I"] = max(costs["B"] - costs["W"], 1e-12)
         makespan, busy, bubble = _simulated(ctx, c, ops, costs)
     else:
-        makespan = busy = t_f[0] + t_b[0]
+        makespan = busy = (t_f[0] + t_b[0]) * accumulation
     # --- data-parallel collectives (FSDP2 / HSDP), per step, on the heaviest rank
     # The same for every checkpointing mode and SP choice of this mesh and pipeline.
     data_key = (
@@ -287,10 +293,14 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         efsdp,
     )
     ctx.pipeline_cache[data_key] = data
-    fwd_compute = sum(t_f) if c.pp == 1 else max(t_f) * c.microbatches
-    bwd_compute = sum(t_b) if c.pp == 1 else max(t_b) * c.microbatches
+    fwd_compute = sum(t_f) * accumulation if c.pp == 1 else max(t_f) * c.microbatches
+    bwd_compute = sum(t_b) * accumulation if c.pp == 1 else max(t_b) * c.microbatches
     # hw.comm_overlap of each collective hides behind the compute of its phase.
-    exposed = exposed_seconds(hw, data["gather_forward"], fwd_compute) + data["first_unit"]
+    # The first unit's gather has nothing before it to hide behind, in each micro-batch's
+    # forward under accumulation.
+    exposed = (
+        exposed_seconds(hw, data["gather_forward"], fwd_compute) + data["first_unit"] * accumulation
+    )
     if c.pp > 1:  # gradients reduced once, at the end of the step
         exposed += exposed_seconds(hw, data["gather_backward"], bwd_compute)
         exposed += exposed_seconds(hw, data["reduce"], max(t_b))
@@ -312,8 +322,7 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
     model_flops = ctx.global_batch * f.total
     times = {
         "pipeline_or_compute": makespan,
-        "model_axes_comm": (sum(comm_f_all) + sum(comm_b_all))
-        * (c.microbatches if c.pp > 1 else 1),
+        "model_axes_comm": (sum(comm_f_all) + sum(comm_b_all)) * c.microbatches,
         "data_comm_exposed": exposed,
         "optimizer": optimizer + optimizer_comm,
         "busy": busy,
@@ -357,8 +366,8 @@ def _data_comm(
             gathers_f, gathers_b = _block_gathers(ops[rank], s)
         elif c.pp > 1:
             gathers_f, gathers_b = 1, 0
-        else:
-            gathers_f, gathers_b = 1, 1
+        else:  # each micro-batch of gradient accumulation gathers every unit again
+            gathers_f, gathers_b = c.microbatches, c.microbatches
         dense_block = block_dense * dense_ratio
         expert_block = block_expert / c.ep
         root = rest_dense * (first + last) / 2 * dense_ratio
@@ -397,8 +406,9 @@ def _data_comm(
 
         units = k + (1 if root else 0)
         if fsdp > 1:
+            # The root keeps its parameters gathered from forward to backward.
             t["gather_forward"] += gather(dense_block, fsdp_axis, k, gathers_f) + (
-                gather(root, fsdp_axis, 1) if root else 0.0
+                gather(root, fsdp_axis, 1, gathers_f if c.pp == 1 else 1) if root else 0.0
             )
             t["gather_backward"] += gather(dense_block, fsdp_axis, k, gathers_b)
             t["reduce"] += reduce(dense_block * k + root, fsdp_axis, units)

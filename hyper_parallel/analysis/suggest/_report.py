@@ -60,6 +60,8 @@ class Candidate:
         extra = [f"ac={self.ac}"] + (["sp"] if self.sp else [])
         if self.pp > 1:
             extra = [f"{self.schedule} x{self.microbatches}", *extra]
+        elif self.microbatches > 1:
+            extra = [f"{self.microbatches} micro-batches", *extra]
         return f"{self.mesh_text()} ({', '.join(extra)})"
 
 

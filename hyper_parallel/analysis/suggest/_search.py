@@ -113,16 +113,18 @@ def _candidates(
 
 
 def _pipelines(pp: int, local: int) -> list[tuple[str | None, int]]:
-    """Schedules and micro-batch counts: none without pp (one forward of the local batch,
-    as ``train.run`` steps); with pp every schedule torch runs, at the run plan's
-    micro-batch count (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`:
-    one per stage) and at 2 and 4 times it. Whether the local batch splits into them is
-    the run plan's finding."""
+    """Schedules and micro-batch counts. Without pp, gradient accumulation: every power
+    of two that divides the local batch, and the local batch itself (one sequence per
+    micro-batch) — the fewest that fit win (the same compute, fewer FSDP2 gathers). With
+    pp every schedule torch runs, at the run plan's micro-batch count
+    (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`: one per
+    stage) and at 2 and 4 times it. Whether the local batch splits into them is the run
+    plan's finding."""
     from hyper_parallel.distributed.run_plan import default_num_microbatches
 
-    del local  # the run plan checks the batch
     if pp == 1:
-        return [(None, 1)]
+        counts = [1 << k for k in range(local.bit_length()) if local % (1 << k) == 0]
+        return [(None, m) for m in sorted({*counts, local})]
     out: list[tuple[str | None, int]] = []
     for schedule in SCHEDULES:
         base = default_num_microbatches(pp, schedule)
@@ -408,6 +410,8 @@ def _command(
         args.append("--sp")
     if c.pp > 1:
         args += ["--schedule", c.schedule or "1F1B", "--microbatches", str(c.microbatches)]
+    elif c.microbatches > 1:  # gradient accumulation
+        args += ["--microbatches", str(c.microbatches)]
     return " ".join(shlex.quote(a) for a in launch + args)
 
 
@@ -448,8 +452,12 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "all-reduce hides behind the compute of its phase (up to that compute's length); "
         "the Python cost of DTensor around forward and backward operators and of "
         "FSDP2's hooks is not modeled.",
-        "Without pp the data-parallel rank's whole batch runs as one forward (train.run "
-        "has no gradient accumulation); with pp it is split into the micro-batches.",
+        "Micro-batches: each data-parallel rank's batch splits into them, with and without "
+        "pp. Without pp they are gradient accumulation (searched: the powers of two that "
+        "divide the local batch, and one sequence each): activations of one micro-batch, "
+        "compute and tp/cp/ep collectives of all of them, FSDP2 gathering each unit again "
+        "per micro-batch and reducing once per step, its unsharded fp32 gradients held "
+        "until then (counted as the gradients' memory).",
         f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank; pp up "
         f"to {MAX_PP}, with 1, 2 and 4 times the run plan's micro-batch count (one per "
         "stage: pp, or 2 pp for the interleaved schedules); counts the local batch does "
