@@ -379,7 +379,10 @@ def add_train_arguments(
     given = dict(defaults or {})
     if config_file and wanted is None:
         parser.add_argument(
-            "--config", help="JSON file of TrainConfig fields (options override it)"
+            "--config",
+            metavar="FILE",
+            help="job file (.toml: these options without dashes, e.g. steps = 3; or .json of "
+            "TrainConfig fields); options given here override it",
         )
     for flag, dest, _ in _OPTIONS:
         if wanted is not None and dest not in wanted:
@@ -441,19 +444,9 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, **fixed: Any
 
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
-        try:
-            with open(args.config, encoding="utf-8") as f:
-                loaded = json.load(f)
-        except OSError as e:
-            raise ValueError(f"--config {args.config!r}: cannot read it ({e.strerror}).") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config {args.config!r}: not valid JSON ({e}).") from None
-        if not isinstance(loaded, dict):
-            raise ValueError(
-                f"--config {args.config!r}: expected a JSON object of TrainConfig fields, "
-                f"got {type(loaded).__name__}."
-            )
-        values.update(loaded)
+        from hyper_parallel.train.job import load_job_file
+
+        values.update(load_job_file(args.config))  # a job file (TOML), or JSON of fields
     for _, name, _ in _OPTIONS:
         value = getattr(args, name, None)
         if value is not None:

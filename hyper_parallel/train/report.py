@@ -15,6 +15,9 @@ and appends to ``train.log`` in the run directory (``run_dir``, else
 - the held-out loss (``eval_data``) every ``eval_every`` steps and at the end, also
   to TensorBoard as ``eval/loss``.
 
+The run directory also keeps the resolved options as a job file (``config.toml``)
+and ``run.json`` (package version, git commit): :mod:`hyper_parallel.train.job`.
+
 :func:`check_outputs` refuses, before any rank builds, a run whose outputs would
 clobber something (:mod:`hyper_parallel.checkpoint_hf.outputs`).
 """
@@ -155,7 +158,9 @@ class RunReport:
         if cfg.checkpoint_dir and cfg.overwrite and not cfg.resume:
             self._clear_checkpoints(cfg.checkpoint_dir)
         if self.log_file is not None:
-            os.makedirs(os.path.dirname(self.log_file) or ".", exist_ok=True)
+            from hyper_parallel.train.job import write_run_record
+
+            write_run_record(os.path.dirname(self.log_file) or ".", cfg)
             mode = "w" if cfg.overwrite and not cfg.resume else "a"
             with open(self.log_file, mode, encoding="utf-8") as f:
                 now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

@@ -107,6 +107,28 @@ def rank_roundtrip(path: str, mesh: dict[str, int], out: str) -> Any:
     return loaded.report.bytes_read, local
 
 
+def rank_save_over(path: str, mesh: dict[str, int], out: str) -> Any:
+    """On every rank: load ``path`` on ``mesh``; saving into the full ``out`` is refused on
+    every rank (before any collective: no rank hangs), then replaced with ``overwrite``.
+
+    Returns whether this rank was refused, and what ``out`` and its parent hold after.
+    """
+    from hyper_parallel.checkpoint_hf import save_hf
+    from hyper_parallel.checkpoint_hf.outputs import OutputError
+    from hyper_parallel.checkpoint_hf.verify import load_on_mesh
+
+    loaded = load_on_mesh(path, mesh)
+    try:
+        save_hf(loaded.parts, out, hf_config=loaded.report.config, max_shard_size="60KB")
+        refused = False
+    except OutputError:
+        refused = True
+    save_hf(
+        loaded.parts, out, hf_config=loaded.report.config, max_shard_size="60KB", overwrite=True
+    )
+    return refused, sorted(os.listdir(out)), sorted(os.listdir(os.path.dirname(out)))
+
+
 def assert_same_checkpoint(original: str, saved: str) -> None:
     """Every tensor of ``original`` is in ``saved``, bitwise; transformers loads ``saved`` cleanly."""
     from safetensors import safe_open

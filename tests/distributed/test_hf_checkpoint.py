@@ -10,6 +10,8 @@ reading only its slices) and runs one batch; rank 0's assembled logits must equa
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from tests.distributed.hf_checks import (
     assert_same_checkpoint,
     rank_logits,
     rank_roundtrip,
+    rank_save_over,
     rank_shard_indices,
     write_checkpoint,
 )
@@ -77,12 +80,27 @@ def test_save_back_is_bitwise_and_reads_only_shards(dist, checkpoints, tmp_path,
     out = str(tmp_path / "saved")
     results = dist.run(rank_roundtrip, path, mesh, out)
     assert_same_checkpoint(path, out)
+    assert sorted(os.listdir(tmp_path)) == ["saved"]  # written aside, renamed by rank 0
     # Each rank read its shards, not the checkpoint: at most one rotary head per tensor
     # more than it holds (all fp32 here), far below the whole.
     total = sum(p.stat().st_size for p in (tmp_path / "saved").glob("*.safetensors"))
     for read, held in results:
         assert read <= 1.2 * held + 8 * 8 * 4 * 16, (read, held)
         assert read < 0.75 * total
+
+
+def test_a_full_folder_is_refused_on_every_rank_and_overwrite_replaces_it_whole(
+    dist, checkpoints, tmp_path
+):
+    path = checkpoints[1]["llama"][0]
+    out = tmp_path / "saved"
+    out.mkdir()
+    (out / "model-00009-of-00009.safetensors").write_bytes(b"stale")
+    results = dist.run(rank_save_over, path, {"dp_shard": 2, "tp": 2}, str(out))
+    assert all(refused for refused, _, _ in results)
+    assert_same_checkpoint(path, str(out))
+    for _, names, beside in results:
+        assert "model-00009-of-00009.safetensors" not in names and beside == ["saved"]
 
 
 def test_shard_indices_of_uneven_and_strided_shards(dist):

@@ -189,6 +189,8 @@ def _save_fails_on_rank1_then_resume(cfg_dict: dict, fail_at: int) -> dict | Non
             raise RuntimeError("rank 1 killed in the middle of the save")
         return future
 
+    from hyper_parallel.checkpoint_hf.outputs import partial_path
+
     FileSystemWriter.write_data = dying_write
     error = ""
     try:
@@ -197,7 +199,10 @@ def _save_fails_on_rank1_then_resume(cfg_dict: dict, fail_at: int) -> dict | Non
         error = f"{type(e).__name__}: {e}"
     finally:
         FileSystemWriter.write_data = original
-    incomplete = sorted(os.listdir(checkpoint_path_of(cfg, fail_at)))
+    # The save went to step_*.partial (renamed only when complete): the step is absent.
+    step = checkpoint_path_of(cfg, fail_at)
+    assert not os.path.exists(step), os.listdir(os.path.dirname(step))
+    incomplete = sorted(os.listdir(partial_path(step)))
     resumed = Trainer(cfg.replace(resume=True), device="cpu")
     result = resumed.fit()
     states = _full_states(resumed)

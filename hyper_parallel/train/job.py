@@ -1,0 +1,205 @@
+"""Job files: ``--config job.toml`` holding a run's options, and the record a run leaves.
+
+A job file holds the run options (the table of :mod:`hyper_parallel.train.arguments`
+is its schema), keyed by their long names without the dashes, written as in TOML::
+
+    # job.toml
+    mesh = "dp_shard=2,tp=2"
+    steps = 200
+    batch-size = 16          # batch_size works too
+    hf-checkpoint = "outputs/tiny-llama"
+    model-overrides = { num_layers = 4 }
+    lr-schedule = "wsd"
+
+Values are checked as the flags are (``mesh`` parsed, choices enforced, counts
+integers); a key that is no option is refused with the closest name (``difflib``).
+``TrainConfig`` field names (``num_steps``) are accepted too, and a ``.json`` file of
+them is read as before. Options given on the command line override the file.
+
+:func:`write_run_record` leaves in the run directory the resolved options as a job
+file (``config.toml``, which ``--config`` reads back) and ``run.json`` with the
+package version and the git commit of its source, when it is a checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import difflib
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import tomllib
+
+__all__ = ["load_job_file", "to_toml", "write_run_record"]
+
+
+def _options() -> dict[str, tuple[str, dict[str, Any]]]:
+    """Job-file key -> (TrainConfig field, the option's argparse keywords)."""
+    from hyper_parallel.train.arguments import _OPTIONS
+
+    table: dict[str, tuple[str, dict[str, Any]]] = {}
+    for flag, dest, kwargs in _OPTIONS:
+        key = flag.removeprefix("--")
+        table[key] = (dest, kwargs)
+        table[key.replace("-", "_")] = (dest, kwargs)
+    return table
+
+
+def _fields() -> dict[str, Any]:
+    from hyper_parallel.train.trainer import TrainConfig
+
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _convert(where: str, key: str, value: Any, kwargs: dict[str, Any]) -> Any:
+    if value is None:  # JSON's null (TrainConfig.to_dict of an unset field): the default
+        return None
+    action = kwargs.get("action")
+    if action in ("store_true", "store_false"):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {key} = {value!r}: expected true or false.")
+        return value if action == "store_true" else not value
+    kind = kwargs.get("type")
+    if kind in (int, float):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = ok or (kind is float and isinstance(value, float))
+        if not ok:
+            raise ValueError(f"{where}: {key} = {value!r}: expected a number ({kind.__name__}).")
+        value = kind(value)
+    elif kind is not None and isinstance(value, str):
+        try:
+            value = kind(value)
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            raise ValueError(f"{where}: {key} = {value!r}: {e}") from None
+    choices = kwargs.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{where}: {key} = {value!r}: choose one of {', '.join(choices)}.")
+    return value
+
+
+def load_job_file(path: str) -> dict[str, Any]:
+    """The ``TrainConfig`` values of a job file (``.toml``; ``.json`` of fields also read).
+
+    Raises:
+        ValueError: An unreadable file, a key that is no option (with the closest
+            name), or a value the option does not take.
+    """
+    where = f"--config {path}"
+    try:
+        with open(path, "rb") as f:
+            raw = json.load(f) if path.endswith(".json") else tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read it ({e.strerror}).") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e}).") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{where}: not valid TOML ({e}).") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected an object of run options, got {type(raw).__name__}.")
+    options, fields = _options(), _fields()
+    values: dict[str, Any] = {}
+    unknown = []
+    for key, value in raw.items():
+        if key in options:
+            dest, kwargs = options[key]
+            values[dest] = _convert(where, key, value, kwargs)
+        elif key in fields:
+            values[key] = value  # a TrainConfig field (the JSON files of TrainConfig.to_dict)
+        else:
+            unknown.append(key)
+    if unknown:
+        names = sorted({k for k in options if "_" not in k} | set(fields))
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, names, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(
+            f"{where}: unknown option(s) {', '.join(hints)}; keys are the long option names "
+            "without dashes (python -m hyper_parallel.train.run --help lists them)."
+        )
+    return values
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string is a JSON string
+    return json.dumps(json.dumps(value))  # objects: as the JSON their option takes
+
+
+def to_toml(cfg: Any) -> str:
+    """The options of ``cfg`` as a job file ``--config`` reads back to an equal config."""
+    from hyper_parallel.train.arguments import _OPTIONS
+
+    lines = []
+    for flag, dest, kwargs in _OPTIONS:
+        value = getattr(cfg, dest)
+        if value is None:
+            continue
+        key = flag.removeprefix("--")
+        if kwargs.get("action") == "store_false":
+            value = not value
+        if dest == "mesh":
+            value = ",".join(f"{a}={s}" for a, s in value.items())
+        lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _git_commit() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(
+            ["git", "-C", here, "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(
+        ["git", "-C", here, "status", "--porcelain", "--untracked-files=no", "--", "."],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    ).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def write_run_record(folder: str, cfg: Any) -> list[str]:
+    """Write ``config.toml`` (the resolved options) and ``run.json`` (version, commit) to
+    ``folder``; returns their paths. Call it on one process (the trainer: rank 0)."""
+    from hyper_parallel import __version__
+
+    os.makedirs(folder, exist_ok=True)
+    config = os.path.join(folder, "config.toml")
+    with open(config, "w", encoding="utf-8") as f:
+        f.write("# The resolved options of this run: python -m hyper_parallel.train.run --config ")
+        f.write("config.toml\n")
+        f.write(to_toml(cfg))
+    record = os.path.join(folder, "run.json")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    with open(record, "w", encoding="utf-8") as f:
+        json.dump(
+            {
+                "hyper_parallel": __version__,
+                "git_commit": _git_commit(),
+                "started": now,
+                "argv": sys.argv,
+                "config": cfg.to_dict(),
+            },
+            f,
+            indent=1,
+        )
+    return [config, record]

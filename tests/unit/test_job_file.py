@@ -1,0 +1,82 @@
+"""Job files: ``--config job.toml`` (the run options as its schema), flags over it, and the
+record a run leaves in its run directory (resolved config, version, commit)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from hyper_parallel import __version__
+from hyper_parallel.train import TrainConfig
+from hyper_parallel.train.arguments import add_train_arguments, config_from_args
+from hyper_parallel.train.run import main as run
+
+
+def _config(path, *flags):
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    return config_from_args(parser.parse_args(["--config", str(path), *flags]))
+
+
+def test_a_job_file_holds_the_run_options_and_flags_override_it(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'mesh = "dp_shard=2,tp=2"\n'
+        "steps = 7\n"
+        "batch_size = 4          # underscores work too\n"
+        "seq-len = 16\n"
+        "model-overrides = { num_layers = 1 }\n"
+        'lr-schedule = "wsd"\n'
+        "min-lr = 1e-5\n"
+        "sp = true\n"
+        "no-progress = true\n"
+    )
+    cfg = _config(job, "--steps", "9")
+    assert cfg.mesh == {"dp_shard": 2, "tp": 2} and cfg.num_steps == 9  # the flag wins
+    assert (cfg.global_batch_size, cfg.seq_len, cfg.lr_schedule) == (4, 16, "wsd")
+    assert cfg.model_overrides == {"num_layers": 1} and cfg.min_lr == 1e-5
+    assert cfg.sequence_parallel is True and cfg.progress is False
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stpes = 3\n", r"unknown option\(s\) 'stpes' \(did you mean 'steps'\?\)"),
+        ("lr_shedule = 'wsd'\n", r"'lr_shedule' \(did you mean 'lr[-_]schedule'\?\)"),
+        ('mesh = "dp=x"\n', r"mesh = 'dp=x': "),
+        ('steps = "3"\n', r"steps = '3': expected a number \(int\)"),
+        ('lr-schedule = "cosin"\n', r"lr-schedule = 'cosin': choose one of cosine, linear"),
+        ("sp = 1\n", r"sp = 1: expected true or false"),
+        ("steps = \n", r"not valid TOML"),
+    ],
+)
+def test_bad_job_files_name_the_key_and_the_fix(tmp_path, text, message):
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        _config(job)
+
+
+def test_the_run_directory_keeps_the_resolved_config_version_and_commit(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--no-progress"]
+    argv += ["--model-overrides", '{"num_layers": 1}', "--lr-schedule", "linear"]
+    assert run([*argv, "--run-dir", str(run_dir)]) == 0
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["hyper_parallel"] == __version__
+    assert record["git_commit"] is None or len(record["git_commit"].split("-")[0]) == 40
+    resolved = TrainConfig.from_dict(record["config"])
+    # config.toml is a job file that gives the same run back
+    again = _config(run_dir / "config.toml")
+    assert again.to_dict() == resolved.to_dict()
+    assert again.lr_schedule == "linear" and again.model_overrides == {"num_layers": 1}
+    assert "train.log" in {p.name for p in run_dir.iterdir()}
+
+
+def test_a_json_file_of_trainconfig_fields_still_reads(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(TrainConfig(num_steps=5, seed=3).to_dict()))
+    cfg = _config(path, "--seed", "4")
+    assert (cfg.num_steps, cfg.seed) == (5, 4)

@@ -1,0 +1,190 @@
+"""A trainer that says what it does: start summary, events, log file, LR schedules, eval loss.
+
+One process each; the numbers checked are computed here from the same definitions
+(the schedule's formulas, the model's loss on the held-out batches).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hyper_parallel.train import TrainConfig, Trainer
+from hyper_parallel.train.run import main as run
+from hyper_parallel.train.schedule import WSD_DECAY_FRACTION, lr_at
+from hyper_parallel.train.tokens import write_token_file
+
+TINY = {"global_batch_size": 2, "seq_len": 16, "progress": False, "log_every": 1}
+
+
+# ---------------------------------------------------------------------- schedules
+
+
+def test_each_schedule_warms_up_then_decays_to_min_lr_and_stays_there():
+    kw = {"lr": 1.0, "warmup_steps": 2, "total_steps": 12, "min_lr": 0.1}
+    for name in ("cosine", "linear", "constant", "wsd"):
+        lrs = [lr_at(s, schedule=name, **kw) for s in range(16)]
+        assert lrs[:2] == [0.5, 1.0]  # linear warm-up
+        assert all(a >= b for a, b in itertools.pairwise(lrs[1:])), name  # never rises
+        final = 1.0 if name == "constant" else 0.1
+        assert lrs[12:] == pytest.approx([final] * 4), name  # past the end: the final rate
+    # cosine: half-way between the peak and min_lr at the middle of the decay
+    assert lr_at(7, schedule="cosine", **kw) == pytest.approx(0.55)
+    assert lr_at(7, schedule="linear", **kw) == pytest.approx(1.0 - 0.9 * 5 / 10)
+    # wsd: flat until the last 20 % of the steps, then linear
+    start = 12 - round(WSD_DECAY_FRACTION * 12)
+    assert [lr_at(s, schedule="wsd", **kw) for s in range(2, start + 1)] == [1.0] * (start - 1)
+    assert lr_at(start + 1, schedule="wsd", **kw) < 1.0
+
+
+def test_default_schedule_is_cosine_to_a_tenth_as_before():
+    cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1e-3)
+    for step in range(12):
+        progress = min(1.0, max(0, step - 2) / 8)
+        old = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        expected = 1e-3 * (step + 1) / 2 if step < 2 else old
+        assert cfg.lr_at(step) == pytest.approx(expected, rel=1e-12)
+
+
+def test_bad_schedule_options_name_the_flag():
+    with pytest.raises(ValueError, match=r"--min-lr 0.5 must be between 0 and --lr 0.1"):
+        TrainConfig(lr=0.1, min_lr=0.5)
+    with pytest.raises(ValueError, match=r"--lr-schedule 'cosin' is not a schedule"):
+        TrainConfig(lr_schedule="cosin")
+    with pytest.raises(ValueError, match=r"--eval-data: evaluation under pp > 1"):
+        TrainConfig(eval_data="x.bin", mesh={"pp": 2})
+    with pytest.raises(ValueError, match=r"--keep-checkpoints -1 must be >= 0"):
+        TrainConfig(keep_checkpoints=-1)
+
+
+def test_a_resumed_run_keeps_its_schedule_and_says_so_once(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    cfg = TrainConfig(num_steps=6, warmup_steps=1, checkpoint_dir=ckpt, **TINY)
+    first = Trainer(cfg, device="cpu")
+    first.fit()
+    last = first.cfg.lr_at(5)  # the rate of step 6
+    final = 0.1 * cfg.lr  # where the schedule ends (min_lr)
+    capsys.readouterr()
+    # --resume --steps 9 after 6 steps: the LR does not jump back up (it stays at the
+    # schedule's final value), and the run says so once.
+    resumed = Trainer(cfg.replace(num_steps=9, resume=True), device="cpu")
+    assert [resumed.cfg.lr_at(s) for s in range(6, 9)] == pytest.approx([final] * 3)
+    assert final < last  # it goes on down, not back up (the bug: a recomputed cosine)
+    resumed.fit()
+    out = capsys.readouterr().out
+    assert out.count("keeps the cosine schedule of 6 steps") == 1
+    assert "--lr-schedule-steps 9" in out
+    lrs = [float(line.split("| lr ")[1].split()[0]) for line in out.splitlines() if "| lr " in line]
+    assert lrs == pytest.approx([final] * 3, rel=1e-2)
+    # Told otherwise: the schedule is stretched to the new length, without the note.
+    stretched = Trainer(cfg.replace(num_steps=12, resume=True, lr_schedule_steps=12), device="cpu")
+    assert stretched.cfg.lr_at(9) > final and stretched.cfg.lr_at(6) > last
+    stretched.fit()
+    assert "keeps the" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- summary and events
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    """100 tokens: 3 steps of 2 x 16 per pass, so a 7-step run wraps twice."""
+    tokens = np.random.default_rng(0).integers(0, 256, 100).astype(np.uint16)
+    return write_token_file(tokens, str(tmp_path / "small.bin"))
+
+
+def test_the_start_summary_events_and_log_file(tmp_path, small_data, capsys):
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    argv = ["--steps", "7", "--batch-size", "2", "--seq-len", "16", "--no-progress"]
+    argv += ["--data", small_data, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
+    assert (
+        run([*argv, "--save-hf", str(hf), "--lr-schedule", "wsd", "--keep-checkpoints", "1"]) == 0
+    )
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("model: llama3-debug (preset, initialized with seed 0), ")
+    assert "parameters" in lines[0]
+    assert lines[1].startswith("mesh: one device (1 rank(s) on cpu), dtype fp32")
+    assert f"data: {small_data}: 100 tokens, 6 sequences of 16 (3 step(s) per pass)" in out
+    assert "run: steps 1-7 (7) x 2 sequences x 16 tokens = 224 tokens, 2.33 pass(es)" in out
+    assert "the data starts over every 3 step(s)" in out
+    assert "lr: wsd, peak 3.00e-03 after 3 warm-up step(s), down to 3.00e-04 at step 7" in out
+    assert f"checkpoints: every 3 steps and at the end, to {ckpt}, keeping the newest 1" in out
+    assert f"export: Hugging Face checkpoint to {hf} at the end" in out
+    assert f"log: {ckpt / 'train.log'}" in out
+    # events
+    assert "step 4: the data starts over (pass 2;" in out
+    assert "step 7: the data starts over (pass 3;" in out
+    assert f"step 3: checkpoint saved to {ckpt / 'step_000003'} (" in out
+    assert (
+        f"step 6: checkpoint saved to {ckpt / 'step_000006'} (" in out
+        and "removed step_000003" in out
+    )
+    assert f"step 7: Hugging Face checkpoint written to {hf} (1 safetensors file(s)" in out
+    # the log file holds every line printed
+    log = (ckpt / "train.log").read_text()
+    assert log.startswith("=== run started ")
+    for line in lines:
+        assert line in log, line
+
+
+def test_a_hf_start_names_its_checkpoint(tmp_path, capsys):
+    from tests.distributed.hf_checks import write_checkpoint
+
+    pytest.importorskip("transformers")
+    path = write_checkpoint("llama", str(tmp_path / "hf"), vocab_size=256)  # bytes: no tokenizer
+    assert run(["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--no-progress",
+                "--hf-checkpoint", path]) == 0  # fmt: skip
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"model: llama3-hf (weights from the Hugging Face checkpoint {path})")
+
+
+def test_quiet_runs_stay_quiet_but_still_log_to_the_run_dir(tmp_path, capsys):
+    cfg = TrainConfig(num_steps=2, run_dir=str(tmp_path / "run"), **{**TINY, "log_every": 0})
+    Trainer(cfg, device="cpu").fit()
+    assert capsys.readouterr().out == ""
+    assert "model: llama3-debug" in (tmp_path / "run" / "train.log").read_text()
+
+
+# ---------------------------------------------------------------------- evaluation
+
+
+def test_eval_loss_is_the_mean_loss_over_the_held_out_batches(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    held_out = write_token_file(rng.integers(0, 256, 70).astype(np.uint16), str(tmp_path / "e.bin"))
+    cfg = TrainConfig(num_steps=4, eval_data=held_out, eval_every=2, **TINY)
+    trainer = Trainer(cfg, device="cpu")
+    trainer.fit()
+    evals = [line for line in capsys.readouterr().out.splitlines() if "eval loss" in line]
+    assert [line.split("/")[0].split()[-1] for line in evals] == ["2", "4"]
+    reported = float(evals[-1].split("eval loss ")[1])
+    # The same batches by hand: 70 tokens hold 2 global batches of 2 x 16 (+1).
+    tokens = torch.from_numpy(np.fromfile(held_out, dtype=np.uint16).astype(np.int64))
+    losses = []
+    with torch.no_grad():
+        for k in range(2):
+            window = tokens[k * 32 : k * 32 + 33]
+            rows = torch.stack([window[0:17], window[16:33]])
+            logits = trainer.model(rows[:, :-1])
+            losses.append(
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+            )
+    assert reported == pytest.approx(float(torch.stack(losses).mean()), abs=5e-5)
+
+
+def test_eval_loss_goes_to_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rng = np.random.default_rng(1)
+    held_out = write_token_file(rng.integers(0, 256, 70).astype(np.uint16), str(tmp_path / "e.bin"))
+    tb = tmp_path / "tb"
+    cfg = TrainConfig(num_steps=3, eval_data=held_out, eval_every=2, tensorboard=str(tb), **TINY)
+    Trainer(cfg.replace(log_every=0), device="cpu").fit()
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/loss")] == [2, 3]
