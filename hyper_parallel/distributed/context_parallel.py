@@ -315,9 +315,9 @@ def cp_findings(model_config: Any, layout: MeshLayout, seq_len: int | None = Non
                 "seq_len",
                 f"a sequence of {seq_len} tokens cannot be split head-tail over cp={cp} ranks: "
                 f"that needs 2 x cp = {step} equal chunks.",
-                f"use a sequence length divisible by {step} (e.g. "
-                f"{' or '.join(map(str, lengths))})"
-                + (f", or cp among {sizes}." if sizes else ", or pad the batch."),
+                f"set the sequence length (--seq; --seq-len on train.run and demo) to a "
+                f"multiple of {step} (e.g. {' or '.join(map(str, lengths))})"
+                + (f", or use cp among {sizes}." if sizes else ", or pad the batch."),
             )
         )
     rope = getattr(model_config, "rope", None)

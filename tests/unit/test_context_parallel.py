@@ -235,7 +235,8 @@ def test_sequence_not_divisible_by_twice_cp():
     (f,) = cp.cp_findings(preset_config("llama3-debug"), MeshLayout.parse("cp=2"), seq_len=30)
     assert (f.severity, f.path, f.field) == ("error", "data", "seq_len")
     assert "30 tokens cannot be split head-tail over cp=2" in f.message
-    assert "divisible by 4 (e.g. 28 or 32)" in f.fix and "cp among [3, 5" in f.fix
+    assert "(--seq; --seq-len on train.run and demo) to a multiple of 4 (e.g. 28 or 32)" in f.fix
+    assert "cp among [3, 5" in f.fix
 
 
 def test_cp_on_a_model_without_positions():
