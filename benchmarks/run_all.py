@@ -11,7 +11,8 @@ c. a training step of the debug Llama at dp=2 x tp=2 (``bench_train_step.py``), 
    and with every block compiled (inductor);
 d. collectives and bytes per step, TP and TP+SP, vs the minimum (``bench_comms.py``);
 e. peak memory to initialize a model larger than a rank's share (``bench_init_memory.py``);
-f. context parallelism, cp = 1/2/4 at one global sequence on gloo (``bench_cp.py``).
+f. context parallelism, cp = 1/2/4 at growing sequences on gloo, and the dry run of 8B at
+   32K and 128K (``bench_cp.py``).
 m. mixture of experts: the MoE layer at ep=2/4 vs a hand-written dispatch, and tokens/s of
    the debug MoE training step (``bench_moe.py``).
 p. pipeline parallelism: step time per schedule vs pp=1, measured vs predicted bubble
@@ -326,36 +327,55 @@ def section_memory(result: dict[str, Any], charts: list[str]) -> str:
 
 
 def section_cp(result: dict[str, Any], charts: list[str]) -> str:
-    """(f) context parallelism."""
-    rows = result["results"]
-    base = rows[0]["activation_bytes"]
+    """(f) context parallelism: gloo at growing sequences, and the dry run of 8B."""
+    parts = result["by_seq"]
+    cps = "/".join(str(r["cp"]) for r in parts[0]["results"])
+    seqs = ", ".join(str(p["seq"]) for p in parts)
     lines = [
-        f"## f. Context parallelism — llama3-debug, cp = "
-        f"{'/'.join(str(r['cp']) for r in rows)}, global sequence {result['seq']}",
+        f"## f. Context parallelism — llama3-debug, cp = {cps}, global sequence {seqs}",
         "",
-        f"Batch {result['batch']} x {result['seq']} tokens, fp32, spawned gloo ranks "
-        "(`bench_cp.py`); cp = 1 is the model in one process. *Step*: forward + loss + "
-        f"backward, median (min-max) of {result['reps']}, slowest rank. *Activations*: "
-        "bytes the forward saves for backward on one rank (saved-tensor hooks, each "
-        "storage once). *Minimum*: all-gather context parallelism gathers each layer's "
-        "keys and values once in forward and reduce-scatters their gradients once in "
-        "backward; *total* adds the one gather of the positions (for the causal mask).",
+        f"Batch {result['batch']}, fp32, spawned gloo ranks (`bench_cp.py`); cp = 1 is the "
+        "model in one process. *Step*: forward + loss + backward, median (min-max) of "
+        f"{result['reps']}, slowest rank. *Activations*: bytes the forward saves for backward "
+        "on one rank (saved-tensor hooks, each storage once); *x cp*: that over cp=1's, times "
+        "cp (1.00 is an exact 1/cp; above it, each layer's gathered keys and values). "
+        "*Minimum*: all-gather context parallelism gathers each layer's keys and values once "
+        "in forward and reduce-scatters their gradients once in backward.",
         "",
-        "| cp | step ms | activations KiB / rank | vs cp=1 | bytes on cp KiB | "
-        "k/v / minimum | total / minimum |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| seq | cp | step ms | activations KiB / rank | vs cp=1 | x cp | bytes on cp KiB | "
+        "on cp / minimum |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in rows:
-        t = r["step_ms"]
-        on_cp = sum(c["bytes"] for c in r["comms"] if c["axis"] == "cp")
-        minimum = sum(r["minimum"].values()) if r["cp"] > 1 else 0
-        kv = on_cp - r["positions_bytes"] if on_cp else 0
-        lines.append(
-            f"| {r['cp']} | {t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) | "
-            f"{r['activation_bytes'] / 1024:,.1f} | {r['activation_bytes'] / base:.2f} | "
-            f"{on_cp / 1024:,.1f} | {f'{kv / minimum:.2f}' if minimum else '-'} | "
-            f"{f'{on_cp / minimum:.3f}' if minimum else '-'} |"
-        )
+    for part in parts:
+        base = part["results"][0]["activation_bytes"]
+        for r in part["results"]:
+            t = r["step_ms"]
+            on_cp = sum(c["bytes"] for c in r["comms"] if c["axis"] == "cp")
+            minimum = sum(r["minimum"].values()) if r["cp"] > 1 else 0
+            act = r["activation_bytes"]
+            lines.append(
+                f"| {part['seq']} | {r['cp']} | {t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) "
+                f"| {act / 1024:,.1f} | {act / base:.3f} | {act / base * r['cp']:.3f} | "
+                f"{on_cp / 1024:,.1f} | {f'{on_cp / minimum:.3f}' if minimum else '-'} |"
+            )
+    if result.get("dry_run"):
+        lines += [
+            "",
+            "The dry run of llama3-8b (max_seq_len raised to the sequence), bf16 compute, one "
+            "sequence per data-parallel rank, GiB per rank:",
+            "",
+            "| seq | mesh | activations | full AC | total | activations vs dp_shard=8 |",
+            "| ---: | --- | ---: | ---: | ---: | ---: |",
+        ]
+        dp = {d["seq"]: d for d in result["dry_run"] if d["mesh"] == "dp_shard=8"}
+        for d in result["dry_run"]:
+            ref = dp.get(d["seq"])
+            vs = f"{d['activations'] / ref['activations']:.3f}" if ref else "-"
+            lines.append(
+                f"| {d['seq']:,} | {d['mesh']} | {d['activations'] / 2**30:,.2f} | "
+                f"{d['activations_by_ac']['full'] / 2**30:,.2f} | {d['total'] / 2**30:,.2f} "
+                f"| {vs} |"
+            )
     lines.append("")
     return "\n".join(lines)
 
@@ -573,11 +593,14 @@ def summary(sections: dict[str, dict[str, Any]]) -> str:
             if r and HAND in r["times_us"]:
                 ratio = _med(r["times_us"][OURS]) / _med(r["times_us"][HAND])
                 other.append(f"| ours / hand-written, MLP {mode}, fake PG tp=8 | {ratio:.2f}{X} |")
-    if "f" in data:
-        res = data["f"]["results"]
+    if "f" in data and "by_seq" in data["f"]:
+        part = data["f"]["by_seq"][-1]
+        res = part["results"]
         acts = " / ".join(f"{r['activation_bytes'] / res[0]['activation_bytes']:.2f}" for r in res)
         cps = "/".join(str(r["cp"]) for r in res)
-        other.append(f"| activations per rank at cp = {cps}, vs cp=1 | {acts} |")
+        other.append(
+            f"| activations per rank at cp = {cps}, vs cp=1 (seq {part['seq']}) | {acts} |"
+        )
     if "m" in data:
         for r in data["m"]["layer"]:
             t = r["times_us"]
@@ -1047,7 +1070,11 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "d": ("bench_comms.py", ["--tp", "4"], 240),
         "e": ("bench_init_memory.py", ["--tp", "8"], 300),
-        "f": ("bench_cp.py", ["--seq", "512", "--reps", "3" if args.quick else "8"], 420),
+        "f": (
+            "bench_cp.py",
+            ["--seq", "256", "512", "1024", "--reps", "3" if args.quick else "8"],
+            1200,
+        ),
         "m": (
             "bench_moe.py",
             ["--reps", gloo_reps, "--step-reps", "3" if args.quick else "6"],

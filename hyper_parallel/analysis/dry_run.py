@@ -1187,7 +1187,18 @@ def _assumptions(
         "all_gather + chunk; NCCL issues all_to_all).",
         f"Loss: {getattr(loss_fn, '__qualname__', repr(loss_fn))}; collectives of a different "
         "loss (e.g. loss-parallel cross entropy) differ.",
+        "Attention's activations are what the fused kernels keep (FlashAttention, "
+        "memory-efficient SDPA): queries, keys, values, the output and the log-sum-exp per "
+        "query row, never the seq x seq probabilities. The trace's fake tensors are on the CPU, "
+        "where scaled_dot_product_attention takes torch's fused CPU kernel, which keeps the same.",
     ]
+    if layout.cp > 1:
+        notes.append(
+            f"Under cp={layout.cp} attention runs by chunks, without a mask: each rank's two "
+            "query chunks (head-tail) against the keys and values all-gathered over cp, the "
+            "diagonal block causal, earlier blocks in full, merged by log-sum-exp; backward keeps "
+            "the rank's queries, the gathered keys and values, the output and the log-sum-exp."
+        )
     if last.expert_bytes is not None:
         notes.append(
             f"Routed experts: weights Shard(0) over ep={layout.ep} (whole experts per rank), "

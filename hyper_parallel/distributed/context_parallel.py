@@ -56,6 +56,7 @@ from hyper_parallel.dmodule.findings import Finding
 __all__ = [
     "CP_AXIS",
     "causal_work",
+    "chunk_order",
     "cp_findings",
     "positions",
     "shard_sequence",
@@ -81,8 +82,14 @@ def _check_split(length: int, cp_size: int, what: str) -> None:
         )
 
 
-def _chunk_order(cp_size: int) -> list[int]:
-    """Chunk ids in rank order: ``[0, 2c-1, 1, 2c-2, ...]``."""
+def chunk_order(cp_size: int) -> list[int]:
+    """The chunks of the sequence in rank order (what an all-gather over ``cp`` of each
+    rank's part holds): ``[0, 2 cp - 1, 1, 2 cp - 2, ...]``.
+
+    Example:
+        >>> chunk_order(2)
+        [0, 3, 1, 2]
+    """
     return [c for r in range(cp_size) for c in (r, 2 * cp_size - 1 - r)]
 
 
@@ -176,7 +183,7 @@ def unshard_sequence(local: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> 
         return full
     _check_split(full.shape[dim], cp_size, "unshard_sequence")
     chunks = full.chunk(2 * cp_size, dim)
-    where = {chunk: i for i, chunk in enumerate(_chunk_order(cp_size))}
+    where = {chunk: i for i, chunk in enumerate(chunk_order(cp_size))}
     return torch.cat([chunks[where[c]] for c in range(2 * cp_size)], dim)
 
 
@@ -308,9 +315,9 @@ def cp_findings(model_config: Any, layout: MeshLayout, seq_len: int | None = Non
                 "seq_len",
                 f"a sequence of {seq_len} tokens cannot be split head-tail over cp={cp} ranks: "
                 f"that needs 2 x cp = {step} equal chunks.",
-                f"use a sequence length divisible by {step} (e.g. "
-                f"{' or '.join(map(str, lengths))})"
-                + (f", or cp among {sizes}." if sizes else ", or pad the batch."),
+                f"set the sequence length (--seq; --seq-len on train.run and demo) to a "
+                f"multiple of {step} (e.g. {' or '.join(map(str, lengths))})"
+                + (f", or use cp among {sizes}." if sizes else ", or pad the batch."),
             )
         )
     rope = getattr(model_config, "rope", None)

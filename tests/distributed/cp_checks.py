@@ -74,13 +74,13 @@ def _counts(mode: AxisCommMode) -> dict[str, dict[str, int]]:
     return out
 
 
-def build(mesh_text: str, tp_layout: str | None, order: str = "cp_last") -> Any:
+def build(mesh_text: str, tp_layout: str | None, order: str = "cp_last", **overrides: Any) -> Any:
     """The layout's ParallelMesh, model-mesh and config (cp applied last or first)."""
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
     _record_groups(mesh)
     axes = [a for a in ("cp", "tp") if layout.size(a) > 1]
-    config = preset_config("llama3-debug")
+    config = preset_config("llama3-debug", **overrides)
     if order == "cp_last":
         if tp_layout is not None:
             config = TP_LAYOUTS[tp_layout](config, tp_size=layout.tp)
@@ -99,17 +99,20 @@ def compare_with_one_device(
     seq_len: int,
     batch_positions: bool = False,
     order: str = "cp_last",
+    num_kv_heads: int | None = None,
 ) -> dict[str, Any]:
     """Parallelize on the (cp[, tp]) mesh; compare logits, loss and every gradient.
 
     The rank's loss is the mean over its tokens; the global loss is their mean over
     ``cp`` and the gradient the mean of the ranks' gradients over ``cp`` (what FSDP2
-    over ``dp_shard x cp`` computes), both compared with one device.
+    over ``dp_shard x cp`` computes), both compared with one device. ``num_kv_heads``
+    overrides the model's key/value heads (1: multi-query attention).
     """
-    layout, mesh, model_mesh, config = build(mesh_text, tp_layout, order)
+    overrides = {} if num_kv_heads is None else {"num_kv_heads": num_kv_heads}
+    layout, mesh, model_mesh, config = build(mesh_text, tp_layout, order, **overrides)
     cp_size, cp_rank = layout.cp, mesh.local_rank("cp")
 
-    reference = preset_config("llama3-debug").build()
+    reference = preset_config("llama3-debug", **overrides).build()
     torch.manual_seed(0)
     reference.init_states()
 
@@ -199,13 +202,13 @@ def expected_cp_collectives(num_layers: int) -> dict[str, dict[str, int]]:
     """Collectives on ``cp`` per phase of one step: the declared ones and nothing else.
 
     Forward: in each layer the attention core all-gathers its keys and values (2 per
-    layer), and the model's root all-gathers the positions once (for the mask).
-    Backward: the keys' and values' gradients, declared ``Partial`` on ``cp``, are
-    reduce-scattered back to their sequence shards (2 per layer); positions carry no
-    gradient. The loss is each rank's own mean: nothing on ``cp``.
+    layer); nothing else (positions stay each rank's own: attention is computed by
+    chunks, without a mask of every position). Backward: the keys' and values'
+    gradients, declared ``Partial`` on ``cp``, are reduce-scattered back to their
+    sequence shards (2 per layer). The loss is each rank's own mean: nothing on ``cp``.
     """
     return {
-        "forward": {"all_gather": 2 * num_layers + 1},
+        "forward": {"all_gather": 2 * num_layers},
         "loss": {},
         "backward": {"reduce_scatter": 2 * num_layers},
     }
@@ -221,6 +224,22 @@ def forward_without_positions(mesh_text: str, tp_layout: str | None) -> str:
     tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     try:
         model(tokens)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def positions_not_the_split(mesh_text: str) -> str:
+    """A cp model given positions that are not its rank's head-tail part: the error."""
+    layout, mesh, model_mesh, config = build(mesh_text, None)
+    model = config.build()
+    model.init_states()
+    model.parallelize(model_mesh)
+    tokens = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    rank = mesh.local_rank("cp")
+    wrong = cp.positions(16, rank, layout.cp).flip(0)  # this rank's positions, reversed
+    try:
+        model(tokens, positions=wrong)
     except ValueError as e:
         return str(e)
     return ""

@@ -18,6 +18,7 @@ from tests.distributed.cp_checks import (
     compare_with_one_device,
     expected_cp_collectives,
     forward_without_positions,
+    positions_not_the_split,
     unshard_round_trip,
 )
 
@@ -36,10 +37,13 @@ def results(dist):
         for path in PATHS
     }
     out["batch_positions"] = dist.run(compare_with_one_device, "cp=2", None, True, SEQ_LEN, True)
+    out["one_kv_head"] = dist.run(
+        compare_with_one_device, "cp=2", None, True, SEQ_LEN, False, "cp_last", 1
+    )
     return out
 
 
-@pytest.mark.parametrize("case", [*PATHS, "batch_positions"])
+@pytest.mark.parametrize("case", [*PATHS, "batch_positions", "one_kv_head"])
 def test_logits_loss_and_every_gradient_match_one_device(results, case):
     for r in results[case]:
         assert r["local_seq"] == SEQ_LEN // 2
@@ -71,12 +75,12 @@ def test_placements_and_runtime_path(results, case):
     norms = {p for p in paths if p.endswith("norm")}
     assert len(norms) == 2 * NUM_LAYERS + 1
     if case == "fast":
-        # Token-wise norms on sequence shards and the mask (a local region without
-        # states or collectives) are the patterns the fast path knows on cp; everything
-        # else (replicated weights, the k/v gather) runs on DTensor.
+        # Token-wise norms on sequence shards are the pattern the fast path knows on cp;
+        # everything else (replicated weights, the k/v gather) runs on DTensor. The mask
+        # module has no placement (it reads the split from the positions').
         assert all(paths[p] == "sequence_parallel_norm" for p in norms)
-        assert paths["mask"] == "local_map"
-        assert all(v == "dtensor" for p, v in paths.items() if p not in {*norms, "mask"})
+        assert "mask" not in paths
+        assert all(v == "dtensor" for p, v in paths.items() if p not in norms)
     else:
         assert set(paths.values()) == {"dtensor"}
 
@@ -85,6 +89,13 @@ def test_forward_without_positions_is_a_clear_error_on_every_rank(dist):
     for message in dist.run(forward_without_positions, "cp=2", None):
         assert "8 tokens given are part of a 16-token sequence" in message
         assert "positions=context_parallel.positions(" in message
+
+
+def test_positions_that_are_not_the_head_tail_split_are_refused(dist):
+    for rank, message in enumerate(dist.run(positions_not_the_split, "cp=2")):
+        assert f"rank {rank} of cp=2 holds positions" in message
+        assert "not its head-tail part of the sequence" in message
+        assert "positions=context_parallel.positions(seq_len, cp_rank, cp_size)" in message
 
 
 def test_shard_then_unshard_round_trip_with_gradients(dist):

@@ -1,4 +1,5 @@
-"""Context parallelism on 4 ranks: cp=4, and cp=2 x tp=2 with TP and TP+SP, vs one device.
+"""Context parallelism on 4 ranks: cp=4 (also with one key/value head), and cp=2 x tp=2
+with TP and TP+SP, vs one device.
 
 cp x tp runs on the 2-D ``(cp, tp)`` mesh (``mesh.submesh(("cp", "tp"))``): collectives
 on ``cp`` are exactly the attention core's declared ones, and those on ``tp`` are
@@ -29,6 +30,7 @@ TOL = 1e-5
 # (mesh, tensor-parallel layout, fast path, order in which the layouts are applied)
 CASES = {
     "cp4": ("cp=4", None, True, "cp_last"),
+    "cp4_one_kv_head": ("cp=4", None, True, "cp_last", 1),
     "cp2_tp2": ("cp=2,tp=2", "tp", True, "cp_last"),
     "cp2_tp2_sp": ("cp=2,tp=2", "tp_sp", True, "cp_last"),
 }
@@ -37,14 +39,14 @@ CASES = {
 @pytest.fixture(scope="module")
 def results(dist):
     return {
-        name: dist.run(compare_with_one_device, mesh, tp, fast, SEQ_LEN, False, order)
-        for name, (mesh, tp, fast, order) in CASES.items()
+        name: dist.run(compare_with_one_device, mesh, tp, fast, SEQ_LEN, False, order, *kv)
+        for name, (mesh, tp, fast, order, *kv) in CASES.items()
     }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_loss_and_every_gradient_match_one_device(results, case):
-    cp_size = 4 if case == "cp4" else 2
+    cp_size = 4 if case.startswith("cp4") else 2
     for r in results[case]:
         assert r["local_seq"] == SEQ_LEN // cp_size
         assert r["logits_diff"] <= TOL
@@ -80,15 +82,14 @@ def test_placements_on_the_2d_mesh(results, case):
     grads = r["grad_placements"]
     assert grads["layers.0.attention.wq.weight"] == ["P(sum)", "S(0)"]
     # Placements on both axes: the fast path steps aside except for token-wise norms
-    # whose only split is the cp sequence (plain TP) and the mask (a local region
-    # without states or collectives); those give the same numbers.
+    # whose only split is the cp sequence (plain TP); those give the same numbers. The
+    # mask module has no placement (it reads the split from the positions').
     paths = r["fast_paths"]
     sp = CASES[case][1] == "tp_sp"
+    assert "mask" not in paths
     for path, kind in paths.items():
         if path.endswith("norm") and not sp:
             assert kind == "sequence_parallel_norm", path
-        elif path == "mask":
-            assert kind == "local_map", (path, kind)
         else:
             assert kind == "dtensor", (path, kind)
 

@@ -132,7 +132,10 @@ def test_axes_the_trainer_cannot_run_are_refused_by_name(capsys, monkeypatch, me
 
     monkeypatch.setenv("WORLD_SIZE", str(MeshLayout.parse(mesh).world_size))
     assert _train(["--mesh", mesh, "--steps", "1", "--seq-len", "30"]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    if mesh == "cp=2":  # the flag to change, and to what
+        assert "--seq-len on train.run" in err and "multiple of 4 (e.g. 28 or 32)" in err
     if mesh != "cp=2":  # the demo's sequence (64) splits over cp=2
         code, _, err = _run(capsys, ["demo", "--mesh", mesh, "--steps", "1"])
         assert code == 2 and message in err
@@ -153,6 +156,8 @@ def test_plan_and_validate_refuse_axes_the_model_cannot_use(capsys, command, mes
     argv = [command, "--model", "llama3-debug", "--mesh", mesh, "--seq", "30"]
     code, out, err = _run(capsys, argv)
     assert code == 1 and message in out + err
+    if mesh.startswith("cp"):
+        assert "(--seq;" in out + err and "multiple of 4" in out + err
 
 
 @needs_transformers

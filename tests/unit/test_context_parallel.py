@@ -173,21 +173,15 @@ def test_cp_layout_gathers_keys_and_values_and_declares_their_gradients_partial(
     config = apply_cp(preset_config("llama3-debug"), cp_size=2)
     core = config.layers[0].attention.inner_attention.sharding_config
     seq, gathered = {"cp": Shard(1)}, {"cp": Replicate()}
-    assert core.in_dst_shardings == {
-        "q": seq,
-        "k": gathered,
-        "v": gathered,
-        "mask": {"cp": Shard(-2)},  # this rank's query rows, every key
-    }
+    # No mask among the core's inputs: it computes by chunks (nothing S/cp x S).
+    assert core.in_dst_shardings == {"q": seq, "k": gathered, "v": gathered}
     assert core.in_src_shardings == {"k": seq, "v": seq}
     grads = core.local_map.in_grad_placements
-    assert grads[:3] == (seq, {"cp": Partial()}, {"cp": Partial()})
-    # The mask is built once per forward from the local and the gathered positions.
-    mask = config.mask.sharding_config
-    assert mask.in_dst_shardings == {"q_positions": {"cp": Shard(-1)}, "kv_positions": gathered}
-    assert mask.out_src_shardings == {"cp": Shard(-2)}
-    # Positions are gathered once, at the root; the rest of the model stays on its tokens.
-    assert config.sharding_config.in_dst_shardings == {"positions": gathered}
+    assert grads == (seq, {"cp": Partial()}, {"cp": Partial()})
+    # The mask module has no placement; positions enter as this rank's slice, never gathered.
+    assert config.mask.sharding_config is None
+    assert config.sharding_config.in_src_shardings == {"positions": {"cp": Shard(-1)}}
+    assert config.sharding_config.in_dst_shardings is None
     assert config.output.sharding_config.out_dst_shardings == seq
     assert config.layers[1].feed_forward.w2.sharding_config.state_shardings == {"weight": gathered}
 
@@ -198,15 +192,15 @@ def test_cp_and_tp_layouts_compose_in_either_order(tp_layout):
     cp_last = apply_cp(tp_layout(base, tp_size=2), cp_size=2)
     cp_first = tp_layout(apply_cp(base, cp_size=2), tp_size=2)
     a, b = _configs(cp_last), _configs(cp_first)
-    # root, embedding, rope, mask, final norm, output; per layer 2 norms, 2 blocks, 7
+    # root, embedding, rope, final norm, output; per layer 2 norms, 2 blocks, 7
     # linears, core
-    assert a.keys() == b.keys() and len(a) == 6 + 2 * 12
+    assert a.keys() == b.keys() and len(a) == 5 + 2 * 12
     for path in a:
         assert a[path].to_dict() == b[path].to_dict(), path
     core = cp_last.layers[0].attention.inner_attention.sharding_config
     assert core.in_dst_shardings["k"] == {"tp": Shard(2), "cp": Replicate()}
     assert core.local_map.in_grad_placements[1] == {"tp": Shard(2), "cp": Partial()}
-    assert core.local_map.in_grad_placements[3] == {"cp": Shard(-2)}  # the mask's rows
+    assert len(core.local_map.in_grad_placements) == 3  # q, k, v: no mask
     assert base.sharding_config is None  # the input config is not changed
 
 
@@ -241,7 +235,8 @@ def test_sequence_not_divisible_by_twice_cp():
     (f,) = cp.cp_findings(preset_config("llama3-debug"), MeshLayout.parse("cp=2"), seq_len=30)
     assert (f.severity, f.path, f.field) == ("error", "data", "seq_len")
     assert "30 tokens cannot be split head-tail over cp=2" in f.message
-    assert "divisible by 4 (e.g. 28 or 32)" in f.fix and "cp among [3, 5" in f.fix
+    assert "(--seq; --seq-len on train.run and demo) to a multiple of 4 (e.g. 28 or 32)" in f.fix
+    assert "cp among [3, 5" in f.fix
 
 
 def test_cp_on_a_model_without_positions():

@@ -13,7 +13,7 @@ def test_plan_at_cp2_halves_the_states_and_the_activations_of_cp1(capsys):
     """llama3-8b, tp=8, one global sequence of 8192: cp=2 against cp=1, per rank.
 
     FSDP2 shards the states over cp (fsdp = dp_shard x cp); each rank saves its own
-    tokens' activations, and the one causal mask every layer shares.
+    tokens' activations (attention by chunks: no mask).
     """
     from hyper_parallel.cli import main
 
@@ -29,3 +29,35 @@ def test_plan_at_cp2_halves_the_states_and_the_activations_of_cp1(capsys):
     for kind in ("params", "grads", "optimizer"):
         assert 2 * two[kind] == one[kind], kind  # every dim divides by 2: exact
     assert 0.45 < two["activations"] / one["activations"] < 0.55
+
+
+def _activations(model: str, mesh: str, seq_len: int, **overrides) -> int:
+    from hyper_parallel.analysis import dry_run
+    from hyper_parallel.distributed import MeshLayout
+    from hyper_parallel.distributed.axes import apply_model_axes
+    from hyper_parallel.dmodule import get_spec
+
+    spec = get_spec(model)
+    layout = MeshLayout.parse(mesh)
+    config = apply_model_axes(spec, spec.config(max_seq_len=seq_len, **overrides), layout)
+    report = dry_run(config, layout, seq_len=seq_len, dtype="bf16", loss_fn=spec.family.loss_fn)
+    return report.per_rank.activations
+
+
+def test_cp8_holds_at_most_a_sixth_of_dp_shard8s_activations_at_32k():
+    """llama3-8b, one 32,768-token sequence per data-parallel rank, bf16, no checkpointing.
+
+    dp_shard=8: each rank saves the activations of its whole sequence; cp=8: of its
+    4,096 tokens (1/8), plus each layer's gathered keys and values. No mask, and no
+    seq x seq probabilities (attention keeps its output and log-sum-exp).
+    """
+    dp = _activations("llama3-8b", "dp_shard=8", 32768)
+    cp = _activations("llama3-8b", "cp=8", 32768)
+    assert cp <= dp / 6, cp / dp
+    assert cp >= dp / 8  # a rank holds at least its own tokens' share
+
+
+def test_activations_grow_linearly_with_the_sequence_under_cp():
+    """Twice the sequence, twice the bytes: nothing of size S/cp x S is saved."""
+    one, two = (_activations("llama3-debug", "cp=2", s) for s in (2048, 4096))
+    assert 1.98 < two / one < 2.02, two / one

@@ -150,7 +150,7 @@ def test_cp_stages_extrapolate_to_tracing_the_whole_stage():
         direct = {k: (v["count"], v["bytes"]) for k, v in _by_key(report.collectives).items()}
         assert _keyed(traced[s]["collectives_per_microbatch"]) == direct
         assert traced[s]["activations_per_microbatch"] == report.per_rank.activations
-        # Each block gathers its keys and values over cp; the stage gathers the positions.
-        assert direct[("all_gather", "cp", "forward")][0] == 2 * 3 + 1
+        # Each block gathers its keys and values over cp; nothing else (no positions).
+        assert direct[("all_gather", "cp", "forward")][0] == 2 * 3
         assert direct[("reduce_scatter", "cp", "backward")][0] == 2 * 3
         assert context_parallel.positions(32, 0, 2).numel() == local

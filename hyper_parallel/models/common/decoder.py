@@ -29,6 +29,7 @@ from torch import nn
 from hyper_parallel.distributed.pipeline import PipelineLayout
 from hyper_parallel.dmodule.model import BaseModel
 from hyper_parallel.dmodule.module import Module, ModuleDict, ModuleList
+from hyper_parallel.models.common.chunked_attention import CausalChunks
 from hyper_parallel.models.common.layers import (
     Attention,
     CausalMask,
@@ -61,8 +62,10 @@ def run_blocks(
     """The decoder loop: ``h`` through every block with the rotary tables and the mask.
 
     Without ``positions`` the tokens are the whole sequence of ``seq_len`` (attention
-    causal by index); with them the tables are read there and one additive causal mask
-    of those positions is built for every block.
+    causal by index); with them the tables are read there and the causal structure is
+    built once for every block: an additive mask of those positions on one device, the
+    chunks a context-parallel rank holds when they are sharded (no mask; see
+    :class:`~hyper_parallel.models.common.layers.CausalMask`).
     """
     if positions is None:
         cos, sin = rope(seq_len)
@@ -109,7 +112,7 @@ class DecoderBlock(Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | CausalChunks | None = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + getattr(self, self.ffn_name)(self.ffn_norm(h))

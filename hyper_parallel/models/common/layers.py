@@ -8,11 +8,16 @@ when a sharding makes it a ``local_map`` region, so it reads head counts from it
 inputs.
 
 Positions: the rotary tables are read at each token's place in the global sequence
-when ``positions`` are given (a sequence split across ranks by context parallelism),
-and the causal mask compares query positions with key positions, so the tokens may
-arrive in any order and keys may come from a longer (gathered) sequence. That mask
-is built once per forward (:class:`CausalMask`, additive, in the activations' dtype)
-and shared by every layer, so backward holds one copy of it, not one per layer.
+when ``positions`` are given. On one device the causal mask compares query positions
+with key positions, so the tokens may arrive in any order; that mask is built once per
+forward (:class:`CausalMask`, additive, in the activations' dtype) and shared by every
+layer, so backward holds one copy of it, not one per layer. A sequence split across
+ranks by context parallelism (positions sharded over a mesh axis, head-tail) gets no
+mask: :class:`CausalMask` returns the chunks each rank's queries and the gathered keys
+hold (:class:`~hyper_parallel.models.common.chunked_attention.CausalChunks`), and the
+attention core computes block by block, merging by log-sum-exp
+(:mod:`~hyper_parallel.models.common.chunked_attention`): nothing of size
+``S / cp x S`` exists.
 """
 
 from __future__ import annotations
@@ -23,7 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyper_parallel._torch_private import is_fake
+from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed.context_parallel import chunk_order
+from hyper_parallel.distributed.context_parallel import positions as cp_positions
 from hyper_parallel.dmodule.module import Module
+from hyper_parallel.models.common.chunked_attention import CausalChunks, chunked_causal_attention
 
 __all__ = [
     "Attention",
@@ -130,7 +140,10 @@ class ScaledDotProductAttention(Module):
     (additive, ``[Sq, Sk]`` or ``[B, 1, Sq, Sk]``, from :class:`CausalMask`) a query
     attends where the mask is 0, so the queries may be a subset of the keys, in any
     order. The mask is used as given (it is the one tensor every layer shares); one of
-    another dtype than the queries is cast, which makes a copy per layer.
+    another dtype than the queries is cast, which makes a copy per layer. With
+    :class:`~hyper_parallel.models.common.chunked_attention.CausalChunks` instead of a
+    mask (context parallelism), the queries' chunks attend to the keys' chunks block by
+    block, the diagonal block on the fused causal kernel, without a mask.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -145,8 +158,11 @@ class ScaledDotProductAttention(Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | CausalChunks | None = None,
     ) -> torch.Tensor:
+        if isinstance(mask, CausalChunks):
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return chunked_causal_attention(q, k, v, mask).transpose(1, 2).contiguous()
         if mask is None and q.shape[1] != k.shape[1]:
             raise ValueError(
                 f"ScaledDotProductAttention: {q.shape[1]} queries and {k.shape[1]} keys "
@@ -178,12 +194,20 @@ def causal_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.
 
 
 class CausalMask(Module):
-    """The additive causal mask of a forward: 0 where a query may attend, ``-inf`` elsewhere.
+    """The causal structure of a forward, built once from the token positions.
 
-    Built once per forward from the token positions and handed to every layer's
-    attention core: autograd saves that one tensor for all layers' backward (a mask
-    built inside each core, or a boolean one that attention converts, would be saved
-    once per layer). ``[Sq, Sk]`` for 1-D positions, ``[B, 1, Sq, Sk]`` for 2-D.
+    On one device: the additive causal mask, 0 where a query may attend and ``-inf``
+    elsewhere, handed to every layer's attention core (autograd saves that one tensor
+    for all layers' backward; a mask built inside each core, or a boolean one that
+    attention converts, would be saved once per layer). ``[Sq, Sk]`` for 1-D positions,
+    ``[B, 1, Sq, Sk]`` for 2-D.
+
+    Under context parallelism (``q_positions`` a DTensor sharded over a mesh axis, each
+    rank holding chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``): the
+    :class:`~hyper_parallel.models.common.chunked_attention.CausalChunks` of this rank's
+    queries and of the keys gathered over that axis, and no mask. On CPU tensors the
+    positions are checked to be that split (:func:`context_parallel.positions
+    <hyper_parallel.distributed.context_parallel.positions>`).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -198,10 +222,36 @@ class CausalMask(Module):
         q_positions: torch.Tensor,
         kv_positions: torch.Tensor,
         dtype: torch.dtype = torch.float32,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | CausalChunks:
+        chunks = _sequence_chunks(q_positions)
+        if chunks is not None:
+            return chunks
         allowed = causal_mask(q_positions, kv_positions)
         additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return additive.masked_fill_(allowed.logical_not(), float("-inf"))
+
+
+def _sequence_chunks(positions: torch.Tensor) -> CausalChunks | None:
+    """The chunks of a head-tail split whose positions are sharded over a mesh axis."""
+    if not isinstance(positions, DTensor):
+        return None
+    split = [i for i, p in enumerate(positions.placements) if p.is_shard()]
+    if not split:
+        return None
+    mesh = positions.device_mesh
+    rank, size = mesh.get_local_rank(split[0]), mesh.size(split[0])
+    local = positions.to_local()
+    if local.device.type == "cpu" and not is_fake(local):
+        expected = cp_positions(positions.shape[-1], rank, size)
+        if local.shape[-1] != expected.numel() or not bool((local == expected).all()):
+            axis = (mesh.mesh_dim_names or ("?",) * mesh.ndim)[split[0]]
+            raise ValueError(
+                f"CausalMask: rank {rank} of {axis}={size} holds positions "
+                f"{local.flatten()[:8].tolist()}..., not its head-tail part of the sequence; "
+                "pass positions=context_parallel.positions(seq_len, cp_rank, cp_size) with "
+                "tokens cut by context_parallel.shard_sequence."
+            )
+    return CausalChunks(queries=(rank, 2 * size - 1 - rank), keys=tuple(chunk_order(size)))
 
 
 class Attention(Module):
@@ -250,7 +300,7 @@ class Attention(Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | CausalChunks | None = None,
     ) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
         q, k, v = (w(x).view(bsz, seq_len, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))

@@ -28,11 +28,12 @@ head-tail split, see :mod:`hyper_parallel.distributed.context_parallel`) and the
 states are replicated on ``cp``. The attention core is the one place that needs other
 tokens: its queries stay local while keys and values are all-gathered over ``cp`` on
 the way in, and its ``in_grad_placements`` declare their gradients ``Partial`` on
-``cp``, so backward reduce-scatters them. The causal mask compares global positions:
-the model's root gathers ``positions`` once per forward; the rotary tables read their
-local slice of it (no communication), and the mask module builds, once per forward,
-the rows of this rank's queries against every key (``Shard`` on the query dim), which
-every layer's attention core takes as it is.
+``cp``, so backward reduce-scatters them. No mask: the model's root takes ``positions``
+as this rank's slice (``Shard`` on ``cp``, no communication); the rotary tables read
+them, and the mask module, seeing positions sharded over ``cp``, hands every layer the
+chunks of the sequence this rank's queries and the gathered keys hold, which the
+attention core computes block by block (causal diagonal, full earlier blocks, merged
+by log-sum-exp; :mod:`~hyper_parallel.models.common.chunked_attention`).
 
 The layouts compose: each writes placements for its own axis and joins the configs a
 module already has (:func:`~hyper_parallel.distributed.compose.merge_sharding_configs`),
@@ -307,9 +308,9 @@ def context_parallel(config: Any, cp_size: int, axis: Axis, *, ffn: FfnPlacement
     attention block the queries stay local and the keys and values are all-gathered on
     the way into the attention core (a ``local_map`` region) — ``2 x num_layers``
     all-gathers per forward, and their gradients reduce-scattered in backward (declared
-    ``Partial`` by ``in_grad_placements``). Positions are gathered once per forward for
-    the causal mask, which is built once (this rank's query rows) and shared by every
-    layer. The model must then be called as ``model(tokens, positions=positions)``.
+    ``Partial`` by ``in_grad_placements``). The attention core computes this rank's
+    query chunks against the key chunks block by block, without a mask. The model must
+    then be called as ``model(tokens, positions=positions)``.
 
     Raises:
         ValueError: ``cp_size`` is not an integer >= 1, or the layout was already applied.
@@ -346,21 +347,14 @@ def context_parallel(config: Any, cp_size: int, axis: Axis, *, ffn: FfnPlacement
 
 
 def _cp_model_inputs(new: Module.Config, axis: Axis) -> None:
-    """The context-parallel entry of a decoder: positions in as this rank's slice and
-    gathered, the embedding's output sequence-sharded, the rotary tables indexed by local
-    positions, and the one causal mask whose rows are this rank's queries (local
-    positions), its columns every key."""
+    """The context-parallel entry of a decoder: positions in as this rank's slice (never
+    gathered), the embedding's output sequence-sharded, the rotary tables indexed by
+    local positions. The mask module needs no placement: it reads the split from the
+    positions' placement."""
     seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
     replicated: NamedPlacement = {axis: Replicate()}
     local_positions: NamedPlacement = {axis: Shard(-1)}  # positions are [S] or [B, S]
-    put(
-        new,
-        ShardingConfig(
-            in_src_shardings={"positions": local_positions},
-            in_dst_shardings={"positions": replicated},
-        ),
-        "",
-    )
+    put(new, ShardingConfig(in_src_shardings={"positions": local_positions}), "")
     put(
         new.tok_embeddings,
         ShardingConfig(
@@ -378,31 +372,22 @@ def _cp_model_inputs(new: Module.Config, axis: Axis) -> None:
         ),
         "rope",
     )
-    put(
-        new.mask,
-        ShardingConfig(
-            in_dst_shardings={"q_positions": local_positions, "kv_positions": replicated},
-            out_src_shardings={axis: Shard(-2)},
-            local_map=LocalMapConfig(in_grad_placements=(local_positions, replicated)),
-        ),
-        "mask",
-    )
 
 
 def _cp_attention_core(inner: Module.Config, axis: Axis, path: str) -> None:
     """The attention core under cp: this rank's queries against every key and value
-    (k and v gathered on ``axis``; their gradients leave as partial sums)."""
+    (k and v gathered on ``axis``; their gradients leave as partial sums). The chunks
+    (``mask``) are not a tensor and pass into the region as they are."""
     seq: NamedPlacement = {axis: Shard(_SEQ_DIM)}
     gathered: NamedPlacement = {axis: Replicate()}
     partial: NamedPlacement = {axis: Partial()}
-    mask_rows: NamedPlacement = {axis: Shard(-2)}
     put(
         inner,
         ShardingConfig(
             in_src_shardings={"k": seq, "v": seq},
-            in_dst_shardings={"q": seq, "k": gathered, "v": gathered, "mask": mask_rows},
+            in_dst_shardings={"q": seq, "k": gathered, "v": gathered},
             out_src_shardings=seq,
-            local_map=LocalMapConfig(in_grad_placements=(seq, partial, partial, mask_rows)),
+            local_map=LocalMapConfig(in_grad_placements=(seq, partial, partial)),
         ),
         path,
     )

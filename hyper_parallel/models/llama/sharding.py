@@ -79,8 +79,8 @@ def apply_cp(
     """Context parallelism on mesh axis ``axis``: the sequence split over its ranks.
 
     Every activation is ``Shard(seq)`` on ``axis``; states are replicated on it; keys
-    and values are all-gathered into each attention core, and one causal mask of the
-    global positions is built per forward
+    and values are all-gathered into each attention core, which computes this rank's
+    query chunks against them block by block, without a mask
     (:func:`~hyper_parallel.models.common.sharding.context_parallel`). Combine with
     :func:`apply_tp` / :func:`apply_tp_sp` in either order and parallelize on the 2-D
     ``(cp, tp)`` mesh.

@@ -33,7 +33,7 @@ is sent twice.
 
 Context parallelism (:func:`apply_cp`): the attention is the Llama's context-parallel
 layout (activations ``Shard(seq)`` on ``cp``, keys and values all-gathered into the
-attention core, the causal mask and rotary tables read global ``positions``). The
+attention core computed by chunks, rotary tables read at global ``positions``). The
 mixture of experts runs on each cp rank's own tokens exactly as on a tensor-parallel
 rank's slice (so ``ep`` may borrow ``cp`` ranks too, each dispatching its own tokens);
 the balance statistics are summed over ``cp`` as well, so every rank's balance loss
@@ -228,8 +228,8 @@ def apply_cp(
 
     The attention is the Llama's layout
     (:func:`hyper_parallel.models.llama.apply_cp`): activations ``Shard(seq)``, states
-    replicated, keys and values all-gathered into the attention core, ``positions``
-    gathered once per forward and the causal mask built once, shared by every layer. The mixture of experts runs on the
+    replicated, keys and values all-gathered into the attention core, which computes by
+    chunks without a mask. The mixture of experts runs on the
     rank's own tokens (router and replicated experts with ``Partial`` weight gradients,
     or dispatched over ``ep``), and the per-sequence balance statistics are reduced over
     ``axis``, so each rank's balance loss equals one device's.

@@ -1,0 +1,86 @@
+"""Causal attention by chunks (context parallelism's attention core), without a process
+group: every rank's chunks against the gathered keys equal one causal attention, outputs
+and every gradient, and nothing the size of the scores is saved."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hyper_parallel.distributed import context_parallel as cp
+from hyper_parallel.models.common.chunked_attention import CausalChunks, chunked_causal_attention
+
+B, H, S, D = 2, 4, 16, 8
+
+
+def _rank_chunks(rank: int, cp_size: int) -> CausalChunks:
+    return CausalChunks(queries=(rank, 2 * cp_size - 1 - rank), keys=tuple(cp.chunk_order(cp_size)))
+
+
+def _gathered(t: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Every rank's part of ``t`` (B, H, S, D) in rank order: what the all-gather holds."""
+    return torch.cat([cp.shard_sequence(t, r, cp_size, dim=2) for r in range(cp_size)], dim=2)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_every_rank_together_equals_one_causal_attention(cp_size, num_kv_heads, dtype, tol):
+    gen = torch.Generator().manual_seed(cp_size * 10 + num_kv_heads)
+    q = torch.randn(B, H, S, D, dtype=dtype, generator=gen).requires_grad_()
+    k, v = (
+        torch.randn(B, num_kv_heads, S, D, dtype=dtype, generator=gen).requires_grad_()
+        for _ in range(2)
+    )
+    grad_out = torch.randn(B, H, S, D, dtype=dtype, generator=gen)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad_out)
+    keys, values = _gathered(k, cp_size), _gathered(v, cp_size)
+    loss = torch.zeros((), dtype=dtype)
+    for rank in range(cp_size):
+        pos = cp.positions(S, rank, cp_size)
+        out = chunked_causal_attention(q[:, :, pos], keys, values, _rank_chunks(rank, cp_size))
+        torch.testing.assert_close(out, ref[:, :, pos], atol=tol, rtol=0)
+        loss = loss + (out * grad_out[:, :, pos]).sum()
+    grads = torch.autograd.grad(loss, (q, k, v))
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, r, atol=tol * 10, rtol=0, msg=name)
+
+
+def test_blocks_are_the_diagonal_and_the_earlier_chunks():
+    chunks = _rank_chunks(1, 2)  # queries: chunks 1 and 2; keys: 0, 3, 1, 2
+    assert chunks.blocks() == [
+        (0, 0, False),  # chunk 1 attends chunk 0 in full
+        (0, 2, True),  # and itself causally
+        (1, 0, False),
+        (1, 2, False),
+        (1, 3, True),  # chunk 2: chunks 0, 1 in full, itself causally; chunk 3 skipped
+    ]
+    work = sum(1 if not causal else 0.5 for *_, causal in chunks.blocks())
+    assert work == sum(1 if not c else 0.5 for *_, c in _rank_chunks(0, 2).blocks())  # balanced
+
+
+def test_saves_outputs_and_log_sum_exp_not_scores():
+    """What backward keeps: q, k, v, the output and the (B, H, Sq) log-sum-exp."""
+    cp_size, sq = 4, S // 4
+    q = torch.randn(B, H, sq, D, requires_grad=True)
+    k, v = (torch.randn(B, 1, S, D, requires_grad=True) for _ in range(2))
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunked_causal_attention(q, k, v, _rank_chunks(0, cp_size))
+    assert sorted(shapes) == sorted(
+        [(B, H, sq, D), (B, 1, S, D), (B, 1, S, D), (B, H, sq, D), (B, H, sq)]
+    )
+
+
+def test_unequal_chunks_are_refused():
+    q, k = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 16, 8)
+    with pytest.raises(ValueError, match="6 queries in 2 chunks and 16 keys in 4 chunks"):
+        chunked_causal_attention(q, k, k, _rank_chunks(0, 2))
