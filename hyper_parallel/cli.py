@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
         help="also draw per-rank memory (per stage with pp) and, with pp, the schedule's "
         "timeline per rank to this PNG file",
     )
+    from hyper_parallel.analysis.suggest_cli import add_prediction_arguments
+
+    add_prediction_arguments(plan)
     plan.set_defaults(func=_cmd_plan)
 
     validate = sub.add_parser(
@@ -407,6 +410,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             "validate' with the same arguments for the module at fault."
         ) from None
     report.model = subject.name
+    from hyper_parallel.analysis.suggest_cli import plan_prediction, prediction_text
+
+    try:
+        predicted = plan_prediction(args, layout)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
     if pipeline is not None:
         out = report.to_dict()
         # The traced step is one pipeline's model-parallel group; pp copies of it.
@@ -414,17 +423,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         out["mesh"]["pp"] = layout.pp
         out["mesh"]["world_size"] = layout.world_size
         out.update(pipeline)
+        if predicted is not None:
+            out["predicted"] = predicted
         if args.format == "json":
             print(json.dumps(out, indent=1))
         else:
             print(report.to_table())
             print(_pipeline_table(pipeline))
+            if predicted is not None:
+                print(prediction_text(predicted))
         _plan_chart(args, out)
         return 0
+    out = report.to_dict()
+    if predicted is not None:
+        out["predicted"] = predicted
     if args.format == "json":
-        print(json.dumps(report.to_dict(), indent=1))
+        print(json.dumps(out, indent=1))
     else:
         print(report.to_table())
+        if predicted is not None:
+            print(prediction_text(predicted))
     _plan_chart(args, report.to_dict())
     return 0
 

@@ -123,7 +123,15 @@ __all__ = [
     "usable_memory",
 ]
 
-HARDWARE_KINDS = ("h100-80gb", "h200-141gb", "b200", "a100-80gb", "a100-40gb", "mi300x")
+HARDWARE_KINDS = (
+    "h100-80gb",
+    "h100-96gb",
+    "h200-141gb",
+    "b200",
+    "a100-80gb",
+    "a100-40gb",
+    "mi300x",
+)
 """The hardware files shipped with the package (``analysis/hardware/<kind>.yaml``)."""
 
 MEMORY_HEADROOM_FRACTION = 0.08

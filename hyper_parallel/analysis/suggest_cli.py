@@ -60,6 +60,17 @@ def add_suggest_parser(sub: Any) -> None:
     p.add_argument(
         "--allow-cross-node-ep", action="store_true", help="also search ep spanning nodes"
     )
+    p.add_argument(
+        "--mesh",
+        metavar="AXES",
+        help="score this mesh only (e.g. pp=8,dp_shard=8,tp=8; axes not named are 1): search "
+        "just micro-batches, schedule, AC and SP unless --schedule/--ac/--microbatches fix them",
+    )
+    p.add_argument("--schedule", help="fix the pipeline schedule (pp > 1)")
+    p.add_argument("--ac", choices=("none", "selective", "full"), help="fix the checkpointing")
+    p.add_argument(
+        "--microbatches", type=positive_int, help="fix the pipeline's micro-batches (pp > 1)"
+    )
     p.set_defaults(func=run_suggest)
 
 
@@ -80,6 +91,10 @@ def run_suggest(args: argparse.Namespace) -> int:
             top=args.top,
             allow_cross_node_tp=args.allow_cross_node_tp,
             allow_cross_node_ep=args.allow_cross_node_ep,
+            mesh=_mesh_sizes(args.mesh),
+            schedule=args.schedule,
+            ac=args.ac,
+            microbatches=args.microbatches,
         )
     except DoesNotFit as e:
         if args.format == "json":
@@ -132,6 +147,104 @@ def _source(args: argparse.Namespace) -> Any:
             register_specs()
         get_spec(spec)  # an unknown name: its error lists the known ones
     return ModelSource(spec, tuple(sorted(overrides.items())), label=label)
+
+
+def _mesh_sizes(text: str | None) -> dict[str, int] | None:
+    """``--mesh pp=8,tp=8`` as ``{"pp": 8, "tp": 8}`` (the layout parser's checks)."""
+    if text is None:
+        return None
+    from hyper_parallel.distributed.layout import LayoutError, MeshLayout
+
+    try:
+        layout = MeshLayout.parse(text)
+    except LayoutError as e:
+        raise ValueError(f"--mesh {text!r}: {e}") from None
+    return {a: layout.size(a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} | {
+        "ep": layout.ep
+    }
+
+
+def add_prediction_arguments(p: Any) -> None:
+    """``plan --gpu KIND`` / ``--hardware FILE``: the cost model's step time next to the
+    dry run."""
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument(
+        "--gpu",
+        metavar="KIND",
+        help="also predict step time, tokens/s/GPU and MFU on this GPU kind (e.g. h100-80gb)",
+    )
+    kind.add_argument("--hardware", metavar="FILE", help="as --gpu, from your own hardware file")
+    p.add_argument(
+        "--gpus-per-node",
+        type=positive_int,
+        default=None,
+        help="with --gpu: GPUs per node (default: the hardware file's)",
+    )
+
+
+def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | None:
+    """The cost model's prediction for ``plan``'s model, mesh and switches (``None``
+    without ``--gpu`` / ``--hardware``): one model behind ``plan`` and ``suggest``.
+
+    The global batch is ``--batch`` (per rank, per micro-batch) x micro-batches x the
+    data-parallel ranks.
+
+    Raises:
+        ValueError: Not a registered model, or the cost model refuses the layout.
+    """
+    gpu = getattr(args, "gpu", None) or getattr(args, "hardware", None)
+    if gpu is None:
+        return None
+    if getattr(args, "model", None) is None:
+        raise ValueError("--gpu/--hardware predict registered models only; give --model.")
+    from hyper_parallel.analysis.suggest import Candidate, LayoutScorer
+    from hyper_parallel.distributed.run_plan import default_num_microbatches
+
+    schedule = args.schedule if layout.pp > 1 else None
+    # At pp=1 the run plan's micro-batches are gradient accumulation (default 1).
+    microbatches = args.num_microbatches or default_num_microbatches(layout.pp, args.schedule)
+    dp = layout.size("dp_replicate") * layout.size("dp_shard")
+    seq = args.seq or 2048
+    global_batch = args.batch * microbatches * dp
+    dtype = args.dtype
+    scorer = LayoutScorer(
+        args.model,
+        gpus=layout.world_size,
+        gpu=gpu,
+        seq_len=seq,
+        global_batch_tokens=global_batch * seq,
+        gpus_per_node=args.gpus_per_node,
+        dtype=dtype,
+    )
+    c = Candidate(
+        pp=layout.pp,
+        dp_replicate=layout.size("dp_replicate"),
+        dp_shard=layout.size("dp_shard"),
+        cp=layout.size("cp"),
+        tp=layout.size("tp"),
+        ep=layout.ep,
+        microbatches=microbatches,
+        schedule=schedule,
+        ac=args.ac,
+        sp=bool(args.sequence_parallel),
+    )
+    p = scorer.predict(c)
+    return {
+        "hardware": scorer.hardware.name,
+        "global_batch": global_batch,
+        "seq_len": seq,
+        **p.to_dict(),
+    }
+
+
+def prediction_text(pred: dict[str, Any]) -> str:
+    """``plan``'s table lines for :func:`plan_prediction`."""
+    return (
+        f"Predicted on {pred['hardware']} (cost model; global batch {pred['global_batch']} x "
+        f"{pred['seq_len']:,} tokens): step {pred['step_s']:.3f} s, "
+        f"{pred['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * pred['mfu']:.1f}%, "
+        f"memory {pred['memory_bytes_per_gpu'] / 2**30:.1f} GiB per GPU"
+    )
 
 
 def _chart(args: argparse.Namespace, report: Any) -> None:

@@ -48,6 +48,7 @@ Example::
     print(report.to_table())
 """
 
+from hyper_parallel.analysis.suggest._cost import RunFactors as RunFactors
 from hyper_parallel.analysis.suggest._operators import count_flops as count_flops
 from hyper_parallel.analysis.suggest._operators import count_operators as count_operators
 from hyper_parallel.analysis.suggest._report import Candidate as Candidate
@@ -56,6 +57,7 @@ from hyper_parallel.analysis.suggest._report import Prediction as Prediction
 from hyper_parallel.analysis.suggest._report import SuggestReport as SuggestReport
 from hyper_parallel.analysis.suggest._report import suggest_chart as suggest_chart
 from hyper_parallel.analysis.suggest._search import AC_MODES as AC_MODES
+from hyper_parallel.analysis.suggest._search import LayoutScorer as LayoutScorer
 from hyper_parallel.analysis.suggest._search import predict as predict
 from hyper_parallel.analysis.suggest._search import suggest as suggest
 from hyper_parallel.analysis.suggest._source import ModelSource as ModelSource
@@ -65,8 +67,10 @@ __all__ = [
     "AC_MODES",
     "Candidate",
     "DoesNotFit",
+    "LayoutScorer",
     "ModelSource",
     "Prediction",
+    "RunFactors",
     "SuggestReport",
     "count_flops",
     "count_operators",

@@ -54,6 +54,7 @@ class _Checks:
             dtype=self.dtype,
             schedule=c.schedule or "1F1B",
             num_microbatches=c.microbatches,
+            stages_per_rank=c.stages_per_rank,
             batch_size=self.global_batch // c.dp,
             seq_len=self.seq_len,
         )

@@ -15,7 +15,6 @@ from hyper_parallel.analysis.cost_model import (
     optimizer_seconds,
 )
 from hyper_parallel.analysis.pipeline_cost import (
-    _block_gathers,
     in_flight_microbatches,
     rank_ops,
     simulate,
@@ -26,9 +25,24 @@ from hyper_parallel.analysis.suggest._report import Candidate, Prediction
 from hyper_parallel.analysis.suggest._source import ModelSource
 from hyper_parallel.analysis.suggest._trace import _Comm, _Tracer
 from hyper_parallel.distributed.layout import MeshLayout
-from hyper_parallel.distributed.pipeline import (
-    SPLIT_BACKWARD_SCHEDULES,
-)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFactors:
+    """What differs between the run being predicted and this package's eager trainer,
+    as stated factors (1.0: no difference).
+
+    Attributes:
+        compute: Multiplies every compute time (FLOPs and memory traffic): e.g. the
+            speed-up of ``torch.compile`` or of float8 linears, as a fraction of the eager
+            bf16 time.
+        tp_exposed: Share of the tensor-parallel collectives left on the critical path
+            (async TP overlaps the all-gather / reduce-scatter with the matmuls that use
+            them; 1.0: all exposed, as eager TP runs them).
+    """
+
+    compute: float = 1.0
+    tp_exposed: float = 1.0
 
 
 @dataclasses.dataclass
@@ -45,13 +59,14 @@ class _Context:
     tracer: _Tracer
     limit: float
     pipeline_cache: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    factors: RunFactors = dataclasses.field(default_factory=RunFactors)
 
 
 def _stage_blocks(ctx: _Context, c: Candidate) -> list[tuple[int, bool, bool, int]]:
     """Per stage: (blocks, holds the first unit, holds the last, pp rank)."""
     if c.pp == 1:
         return [(ctx.flops.num_layers, True, True, 0)]
-    key = ("plan", c.pp, c.schedule, c.microbatches)
+    key = ("plan", c.pp, c.schedule, c.microbatches, c.stages_per_rank)
     if key not in ctx.pipeline_cache:
         plan = ctx.checks.run(c).pipeline
         stages = ctx.checks.stages
@@ -69,9 +84,9 @@ def _stage_blocks(ctx: _Context, c: Candidate) -> list[tuple[int, bool, bool, in
 
 
 def _schedule(ctx: _Context, c: Candidate) -> tuple[Any, dict[int, int]]:
-    key = ("ops", c.pp, c.schedule, c.microbatches)
+    key = ("ops", c.pp, c.schedule, c.microbatches, c.stages_per_rank)
     if key not in ctx.pipeline_cache:
-        ops = rank_ops(c.schedule or "1F1B", c.pp, c.microbatches)
+        ops = rank_ops(c.schedule or "1F1B", c.pp, c.microbatches, c.stages_per_rank)
         ctx.pipeline_cache[key] = (ops, in_flight_microbatches(ops))
     return ctx.pipeline_cache[key]
 
@@ -87,7 +102,7 @@ def _simulated(
     scaled by the heaviest stage's ``F + B`` over ``3`` (exact for GPipe and 1F1B, whose
     bubble does not depend on the ratio; an approximation for the zero-bubble ones).
     """
-    key = ("sim", c.pp, c.schedule, c.microbatches)
+    key = ("sim", c.pp, c.schedule, c.microbatches, c.stages_per_rank)
     if key not in ctx.pipeline_cache:
         timeline = simulate(ops)
         bubble = 1.0 - sum(timeline.busy) / (len(timeline.busy) * timeline.makespan)
@@ -111,7 +126,8 @@ def _comm_seconds(
     of the axes it uses.
     """
     spans = tuple(axis_span(layout, a, ctx.node) for a in ("tp", "cp", "ep"))
-    key = ("comm", id(comms), spans)
+    tp_exposed = ctx.factors.tp_exposed
+    key = ("comm", id(comms), spans, tp_exposed)
     if key not in ctx.pipeline_cache:
         parts: dict[str, list[float]] = {}
         for c in comms:
@@ -129,9 +145,11 @@ def _comm_seconds(
             ) - collective_seconds(
                 ctx.hw, c.kind, 0.0, count=1, group_size=group, crosses_nodes=crosses
             )
+            # Async TP hides part of tp's collectives behind the matmuls that use them.
+            hidden = tp_exposed if c.axis == "tp" and c.phase != "optimizer" else 1.0
             into = parts.setdefault(c.phase, [0.0, 0.0])
-            into[0] += latency
-            into[1] += transfer
+            into[0] += hidden * latency
+            into[1] += hidden * transfer
         ctx.pipeline_cache[key] = parts
     return {
         phase: count_scale * (latency + scale * transfer)
@@ -179,8 +197,11 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
                 "elements": 0.0,
                 "tensors": 0.0,
                 "unsharded": 0.0,
+                "loss": 0.0,
             },
         )
+        if last:
+            into["loss"] = _loss_peak(ctx, c, mbs)
         into["params"] += 4 * elements
         into["grads"] += 4 * elements
         into["optimizer"] += 8 * elements
@@ -191,7 +212,7 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
     # FSDP2's transient buffers: two units gathered (compute dtype), one unit's fp32 grads.
     unit = max(block_dense * dense_ratio + block_expert / c.ep, rest_dense / 2 * dense_ratio)
     transient = (2 * compute_bytes + 4) * unit if fsdp > 1 else 0
-    heaviest = max(per_rank.values(), key=lambda d: d["params"] + d["activations"])
+    heaviest = max(per_rank.values(), key=lambda d: d["params"] + d["activations"] + d["loss"])
     if c.pp > 1 and fsdp > 1:
         # Under a pipeline FSDP2 keeps a unit gathered from its backward to the next
         # forward and reduces gradients once, at the step's end (REDUCE_GRAD): at the
@@ -202,7 +223,7 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         # FSDP2 reduces only the last micro-batch's backward: until then each unit's
         # gradients are summed unsharded, in fp32 (its reduce dtype).
         heaviest = dict(heaviest, grads=4 * heaviest["unsharded"])
-    kept = ("elements", "tensors", "unsharded")
+    kept = ("elements", "tensors", "unsharded")  # "loss" is reported as memory
     memory = {k: int(v) for k, v in heaviest.items() if k not in kept}
     memory["transient"] = int(transient)
     total_memory = sum(memory.values())
@@ -234,13 +255,19 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
             + last * f.rest_bwd_elements
             + recompute_blocks * k * f.block_fwd_elements
         )
-        t_f.append(compute_seconds(hw, fwd, ctx.dtype) + overhead_f + traffic_f + comm_f)
+        cf = ctx.factors.compute  # compile / float8, stated per run (1.0: eager bf16)
+        traffic_f, traffic_b = cf * traffic_f, cf * traffic_b
+        t_f.append(cf * compute_seconds(hw, fwd, ctx.dtype) + overhead_f + traffic_f + comm_f)
         t_b.append(
-            compute_seconds(hw, bwd + recompute, ctx.dtype) + overhead_b + traffic_b + comm_b
+            cf * compute_seconds(hw, bwd + recompute, ctx.dtype) + overhead_b + traffic_b + comm_b
         )
-        t_w.append((compute_seconds(hw, bwd, ctx.dtype) + overhead_b + traffic_b) / 2)
+        t_w.append((cf * compute_seconds(hw, bwd, ctx.dtype) + overhead_b + traffic_b) / 2)
         comm_f_all.append(comm_f)
         comm_b_all.append(comm_b)
+    # tp/cp/ep seconds per step on the busiest pp rank: its stages' per micro-batch.
+    comm_by_rank: dict[int, float] = {}
+    for (_k, _first, _last, rank), cf_, cb_ in zip(stages, comm_f_all, comm_b_all, strict=True):
+        comm_by_rank[rank] = comm_by_rank.get(rank, 0.0) + cf_ + cb_
     # Gradients left Partial by backward are reduced when the optimizer reads them:
     # for each operator argument that is one (DTensor keeps no reduced copy).
     optimizer_comm = 0.0
@@ -271,6 +298,7 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         c.pp,
         c.schedule,
         c.microbatches,
+        c.stages_per_rank,
         c.dp_replicate,
         c.dp_shard,
         c.cp,
@@ -322,7 +350,8 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
     model_flops = ctx.global_batch * f.total
     times = {
         "pipeline_or_compute": makespan,
-        "model_axes_comm": (sum(comm_f_all) + sum(comm_b_all)) * c.microbatches,
+        # Per micro-batch on the busiest pp rank; at pp=1 the micro-batches accumulate.
+        "model_axes_comm": max(comm_by_rank.values()) * c.microbatches,
         "data_comm_exposed": exposed,
         "optimizer": optimizer + optimizer_comm,
         "busy": busy,
@@ -361,10 +390,12 @@ def _data_comm(
     efsdp_axis = axis_span(layout, "efsdp", ctx.node)
     rep_axis = axis_span(layout, "dp_replicate", ctx.node)
     worst = None
-    for s, (k, first, last, rank) in enumerate(stages):
-        if c.pp > 1 and c.schedule not in SPLIT_BACKWARD_SCHEDULES:
-            gathers_f, gathers_b = _block_gathers(ops[rank], s)
-        elif c.pp > 1:
+    for k, first, last, _rank in stages:
+        if c.pp > 1:
+            # Under a pipeline the stage's units stay gathered across micro-batches
+            # (torchtitan: reshard_after_forward off under pp; backward keeps them
+            # gathered until REDUCE_GRAD): one all-gather per unit per step, whatever
+            # the schedule.
             gathers_f, gathers_b = 1, 0
         else:  # each micro-batch of gradient accumulation gathers every unit again
             gathers_f, gathers_b = c.microbatches, c.microbatches
@@ -426,6 +457,28 @@ def _data_comm(
         if worst is None or sum(t.values()) > sum(worst.values()):
             worst = t
     return worst or out
+
+
+LOSS_PEAK_BYTES_PER_LOGIT = 8
+"""Bytes per local logit the loss holds beyond what it saves: at the start of backward the
+gradient of the fp32 log-probabilities and the gradient of the fp32 logits are alive
+together (4 + 4 bytes), next to the saved fp32 log-probabilities (in the dry run's
+activations); the forward's extra (the bf16 logits and their fp32 copy, 2 + 4) is smaller."""
+
+
+def _loss_peak(ctx: _Context, c: Candidate, mbs: int) -> float:
+    """The loss's transient peak on the last stage: :data:`LOSS_PEAK_BYTES_PER_LOGIT` x
+    the micro-batch's local logits (tokens / cp, vocabulary / tp: the output projection
+    is column-parallel and the loss vocab-parallel)."""
+    vocab = _vocab(ctx)
+    if not vocab:
+        return 0.0
+    return LOSS_PEAK_BYTES_PER_LOGIT * mbs * (ctx.seq_len // c.cp) * vocab / c.tp
+
+
+def _vocab(ctx: _Context) -> int:
+    output = getattr(ctx.checks.config, "output", None)
+    return int(getattr(output, "out_features", 0) or 0)
 
 
 def _rest_params(ctx: _Context) -> float:

@@ -27,6 +27,9 @@ class Candidate:
     schedule: str | None
     ac: str
     sp: bool
+    stages_per_rank: int | None = None
+    """Pipeline stages each rank runs (interleaved schedules); ``None``: the schedule's
+    default (:func:`~hyper_parallel.distributed.pipeline.stages_per_rank_of`)."""
 
     @property
     def layout(self) -> MeshLayout:
@@ -59,7 +62,8 @@ class Candidate:
     def describe(self) -> str:
         extra = [f"ac={self.ac}"] + (["sp"] if self.sp else [])
         if self.pp > 1:
-            extra = [f"{self.schedule} x{self.microbatches}", *extra]
+            per_rank = f", {self.stages_per_rank} stages/rank" if self.stages_per_rank else ""
+            extra = [f"{self.schedule} x{self.microbatches}{per_rank}", *extra]
         elif self.microbatches > 1:
             extra = [f"{self.microbatches} micro-batches", *extra]
         return f"{self.mesh_text()} ({', '.join(extra)})"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from hyper_parallel.analysis.cost_model import (
     usable_memory,
 )
 from hyper_parallel.analysis.suggest._checks import _Checks
-from hyper_parallel.analysis.suggest._cost import _Context, _predict
+from hyper_parallel.analysis.suggest._cost import RunFactors, _Context, _predict
 from hyper_parallel.analysis.suggest._operators import count_flops
 from hyper_parallel.analysis.suggest._report import (
     Candidate,
@@ -68,6 +69,7 @@ def _candidates(
     allow_cross_node_tp: bool,
     allow_cross_node_ep: bool,
     rejected: Counter,
+    microbatches: int | None = None,
 ) -> Iterator[Candidate]:
     """Every layout worth asking the checks about; the ones refused here are counted."""
     tps = [t for t in _divisors(gpus) if allow_cross_node_tp or gpus_per_node % t == 0]
@@ -103,7 +105,7 @@ def _candidates(
                                 ] += len(eps) - len(near)
                             eps = near
                     for ep in eps:
-                        for schedule, m in _pipelines(pp, local):
+                        for schedule, m in _pipelines(pp, local, microbatches):
                             for ac in AC_MODES:
                                 if tp > 1:  # searched, and refused without a trace
                                     rejected[SP_DOMINATES] += 1
@@ -112,24 +114,68 @@ def _candidates(
                                 )
 
 
-def _pipelines(pp: int, local: int) -> list[tuple[str | None, int]]:
-    """Schedules and micro-batch counts. Without pp, gradient accumulation: every power
-    of two that divides the local batch, and the local batch itself (one sequence per
-    micro-batch) — the fewest that fit win (the same compute, fewer FSDP2 gathers). With
-    pp every schedule torch runs, at the run plan's micro-batch count
-    (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`: one per
-    stage) and at 2 and 4 times it. Whether the local batch splits into them is the run
-    plan's finding."""
+def _pipelines(pp: int, local: int, fixed: int | None = None) -> list[tuple[str | None, int]]:
+    """Schedules and micro-batch counts (only ``fixed`` when given). Without pp, gradient
+    accumulation: every power of two that divides the local batch, and the local batch
+    itself (one sequence per micro-batch) — the fewest that fit win (the same compute,
+    fewer FSDP2 gathers). With pp every schedule torch runs, at the run plan's
+    micro-batch count (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`:
+    one per stage) and at 2 and 4 times it. Whether the local batch splits into them is
+    the run plan's finding."""
     from hyper_parallel.distributed.run_plan import default_num_microbatches
 
     if pp == 1:
+        if fixed:
+            return [(None, fixed)]
         counts = [1 << k for k in range(local.bit_length()) if local % (1 << k) == 0]
         return [(None, m) for m in sorted({*counts, local})]
     out: list[tuple[str | None, int]] = []
     for schedule in SCHEDULES:
         base = default_num_microbatches(pp, schedule)
-        out += [(schedule, k * base) for k in (1, 2, 4)]
+        counts = [fixed] if fixed else [k * base for k in (1, 2, 4)]
+        out += [(schedule, m) for m in counts]
     return out
+
+
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+
+
+def _fixed_mesh(mesh: Mapping[str, int] | None, gpus: int) -> dict[str, int] | None:
+    """``mesh`` with every axis (the ones not named are 1; ``dp`` is ``dp_shard``),
+    checked against ``gpus``."""
+    if mesh is None:
+        return None
+    named = {("dp_shard" if a == "dp" else a): int(v) for a, v in mesh.items()}
+    unknown = sorted(set(named) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(
+            f"suggest: --mesh names {unknown}; the axes are {', '.join(MESH_AXES)} (dp = dp_shard)."
+        )
+    out = {a: named.get(a, 1) for a in MESH_AXES}
+    world = out["pp"] * out["dp_replicate"] * out["dp_shard"] * out["cp"] * out["tp"]
+    if world != gpus:
+        raise ValueError(
+            f"suggest: --mesh {','.join(f'{a}={v}' for a, v in named.items())} has {world} "
+            f"ranks, not --gpus {gpus}; make pp x dp_replicate x dp_shard x cp x tp = {gpus}."
+        )
+    return out
+
+
+def _matches(
+    c: Candidate,
+    mesh: dict[str, int] | None,
+    schedule: str | None,
+    ac: str | None,
+    microbatches: int | None,
+) -> bool:
+    """Whether ``c`` keeps what the caller fixed."""
+    if mesh is not None and c.mesh() != mesh:
+        return False
+    if schedule is not None and c.pp > 1 and c.schedule != schedule:
+        return False
+    if microbatches is not None and c.pp > 1 and c.microbatches != microbatches:
+        return False
+    return ac is None or c.ac == ac
 
 
 def suggest(
@@ -144,8 +190,16 @@ def suggest(
     top: int = 5,
     allow_cross_node_tp: bool = False,
     allow_cross_node_ep: bool = False,
+    mesh: Mapping[str, int] | None = None,
+    schedule: str | None = None,
+    ac: str | None = None,
+    microbatches: int | None = None,
 ) -> SuggestReport:
     """Search the layouts of ``model`` on ``gpus`` GPUs; the best ``top`` by step time.
+
+    With ``mesh`` (axis sizes; axes not named are 1) the mesh is fixed and only the
+    micro-batches, schedule, checkpointing and sequence parallelism are searched, unless
+    ``schedule``, ``ac`` or ``microbatches`` fix those too: "what would my layout do?".
 
     Args:
         model: A registered model name, or a :class:`ModelSource` (e.g. from
@@ -160,6 +214,10 @@ def suggest(
         top: How many plans to return.
         allow_cross_node_tp: Also search tp groups that span nodes.
         allow_cross_node_ep: Also search ep groups that span nodes.
+        mesh: Fix the mesh: ``{"dp_shard": 8, "tp": 8}`` (``dp`` is ``dp_shard``).
+        schedule: Fix the pipeline schedule (pp > 1).
+        ac: Fix activation checkpointing (``none``, ``selective``, ``full``).
+        microbatches: Fix the pipeline's micro-batches (pp > 1).
 
     Returns:
         A :class:`SuggestReport`, plans best first.
@@ -174,6 +232,13 @@ def suggest(
     hw = gpu if isinstance(gpu, Hardware) else load_hardware(gpu)
     node = gpus_per_node or hw.gpus_per_node
     _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, top)
+    fixed = _fixed_mesh(mesh, gpus)
+    if ac is not None and ac not in AC_MODES:
+        raise ValueError(f"suggest: --ac {ac!r}; use one of {', '.join(AC_MODES)}.")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"suggest: --schedule {schedule!r}; use one of {', '.join(SCHEDULES)}.")
+    if fixed is not None:  # the user's own layout: tp / ep where they put them
+        allow_cross_node_tp = allow_cross_node_ep = True
     source, max_seq = _long_enough(source, seq_len)
     config = source.config()
     num_layers = len(config.layers)
@@ -202,7 +267,10 @@ def suggest(
         allow_cross_node_tp=allow_cross_node_tp,
         allow_cross_node_ep=allow_cross_node_ep,
         rejected=rejected,
+        microbatches=microbatches,
     ):
+        if not _matches(c, fixed, schedule, ac, microbatches):
+            continue
         searched += 1
         problems = _findings(checks, c)
         if problems:
@@ -228,7 +296,8 @@ def suggest(
         evaluated.append((c, prediction))
     # What the enumeration refused without yielding (sp off, tp or ep across nodes, a
     # batch that does not split) was searched too.
-    searched += sum(rejected.values()) - (searched - len(evaluated))
+    if fixed is None:
+        searched += sum(rejected.values()) - (searched - len(evaluated))
     evaluated.sort(key=lambda cp: (cp[1].step_s, cp[1].memory_bytes_per_gpu))
     plans = [
         (c, p, _command(source, c, gpus, node, seq_len, global_batch, dtype))
@@ -281,11 +350,17 @@ def predict(
     global_batch_tokens: int,
     gpus_per_node: int | None = None,
     dtype: str = "bf16",
+    factors: RunFactors | None = None,
 ) -> Prediction:
     """The cost model's prediction for one given layout (no search).
 
+    ``factors``: what differs from this package's eager trainer (compile, float8, async
+    TP), as :class:`~hyper_parallel.analysis.suggest.RunFactors`.
+
     Raises:
-        ValueError: When the plan checks refuse ``candidate`` (every finding listed).
+        ValueError: When the global batch does not split over the layout's data-parallel
+            ranks and micro-batches, or the plan checks refuse ``candidate`` (every
+            finding listed).
 
     Example::
 
@@ -294,39 +369,120 @@ def predict(
         predict("llama3-debug", c, gpus=4, gpu="h100-80gb", seq_len=128,
                 global_batch_tokens=8 * 128).step_s
     """
-    source = model if isinstance(model, ModelSource) else ModelSource(model)
-    source, _ = _long_enough(source, seq_len)
-    hw = gpu if isinstance(gpu, Hardware) else load_hardware(gpu)
-    node = gpus_per_node or hw.gpus_per_node
-    _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, 1)
-    global_batch = global_batch_tokens // seq_len
-    checks = _Checks(source, seq_len, global_batch, dtype)
-    problems = _findings(checks, candidate)
-    if candidate.layout.world_size != gpus:
-        raise ValueError(
-            f"predict: {candidate.mesh_text()} has {candidate.layout.world_size} ranks, not {gpus}."
-        )
-    if problems:
-        raise ValueError(
-            "predict: the plan checks refuse "
-            + candidate.describe()
-            + ": "
-            + "; ".join(str(f) for _, f in problems)
-        )
-    ctx = _Context(
-        source,
-        hw,
-        node,
-        gpus,
-        seq_len,
-        global_batch,
-        dtype,
-        count_flops(source, seq_len),
-        checks,
-        _Tracer(source, seq_len, dtype),
-        usable_memory(hw),
+    scorer = LayoutScorer(
+        model,
+        gpus=gpus,
+        gpu=gpu,
+        seq_len=seq_len,
+        global_batch_tokens=global_batch_tokens,
+        gpus_per_node=gpus_per_node,
+        dtype=dtype,
     )
-    return _predict(ctx, candidate)
+    return scorer.predict(candidate, factors=factors)
+
+
+class LayoutScorer:
+    """One model on one cluster at one sequence and batch: predicts any layout, sharing
+    the traces, FLOP counts and run plans between calls (``plan --gpu``, ``suggest
+    --mesh`` and the published-runs bench score through it).
+
+    Example::
+
+        scorer = LayoutScorer("llama3-8b", gpus=8, gpu="h100-80gb", seq_len=8192,
+                              global_batch_tokens=16 * 8192)
+        scorer.predict(Candidate(1, 1, 8, 1, 1, 1, 1, None, "selective", False)).mfu
+    """
+
+    def __init__(
+        self,
+        model: str | ModelSource,
+        *,
+        gpus: int,
+        gpu: str | Path | Hardware,
+        seq_len: int,
+        global_batch_tokens: int,
+        gpus_per_node: int | None = None,
+        dtype: str = "bf16",
+    ) -> None:
+        source = model if isinstance(model, ModelSource) else ModelSource(model)
+        source, _ = _long_enough(source, seq_len)
+        hw = gpu if isinstance(gpu, Hardware) else load_hardware(gpu)
+        node = gpus_per_node or hw.gpus_per_node
+        _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, 1)
+        global_batch = global_batch_tokens // seq_len
+        self.hardware = hw
+        self._ctx = _Context(
+            source,
+            hw,
+            node,
+            gpus,
+            seq_len,
+            global_batch,
+            dtype,
+            count_flops(source, seq_len),
+            _Checks(source, seq_len, global_batch, dtype),
+            _Tracer(source, seq_len, dtype),
+            usable_memory(hw),
+        )
+
+    @property
+    def memory_limit(self) -> float:
+        """Bytes per GPU a layout may use (:func:`~hyper_parallel.analysis.cost_model.usable_memory`)."""
+        return self._ctx.limit
+
+    def predict(
+        self,
+        candidate: Candidate,
+        *,
+        hardware: Hardware | None = None,
+        factors: RunFactors | None = None,
+    ) -> Prediction:
+        """Memory and step time of ``candidate`` (``hardware`` replaces the scorer's, e.g.
+        with other efficiencies; ``factors`` as in :func:`predict`).
+
+        Raises:
+            ValueError: As :func:`predict`.
+        """
+        ctx = self._ctx
+        if candidate.layout.world_size != ctx.gpus:
+            raise ValueError(
+                f"predict: {candidate.mesh_text()} has {candidate.layout.world_size} ranks, "
+                f"not {ctx.gpus}."
+            )
+        _check_batch(ctx.global_batch, candidate)
+        problems = _findings(ctx.checks, candidate)
+        if problems:
+            raise ValueError(
+                "predict: the plan checks refuse "
+                + candidate.describe()
+                + ": "
+                + "; ".join(str(f) for _, f in problems)
+            )
+        hw = hardware or ctx.hw
+        if hw is not ctx.hw or factors is not None:
+            # Cached seconds depend on the hardware and the factors: a fresh cache.
+            ctx = dataclasses.replace(
+                ctx, hw=hw, factors=factors or RunFactors(), pipeline_cache={}
+            )
+        return _predict(ctx, candidate)
+
+
+def _check_batch(global_batch: int, c: Candidate) -> None:
+    """Refuse a global batch that does not split over the data-parallel ranks and then
+    into the candidate's micro-batches (a rank with no sequence has nothing to compute)."""
+    if global_batch % c.dp:
+        raise ValueError(
+            f"predict: a global batch of {global_batch} sequences does not split over "
+            f"dp_replicate x dp_shard = {c.dp} data-parallel ranks of {c.mesh_text()}; give "
+            f"--global-batch-tokens as a multiple of {c.dp} x seq, e.g. "
+            f"{max(1, global_batch // c.dp) * c.dp} sequences."
+        )
+    local = global_batch // c.dp
+    if local % c.microbatches:
+        raise ValueError(
+            f"predict: {local} sequences per data-parallel rank do not split into "
+            f"{c.microbatches} micro-batches; give --microbatches dividing {local}."
+        )
 
 
 def _findings(checks: _Checks, c: Candidate) -> list[tuple[str, Finding]]:

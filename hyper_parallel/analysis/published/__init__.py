@@ -1,0 +1,87 @@
+"""Published large-scale training runs (``runs.yaml``): the planner's GPU test set.
+
+Each run gives a model this package builds, its layout, the GPUs it ran on (a shipped
+hardware kind) and a published measurement with its source. ``split`` (``fit`` or
+``heldout``) was assigned by the file's stated rule before any fitting;
+:func:`split_by_rule` recomputes it so a test can hold the file to it.
+
+Example::
+
+    from hyper_parallel.analysis.published import load_runs
+    runs = load_runs()
+    [r["id"] for r in runs if r["split"] == "heldout"]
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+import yaml
+
+__all__ = ["REQUIRED", "load_runs", "split_by_rule"]
+
+REQUIRED = (
+    "id",
+    "source_key",
+    "where",
+    "model",
+    "gpus",
+    "hardware",
+    "mesh",
+    "seq",
+    "global_batch",
+    "ac",
+    "precision",
+    "compile",
+    "float8",
+    "async_tp",
+    "measured",
+    "split",
+)
+"""Fields every run states (``ac`` may be null: not stated by the source)."""
+
+
+def _raw() -> dict[str, Any]:
+    text = resources.files(__name__).joinpath("runs.yaml").read_text(encoding="utf-8")
+    return yaml.safe_load(text)
+
+
+def load_runs() -> list[dict[str, Any]]:
+    """The runs, each with its source's ``url`` added (``source_url``).
+
+    Raises:
+        ValueError: A run lacks a field, names an unknown source, or its ``split`` is not
+            the one the file's rule gives (the offending ids listed).
+    """
+    raw = _raw()
+    sources = raw["sources"]
+    runs = []
+    for run in raw["runs"]:
+        missing = [k for k in REQUIRED if k not in run]
+        if missing:
+            raise ValueError(f"published run {run.get('id')!r}: missing field(s) {missing}.")
+        if run["source_key"] not in sources:
+            raise ValueError(
+                f"published run {run['id']!r}: unknown source_key {run['source_key']!r}."
+            )
+        runs.append({**run, "source_url": sources[run["source_key"]]["url"]})
+    expected = split_by_rule(runs)
+    wrong = [r["id"] for r in runs if r["split"] != expected[r["id"]]]
+    if wrong:
+        raise ValueError(f"published runs {wrong}: split differs from the file's split_rule.")
+    return runs
+
+
+def split_by_rule(runs: list[dict[str, Any]]) -> dict[str, str]:
+    """``{id: "fit" | "heldout"}`` by the file's rule: per ``source_key``, rows sorted by
+    ``id``; odd positions (1st, 3rd, ...) held out, even positions (2nd, 4th, ...) fit:
+    at most half of the rows fit."""
+    out: dict[str, str] = {}
+    by_source: dict[str, list[str]] = {}
+    for r in runs:
+        by_source.setdefault(r["source_key"], []).append(r["id"])
+    for ids in by_source.values():
+        for i, run_id in enumerate(sorted(ids)):
+            out[run_id] = "heldout" if i % 2 == 0 else "fit"
+    return out

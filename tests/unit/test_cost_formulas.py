@@ -1,0 +1,243 @@
+"""The cost model's formulas against numbers derived independently (by hand, or from a
+textbook formula), and planted errors each of which one of these tests catches.
+
+Tiny models on the meta device; no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hyper_parallel.analysis.cost_model import Link, collective_seconds, load_hardware
+from hyper_parallel.analysis.published import load_runs, split_by_rule
+from hyper_parallel.analysis.suggest import (
+    Candidate,
+    LayoutScorer,
+    ModelSource,
+    count_flops,
+    predict,
+    suggest,
+)
+
+DEBUG = ModelSource("llama3-debug", (("num_layers", 4),), label="llama-debug-4")
+SEQ = 64
+
+
+def _free_comm(**changes: object) -> object:
+    """An H100 file whose links cost nothing: compute and the pipeline alone."""
+    free = Link(bandwidth=1e30, latency_s=0.0, efficiency=1.0)
+    hw = load_hardware("h100-80gb")
+    return dataclasses.replace(hw, intra_node=free, inter_node=free, **changes)
+
+
+def _c(**kw: object) -> Candidate:
+    base = dict(
+        pp=1,
+        dp_replicate=1,
+        dp_shard=1,
+        cp=1,
+        tp=1,
+        ep=1,
+        microbatches=1,
+        schedule=None,
+        ac="none",
+        sp=False,
+    )
+    return Candidate(**{**base, **kw})
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def test_block_flops_are_counted_by_hand_with_causal_attention():
+    """One block's forward: 2 x tokens x its matmul weights, plus attention's Q K^T and
+    P V over half the S x S scores (causal); backward twice the forward."""
+    block = DEBUG.config().layers[0]
+    att, ffn = block.attention, block.feed_forward
+    weights = sum(
+        lin.in_features * lin.out_features
+        for lin in (att.wq, att.wk, att.wv, att.wo, ffn.w1, ffn.w2, ffn.w3)
+    )
+    heads = att.wq.out_features // att.head_dim
+    scores = 2 * (2 * heads * SEQ * SEQ * att.head_dim)  # Q K^T and P V, full matrix
+    expected = 2 * SEQ * weights + scores / 2
+    f = count_flops(DEBUG, SEQ)
+    assert f.block_fwd == pytest.approx(expected, rel=1e-9)
+    assert f.block_bwd == pytest.approx(2 * expected, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_ring_all_reduce_from_its_formula(p):
+    """Ring all-reduce (Patarasuk & Yuan 2009): each rank sends 2 (p - 1) / p of the
+    buffer; NCCL's tree takes 2 log2 p latency steps when fewer than the ring's."""
+    hw = load_hardware("h100-80gb")
+    link = hw.intra_node
+    nbytes = 1 << 30
+    steps = min(2 * (p - 1), 2 * (p.bit_length() - 1))
+    expected = steps * link.latency_s + 2 * (p - 1) / p * nbytes / (link.bandwidth * 0.8)
+    assert link.efficiency == 0.8
+    got = collective_seconds(hw, "all_reduce", nbytes, count=1, group_size=p, crosses_nodes=False)
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_all_gather_time_halves_when_the_bandwidth_doubles():
+    """Planted error 'bandwidth / 2' fails here: a large all-gather is bandwidth-bound."""
+    hw = load_hardware("h100-80gb")
+    nbytes = 8 << 30
+    t = collective_seconds(hw, "all_gather", nbytes, count=1, group_size=8, crosses_nodes=False)
+    # (p - 1) / p of the buffer over bandwidth x efficiency, + 7 ring steps of latency
+    expected = 7 / 8 * nbytes / (450e9 * 0.8) + 7 * 3e-6
+    assert t == pytest.approx(expected, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- compute
+
+
+def test_tp_halves_each_ranks_compute():
+    """Planted error 'compute x 2 under tp' fails here: with free links, tp=2 does half
+    of each sequence's FLOPs per rank (the step's compute term halves)."""
+    hw = _free_comm()
+    kw = dict(gpus=2, gpu=hw, seq_len=SEQ, global_batch_tokens=2 * SEQ)
+    one = predict(DEBUG, _c(dp_shard=2), **kw)
+    two = predict(DEBUG, _c(tp=2, sp=True), **kw)
+    # dp_shard=2: one sequence per rank at full width; tp=2: two sequences at half.
+    assert two.time["pipeline_or_compute"] == pytest.approx(
+        one.time["pipeline_or_compute"], rel=0.02
+    )
+    f = count_flops(DEBUG, SEQ)
+    achieved = hw.peak_flops["bf16"] * hw.compute_efficiency["bf16"]
+    matmul_s = f.total / achieved  # one sequence, the whole model, one rank
+    assert one.time["pipeline_or_compute"] >= matmul_s
+    assert two.time["pipeline_or_compute"] >= 2 * matmul_s / 2
+
+
+def test_compute_term_is_the_flops_at_the_achieved_rate():
+    """One rank, one sequence, no checkpointing: the step's compute is the counted FLOPs
+    at peak x efficiency plus the non-matmul traffic (no operator cost on a GPU kind)."""
+    hw = _free_comm()
+    p = predict(DEBUG, _c(), gpus=1, gpu=hw, seq_len=SEQ, global_batch_tokens=SEQ)
+    f = count_flops(DEBUG, SEQ)
+    flops_s = f.total / (hw.peak_flops["bf16"] * hw.compute_efficiency["bf16"])
+    traffic = 2 * (
+        f.num_layers * (f.block_fwd_elements + f.block_bwd_elements)
+        + f.rest_fwd_elements
+        + f.rest_bwd_elements
+    )
+    expected = flops_s + traffic / hw.hbm_bandwidth
+    assert p.time["pipeline_or_compute"] == pytest.approx(expected, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+def test_1f1b_bubble_is_the_textbook_fraction():
+    """Planted error 'bubble dropped' fails here: 1F1B with p stages and m micro-batches
+    idles (p - 1) / (m + p - 1) of each rank's time (Narayanan et al. 2021)."""
+    hw = _free_comm()
+    pp, m = 2, 4
+    scorer = LayoutScorer(DEBUG, gpus=pp, gpu=hw, seq_len=SEQ, global_batch_tokens=m * SEQ)
+    p = scorer.predict(_c(pp=pp, microbatches=m, schedule="1F1B"))
+    assert p.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-6)
+    assert p.time["pipeline_or_compute"] > p.time["busy"] * 1.1
+
+
+def test_fsdp_gathers_once_per_step_under_a_pipeline():
+    """The stage's units stay gathered across micro-batches: the FSDP2 time of a step
+    does not grow with the micro-batches (overlap off, so all of it shows)."""
+    hw = dataclasses.replace(load_hardware("h100-80gb"), comm_overlap=0.0)
+    times = []
+    for m in (2, 4):
+        scorer = LayoutScorer(DEBUG, gpus=4, gpu=hw, seq_len=SEQ, global_batch_tokens=8 * SEQ)
+        c = _c(pp=2, dp_shard=2, microbatches=m, schedule="1F1B")
+        times.append(scorer.predict(c).time["data_comm_exposed"])
+    assert times[0] > 0
+    assert times[1] == pytest.approx(times[0], rel=1e-9)
+
+
+def test_model_axes_comm_is_one_ranks_not_the_sum_over_stages():
+    """tp's seconds per step on the busiest pp rank: its own stage's. Four stages of one
+    block hold about half of what two stages of two blocks hold (summed over the stages
+    both would be the whole model's)."""
+    hw = load_hardware("h100-80gb")
+    kw = dict(gpu=hw, seq_len=SEQ, global_batch_tokens=4 * SEQ)
+    comm = {}
+    for pp in (2, 4):
+        c = _c(pp=pp, tp=2, sp=True, microbatches=4, schedule="1F1B")
+        comm[pp] = predict(DEBUG, c, gpus=2 * pp, **kw).time["model_axes_comm"]
+    assert 0 < comm[4] < 0.8 * comm[2]
+
+
+# ----------------------------------------------------------------------------- memory, batch
+
+
+def test_loss_peak_is_in_the_memory():
+    """The last stage holds 8 bytes per local logit at the loss (two fp32 gradients)."""
+    hw = load_hardware("h100-80gb")
+    vocab = DEBUG.config().output.out_features
+    for tp in (1, 2):
+        c = _c(tp=tp, sp=tp > 1, dp_shard=2 // tp)
+        p = predict(DEBUG, c, gpus=2, gpu=hw, seq_len=SEQ, global_batch_tokens=4 * SEQ)
+        mbs = 4 // c.dp
+        assert p.memory["loss"] == 8 * mbs * SEQ * vocab // tp
+
+
+def test_predict_refuses_a_batch_that_does_not_split_over_dp():
+    with pytest.raises(ValueError, match="does not split over dp_replicate x dp_shard = 4"):
+        predict(
+            DEBUG, _c(dp_shard=4), gpus=4, gpu="h100-80gb", seq_len=SEQ, global_batch_tokens=6 * SEQ
+        )
+
+
+# ----------------------------------------------------------------------------- --mesh
+
+
+def test_suggest_with_a_fixed_mesh_scores_only_that_mesh():
+    report = suggest(
+        DEBUG,
+        gpus=4,
+        gpu="h100-80gb",
+        seq_len=SEQ,
+        global_batch_tokens=8 * SEQ,
+        top=10,
+        mesh={"pp": 2, "dp_shard": 2},
+        ac="none",
+    )
+    assert report.plans
+    for c, _, _ in report.plans:
+        assert c.mesh() == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1}
+        assert c.ac == "none"
+    with pytest.raises(ValueError, match="has 8 ranks, not --gpus 4"):
+        suggest(
+            DEBUG,
+            gpus=4,
+            gpu="h100-80gb",
+            seq_len=SEQ,
+            global_batch_tokens=8 * SEQ,
+            mesh={"dp_shard": 8},
+        )
+
+
+# ----------------------------------------------------------------------------- published
+
+
+def test_published_runs_follow_their_split_rule_and_name_what_we_ship():
+    from hyper_parallel.analysis.cost_model import list_hardware
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    runs = load_runs()
+    expected = split_by_rule(runs)
+    assert all(r["split"] == expected[r["id"]] for r in runs)
+    fit = [r for r in runs if r["split"] == "fit"]
+    assert 0 < len(fit) <= len(runs) // 2
+    kinds = set(list_hardware())
+    for r in runs:
+        assert r["hardware"] in kinds, r["id"]
+        get_spec(r["model"])
+        assert r["source_url"].startswith("https://")
+        measured = r["measured"]
+        assert "tokens_per_s_per_gpu" in measured or "tflops_per_gpu" in measured
