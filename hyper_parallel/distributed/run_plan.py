@@ -230,8 +230,9 @@ def compile_findings(
     data axes next to cp) torch 2.13 propagates that sharding through the matmul with a
     data-dependent size, which dynamo's fake tensors cannot give: every rank stops
     with ``PendingUnbackedSymbolNotFound`` (found by the configuration matrix at
-    dp_shard=2 x cp=2 and cp=2 x tp=2 with 4 sequences per rank). Eager runs it, and
-    one sequence per micro-batch compiles.
+    dp_shard=2 x cp=2, dp_replicate=2 x cp=2 and cp=2 x tp=2 with 4 sequences per
+    rank). Eager runs it, and one sequence per micro-batch compiles (dp_shard=2 x cp=2,
+    and cp alone with 2 sequences, match eager).
     """
     if not compile or layout.cp == 1 or microbatch_size is None or microbatch_size <= 1:
         return []
