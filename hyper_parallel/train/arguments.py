@@ -240,6 +240,7 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {"metavar": "NAME", "help": "the .jsonl field holding a document"},
     ),
     ("--eval-data", "eval_data", {"metavar": "PATH", "help": "held-out data, as --data"}),
+    ("--eval-split", "eval_split", {"type": float, "help": "or hold out this last share of it"}),
     ("--eval-every", "eval_every", {"type": int, "help": "evaluate every N steps (0: at the end)"}),
     ("--eval-batches", "eval_batches", {"type": int, "help": "batches per eval (default: all)"}),
     (

@@ -54,10 +54,15 @@ def check_fields(cfg: Any) -> None:
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value} must be >= 1.")
-    if cfg.eval_data and cfg.layout.pp > 1:
+    if cfg.eval_split is not None and not 0 < cfg.eval_split < 1:
+        raise ValueError(f"--eval-split {cfg.eval_split} must be between 0 and 1 (e.g. 0.1).")
+    if cfg.eval_split is not None and cfg.eval_data:
+        raise ValueError("--eval-split and --eval-data: give one (held-out part, or a file).")
+    if (cfg.eval_data or cfg.eval_split) and cfg.layout.pp > 1:
+        flag = "--eval-data" if cfg.eval_data else "--eval-split"
         raise ValueError(
-            "--eval-data: evaluation under pp > 1 is not supported yet; drop --eval-data or "
-            "train without a pp axis."
+            f"{flag}: evaluation under pp > 1 is not supported yet; drop {flag} or train "
+            "without a pp axis."
         )
 
 
@@ -153,8 +158,14 @@ class RunReport:
         self.notes: list[str] = []
         self.epoch = trainer.data.epoch
         self.eval_data: Any = None
+        self.held_out = 0
         if cfg.eval_data:
             self.eval_data = _eval_stream(cfg, trainer)
+        elif cfg.eval_split:
+            # The last eval_split of the data is held out: the trainer's stream is cut
+            # to the rest (the same cut every run, so a resumed stream stays valid).
+            trainer.data, self.eval_data = _split(trainer.data, cfg)
+            self.held_out = len(self.eval_data.tokens)
         if cfg.checkpoint_dir and cfg.overwrite and not cfg.resume:
             self._clear_checkpoints(cfg.checkpoint_dir)
         if self.log_file is not None:
@@ -236,8 +247,9 @@ class RunReport:
         tokens = len(data.tokens)
         source = cfg.data or f"the shipped text {cfg.text}"
         per_epoch = batches_per_epoch(data)
+        held = f" (and {self.held_out:,} held out for eval)" if self.held_out else ""
         lines.append(
-            f"data: {source}: {tokens:,} tokens, {per_epoch * cfg.global_batch_size:,} "
+            f"data: {source}: {tokens:,} tokens{held}, {per_epoch * cfg.global_batch_size:,} "
             f"sequences of {cfg.seq_len} ({per_epoch} step(s) per pass)"
         )
         remaining = max(0, cfg.num_steps - t.step)
@@ -264,7 +276,8 @@ class RunReport:
             lines.append(f"export: Hugging Face checkpoint to {cfg.save_hf} at the end")
         if self.eval_data is not None:
             when = f"every {cfg.eval_every} steps and " if cfg.eval_every else ""
-            lines.append(f"eval: {cfg.eval_data}, {self.eval_batches} batch(es), {when}at the end")
+            what = cfg.eval_data or f"the last {cfg.eval_split:.0%} of the data"
+            lines.append(f"eval: {what}, {self.eval_batches} batch(es), {when}at the end")
         if self.log_file is not None:
             lines.append(f"log: {self.log_file}")
         return lines + self.notes
@@ -353,6 +366,30 @@ class RunReport:
             f"({shards} safetensors file(s), {', '.join(others)}; "
             f"{_bytes(_dir_bytes(path))}, {seconds:.2f} s)"
         )
+
+
+def _split(data: Any, cfg: Any) -> tuple[Any, Any]:
+    """The training stream over the first ``1 - eval_split`` of ``data``'s tokens, and an
+    evaluation stream over the rest."""
+    from hyper_parallel.train.data import TextBatches
+    from hyper_parallel.train.tokens import TokenBatches
+
+    array = data.array if isinstance(data, TokenBatches) else data.tokens
+    cut = len(array) - round(cfg.eval_split * len(array))
+    sizes = {"global_batch_size": cfg.global_batch_size, "seq_len": cfg.seq_len}
+    parts = []
+    for name, piece in (("training", array[:cut]), ("held-out", array[cut:])):
+        try:
+            if isinstance(data, TokenBatches):
+                parts.append(TokenBatches(piece, source=f"{cfg.data} ({name} part)", **sizes))
+            else:
+                parts.append(TextBatches(piece, **sizes))
+        except ValueError as e:
+            raise ValueError(
+                f"--eval-split {cfg.eval_split}: the {name} part ({len(piece):,} tokens) is "
+                f"too small: {e}"
+            ) from None
+    return parts[0], parts[1]
 
 
 def _eval_stream(cfg: Any, trainer: Any) -> Any:
