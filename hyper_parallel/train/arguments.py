@@ -316,7 +316,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, **fixed: Any
     if getattr(args, "config", None):
         from hyper_parallel.train.job import load_job_file
 
-        values.update(load_job_file(args.config))  # a job file (TOML), or JSON of fields
+        values.update(load_job_file(args.config, _OPTIONS))  # a job file (TOML), or JSON of fields
     for _, name, _ in _OPTIONS:
         value = getattr(args, name, None)
         if value is not None:

@@ -15,8 +15,8 @@ and appends to ``train.log`` in the run directory (``run_dir``, else
 - the held-out loss (``eval_data``) every ``eval_every`` steps and at the end, also
   to TensorBoard as ``eval/loss``.
 
-The run directory also keeps the resolved options as a job file (``config.toml``)
-and ``run.json`` (package version, git commit): :mod:`hyper_parallel.train.job`.
+``train.run`` also leaves the resolved options as a job file (``config.toml``) and
+``run.json`` (package version, git commit) there: :mod:`hyper_parallel.train.job`.
 
 :func:`check_outputs` refuses, before any rank builds, a run whose outputs would
 clobber something (:mod:`hyper_parallel.checkpoint_hf.outputs`).
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RunReport", "check_fields", "check_outputs", "log_path"]
+__all__ = ["RunReport", "check_fields", "check_files", "check_outputs", "log_path"]
 
 
 def check_fields(cfg: Any) -> None:
@@ -106,6 +106,31 @@ def check_outputs(cfg: Any) -> None:
             )
 
 
+def check_files(cfg: Any) -> None:
+    """Before any rank builds: outputs that would clobber something, a damaged checkpoint.
+
+    Raises:
+        OutputError: See :func:`check_outputs`.
+        HFCheckpointError: A safetensors file of ``hf_checkpoint`` is missing,
+            truncated or corrupt (each named, with what is wrong).
+    """
+    check_outputs(cfg)
+    if cfg.hf_checkpoint:
+        from hyper_parallel.checkpoint_hf.io import (
+            HFCheckpointError,
+            checkpoint_files,
+            safetensors_problem,
+        )
+
+        try:
+            files = sorted(set(checkpoint_files(cfg.hf_checkpoint).values()))
+        except FileNotFoundError as e:
+            raise ValueError(f"--hf-checkpoint: {e}") from None
+        damaged = [p for p in map(safetensors_problem, files) if p]
+        if damaged:
+            raise HFCheckpointError(f"--hf-checkpoint {cfg.hf_checkpoint}", damaged)
+
+
 def _count(n: float) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= size:
@@ -169,9 +194,7 @@ class RunReport:
         if cfg.checkpoint_dir and cfg.overwrite and not cfg.resume:
             self._clear_checkpoints(cfg.checkpoint_dir)
         if self.log_file is not None:
-            from hyper_parallel.train.job import write_run_record
-
-            write_run_record(os.path.dirname(self.log_file) or ".", cfg)
+            os.makedirs(os.path.dirname(self.log_file) or ".", exist_ok=True)
             mode = "w" if cfg.overwrite and not cfg.resume else "a"
             with open(self.log_file, mode, encoding="utf-8") as f:
                 now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
