@@ -267,6 +267,7 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {"metavar": "NAME", "help": "the .jsonl field holding a document"},
     ),
     ("--eval-data", "eval_data", {"metavar": "PATH", "help": "held-out data, as --data"}),
+    ("--eval-split", "eval_split", {"type": float, "help": "or hold out this last share of it"}),
     ("--eval-every", "eval_every", {"type": int, "help": "evaluate every N steps (0: at the end)"}),
     ("--eval-batches", "eval_batches", {"type": int, "help": "batches per eval (default: all)"}),
     (
@@ -446,7 +447,7 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, **fixed: Any
     if getattr(args, "config", None):
         from hyper_parallel.train.job import load_job_file
 
-        values.update(load_job_file(args.config))  # a job file (TOML), or JSON of fields
+        values.update(load_job_file(args.config, _OPTIONS))  # a job file (TOML), or JSON of fields
     for _, name, _ in _OPTIONS:
         value = getattr(args, name, None)
         if value is not None:

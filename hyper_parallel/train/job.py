@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import tomllib
@@ -38,12 +39,14 @@ import tomllib
 __all__ = ["load_job_file", "to_toml", "write_run_record"]
 
 
-def _options() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Job-file key -> (TrainConfig field, the option's argparse keywords)."""
-    from hyper_parallel.train.arguments import _OPTIONS
+Options = Sequence[tuple[str, str, dict[str, Any]]]
+"""The run-option table: (flag, TrainConfig field, argparse keywords) per option."""
 
+
+def _options(options: Options) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Job-file key -> (TrainConfig field, the option's argparse keywords)."""
     table: dict[str, tuple[str, dict[str, Any]]] = {}
-    for flag, dest, kwargs in _OPTIONS:
+    for flag, dest, kwargs in options:
         key = flag.removeprefix("--")
         table[key] = (dest, kwargs)
         table[key.replace("-", "_")] = (dest, kwargs)
@@ -82,8 +85,11 @@ def _convert(where: str, key: str, value: Any, kwargs: dict[str, Any]) -> Any:
     return value
 
 
-def load_job_file(path: str) -> dict[str, Any]:
+def load_job_file(path: str, options: Options) -> dict[str, Any]:
     """The ``TrainConfig`` values of a job file (``.toml``; ``.json`` of fields also read).
+
+    ``options`` is the run-option table (:mod:`hyper_parallel.train.arguments`), the
+    file's schema.
 
     Raises:
         ValueError: An unreadable file, a key that is no option (with the closest
@@ -101,19 +107,19 @@ def load_job_file(path: str) -> dict[str, Any]:
         raise ValueError(f"{where}: not valid TOML ({e}).") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: expected an object of run options, got {type(raw).__name__}.")
-    options, fields = _options(), _fields()
+    table, fields = _options(options), _fields()
     values: dict[str, Any] = {}
     unknown = []
     for key, value in raw.items():
-        if key in options:
-            dest, kwargs = options[key]
+        if key in table:
+            dest, kwargs = table[key]
             values[dest] = _convert(where, key, value, kwargs)
         elif key in fields:
             values[key] = value  # a TrainConfig field (the JSON files of TrainConfig.to_dict)
         else:
             unknown.append(key)
     if unknown:
-        names = sorted({k for k in options if "_" not in k} | set(fields))
+        names = sorted({k for k in table if "_" not in k} | set(fields))
         hints = []
         for key in unknown:
             close = difflib.get_close_matches(key, names, n=1)
@@ -135,12 +141,10 @@ def _toml_value(value: Any) -> str:
     return json.dumps(json.dumps(value))  # objects: as the JSON their option takes
 
 
-def to_toml(cfg: Any) -> str:
+def to_toml(cfg: Any, options: Options) -> str:
     """The options of ``cfg`` as a job file ``--config`` reads back to an equal config."""
-    from hyper_parallel.train.arguments import _OPTIONS
-
     lines = []
-    for flag, dest, kwargs in _OPTIONS:
+    for flag, dest, kwargs in options:
         value = getattr(cfg, dest)
         if value is None:
             continue
@@ -177,7 +181,7 @@ def _git_commit() -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def write_run_record(folder: str, cfg: Any) -> list[str]:
+def write_run_record(folder: str, cfg: Any, options: Options) -> list[str]:
     """Write ``config.toml`` (the resolved options) and ``run.json`` (version, commit) to
     ``folder``; returns their paths. Call it on one process (the trainer: rank 0)."""
     from hyper_parallel import __version__
@@ -187,7 +191,7 @@ def write_run_record(folder: str, cfg: Any) -> list[str]:
     with open(config, "w", encoding="utf-8") as f:
         f.write("# The resolved options of this run: python -m hyper_parallel.train.run --config ")
         f.write("config.toml\n")
-        f.write(to_toml(cfg))
+        f.write(to_toml(cfg, options))
     record = os.path.join(folder, "run.json")
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     with open(record, "w", encoding="utf-8") as f:

@@ -15,8 +15,8 @@ and appends to ``train.log`` in the run directory (``run_dir``, else
 - the held-out loss (``eval_data``) every ``eval_every`` steps and at the end, also
   to TensorBoard as ``eval/loss``.
 
-The run directory also keeps the resolved options as a job file (``config.toml``)
-and ``run.json`` (package version, git commit): :mod:`hyper_parallel.train.job`.
+``train.run`` also leaves the resolved options as a job file (``config.toml``) and
+``run.json`` (package version, git commit) there: :mod:`hyper_parallel.train.job`.
 
 :func:`check_outputs` refuses, before any rank builds, a run whose outputs would
 clobber something (:mod:`hyper_parallel.checkpoint_hf.outputs`).
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RunReport", "check_fields", "check_outputs", "log_path"]
+__all__ = ["RunReport", "check_fields", "check_files", "check_outputs", "log_path"]
 
 
 def check_fields(cfg: Any) -> None:
@@ -54,10 +54,15 @@ def check_fields(cfg: Any) -> None:
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value} must be >= 1.")
-    if cfg.eval_data and cfg.layout.pp > 1:
+    if cfg.eval_split is not None and not 0 < cfg.eval_split < 1:
+        raise ValueError(f"--eval-split {cfg.eval_split} must be between 0 and 1 (e.g. 0.1).")
+    if cfg.eval_split is not None and cfg.eval_data:
+        raise ValueError("--eval-split and --eval-data: give one (held-out part, or a file).")
+    if (cfg.eval_data or cfg.eval_split) and cfg.layout.pp > 1:
+        flag = "--eval-data" if cfg.eval_data else "--eval-split"
         raise ValueError(
-            "--eval-data: evaluation under pp > 1 is not supported yet; drop --eval-data or "
-            "train without a pp axis."
+            f"{flag}: evaluation under pp > 1 is not supported yet; drop {flag} or train "
+            "without a pp axis."
         )
 
 
@@ -99,6 +104,31 @@ def check_outputs(cfg: Any) -> None:
                 f"({len(steps)}, the latest {os.path.basename(steps[-1][1])}); pass --resume to "
                 "continue it, --overwrite to replace them, or choose another directory."
             )
+
+
+def check_files(cfg: Any) -> None:
+    """Before any rank builds: outputs that would clobber something, a damaged checkpoint.
+
+    Raises:
+        OutputError: See :func:`check_outputs`.
+        HFCheckpointError: A safetensors file of ``hf_checkpoint`` is missing,
+            truncated or corrupt (each named, with what is wrong).
+    """
+    check_outputs(cfg)
+    if cfg.hf_checkpoint:
+        from hyper_parallel.checkpoint_hf.io import (
+            HFCheckpointError,
+            checkpoint_files,
+            safetensors_problem,
+        )
+
+        try:
+            files = sorted(set(checkpoint_files(cfg.hf_checkpoint).values()))
+        except FileNotFoundError as e:
+            raise ValueError(f"--hf-checkpoint: {e}") from None
+        damaged = [p for p in map(safetensors_problem, files) if p]
+        if damaged:
+            raise HFCheckpointError(f"--hf-checkpoint {cfg.hf_checkpoint}", damaged)
 
 
 def _count(n: float) -> str:
@@ -153,14 +183,18 @@ class RunReport:
         self.notes: list[str] = []
         self.epoch = trainer.data.epoch
         self.eval_data: Any = None
+        self.held_out = 0
         if cfg.eval_data:
             self.eval_data = _eval_stream(cfg, trainer)
+        elif cfg.eval_split:
+            # The last eval_split of the data is held out: the trainer's stream is cut
+            # to the rest (the same cut every run, so a resumed stream stays valid).
+            trainer.data, self.eval_data = _split(trainer.data, cfg)
+            self.held_out = len(self.eval_data.tokens)
         if cfg.checkpoint_dir and cfg.overwrite and not cfg.resume:
             self._clear_checkpoints(cfg.checkpoint_dir)
         if self.log_file is not None:
-            from hyper_parallel.train.job import write_run_record
-
-            write_run_record(os.path.dirname(self.log_file) or ".", cfg)
+            os.makedirs(os.path.dirname(self.log_file) or ".", exist_ok=True)
             mode = "w" if cfg.overwrite and not cfg.resume else "a"
             with open(self.log_file, mode, encoding="utf-8") as f:
                 now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -236,8 +270,9 @@ class RunReport:
         tokens = len(data.tokens)
         source = cfg.data or f"the shipped text {cfg.text}"
         per_epoch = batches_per_epoch(data)
+        held = f" (and {self.held_out:,} held out for eval)" if self.held_out else ""
         lines.append(
-            f"data: {source}: {tokens:,} tokens, {per_epoch * cfg.global_batch_size:,} "
+            f"data: {source}: {tokens:,} tokens{held}, {per_epoch * cfg.global_batch_size:,} "
             f"sequences of {cfg.seq_len} ({per_epoch} step(s) per pass)"
         )
         remaining = max(0, cfg.num_steps - t.step)
@@ -264,7 +299,8 @@ class RunReport:
             lines.append(f"export: Hugging Face checkpoint to {cfg.save_hf} at the end")
         if self.eval_data is not None:
             when = f"every {cfg.eval_every} steps and " if cfg.eval_every else ""
-            lines.append(f"eval: {cfg.eval_data}, {self.eval_batches} batch(es), {when}at the end")
+            what = cfg.eval_data or f"the last {cfg.eval_split:.0%} of the data"
+            lines.append(f"eval: {what}, {self.eval_batches} batch(es), {when}at the end")
         if self.log_file is not None:
             lines.append(f"log: {self.log_file}")
         return lines + self.notes
@@ -353,6 +389,30 @@ class RunReport:
             f"({shards} safetensors file(s), {', '.join(others)}; "
             f"{_bytes(_dir_bytes(path))}, {seconds:.2f} s)"
         )
+
+
+def _split(data: Any, cfg: Any) -> tuple[Any, Any]:
+    """The training stream over the first ``1 - eval_split`` of ``data``'s tokens, and an
+    evaluation stream over the rest."""
+    from hyper_parallel.train.data import TextBatches
+    from hyper_parallel.train.tokens import TokenBatches
+
+    array = data.array if isinstance(data, TokenBatches) else data.tokens
+    cut = len(array) - round(cfg.eval_split * len(array))
+    sizes = {"global_batch_size": cfg.global_batch_size, "seq_len": cfg.seq_len}
+    parts = []
+    for name, piece in (("training", array[:cut]), ("held-out", array[cut:])):
+        try:
+            if isinstance(data, TokenBatches):
+                parts.append(TokenBatches(piece, source=f"{cfg.data} ({name} part)", **sizes))
+            else:
+                parts.append(TextBatches(piece, **sizes))
+        except ValueError as e:
+            raise ValueError(
+                f"--eval-split {cfg.eval_split}: the {name} part ({len(piece):,} tokens) is "
+                f"too small: {e}"
+            ) from None
+    return parts[0], parts[1]
 
 
 def _eval_stream(cfg: Any, trainer: Any) -> Any:

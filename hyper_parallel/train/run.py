@@ -39,8 +39,9 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from hyper_parallel._warnings import quiet_strided_gather
-from hyper_parallel.train import run_hooks
+from hyper_parallel.train import report
 from hyper_parallel.train.arguments import (
+    _OPTIONS,
     add_command_arguments,
     add_train_arguments,
     config_from_args,
@@ -48,6 +49,7 @@ from hyper_parallel.train.arguments import (
     mesh_argument,
     parse_mesh,
 )
+from hyper_parallel.train.job import write_run_record
 from hyper_parallel.train.trainer import Trainer, check_config, default_device
 
 quiet_strided_gather()  # full_gradients' full_tensor of FSDP-over-TP gradients (see _warnings)
@@ -188,7 +190,7 @@ def main(
         cfg = config_from_args(args, int(os.environ.get("WORLD_SIZE", "1")))
         problems = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if not problems:
-            run_hooks.check_files(cfg)
+            report.check_files(cfg)
     except ValueError as e:
         if first:
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
@@ -212,6 +214,11 @@ def main(
                 where = f"[rank {rank}] " if rank else ""
                 print(f"{parser.prog}: error: {where}{e}", file=sys.stderr)
             return 2
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        folder = report.log_path(cfg)
+        if rank == 0 and folder is not None:
+            # The run directory keeps what ran: the resolved options, version and commit.
+            write_run_record(os.path.dirname(folder) or ".", trainer.cfg, _OPTIONS)
         result = trainer.fit()
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0 and args.metrics_out:

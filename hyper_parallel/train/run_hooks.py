@@ -28,7 +28,6 @@ __all__ = [
     "HF_ARGUMENT_FIELDS",
     "StepLogger",
     "build_data",
-    "check_files",
     "hf_model",
     "load_weights",
     "model_record",
@@ -102,33 +101,6 @@ def resolve_model(cfg: Any) -> None:
     default_model = type(cfg).__dataclass_fields__["model"].default
     own = cfg.model_overrides if cfg.model in (default_model, *SPEC_NAMES.values()) else {}
     cfg.model, cfg.model_overrides = hf_model(source, own, where=f"TrainConfig.{field}")
-
-
-def check_files(cfg: Any) -> None:
-    """Before any rank builds: outputs that would clobber something, a damaged checkpoint.
-
-    Raises:
-        OutputError: See :func:`~hyper_parallel.train.report.check_outputs`.
-        HFCheckpointError: A safetensors file of ``hf_checkpoint`` is missing,
-            truncated or corrupt (each named, with what is wrong).
-    """
-    from hyper_parallel.train.report import check_outputs
-
-    check_outputs(cfg)
-    if cfg.hf_checkpoint:
-        from hyper_parallel.checkpoint_hf.io import (
-            HFCheckpointError,
-            checkpoint_files,
-            safetensors_problem,
-        )
-
-        try:
-            files = sorted(set(checkpoint_files(cfg.hf_checkpoint).values()))
-        except FileNotFoundError as e:
-            raise ValueError(f"--hf-checkpoint: {e}") from None
-        damaged = [p for p in map(safetensors_problem, files) if p]
-        if damaged:
-            raise HFCheckpointError(f"--hf-checkpoint {cfg.hf_checkpoint}", damaged)
 
 
 def load_weights(cfg: Any, parts: list[Any]) -> None:

@@ -169,6 +169,8 @@ class TrainConfig:
         keep_checkpoints: Keep only this many newest checkpoints (``0``: all).
         eval_data: Held-out data (as ``data``); its mean loss is logged every
             ``eval_every`` steps and at the end.
+        eval_split: Hold out this last share of the training data for evaluation
+            instead (``0.1``: the last 10 % of its tokens).
         eval_every: Evaluate every this many steps (``0``: at the end only).
         eval_batches: Global batches per evaluation (``None``: the whole of ``eval_data``).
         run_dir: Where the run's log (``train.log``) goes; ``None``: ``checkpoint_dir``.
@@ -212,6 +214,7 @@ class TrainConfig:
     overwrite: bool = False
     keep_checkpoints: int = 0
     eval_data: str | None = None
+    eval_split: float | None = None
     eval_every: int = 0
     eval_batches: int | None = None
     run_dir: str | None = None

@@ -188,3 +188,22 @@ def test_eval_loss_goes_to_tensorboard(tmp_path):
     events = EventAccumulator(str(tb))
     events.Reload()
     assert [e.step for e in events.Scalars("eval/loss")] == [2, 3]
+
+
+def test_eval_split_holds_out_the_last_share_of_the_data(tmp_path, capsys):
+    tokens = np.random.default_rng(2).integers(0, 256, 200).astype(np.uint16)
+    path = write_token_file(tokens, str(tmp_path / "d.bin"))
+    cfg = TrainConfig(num_steps=2, data=path, eval_split=0.25, **TINY)
+    trainer = Trainer(cfg, device="cpu")
+    assert len(trainer.data.tokens) == 150  # trained on the first 75 %
+    held = trainer.report.eval_data
+    assert np.array_equal(np.asarray(held.array), tokens[150:])
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert "data: " in out and "150 tokens (and 50 held out for eval)" in out
+    assert "eval: the last 25% of the data, 1 batch(es), at the end" in out
+    assert out.count("eval loss") == 1
+    with pytest.raises(ValueError, match=r"--eval-split 0.99: the training part \(2 tokens\)"):
+        Trainer(cfg.replace(eval_split=0.99), device="cpu")
+    with pytest.raises(ValueError, match=r"--eval-split 1.5 must be between 0 and 1"):
+        cfg.replace(eval_split=1.5)
