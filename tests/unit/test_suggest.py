@@ -481,6 +481,7 @@ def test_predicted_states_equal_the_dry_run_of_the_layout(source, mesh) -> None:
         sequences = gpus // c.dp  # the data-parallel rank's batch, one forward
         expected = {
             "params": report.per_rank.params,
+            "grads": report.per_rank.grads,  # fp32 under bf16 too: mixed precision's
             "optimizer": report.per_rank.optimizer,
             "activations": report.per_rank.activations * sequences,
         }
