@@ -188,8 +188,9 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "num_microbatches",
         {
             "type": int,
-            "help": "pipeline micro-batches per step (default: one per stage, pp x stages "
-            "per rank; each data-parallel rank's batch splits into them)",
+            "help": "micro-batches per step, with and without pp: each data-parallel rank's "
+            "batch splits into them, run in turn, gradients reduced once per step (gradient "
+            "accumulation at pp=1; default 1, or one per stage under pp: pp x stages per rank)",
         },
     ),
     (
