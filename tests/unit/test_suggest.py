@@ -290,7 +290,17 @@ def test_model_that_fits_one_gpu_gets_plain_data_parallel() -> None:
     assert best.dp == 4
     assert report.searched > 50 and 0 < report.traced <= 6
     plan = report.to_dict()["plans"][0]
-    assert set(plan) == {"mesh", "microbatches", "schedule", "ac", "sp", "predicted", "command"}
+    assert set(plan) == {
+        "mesh",
+        "microbatches",
+        "schedule",
+        "ac",
+        "sp",
+        "predicted",
+        "command",
+        "why",
+        "equivalent",
+    }
     assert set(plan["predicted"]) >= {
         "step_s",
         "tokens_per_s_per_gpu",
