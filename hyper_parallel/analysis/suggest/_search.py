@@ -518,11 +518,22 @@ class LayoutScorer:
             )
         hw = hardware or ctx.hw
         if hw is not ctx.hw or factors is not None:
-            # Cached seconds depend on the hardware and the factors: a fresh cache.
-            ctx = dataclasses.replace(
-                ctx, hw=hw, factors=factors or RunFactors(), pipeline_cache={}
+            # Cached seconds depend on the hardware and the factors: a fresh cache,
+            # but for the pipeline's plan, action lists and replay (counts, not seconds).
+            kept = {k: v for k, v in ctx.pipeline_cache.items() if k[0] in _COUNTS}
+            fresh = dataclasses.replace(
+                ctx, hw=hw, factors=factors or RunFactors(), pipeline_cache=kept
             )
+            out = _predict(fresh, candidate)
+            for k, v in fresh.pipeline_cache.items():
+                if k[0] in _COUNTS:
+                    ctx.pipeline_cache[k] = v
+            return out
         return _predict(ctx, candidate)
+
+
+_COUNTS = ("plan", "ops", "sim")
+"""The scorer's cache entries that do not depend on the hardware or the factors."""
 
 
 def _check_batch(global_batch: int, c: Candidate) -> None:
