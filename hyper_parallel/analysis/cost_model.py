@@ -6,13 +6,14 @@ feeds it what it traced; ``hyper-parallel calibrate`` writes a hardware file of 
 machine so the same formulas can be checked against measured steps.
 
 **Hardware** is data: one YAML file per kind under ``analysis/hardware/`` (``h100-80gb``,
-``h200-141gb``, ``b200``, ``a100-80gb``, ``a100-40gb``, ``mi300x``), each value with its
-source (vendor datasheet, or a stated assumption). A user's own file has the same
+``h100-96gb`` (torchtitan's 500 W part), ``h200-141gb``, ``b200``, ``a100-80gb``,
+``a100-40gb``, ``mi300x``), each value with its source (vendor datasheet, or a stated assumption). A user's own file has the same
 fields, plain numbers or ``{value, source}`` pairs (:func:`load_hardware`).
 
 **Compute.** ``seconds = FLOPs / (peak_flops[dtype] * compute_efficiency[dtype])``. FLOPs
-are counted on the meta device by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls,
-attention as torch counts it: the full, non-causal score matrix), forward and backward
+are counted on the meta device by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls;
+attention's score matmuls at the causal half of the ``S x S`` matrix, and at the attention
+kernel's own ``attention_efficiency`` when the file gives one), forward and backward
 apart; each rank does ``1 / (tp * cp)`` of a sequence's work (experts: uniform routing).
 Three more terms, each a field of the hardware file that ``calibrate`` measures on a
 CPU (the shipped GPU kinds give the value that makes it vanish, with the reason):
