@@ -193,6 +193,29 @@ def suggest_chart(report: Any, path: str | Path) -> None:
         times = [t for t, _, _ in report.points]
         if max(times) / max(min(times), 1e-12) > 20:
             ax.set_yscale("log")
+        # Memory: the region that fits is what matters. Clip the axis at 4x the limit
+        # (what lies beyond is counted in the label) and go logarithmic when the
+        # candidates that fit span more than a decade.
+        memory = [m / _GIB for _, m, _ in report.points]
+        right = min(max(memory), 4 * limit) * 1.05
+        beyond = sum(m > right for m in memory)
+        low = min(memory)
+        if limit / max(low, 1e-9) > 10:
+            ax.set_xscale("log")
+            ax.set_xlim(max(low * 0.8, 1e-3), right)
+        else:
+            ax.set_xlim(0, right)
+        if beyond:
+            ax.text(
+                0.99,
+                0.01,
+                f"{beyond:,} candidates beyond {right:,.0f} GiB not drawn",
+                transform=ax.transAxes,
+                ha="right",
+                va="bottom",
+                fontsize=7,
+                color="#777777",
+            )
     ax.set_xlabel("memory per GPU (GiB)")
     ax.set_ylabel("predicted step time (s)")
     ax.set_title(

@@ -6,13 +6,14 @@ feeds it what it traced; ``hyper-parallel calibrate`` writes a hardware file of 
 machine so the same formulas can be checked against measured steps.
 
 **Hardware** is data: one YAML file per kind under ``analysis/hardware/`` (``h100-80gb``,
-``h200-141gb``, ``b200``, ``a100-80gb``, ``a100-40gb``, ``mi300x``), each value with its
-source (vendor datasheet, or a stated assumption). A user's own file has the same
+``h100-96gb`` (torchtitan's 500 W part), ``h200-141gb``, ``b200``, ``a100-80gb``,
+``a100-40gb``, ``mi300x``), each value with its source (vendor datasheet, or a stated assumption). A user's own file has the same
 fields, plain numbers or ``{value, source}`` pairs (:func:`load_hardware`).
 
 **Compute.** ``seconds = FLOPs / (peak_flops[dtype] * compute_efficiency[dtype])``. FLOPs
-are counted on the meta device by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls,
-attention as torch counts it: the full, non-causal score matrix), forward and backward
+are counted on the meta device by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls;
+attention's score matmuls at the causal half of the ``S x S`` matrix, and at the attention
+kernel's own ``attention_efficiency`` when the file gives one), forward and backward
 apart; each rank does ``1 / (tp * cp)`` of a sequence's work (experts: uniform routing).
 Three more terms, each a field of the hardware file that ``calibrate`` measures on a
 CPU (the shipped GPU kinds give the value that makes it vanish, with the reason):
@@ -113,6 +114,7 @@ __all__ = [
     "OPTIMIZER_BYTES_PER_ELEMENT",
     "Hardware",
     "Link",
+    "attention_seconds",
     "axis_span",
     "collective_seconds",
     "compute_seconds",
@@ -214,11 +216,23 @@ class Hardware:
     dtensor_op_overhead_s: float = 0.0
     comm_overlap: float = 1.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    attention_efficiency: float | None = None
+    """Achieved fraction of peak in the attention kernel's score matmuls (flash
+    attention's ``Q K^T`` and ``P V``, forward and backward), which run below the
+    dense matmuls' rate (FlashAttention-2 reports 50-73 % of A100 peak forward and
+    less backward: Dao 2023, section 4.1); ``None``: as ``compute_efficiency``."""
 
     def flops(self, dtype: str) -> float:
         """Achieved FLOP/s in ``dtype``: peak times efficiency."""
         key = "bf16" if dtype in ("bf16", "fp16") else "fp32"
         return self.peak_flops[key] * self.compute_efficiency[key]
+
+    def attention_flops(self, dtype: str) -> float:
+        """Achieved FLOP/s of the attention kernel in ``dtype``."""
+        if self.attention_efficiency is None:
+            return self.flops(dtype)
+        key = "bf16" if dtype in ("bf16", "fp16") else "fp32"
+        return self.peak_flops[key] * self.attention_efficiency
 
     def link(self, kind: str, crosses_nodes: bool, group_size: int | None = None) -> Link:
         """The link a collective of ``kind`` over ``group_size`` ranks runs at."""
@@ -247,6 +261,7 @@ class Hardware:
             "op_overhead_s": self.op_overhead_s,
             "dtensor_op_overhead_s": self.dtensor_op_overhead_s,
             "comm_overlap": self.comm_overlap,
+            "attention_efficiency": self.attention_efficiency,
             "sources": dict(self.sources),
         }
 
@@ -391,6 +406,11 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
         dtensor_op_overhead_s=optional("dtensor_op_overhead_s", 0.0),
         comm_overlap=optional("comm_overlap", 1.0, high=1.0),
         sources=sources,
+        attention_efficiency=(
+            optional("attention_efficiency", 0.0, high=1.0) or None
+            if "attention_efficiency" in raw
+            else None
+        ),
     )
 
 
@@ -461,6 +481,11 @@ def _axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
 def compute_seconds(hw: Hardware, flops: float, dtype: str) -> float:
     """Seconds for ``flops`` at the achieved rate of ``dtype`` (peak x efficiency)."""
     return flops / hw.flops(dtype)
+
+
+def attention_seconds(hw: Hardware, flops: float, dtype: str) -> float:
+    """Seconds for ``flops`` of attention's score matmuls at the attention kernel's rate."""
+    return flops / hw.attention_flops(dtype)
 
 
 def exposed_seconds(hw: Hardware, comm: float, compute: float) -> float:

@@ -290,7 +290,17 @@ def test_model_that_fits_one_gpu_gets_plain_data_parallel() -> None:
     assert best.dp == 4
     assert report.searched > 50 and 0 < report.traced <= 6
     plan = report.to_dict()["plans"][0]
-    assert set(plan) == {"mesh", "microbatches", "schedule", "ac", "sp", "predicted", "command"}
+    assert set(plan) == {
+        "mesh",
+        "microbatches",
+        "schedule",
+        "ac",
+        "sp",
+        "predicted",
+        "command",
+        "why",
+        "equivalent",
+    }
     assert set(plan["predicted"]) >= {
         "step_s",
         "tokens_per_s_per_gpu",
@@ -485,4 +495,11 @@ def test_predicted_states_equal_the_dry_run_of_the_layout(source, mesh) -> None:
             "optimizer": report.per_rank.optimizer,
             "activations": report.per_rank.activations * sequences,
         }
+        if c.cp > 1:
+            # The meta device's attention under cp materializes a [local x all tokens]
+            # score tensor (once per stage, once more while a block recomputes) that
+            # the GPU's ring attention never does; the planner leaves it out.
+            scores = (256 // c.cp) * 256 * 2 * sequences
+            missing = expected.pop("activations") - p.memory["activations"]
+            assert missing in (scores, 2 * scores), (ac, missing, scores)
         assert {k: p.memory[k] for k in expected} == expected, ac

@@ -8,6 +8,7 @@ from typing import Any
 
 from hyper_parallel.analysis.cost_model import (
     Hardware,
+    attention_seconds,
     axis_span,
     collective_seconds,
     compute_seconds,
@@ -237,6 +238,9 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         fwd = mbs * share * (k * f.block_fwd + last * f.rest_fwd)
         bwd = mbs * share * (k * f.block_bwd + last * f.rest_bwd)
         recompute = mbs * share * recompute_blocks * k * f.block_fwd
+        # Attention's score matmuls run at the attention kernel's rate.
+        attn_f = mbs * share * k * f.block_score_fwd
+        attn_b = mbs * share * k * f.block_score_bwd + recompute_blocks * attn_f
         # A fixed cost per operator, whatever its size (hardware's op_overhead_s).
         ops_f = k * f.block_fwd_ops + last * f.rest_fwd_ops
         ops_b = k * f.block_bwd_ops + last * f.rest_bwd_ops + recompute_blocks * k * f.block_fwd_ops
@@ -257,11 +261,19 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         )
         cf = ctx.factors.compute  # compile / float8, stated per run (1.0: eager bf16)
         traffic_f, traffic_b = cf * traffic_f, cf * traffic_b
-        t_f.append(cf * compute_seconds(hw, fwd, ctx.dtype) + overhead_f + traffic_f + comm_f)
-        t_b.append(
-            cf * compute_seconds(hw, bwd + recompute, ctx.dtype) + overhead_b + traffic_b + comm_b
+        flops_f = compute_seconds(hw, fwd - attn_f, ctx.dtype) + attention_seconds(
+            hw, attn_f, ctx.dtype
         )
-        t_w.append((cf * compute_seconds(hw, bwd, ctx.dtype) + overhead_b + traffic_b) / 2)
+        flops_b = compute_seconds(hw, bwd + recompute - attn_b, ctx.dtype) + attention_seconds(
+            hw, attn_b, ctx.dtype
+        )
+        t_f.append(cf * flops_f + overhead_f + traffic_f + comm_f)
+        t_b.append(cf * flops_b + overhead_b + traffic_b + comm_b)
+        attn_w = mbs * share * k * f.block_score_bwd
+        flops_w = compute_seconds(hw, bwd - attn_w, ctx.dtype) + attention_seconds(
+            hw, attn_w, ctx.dtype
+        )
+        t_w.append((cf * flops_w + overhead_b + traffic_b) / 2)
         comm_f_all.append(comm_f)
         comm_b_all.append(comm_b)
     # tp/cp/ep seconds per step on the busiest pp rank: its stages' per micro-batch.

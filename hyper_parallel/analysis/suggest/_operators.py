@@ -43,6 +43,10 @@ class _Flops:
     rest_tensors: int = 0
     optimizer_ops_per_tensor: int = 0
     optimizer_grad_reads: int = 1
+    block_score_fwd: float = 0.0
+    block_score_bwd: float = 0.0
+    """Of ``block_fwd`` / ``block_bwd``: attention's score matmuls (causal share), which
+    the attention kernel runs (``Hardware.attention_efficiency``)."""
 
     @property
     def total(self) -> float:
@@ -248,6 +252,8 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
             (
                 fwd.get_total_flops() - masked * fs.flops,
                 bwd.get_total_flops() - masked * bs.flops,
+                CAUSAL_SHARE * fs.flops,
+                CAUSAL_SHARE * bs.flops,
                 fo.count,
                 bo.count,
                 fo.elements,
@@ -255,7 +261,7 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
                 sum(1 for _ in model.parameters()),
             )
         )
-    (f1, b1, fo1, bo1, fe1, be1, t1), (f2, b2, fo2, bo2, fe2, be2, t2) = counts
+    (f1, b1, a1, ab1, fo1, bo1, fe1, be1, t1), (f2, b2, a2, ab2, fo2, bo2, fe2, be2, t2) = counts
     n = len(source.config().layers)
     optimizer_ops, grad_reads = _optimizer_ops_per_tensor()
     return _Flops(
@@ -276,4 +282,6 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
         rest_tensors=max(0, t1 - (t2 - t1)),
         optimizer_ops_per_tensor=optimizer_ops,
         optimizer_grad_reads=grad_reads,
+        block_score_fwd=a2 - a1,
+        block_score_bwd=ab2 - ab1,
     )

@@ -121,6 +121,11 @@ class SuggestReport:
     memory_limit: int
     best_unfit: tuple[Candidate, int] | None
     assumptions: list[str]
+    why: list[str] = dataclasses.field(default_factory=list)
+    """Per plan: why it stands where it does (within the model's error and simpler, or
+    faster beyond it)."""
+    equivalents: list[list[str]] = dataclasses.field(default_factory=list)
+    """Per plan: the same layout with dp split otherwise (predicted no faster)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form: ``plans``, ``rejected``, ``hardware``, ``searched``, ``traced`` + context."""
@@ -140,8 +145,10 @@ class SuggestReport:
                     "sp": c.sp,
                     "predicted": p.to_dict(),
                     "command": cmd,
+                    "why": self.why[i] if i < len(self.why) else "",
+                    "equivalent": self.equivalents[i] if i < len(self.equivalents) else [],
                 }
-                for c, p, cmd in self.plans
+                for i, (c, p, cmd) in enumerate(self.plans)
             ],
             "rejected": dict(self.rejected),
             "hardware": self.hardware.to_dict(),
@@ -184,6 +191,11 @@ class SuggestReport:
                 right=(2, 6, 7, 8, 9),
             )
         )
+        out += ["", "Why this order:"]
+        for i, note in enumerate(self.why, 1):
+            same = self.equivalents[i - 1] if i - 1 < len(self.equivalents) else []
+            also = f"; equivalent: {', '.join(same[:4])}" if same else ""
+            out.append(f"  {i}. {note}{also}")
         out += ["", "Commands:"]
         out += [f"  {i}. {cmd}" for i, (_, _, cmd) in enumerate(self.plans, 1)]
         if self.rejected:

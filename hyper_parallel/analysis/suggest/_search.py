@@ -46,6 +46,11 @@ bytes, and shards the norms' and dropouts' activations over tp (Korthikanti et a
 "Reducing Activation Recomputation in Large Transformer Models", 2022, section 4.2.2)."""
 MAX_PP = 32
 """Largest pipeline searched (Llama 3 405B trained at pp=16; Dubey et al. 2024, Table 4)."""
+MODEL_ERROR = 0.20
+"""The step-time error the cost model states for itself: the issue's goal for the median
+on held-out published GPU runs (``benchmarks/bench_published.py`` reports the measured
+one). Plans within it of the fastest are not told apart by speed: the simpler goes
+first (:func:`_complexity`)."""
 MIN_CP_TOKENS = 1024
 """Context parallelism is searched down to this many tokens per cp rank (attention kernels
 lose their efficiency on shorter pieces; torchtitan's cp runs keep >= 8k per rank)."""
@@ -112,6 +117,62 @@ def _candidates(
                                 yield Candidate(
                                     pp, dp_replicate, dp_shard, cp, tp, ep, m, schedule, ac, tp > 1
                                 )
+
+
+def _structure(c: Candidate) -> tuple:
+    """What tells two layouts apart beyond how dp splits into dp_replicate x dp_shard."""
+    return (c.pp, c.dp, c.cp, c.tp, c.ep, c.microbatches, c.schedule, c.ac, c.sp)
+
+
+def _complexity(c: Candidate) -> int:
+    """How much a layout asks of its user: each model axis counts one, pp and cp two
+    more (a schedule and micro-batches to tune; the sequence split: only when the states
+    or the sequence need them), HSDP's two data-parallel levels one, checkpointing one
+    (selective) or two (full)."""
+    axes = (c.pp > 1) * 3 + (c.cp > 1) * 3 + (c.tp > 1) + (c.ep > 1)
+    return axes + (c.dp_replicate > 1 and c.dp_shard > 1) + AC_MODES.index(c.ac)
+
+
+def _rank(
+    evaluated: list[tuple[Candidate, Prediction]], top: int
+) -> tuple[list[tuple[Candidate, Prediction]], list[str], list[list[str]]]:
+    """The top ``top`` distinct structures, each with why it is where it is and the
+    dp splits that are its equivalents.
+
+    Fastest first, except that plans within :data:`MODEL_ERROR` of the fastest are
+    ordered simplest first (:func:`_complexity`; then by time): the model cannot tell
+    them apart, their user can. The same layout with dp split otherwise
+    (dp_replicate x dp_shard) is one plan: the fastest split stands for it, the others
+    are listed as equivalent.
+    """
+    evaluated = sorted(evaluated, key=lambda cp: (cp[1].step_s, cp[1].memory_bytes_per_gpu))
+    groups: dict[tuple, list[tuple[Candidate, Prediction]]] = {}
+    for c, p in evaluated:
+        groups.setdefault(_structure(c), []).append((c, p))
+    heads = [members[0] for members in groups.values()]
+    if not heads:
+        return [], [], []
+    fastest = heads[0][1].step_s
+    band = [h for h in heads if h[1].step_s <= fastest * (1 + MODEL_ERROR)]
+    rest = heads[len(band) :]
+    band.sort(key=lambda cp: (_complexity(cp[0]), cp[1].step_s))
+    ranked = (band + rest)[:top]
+    simplest = _complexity(band[0][0])
+    why, equivalents = [], []
+    for c, p in ranked:
+        slower = p.step_s / fastest - 1
+        if (c, p) in band:
+            note = (
+                f"within the model's {MODEL_ERROR:.0%} error of the fastest "
+                f"({slower:+.0%}); complexity {_complexity(c)}"
+            )
+            if _complexity(c) == simplest and slower > 0:
+                note += ": the simplest there, ahead of faster but more complex layouts"
+        else:
+            note = f"{slower:+.0%} vs the fastest: beyond the model's error"
+        why.append(note)
+        equivalents.append([m.mesh_text() for m, _ in groups[_structure(c)][1:]])
+    return ranked, why, equivalents
 
 
 def _pipelines(pp: int, local: int, fixed: int | None = None) -> list[tuple[str | None, int]]:
@@ -298,10 +359,9 @@ def suggest(
     # batch that does not split) was searched too.
     if fixed is None:
         searched += sum(rejected.values()) - (searched - len(evaluated))
-    evaluated.sort(key=lambda cp: (cp[1].step_s, cp[1].memory_bytes_per_gpu))
+    ranked, why, equivalents = _rank(evaluated, top)
     plans = [
-        (c, p, _command(source, c, gpus, node, seq_len, global_batch, dtype))
-        for c, p in evaluated[:top]
+        (c, p, _command(source, c, gpus, node, seq_len, global_batch, dtype)) for c, p in ranked
     ]
     report = SuggestReport(
         model=source.name,
@@ -320,6 +380,8 @@ def suggest(
         memory_limit=int(limit),
         best_unfit=best_unfit,
         assumptions=_assumptions(hw, max_seq, seq_len),
+        why=why,
+        equivalents=equivalents,
     )
     if not plans:
         if best_unfit is None:
@@ -460,11 +522,22 @@ class LayoutScorer:
             )
         hw = hardware or ctx.hw
         if hw is not ctx.hw or factors is not None:
-            # Cached seconds depend on the hardware and the factors: a fresh cache.
-            ctx = dataclasses.replace(
-                ctx, hw=hw, factors=factors or RunFactors(), pipeline_cache={}
+            # Cached seconds depend on the hardware and the factors: a fresh cache,
+            # but for the pipeline's plan, action lists and replay (counts, not seconds).
+            kept = {k: v for k, v in ctx.pipeline_cache.items() if k[0] in _COUNTS}
+            fresh = dataclasses.replace(
+                ctx, hw=hw, factors=factors or RunFactors(), pipeline_cache=kept
             )
+            out = _predict(fresh, candidate)
+            for k, v in fresh.pipeline_cache.items():
+                if k[0] in _COUNTS:
+                    ctx.pipeline_cache[k] = v
+            return out
         return _predict(ctx, candidate)
+
+
+_COUNTS = ("plan", "ops", "sim")
+"""The scorer's cache entries that do not depend on the hardware or the factors."""
 
 
 def _check_batch(global_batch: int, c: Candidate) -> None:
