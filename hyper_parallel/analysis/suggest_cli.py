@@ -33,9 +33,12 @@ def add_suggest_parser(sub: Any) -> None:
         help="search the layouts of a model on N GPUs; print the fastest that fit",
         description="Search pp, dp_replicate, dp_shard, cp, tp, ep, micro-batches, schedule, "
         "activation checkpointing and sequence parallel; drop what the plan checks refuse and "
-        "what does not fit in memory (dry run); rank the rest by the cost model's step time.",
+        "what does not fit in memory (dry run); rank the rest by the cost model's step time. "
+        "--mesh scores that mesh only (axes not named are 1), searching just micro-batches, "
+        "schedule, AC and SP unless --schedule, --ac or --microbatches fix them too.",
     )
-    # --model, --model-overrides, --hf-config and --dtype: the run options' table.
+    # --model, --model-overrides, --hf-config, --dtype and the switches that fix part of
+    # the search (--mesh, --schedule, --ac, --microbatches): the run options' table.
     add_command_arguments(p, "suggest")
     p.add_argument("--gpus", type=positive_int, required=True, help="number of GPUs")
     p.add_argument(
@@ -60,17 +63,6 @@ def add_suggest_parser(sub: Any) -> None:
     p.add_argument(
         "--allow-cross-node-ep", action="store_true", help="also search ep spanning nodes"
     )
-    p.add_argument(
-        "--mesh",
-        metavar="AXES",
-        help="score this mesh only (e.g. pp=8,dp_shard=8,tp=8; axes not named are 1): search "
-        "just micro-batches, schedule, AC and SP unless --schedule/--ac/--microbatches fix them",
-    )
-    p.add_argument("--schedule", help="fix the pipeline schedule (pp > 1)")
-    p.add_argument("--ac", choices=("none", "selective", "full"), help="fix the checkpointing")
-    p.add_argument(
-        "--microbatches", type=positive_int, help="fix the pipeline's micro-batches (pp > 1)"
-    )
     p.set_defaults(func=run_suggest)
 
 
@@ -94,7 +86,7 @@ def run_suggest(args: argparse.Namespace) -> int:
             mesh=_mesh_sizes(args.mesh),
             schedule=args.schedule,
             ac=args.ac,
-            microbatches=args.microbatches,
+            microbatches=args.num_microbatches,
         )
     except DoesNotFit as e:
         if args.format == "json":
@@ -149,16 +141,13 @@ def _source(args: argparse.Namespace) -> Any:
     return ModelSource(spec, tuple(sorted(overrides.items())), label=label)
 
 
-def _mesh_sizes(text: str | None) -> dict[str, int] | None:
-    """``--mesh pp=8,tp=8`` as ``{"pp": 8, "tp": 8}`` (the layout parser's checks)."""
-    if text is None:
+def _mesh_sizes(mesh: dict[str, int] | None) -> dict[str, int] | None:
+    """``--mesh pp=8,tp=8`` (parsed by the run options' table) as every axis' size."""
+    if mesh is None:
         return None
-    from hyper_parallel.distributed.layout import LayoutError, MeshLayout
+    from hyper_parallel.distributed.layout import as_layout
 
-    try:
-        layout = MeshLayout.parse(text)
-    except LayoutError as e:
-        raise ValueError(f"--mesh {text!r}: {e}") from None
+    layout = as_layout(mesh)
     return {a: layout.size(a) for a in ("pp", "dp_replicate", "dp_shard", "cp", "tp")} | {
         "ep": layout.ep
     }

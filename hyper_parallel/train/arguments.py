@@ -320,8 +320,17 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
         required=("mesh",),
     ),
     # The search is for GPUs, where training runs in bf16 mixed precision.
+    # --mesh, --schedule, --ac and --microbatches fix that part of the search (unset: searched).
     "suggest": CommandOptions(
-        fields=(*MODEL_FIELDS, "dtype"), defaults={"model": None, "dtype": "bf16"}
+        fields=(*MODEL_FIELDS, "dtype", "mesh", "schedule", "ac", "num_microbatches"),
+        defaults={
+            "model": None,
+            "dtype": "bf16",
+            "mesh": None,
+            "schedule": None,
+            "ac": None,
+            "num_microbatches": None,
+        },
     ),
 }
 """The one table of which options each command takes (``train`` is
