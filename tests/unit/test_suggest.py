@@ -495,11 +495,4 @@ def test_predicted_states_equal_the_dry_run_of_the_layout(source, mesh) -> None:
             "optimizer": report.per_rank.optimizer,
             "activations": report.per_rank.activations * sequences,
         }
-        if c.cp > 1:
-            # The meta device's attention under cp materializes a [local x all tokens]
-            # score tensor (once per stage, once more while a block recomputes) that
-            # the GPU's ring attention never does; the planner leaves it out.
-            scores = (256 // c.cp) * 256 * 2 * sequences
-            missing = expected.pop("activations") - p.memory["activations"]
-            assert missing in (scores, 2 * scores), (ac, missing, scores)
         assert {k: p.memory[k] for k in expected} == expected, ac

@@ -133,15 +133,6 @@ class _Tracer:
             count, nbytes = c.count - num_layers * n, c.bytes - num_layers * b
             if count > 0:
                 rest.append(_Comm(c.kind, c.axis, c.phase, count, max(nbytes, 0)))
-        # Under cp the meta device runs attention's math path against the gathered keys:
-        # a [local tokens x all tokens] score/mask tensor held once per stage and once
-        # more while a checkpointed block recomputes. The kernels a GPU runs under cp
-        # (torch's ring attention over flash / efficient SDPA) never materialize it.
-        scores = 0
-        if cp > 1:
-            scores = (self.seq_len // cp) * self.seq_len * (2 if self.dtype == "bf16" else 4)
-        traced_recompute = block_recompute
-        block_recompute = max(block, block_recompute - scores)
         element = 4  # fp32 master parameters in the trace
         experts = report.per_rank_experts
         expert_params = experts.params if experts is not None else 0
@@ -158,13 +149,12 @@ class _Tracer:
                 ac: max(
                     0,
                     peak
-                    - scores
                     - checkpointed_peak(
                         pre + post + num_layers * block,
                         num_layers,
                         block,
                         block_input,
-                        traced_recompute,
+                        block_recompute,
                         post,
                         ac,
                     ),
