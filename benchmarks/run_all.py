@@ -929,7 +929,7 @@ def section_published(data: dict[str, Any], charts: list[str]) -> str:
         return f"median {100 * x['median']:.0f}%, worst {100 * x['worst']:.0f}% (n={x['n']})"
 
     lines = [
-        "## g. The planner against published GPU runs (`bench_published.py`)",
+        "## u. The planner against published GPU runs (`bench_published.py`)",
         "",
         "Each row of `hyper_parallel/analysis/published/runs.yaml` predicted by the cost "
         "model behind `suggest` and `plan --gpu` (its own hardware file, its layout, what "
