@@ -78,10 +78,10 @@ def _one_count(
     cfg = TrainConfig(
         model="llama3-debug",
         mesh=mesh,
-        global_batch_size=batch,
+        batch_size=batch,
         seq_len=seq,
-        num_steps=warmup + reps + 2,
-        num_microbatches=m,
+        steps=warmup + reps + 2,
+        microbatches=m,
         log_every=0,
         progress=False,
     )

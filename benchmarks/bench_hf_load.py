@@ -267,7 +267,7 @@ def data_path(seconds: float = 3.0) -> dict[str, Any]:
             inputs, _ = batches.next_batch(0, 2)
             count += inputs.numel()
         data_rate = count / (time.perf_counter() - t0)
-    trainer = Trainer(TrainConfig(num_steps=4, log_every=0, progress=False), device="cpu")
+    trainer = Trainer(TrainConfig(steps=4, log_every=0, progress=False), device="cpu")
     trainer.train_step()  # warm-up
     t0 = time.perf_counter()
     for _ in range(3):

@@ -192,7 +192,7 @@ def _step_rank(rank: int, mesh_text: str, reps: int, seq: int) -> dict[str, Any]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = mesh["batch"]
     tokens = torch.randint(
-        0, 256, (cfg.global_batch_size, seq + 1), generator=torch.Generator().manual_seed(1)
+        0, 256, (cfg.batch_size, seq + 1), generator=torch.Generator().manual_seed(1)
     )
     rows = tokens.chunk(batch.size())[batch.get_local_rank()]
 
@@ -209,10 +209,10 @@ def _step_rank(rank: int, mesh_text: str, reps: int, seq: int) -> dict[str, Any]
     median_s = statistics.median(slow) / 1e6
     return {
         "mesh": mesh_text,
-        "global_batch": cfg.global_batch_size,
+        "global_batch": cfg.batch_size,
         "seq": seq,
         "step_ms": [t / 1e3 for t in slow],
-        "tokens_per_s": cfg.global_batch_size * seq / median_s,
+        "tokens_per_s": cfg.batch_size * seq / median_s,
     }
 
 

@@ -84,16 +84,16 @@ def _rank(
     base = TrainConfig(
         model="llama3-debug",
         model_overrides=overrides,
-        global_batch_size=batch,
+        batch_size=batch,
         seq_len=seq,
-        num_steps=warmup + reps,
+        steps=warmup + reps,
         log_every=0,
         progress=False,
         max_grad_norm=0.0,
     )
     trainers = {BASELINE: Trainer(base.replace(mesh={"dp_shard": pp}), device="cpu")}
     for name in schedules:
-        cfg = base.replace(mesh={"pp": pp}, schedule=name, num_microbatches=microbatches)
+        cfg = base.replace(mesh={"pp": pp}, schedule=name, microbatches=microbatches)
         trainers[name] = Trainer(cfg, device="cpu")
     meters = {n: _Busy(t.schedule) for n, t in trainers.items() if t.schedule is not None}
     names = list(trainers)

@@ -156,15 +156,15 @@ def _rank(
         model="llama3-debug",
         model_overrides=overrides,
         mesh=c.layout.active(),
-        global_batch_size=batch,
+        batch_size=batch,
         seq_len=seq,
-        num_steps=warmup + reps + 1,
+        steps=warmup + reps + 1,
         log_every=0,
         progress=False,
         max_grad_norm=0.0,
-        sequence_parallel=c.sp,
+        sp=c.sp,
         schedule=c.schedule or "1F1B",
-        num_microbatches=c.microbatches if c.pp > 1 else None,
+        microbatches=c.microbatches if c.pp > 1 else None,
     )
     import torch
 

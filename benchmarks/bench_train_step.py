@@ -62,7 +62,7 @@ def _build(contender: str, cfg: Any, mesh: Any, backend: str) -> torch.nn.Module
             return build_parallel_model(cfg, mesh, "cpu")  # compiles per cfg.compile
     with torch.device("meta"):
         model = model_config(cfg, tp=1).build()  # no sharding configs attached
-    apply_torch_llama_plan(model, mesh["tp"], cfg.sequence_parallel)
+    apply_torch_llama_plan(model, mesh["tp"], cfg.sp)
     if backend != "none":
         compile_torch_blocks(model, backend)
     for block in model.layers:
@@ -88,7 +88,7 @@ def _rank(
         raise ValueError(f"bench_train_step: --compile {backend!r}: use 'none' or 'inductor'.")
     cfg = TrainConfig(
         mesh=dict(MESH),
-        sequence_parallel=sequence_parallel,
+        sp=sequence_parallel,
         seq_len=seq,
         compile=backend != "none",
     )
@@ -96,7 +96,7 @@ def _rank(
     assert mesh is not None
     dp_rank = mesh["dp"].get_local_rank()
     generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 256, (cfg.global_batch_size, seq + 1), generator=generator)
+    tokens = torch.randint(0, 256, (cfg.batch_size, seq + 1), generator=generator)
     rows = tokens.chunk(MESH["dp"])[dp_rank]
     inputs, targets = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 

@@ -274,7 +274,7 @@ def _subject(args: argparse.Namespace) -> _Subject:
         spec = get_spec(args.model)
     except ValueError as e:
         raise _UsageError(str(e)) from None
-    if args.sequence_parallel and plan is not None:
+    if args.sp and plan is not None:
         raise _UsageError(
             "--sp takes the model's own sequence-parallel layout: give no --plan (a plan "
             "file states its own placements)."
@@ -303,7 +303,7 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
     """
     from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
 
-    microbatches = args.num_microbatches or default_num_microbatches(layout.pp, args.schedule)
+    microbatches = args.microbatches or default_num_microbatches(layout.pp, args.schedule)
     if args.command == "plan":
         batch = args.batch * microbatches
         seq_len = args.seq or _SEQ_LEN
@@ -316,9 +316,9 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
         args.model,
         layout,
         model_overrides=args.model_overrides,
-        sequence_parallel=args.sequence_parallel,
+        sequence_parallel=args.sp,
         schedule=args.schedule,
-        num_microbatches=args.num_microbatches,
+        num_microbatches=args.microbatches,
         batch_size=batch,
         seq_len=seq_len,
         pipeline_split=args.pipeline_split,
@@ -339,7 +339,7 @@ def _finding(path: str, field: str, message: str, fix: str) -> Any:
 
 
 def _hf_subject(args: argparse.Namespace, layout: Any, plan: Any) -> _Subject:
-    if args.sequence_parallel:
+    if args.sp:
         raise _UsageError("--sp applies to registered models; give an SP plan with --plan.")
     try:
         from hyper_parallel.hf import build_hf_model, check_hf_heads, hf_tp_plan
@@ -484,7 +484,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
             microbatch_size=args.batch,
             seq_len=args.seq or _SEQ_LEN,
             element_bytes=element_bytes,
-            sequence_parallel=args.sequence_parallel,
+            sequence_parallel=args.sp,
             sharded_config=subject.model,
             fsdp=not args.no_fsdp,
             param_dtype=torch.float32,  # fp32 master weights under either --dtype
@@ -533,7 +533,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             batch_size=args.batch,
             seq_len=args.seq,
             schedule=args.schedule,
-            num_microbatches=args.num_microbatches,
+            num_microbatches=args.microbatches,
             pipeline_split=args.pipeline_split,
         )
     except (ValueError, TypeError) as e:

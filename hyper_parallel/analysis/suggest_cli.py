@@ -86,7 +86,7 @@ def run_suggest(args: argparse.Namespace) -> int:
             mesh=_mesh_sizes(args.mesh),
             schedule=args.schedule,
             ac=args.ac,
-            microbatches=args.num_microbatches,
+            microbatches=args.microbatches,
         )
     except DoesNotFit as e:
         if args.format == "json":
@@ -191,7 +191,7 @@ def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | N
 
     schedule = args.schedule if layout.pp > 1 else None
     # At pp=1 the run plan's micro-batches are gradient accumulation (default 1).
-    microbatches = args.num_microbatches or default_num_microbatches(layout.pp, args.schedule)
+    microbatches = args.microbatches or default_num_microbatches(layout.pp, args.schedule)
     dp = layout.size("dp_replicate") * layout.size("dp_shard")
     seq = args.seq or 2048
     global_batch = args.batch * microbatches * dp
@@ -215,7 +215,7 @@ def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | N
         microbatches=microbatches,
         schedule=schedule,
         ac=args.ac,
-        sp=bool(args.sequence_parallel),
+        sp=bool(args.sp),
     )
     p = scorer.predict(c)
     return {

@@ -67,10 +67,10 @@ def _run_config(
         model=cfg.spec,
         model_overrides=cfg.model_overrides,
         mesh=mesh,
-        sequence_parallel=sequence_parallel,
-        global_batch_size=batch,
+        sp=sequence_parallel,
+        batch_size=batch,
         seq_len=seq_len,
-        num_microbatches=None,
+        microbatches=None,
         log_every=0,
         progress=False,
     )

@@ -4,7 +4,7 @@ Public API::
 
     from hyper_parallel.train import TrainConfig, train
 
-    result = train(TrainConfig(model="llama3-debug", num_steps=10))
+    result = train(TrainConfig(model="llama3-debug", steps=10))
 
 Under ``torchrun`` the same run is ``python -m hyper_parallel.train.run --mesh dp=2,tp=2``
 (any axes: ``--mesh dp_replicate=2,dp_shard=2``; see :mod:`hyper_parallel.train.run`);

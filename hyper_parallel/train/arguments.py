@@ -141,11 +141,11 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ),
     (
         "--sp",
-        "sequence_parallel",
+        "sp",
         {"action": "store_true", "help": "sequence parallel on top of tensor parallel"},
     ),
-    ("--steps", "num_steps", {"type": int, "help": "optimizer steps"}),
-    ("--batch-size", "global_batch_size", {"type": int, "help": "global batch (sequences)"}),
+    ("--steps", "steps", {"type": int, "help": "optimizer steps"}),
+    ("--batch-size", "batch_size", {"type": int, "help": "global batch (sequences)"}),
     ("--seq-len", "seq_len", {"type": int, "help": "tokens per sequence"}),
     ("--lr", "lr", {"type": float, "help": "peak learning rate"}),
     ("--weight-decay", "weight_decay", {"type": float, "help": "AdamW weight decay"}),
@@ -185,7 +185,7 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ),
     (
         "--microbatches",
-        "num_microbatches",
+        "microbatches",
         {
             "type": int,
             "help": "micro-batches per step, with and without pp: each data-parallel rank's "
@@ -278,7 +278,7 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ),
 )
 
-SWITCHES = ("sequence_parallel", "schedule", "num_microbatches", "pipeline_split", "compile")
+SWITCHES = ("sp", "schedule", "microbatches", "pipeline_split", "compile")
 """The options ``plan`` and ``validate`` take too: they change the run those check."""
 
 MODEL_FIELDS = ("model", "model_overrides", "hf_config")
@@ -322,14 +322,14 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
     # The search is for GPUs, where training runs in bf16 mixed precision.
     # --mesh, --schedule, --ac and --microbatches fix that part of the search (unset: searched).
     "suggest": CommandOptions(
-        fields=(*MODEL_FIELDS, "dtype", "mesh", "schedule", "ac", "num_microbatches"),
+        fields=(*MODEL_FIELDS, "dtype", "mesh", "schedule", "ac", "microbatches"),
         defaults={
             "model": None,
             "dtype": "bf16",
             "mesh": None,
             "schedule": None,
             "ac": None,
-            "num_microbatches": None,
+            "microbatches": None,
         },
     ),
 }
@@ -431,7 +431,7 @@ def option_fields() -> tuple[str, ...]:
 
 
 def option_flag(dest: str) -> str:
-    """The command-line flag of field ``dest`` (``"num_microbatches"`` -> ``--microbatches``)."""
+    """The command-line flag of field ``dest`` (``"text_field"`` -> ``--text-field``)."""
     (flag,) = [f for f, d, _ in _OPTIONS if d == dest]
     return flag
 

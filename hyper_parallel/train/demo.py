@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, progress=False)
         if getattr(args, "log_every", None) is None:
-            cfg = cfg.replace(log_every=max(1, cfg.num_steps // 3))
+            cfg = cfg.replace(log_every=max(1, cfg.steps // 3))
     except ValueError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
@@ -278,10 +278,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     os.makedirs(args.output_dir, exist_ok=True)
     out_dir = os.path.abspath(args.output_dir)
-    style = _style(layout, cfg.sequence_parallel)
+    style = _style(layout, cfg.sp)
     label = " x ".join(f"{axis}={size}" for axis, size in mesh.items())
     print(
-        f"demo: {cfg.model}, {cfg.num_steps} steps, global batch {cfg.global_batch_size} x "
+        f"demo: {cfg.model}, {cfg.steps} steps, global batch {cfg.batch_size} x "
         f"{cfg.seq_len} {'tokens' if cfg.data else 'bytes'}, seed {cfg.seed}"
     )
     # Flushed: the ranks write to the same terminal next.
@@ -294,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
     if metrics is None:
         print(f"demo: the distributed run failed (exit status {status}); see the output above.")
         print(
-            f"parity: steps={cfg.num_steps} max_abs_loss_diff=nan tol={tol_text} "
+            f"parity: steps={cfg.steps} max_abs_loss_diff=nan tol={tol_text} "
             f"{grad_text.format('nan')} FAIL"
         )
         return status or 1
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     one_losses, one_grads = _train_here(
         cfg.replace(
             mesh={},
-            sequence_parallel=False,
+            sp=False,
             log_every=0,
             compile=False,
             ac="none",
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  gradient problem: {problem}")
     # NaN-safe: Python's max() skips a NaN that is not first; any NaN fails.
     max_diff = math.nan if any(math.isnan(d) for d in diffs) else max(diffs, default=math.nan)
-    ok = max_diff <= tol and len(diffs) == cfg.num_steps and grads.ok(grad_rtol)
+    ok = max_diff <= tol and len(diffs) == cfg.steps and grads.ok(grad_rtol)
     print(
         f"parity: steps={len(steps)} max_abs_loss_diff={max_diff:.2e} tol={tol_text} "
         f"{grad_text.format(f'{grads.max_rel_err:.2e}')} {'PASS' if ok else 'FAIL'}"

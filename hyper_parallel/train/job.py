@@ -13,7 +13,7 @@ is its schema), keyed by their long names without the dashes, written as in TOML
 
 Values are checked as the flags are (``mesh`` parsed, choices enforced, counts
 integers); a key that is no option is refused with the closest name (``difflib``).
-``TrainConfig`` field names (``num_steps``) are accepted too, and a ``.json`` file of
+``TrainConfig`` field names (``lr_schedule_steps``) are accepted too, and a ``.json`` file of
 them is read as before. Options given on the command line override the file.
 
 :func:`write_run_record` leaves in the run directory the resolved options as a job
@@ -38,6 +38,14 @@ import tomllib
 
 __all__ = ["load_job_file", "to_toml", "write_run_record"]
 
+
+RENAMED = {
+    "num_steps": "steps",
+    "global_batch_size": "batch_size",
+    "num_microbatches": "microbatches",
+    "sequence_parallel": "sp",
+}
+"""Former ``TrainConfig`` field names -> today's (the flags' names): refused with the hint."""
 
 Options = Sequence[tuple[str, str, dict[str, Any]]]
 """The run-option table: (flag, TrainConfig field, argparse keywords) per option."""
@@ -122,7 +130,8 @@ def load_job_file(path: str, options: Options) -> dict[str, Any]:
         names = sorted({k for k in table if "_" not in k} | set(fields))
         hints = []
         for key in unknown:
-            close = difflib.get_close_matches(key, names, n=1)
+            close = [RENAMED[key]] if key in RENAMED else []
+            close = close or difflib.get_close_matches(key, names, n=1)
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise ValueError(
             f"{where}: unknown option(s) {', '.join(hints)}; keys are the long option names "

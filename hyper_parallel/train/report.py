@@ -231,18 +231,18 @@ class RunReport:
         if saved is None or cfg.lr_schedule_steps is not None:
             return
         saved = int(saved)
-        if saved != cfg.num_steps:
+        if saved != cfg.steps:
             t.cfg = dataclasses.replace(cfg, lr_schedule_steps=saved)
             final = t.cfg.lr_at(saved)
             tail = (
-                f"; steps {saved + 1}-{cfg.num_steps} run at its final {final:.2e}"
-                if cfg.num_steps > saved
+                f"; steps {saved + 1}-{cfg.steps} run at its final {final:.2e}"
+                if cfg.steps > saved
                 else ""
             )
             self.notes.append(
                 f"lr: the resumed run keeps the {cfg.lr_schedule} schedule of {saved} steps it "
-                f"was started with{tail} (pass --lr-schedule-steps {cfg.num_steps} to fit it "
-                f"to --steps {cfg.num_steps} instead)"
+                f"was started with{tail} (pass --lr-schedule-steps {cfg.steps} to fit it "
+                f"to --steps {cfg.steps} instead)"
             )
         else:
             t.cfg = dataclasses.replace(cfg, lr_schedule_steps=saved)
@@ -260,7 +260,7 @@ class RunReport:
         extras = [f"dtype {cfg.dtype}"]
         if cfg.ac != "none":
             extras.append(f"ac {cfg.ac}")
-        if cfg.sequence_parallel:
+        if cfg.sp:
             extras.append("sp")
         lines.append(
             f"mesh: {cfg.layout.describe()} ({ranks} rank(s) on {t.device.type}), "
@@ -272,18 +272,18 @@ class RunReport:
         per_epoch = batches_per_epoch(data)
         held = f" (and {self.held_out:,} held out for eval)" if self.held_out else ""
         lines.append(
-            f"data: {source}: {tokens:,} tokens{held}, {per_epoch * cfg.global_batch_size:,} "
+            f"data: {source}: {tokens:,} tokens{held}, {per_epoch * cfg.batch_size:,} "
             f"sequences of {cfg.seq_len} ({per_epoch} step(s) per pass)"
         )
-        remaining = max(0, cfg.num_steps - t.step)
+        remaining = max(0, cfg.steps - t.step)
         passes = remaining / per_epoch
         wrap = f"; the data starts over every {per_epoch} step(s)" if passes > 1 else ""
         lines.append(
-            f"run: steps {t.step + 1}-{cfg.num_steps} ({remaining}) x {cfg.global_batch_size} "
+            f"run: steps {t.step + 1}-{cfg.steps} ({remaining}) x {cfg.batch_size} "
             f"sequences x {cfg.seq_len} tokens = {remaining * data.span:,} tokens, "
             f"{passes:.2f} pass(es) over the data{wrap}"
         )
-        total = cfg.lr_schedule_steps or cfg.num_steps
+        total = cfg.lr_schedule_steps or cfg.steps
         min_lr = 0.1 * cfg.lr if cfg.min_lr is None else cfg.min_lr
         lines.append(
             f"lr: {cfg.lr_schedule}, peak {cfg.lr:.2e} after {cfg.warmup_steps} warm-up "
@@ -326,12 +326,12 @@ class RunReport:
                 f"{len(t.data.tokens):,} tokens was seen)"
             )
         cfg = t.cfg
-        end = t.step == cfg.num_steps
+        end = t.step == cfg.steps
         if self.eval_data is not None and (
             end or (cfg.eval_every and t.step % cfg.eval_every == 0)
         ):
             loss = self.evaluate()
-            self.say(f"step {t.step:>5}/{cfg.num_steps} | eval loss {loss:.4f}")
+            self.say(f"step {t.step:>5}/{cfg.steps} | eval loss {loss:.4f}")
             if self.step_logger is not None and self.step_logger.writer is not None:
                 self.step_logger.writer.add_scalar("eval/loss", loss, t.step)
                 self.step_logger.writer.flush()
@@ -399,7 +399,7 @@ def _split(data: Any, cfg: Any) -> tuple[Any, Any]:
 
     array = data.array if isinstance(data, TokenBatches) else data.tokens
     cut = len(array) - round(cfg.eval_split * len(array))
-    sizes = {"global_batch_size": cfg.global_batch_size, "seq_len": cfg.seq_len}
+    sizes = {"global_batch_size": cfg.batch_size, "seq_len": cfg.seq_len}
     parts = []
     for name, piece in (("training", array[:cut]), ("held-out", array[cut:])):
         try:

@@ -151,7 +151,7 @@ def build_data(cfg: Any, vocab_size: int | None) -> Any:
             eos=_eos(cfg),
         )
         return TokenBatches(
-            tokens, global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len, source=cfg.data
+            tokens, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len, source=cfg.data
         )
     except ValueError as e:
         e.same_on_every_rank = True  # type: ignore[attr-defined]  # the files every rank reads
@@ -256,10 +256,10 @@ class StepLogger:
             ) from None
         self.writer = SummaryWriter(cfg.tensorboard)
         self.device = device
-        self.tokens_per_step = cfg.global_batch_size * cfg.seq_len
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
         flops = train_flops_per_sequence(cfg)
         peak = peak_flops(device)
-        self.flops_per_step = None if flops is None else flops * cfg.global_batch_size
+        self.flops_per_step = None if flops is None else flops * cfg.batch_size
         self.peak_total = None if peak is None else peak * world_size
 
     @staticmethod

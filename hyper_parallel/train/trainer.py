@@ -28,7 +28,7 @@ Run it under ``torchrun`` (see :mod:`hyper_parallel.train.run`) or in one proces
 
     from hyper_parallel.train import TrainConfig, train
 
-    result = train(TrainConfig(num_steps=10))  # one process: no process group needed
+    result = train(TrainConfig(steps=10))  # one process: no process group needed
     print(result.losses[-1])
 """
 
@@ -109,10 +109,10 @@ class TrainConfig:
             ``cp, tp, ep``, e.g. ``{"dp_replicate": 2, "dp_shard": 2}`` (HSDP) or
             ``{"dp": 2, "tp": 2}``; missing axes are 1. ``pp x dp_replicate x dp_shard
             x cp x tp`` is the number of ranks; ``{}`` trains in one process.
-        sequence_parallel: Use the model's TP+SP layout instead of plain TP (needs
+        sp: Sequence parallel: use the model's TP+SP layout instead of plain TP (needs
             ``tp > 1`` and ``seq_len`` divisible by ``tp``).
-        num_steps: Optimizer steps to train for.
-        global_batch_size: Sequences per step over all data ranks (divisible by
+        steps: Optimizer steps to train for.
+        batch_size: Sequences per step over all data ranks (divisible by
             dp_replicate x dp_shard).
         seq_len: Tokens per sequence.
         lr: Peak learning rate of AdamW.
@@ -121,7 +121,7 @@ class TrainConfig:
         lr_schedule: ``"cosine"``, ``"linear"``, ``"constant"`` or ``"wsd"``
             (:mod:`hyper_parallel.train.schedule`), decaying to ``min_lr``.
         min_lr: The rate the schedule decays to; ``None``: 10 % of ``lr``.
-        lr_schedule_steps: The schedule's length in steps; ``None``: ``num_steps`` for
+        lr_schedule_steps: The schedule's length in steps; ``None``: ``steps`` for
             a new run, and for a resumed run the length it was started with.
         max_grad_norm: Clip the global gradient norm to this; ``0`` disables clipping.
         seed: Seeds initialization (same values at every mesh).
@@ -134,7 +134,7 @@ class TrainConfig:
         progress: Show a progress bar on rank 0 when stderr is a terminal.
         schedule: Pipeline schedule (torch's name) when ``pp > 1``: ``GPipe``,
             ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``.
-        num_microbatches: Micro-batches per step, with and without ``pp``: each
+        microbatches: Micro-batches per step, with and without ``pp``: each
             data-parallel rank's batch splits into that many equal micro-batches, run
             one after the other, gradients reduced once per step (gradient accumulation
             at ``pp=1``). ``None``: 1 at ``pp=1``, one per stage under ``pp`` (``pp`` x
@@ -179,9 +179,9 @@ class TrainConfig:
     model: str = "llama3-debug"
     model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     mesh: dict[str, int] = dataclasses.field(default_factory=dict)
-    sequence_parallel: bool = False
-    num_steps: int = 30
-    global_batch_size: int = 8
+    sp: bool = False
+    steps: int = 30
+    batch_size: int = 8
     seq_len: int = 64
     lr: float = 3e-3
     weight_decay: float = 0.1
@@ -195,7 +195,7 @@ class TrainConfig:
     log_every: int = 1
     progress: bool = True
     schedule: str = "1F1B"
-    num_microbatches: int | None = None
+    microbatches: int | None = None
     pipeline_split: dict[str, Any] | None = None
     compile: bool = False
     compile_backend: str = "inductor"
@@ -242,7 +242,7 @@ class TrainConfig:
             MeshLayout.from_sizes(self.mesh)
         except LayoutError as e:
             raise ValueError(f"TrainConfig.mesh {dict(self.mesh)}: {e}") from None
-        for name in ("num_steps", "global_batch_size", "seq_len"):
+        for name in ("steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}.")
         for name in ("warmup_steps", "checkpoint_every", "log_every"):
@@ -258,9 +258,9 @@ class TrainConfig:
         raise_findings(
             switch_findings(
                 self.layout,
-                sequence_parallel=self.sequence_parallel,
+                sequence_parallel=self.sp,
                 seq_len=self.seq_len,
-                global_batch_size=self.global_batch_size,
+                global_batch_size=self.batch_size,
             ),
             "TrainConfig",
         )
@@ -284,10 +284,10 @@ class TrainConfig:
         return self.layout.tp
 
     @property
-    def microbatches(self) -> int:
-        """Micro-batches per step (``num_microbatches``; else 1, or one per pipeline stage)."""
-        if self.num_microbatches is not None:
-            return self.num_microbatches
+    def resolved_microbatches(self) -> int:
+        """Micro-batches per step (``microbatches``; else 1, or one per pipeline stage)."""
+        if self.microbatches is not None:
+            return self.microbatches
         return default_num_microbatches(self.layout.pp, self.schedule)
 
     @property
@@ -324,7 +324,7 @@ class TrainConfig:
             step,
             lr=self.lr,
             warmup_steps=self.warmup_steps,
-            total_steps=self.lr_schedule_steps or self.num_steps,
+            total_steps=self.lr_schedule_steps or self.steps,
             min_lr=0.1 * self.lr if self.min_lr is None else self.min_lr,
             schedule=self.lr_schedule,
         )
@@ -434,7 +434,7 @@ def model_config(cfg: TrainConfig, tp: int | None = None) -> Any:
     layout = cfg.layout if tp is None else dataclasses.replace(cfg.layout, tp=tp)
     spec = get_spec(cfg.model)
     config = spec.config(**cfg.model_overrides)
-    return apply_model_axes(spec, config, layout, sequence_parallel=cfg.sequence_parallel)
+    return apply_model_axes(spec, config, layout, sequence_parallel=cfg.sp)
 
 
 def config_axes(config: Any) -> tuple[str, ...]:
@@ -459,15 +459,15 @@ def run_plan(
         layout,
         model_overrides=cfg.model_overrides,
         world_size=world_size,
-        sequence_parallel=cfg.sequence_parallel,
+        sequence_parallel=cfg.sp,
         compile=cfg.compile,
         compile_backend=cfg.compile_backend,
         ac=cfg.ac,
         dtype=cfg.dtype,
         schedule=cfg.schedule,
-        num_microbatches=cfg.num_microbatches,
-        batch_size=cfg.global_batch_size // layout.size("batch"),
-        global_batch_size=cfg.global_batch_size,
+        num_microbatches=cfg.microbatches,
+        batch_size=cfg.batch_size // layout.size("batch"),
+        global_batch_size=cfg.batch_size,
         seq_len=cfg.seq_len,
         pipeline_split=cfg.pipeline_split,
     )
@@ -696,7 +696,7 @@ class Trainer:
             not match the process group.
 
     Example:
-        >>> trainer = Trainer(TrainConfig(num_steps=4, log_every=0))
+        >>> trainer = Trainer(TrainConfig(steps=4, log_every=0))
         >>> result = trainer.fit()
     """
 
@@ -770,9 +770,7 @@ class Trainer:
                     f"data is bytes (vocabulary {VOCAB_SIZE}); override vocab_size >= "
                     f"{VOCAB_SIZE}, or train on --data with a tokenizer."
                 )
-            self.data = TextBatches(
-                tokens, global_batch_size=cfg.global_batch_size, seq_len=cfg.seq_len
-            )
+            self.data = TextBatches(tokens, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len)
         self.step = 0
         self.resumed_from = 0
         self.step_callback = step_callback
@@ -795,7 +793,7 @@ class Trainer:
             "data_position": data["position"],
             "data_epoch": data["epoch"],
             "model_json": run_hooks.model_record(self.cfg),
-            "lr_schedule_steps": self.cfg.lr_schedule_steps or self.cfg.num_steps,
+            "lr_schedule_steps": self.cfg.lr_schedule_steps or self.cfg.steps,
         }
 
     def save(self, path: str | None = None) -> str:
@@ -965,15 +963,15 @@ class Trainer:
         return float(value)
 
     def fit(self, until_step: int | None = None) -> TrainResult:
-        """Train from the current step to ``until_step`` (default ``cfg.num_steps``).
+        """Train from the current step to ``until_step`` (default ``cfg.steps``).
 
         Saves a checkpoint every ``cfg.checkpoint_every`` steps and after the last step
         of the run (when ``cfg.checkpoint_dir`` is set); logs on rank 0.
         """
         cfg = self.cfg
-        end = cfg.num_steps if until_step is None else min(until_step, cfg.num_steps)
+        end = cfg.steps if until_step is None else min(until_step, cfg.steps)
         is_logger = self.rank == 0
-        progress = _Progress(cfg.num_steps, self.step, cfg.progress and is_logger)
+        progress = _Progress(cfg.steps, self.step, cfg.progress and is_logger)
         if cfg.resume and not self.resumed_from and not self.report.started:
             self.report.notes.append(f"no checkpoint in {cfg.checkpoint_dir}; starting at step 0")
         self.report.start()
@@ -996,7 +994,7 @@ class Trainer:
             progress.update(self.step, loss)
             if is_logger and cfg.log_every and self.step % cfg.log_every == 0:
                 tokens_per_second = (
-                    cfg.global_batch_size * cfg.seq_len * len(steps) / (time.perf_counter() - t0)
+                    cfg.batch_size * cfg.seq_len * len(steps) / (time.perf_counter() - t0)
                 )
                 self._log(loss, grad_norm, tokens_per_second, progress)
             every = cfg.checkpoint_every
@@ -1011,7 +1009,7 @@ class Trainer:
                 self.step_callback(self.step, loss)
         progress.close()
         logger.close()
-        if self.step == cfg.num_steps and cfg.save_hf:
+        if self.step == cfg.steps and cfg.save_hf:
             saving = time.perf_counter()
             run_hooks.save_weights(cfg, self.model_parts)
             self.report.exported(cfg.save_hf, time.perf_counter() - saving)
@@ -1030,7 +1028,7 @@ class Trainer:
         if progress.enabled:
             sys.stderr.write("\r")  # the log line replaces the bar; the bar redraws after
         self.report.say(
-            f"step {self.step:>5}/{self.cfg.num_steps} | loss {loss:.4f} | grad_norm "
+            f"step {self.step:>5}/{self.cfg.steps} | loss {loss:.4f} | grad_norm "
             f"{grad_norm:.3f} | lr {self.cfg.lr_at(self.step - 1):.2e} | "
             f"{tokens_per_second:,.0f} tok/s"
         )
@@ -1046,13 +1044,13 @@ def train(
     device: torch.device | str | None = None,
     step_callback: Callable[[int, float], None] | None = None,
 ) -> TrainResult:
-    """Build a :class:`Trainer` for ``cfg`` and train to ``cfg.num_steps``.
+    """Build a :class:`Trainer` for ``cfg`` and train to ``cfg.steps``.
 
     Under ``torchrun`` (or any initialized process group) call it on every rank with
     a mesh whose sizes multiply to the world size; in one process use ``mesh={}``.
 
     Example:
-        >>> result = train(TrainConfig(num_steps=2, log_every=0))
+        >>> result = train(TrainConfig(steps=2, log_every=0))
         >>> len(result.losses)
         2
     """

@@ -23,7 +23,7 @@ from tests._compare import FP32_RTOL, check, diffs
 pytestmark = pytest.mark.distributed
 WORLD_SIZE = 4
 MICROBATCHES = 4
-SMALL = dict(num_steps=1, global_batch_size=8, seq_len=32, log_every=0, progress=False)
+SMALL = dict(steps=1, batch_size=8, seq_len=32, log_every=0, progress=False)
 
 CASES = {
     "dp_shard_tp": dict(SMALL, mesh={"dp_shard": 2, "tp": 2}),
@@ -32,7 +32,7 @@ CASES = {
         SMALL,
         model="qwen3-moe-debug",
         mesh={"dp_replicate": 2, "dp_shard": 2, "ep": 2},
-        global_batch_size=16,  # 4 sequences per data-parallel rank: 4 micro-batches
+        batch_size=16,  # 4 sequences per data-parallel rank: 4 micro-batches
         seq_len=16,
     ),
 }
@@ -82,7 +82,7 @@ def _first_step(cfg_dict: dict) -> dict | None:
 def _one_device_on_rank0(cfg_dict: dict) -> dict | None:
     if c10d.get_rank() != 0:
         return None
-    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, num_microbatches=1, ac="none")
+    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, microbatches=1, ac="none")
     return _single(cfg)
 
 
@@ -98,7 +98,7 @@ def _single(cfg: TrainConfig) -> dict:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_four_microbatches_match_one_forward_on_one_device(dist, case: str) -> None:
-    cfg = dict(CASES[case], num_microbatches=MICROBATCHES)
+    cfg = dict(CASES[case], microbatches=MICROBATCHES)
     got = dist.run(_first_step, cfg)[0]
     ref = dist.run(_one_device_on_rank0, cfg)[0]
     assert got["steps"] == MICROBATCHES

@@ -45,7 +45,7 @@ def _states(cfg_dict: dict) -> dict:
 
 @pytest.mark.parametrize("mesh", [DP_SHARD_CP, HSDP_CP], ids=["dp_shard2_cp2", "hsdp2_cp2"])
 def test_step_and_training_match_one_process(dist, mesh):
-    cfg = TrainConfig(mesh=mesh, num_steps=2, **SMALL)
+    cfg = TrainConfig(mesh=mesh, steps=2, **SMALL)
     sharded = dist.run(_step_then_train, cfg.to_dict())[0]
     single = dist.run(_step_then_train_one_process_on_rank0, cfg.to_dict())[0]
     _assert_step_and_training_match(sharded, single)

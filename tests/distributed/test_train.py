@@ -30,7 +30,7 @@ from tests._compare import diffs as grad_diffs
 pytestmark = pytest.mark.distributed
 WORLD_SIZE = 4
 
-SMALL = {"global_batch_size": 4, "seq_len": 32, "log_every": 0, "progress": False}
+SMALL = {"batch_size": 4, "seq_len": 32, "log_every": 0, "progress": False}
 DP2_TP2 = {"dp": 2, "tp": 2}
 HSDP = {"dp_replicate": 2, "dp_shard": 2}
 CP2_TP2 = {"cp": 2, "tp": 2}
@@ -102,14 +102,14 @@ def _step_then_train(cfg_dict: dict) -> dict | None:
 def _step_then_train_one_process_on_rank0(cfg_dict: dict) -> dict | None:
     if dist_c10d.get_rank() != 0:
         return None
-    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sequence_parallel=False)
+    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sp=False)
     return _step_then_train(cfg.to_dict())
 
 
 def _train_one_process_on_rank0(cfg_dict: dict) -> dict | None:
     if dist_c10d.get_rank() != 0:
         return None
-    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sequence_parallel=False)
+    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sp=False)
     return _train(cfg.to_dict())
 
 
@@ -256,7 +256,7 @@ def uninterrupted(dist, tmp_path_factory):
     checkpoint_dir = tmp_path_factory.mktemp("uninterrupted")
     cfg = TrainConfig(
         mesh=DP2_TP2,
-        num_steps=6,
+        steps=6,
         checkpoint_dir=str(checkpoint_dir),
         checkpoint_every=2,
         **SMALL,
@@ -269,7 +269,7 @@ def uninterrupted(dist, tmp_path_factory):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
 def test_dp_tp_training_matches_one_process(dist, sequence_parallel):
-    cfg = TrainConfig(mesh=DP2_TP2, sequence_parallel=sequence_parallel, num_steps=4, **SMALL)
+    cfg = TrainConfig(mesh=DP2_TP2, sp=sequence_parallel, steps=4, **SMALL)
     sharded = dist.run(_train, cfg.to_dict())[0]
     single = dist.run(_train_one_process_on_rank0, cfg.to_dict())[0]
     diffs = [abs(a - b) for a, b in zip(sharded["losses"], single["losses"], strict=True)]
@@ -301,9 +301,7 @@ def _assert_step_and_training_match(sharded: dict, single: dict) -> None:
     ids=["hsdp", "cp2_tp2", "cp2_tp2_sp", "qwen3_dp2_tp2"],
 )
 def test_step_and_training_match_one_process(dist, mesh, sequence_parallel, model):
-    cfg = TrainConfig(
-        model=model, mesh=mesh, sequence_parallel=sequence_parallel, num_steps=3, **SMALL
-    )
+    cfg = TrainConfig(model=model, mesh=mesh, sp=sequence_parallel, steps=3, **SMALL)
     sharded = dist.run(_step_then_train, cfg.to_dict())[0]
     single = dist.run(_step_then_train_one_process_on_rank0, cfg.to_dict())[0]
     _assert_step_and_training_match(sharded, single)
@@ -317,7 +315,7 @@ def test_clip_grad_norm_across_meshes(dist):
 
 def test_checkpoint_reshards_bitwise_to_tp4_and_one_process(dist, tmp_path):
     path = str(tmp_path / "ckpt")
-    cfg = TrainConfig(mesh=DP2_TP2, num_steps=2, model_overrides=FOUR_HEADS, **SMALL)
+    cfg = TrainConfig(mesh=DP2_TP2, steps=2, model_overrides=FOUR_HEADS, **SMALL)
     saved = dist.run(_train_and_save, cfg.to_dict(), path)[0]
     at_tp4 = dist.run(_load, cfg.replace(mesh={"tp": 4}).to_dict(), path)[0]
     _assert_bitwise_equal(at_tp4, saved)
@@ -331,7 +329,7 @@ def test_checkpoint_reshards_bitwise_to_tp4_and_one_process(dist, tmp_path):
 
 def test_hsdp_checkpoint_reshards_bitwise_to_dp_shard4_and_one_process(dist, tmp_path):
     path = str(tmp_path / "ckpt")
-    cfg = TrainConfig(mesh=HSDP, num_steps=2, **SMALL)
+    cfg = TrainConfig(mesh=HSDP, steps=2, **SMALL)
     saved = dist.run(_train_and_save, cfg.to_dict(), path)[0]
     at_dp4 = dist.run(_load, cfg.replace(mesh={"dp_shard": 4}).to_dict(), path)[0]
     _assert_bitwise_equal(at_dp4, saved)
@@ -344,7 +342,7 @@ def test_hsdp_checkpoint_reshards_bitwise_to_dp_shard4_and_one_process(dist, tmp
 
 def test_cp_tp_checkpoint_reshards_bitwise_to_tp4(dist, tmp_path):
     path = str(tmp_path / "ckpt")
-    cfg = TrainConfig(mesh=CP2_TP2, num_steps=2, model_overrides=FOUR_HEADS, **SMALL)
+    cfg = TrainConfig(mesh=CP2_TP2, steps=2, model_overrides=FOUR_HEADS, **SMALL)
     saved = dist.run(_train_and_save, cfg.to_dict(), path)[0]
     at_tp4 = dist.run(_load, cfg.replace(mesh={"tp": 4}).to_dict(), path)[0]
     _assert_bitwise_equal(at_tp4, saved)
@@ -378,9 +376,9 @@ def test_killed_rank_restarts_from_last_checkpoint(uninterrupted, tmp_path):
         "--mesh",
         "dp=2,tp=2",
         "--steps",
-        str(cfg.num_steps),
+        str(cfg.steps),
         "--batch-size",
-        str(cfg.global_batch_size),
+        str(cfg.batch_size),
         "--seq-len",
         str(cfg.seq_len),
         "--checkpoint-dir",
@@ -406,7 +404,7 @@ def test_killed_rank_restarts_from_last_checkpoint(uninterrupted, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert marker.exists(), "the planted failure never happened"
     result = json.loads(metrics.read_text())
-    assert result["resumed_from"] == 4 and result["final_step"] == cfg.num_steps
+    assert result["resumed_from"] == 4 and result["final_step"] == cfg.steps
     assert result["losses"] == expected["losses"][4:]
     final = latest_checkpoint(checkpoint_dir)
     assert final is not None and final.endswith("step_000006")
@@ -436,7 +434,7 @@ def test_resume_at_another_mesh_continues_the_same_loss_curve(dist, tmp_path):
     # Saved at dp=2 x tp=2 after 3 steps, resumed at tp=4 (optimizer state resharded).
     cfg = TrainConfig(
         mesh=DP2_TP2,
-        num_steps=5,
+        steps=5,
         checkpoint_dir=str(tmp_path),
         checkpoint_every=3,
         model_overrides=FOUR_HEADS,
@@ -459,7 +457,7 @@ def test_moe_checkpoint_resumes_bitwise_and_at_another_ep(dist, tmp_path):
     # ends bitwise where the uninterrupted run ends; resumed at ep=2 (from ep=4) it
     # continues the same loss curve.
     mesh = {"dp_shard": 4, "ep": 4}
-    cfg = TrainConfig(mesh=mesh, num_steps=4, checkpoint_every=2, **MOE, **SMALL)
+    cfg = TrainConfig(mesh=mesh, steps=4, checkpoint_every=2, **MOE, **SMALL)
     whole = dist.run(_train, cfg.to_dict())[0]
     same = cfg.replace(checkpoint_dir=str(tmp_path / "same"))
     r = dist.run(_stop_then_resume_at, same.to_dict(), 2, mesh)[0]

@@ -22,7 +22,7 @@ WORLD_SIZE = 8
 
 
 def test_dp_shard_cp_tp_step_and_training_match_one_process(dist):
-    cfg = TrainConfig(mesh={"dp_shard": 2, "cp": 2, "tp": 2}, num_steps=2, **SMALL)
+    cfg = TrainConfig(mesh={"dp_shard": 2, "cp": 2, "tp": 2}, steps=2, **SMALL)
     sharded = dist.run(_step_then_train, cfg.to_dict())[0]
     single = dist.run(_step_then_train_one_process_on_rank0, cfg.to_dict())[0]
     _assert_step_and_training_match(sharded, single)
@@ -44,7 +44,7 @@ def _shard_fractions(cfg_dict: dict) -> dict[str, tuple[int, int, int]]:
 
 def test_dense_states_are_sharded_over_dp_shard_times_cp(dist):
     # FSDP2 shards every dense state over fsdp = dp_shard x cp (4 ranks), on top of tp.
-    cfg = TrainConfig(mesh={"dp_shard": 2, "cp": 2, "tp": 2}, num_steps=1, **SMALL)
+    cfg = TrainConfig(mesh={"dp_shard": 2, "cp": 2, "tp": 2}, steps=1, **SMALL)
     for fractions in dist.run(_shard_fractions, cfg.to_dict()):
         for name, (full, local, tp_ways) in fractions.items():
             assert local * 2 * 2 * tp_ways == full, (name, full, local, tp_ways)

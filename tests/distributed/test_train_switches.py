@@ -22,7 +22,7 @@ from tests._compare import BF16_GRAD_RTOL, FP32_RTOL, check, diffs, worst_abs
 
 pytestmark = pytest.mark.distributed
 WORLD_SIZE = 2
-SMALL = dict(num_steps=3, global_batch_size=4, seq_len=32, log_every=0, progress=False)
+SMALL = dict(steps=3, batch_size=4, seq_len=32, log_every=0, progress=False)
 
 
 def _keep_first(grads: dict):
@@ -59,7 +59,7 @@ def _train(cfg_dict: dict) -> dict:
 def _one_process_on_rank0(cfg_dict: dict) -> list[float] | None:
     if c10d.get_rank() != 0:
         return None
-    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sequence_parallel=False)
+    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sp=False)
     return Trainer(cfg, device="cpu").fit().losses
 
 
@@ -74,13 +74,13 @@ def _first_grads(cfg_dict: dict) -> dict:
 def _fp32_one_process_grads_on_rank0(cfg_dict: dict) -> dict | None:
     if c10d.get_rank() != 0:
         return None
-    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sequence_parallel=False, dtype="fp32")
+    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sp=False, dtype="fp32")
     return _first_grads(cfg.to_dict())
 
 
 @pytest.fixture(scope="module")
 def runs(dist):
-    tp_sp = dict(SMALL, mesh={"tp": 2}, sequence_parallel=True, dtype="bf16")
+    tp_sp = dict(SMALL, mesh={"tp": 2}, sp=True, dtype="bf16")
     fsdp = dict(SMALL, mesh={"dp": 2}, dtype="bf16")
     return {
         "tp_sp": dist.run(_train, tp_sp)[0],
@@ -122,7 +122,7 @@ def _first_grads_on_rank0_of(cfg_dict: dict) -> dict | None:
 def _one_process_first_grads_on_rank0(cfg_dict: dict) -> dict | None:
     if c10d.get_rank() != 0:
         return None
-    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sequence_parallel=False, ac="none")
+    cfg = TrainConfig.from_dict(cfg_dict).replace(mesh={}, sp=False, ac="none")
     return _first_grads(cfg.to_dict())
 
 

@@ -39,13 +39,13 @@ def validate_argv(cfg: dict[str, Any]) -> list[str]:
     mesh = ",".join(f"{k}={v}" for k, v in cfg["mesh"].items()) or "dp_shard=1"
     dp = cfg["mesh"].get("dp_replicate", 1) * cfg["mesh"].get("dp_shard", 1)
     argv = ["validate", "--model", cfg["model"], "--mesh", mesh]
-    argv += ["--batch", str(cfg["global_batch_size"] // dp), "--seq", str(cfg["seq_len"])]
-    if cfg.get("sequence_parallel"):
+    argv += ["--batch", str(cfg["batch_size"] // dp), "--seq", str(cfg["seq_len"])]
+    if cfg.get("sp"):
         argv.append("--sp")
     if "schedule" in cfg:
         argv += ["--schedule", cfg["schedule"]]
-    if cfg.get("num_microbatches") is not None:
-        argv += ["--microbatches", str(cfg["num_microbatches"])]
+    if cfg.get("microbatches") is not None:
+        argv += ["--microbatches", str(cfg["microbatches"])]
     if cfg.get("compile"):
         argv.append("--compile")
     if cfg.get("pipeline_split") is not None:
@@ -61,7 +61,7 @@ def plan_argv(cfg: dict[str, Any]) -> list[str] | None:
     argv = validate_argv(cfg)
     argv[0] = "plan"
     pp = cfg["mesh"].get("pp", 1)
-    microbatches = cfg.get("num_microbatches") or default_num_microbatches(
+    microbatches = cfg.get("microbatches") or default_num_microbatches(
         pp, cfg.get("schedule", "1F1B")
     )
     at = argv.index("--batch") + 1
@@ -196,10 +196,10 @@ def train_vs_one_device(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
         return None
     one = cfg.replace(
         mesh={},
-        sequence_parallel=False,
+        sp=False,
         compile=False,
         ac="none",
-        num_microbatches=None,
+        microbatches=None,
         pipeline_split=None,
         schedule="1F1B",
     )

@@ -142,9 +142,9 @@ class Config:
         out: dict[str, Any] = dict(
             model=s["family"],
             mesh=self.mesh,
-            sequence_parallel=s["sp"],
-            num_steps=2,
-            global_batch_size=GLOBAL_BATCH,
+            sp=s["sp"],
+            steps=2,
+            batch_size=GLOBAL_BATCH,
             seq_len=SEQ_LEN,
             log_every=0,
             progress=False,
@@ -157,7 +157,7 @@ class Config:
             out["schedule"] = s["pipeline"]
             out["pipeline_split"] = split
         if s["microbatches"] != "default":
-            out["num_microbatches"] = s["microbatches"]
+            out["microbatches"] = s["microbatches"]
         if s["family"] == "qwen3-moe-debug":
             # The balance loss on, so its gradients through every axis are compared too.
             out["model_overrides"] = {"aux_loss_coef": 0.1}

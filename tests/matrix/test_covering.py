@@ -96,4 +96,4 @@ def test_matrix_runs_are_on_four_ranks_and_a_few_on_eight():
     for c in configs:
         assert set(SWITCHES) <= set(c.switches)
         cfg = c.train_config()
-        assert cfg["num_steps"] == 2 and cfg["model"] == c.switches["family"]
+        assert cfg["steps"] == 2 and cfg["model"] == c.switches["family"]

@@ -20,7 +20,7 @@ def _cfg(global_batch: int | None = None, **switches) -> dict:
     row.update(switches)
     cfg = Config(0, row).train_config()
     if global_batch is not None:
-        cfg["global_batch_size"] = global_batch
+        cfg["batch_size"] = global_batch
     return cfg
 
 

@@ -20,7 +20,7 @@ from hyper_parallel.train.run import full_gradients
 from hyper_parallel.train.trainer import check_config
 from tests._compare import FP32_RTOL, check, diffs
 
-SMALL = dict(num_steps=1, global_batch_size=8, seq_len=32, log_every=0, progress=False)
+SMALL = dict(steps=1, batch_size=8, seq_len=32, log_every=0, progress=False)
 
 
 def _first_step(model: str, microbatches: int) -> tuple[float, dict]:
@@ -29,7 +29,7 @@ def _first_step(model: str, microbatches: int) -> tuple[float, dict]:
     def keep(step: int, parts: list) -> None:
         grads.update(full_gradients(parts))
 
-    cfg = TrainConfig(model=model, num_microbatches=microbatches, **SMALL)
+    cfg = TrainConfig(model=model, microbatches=microbatches, **SMALL)
     trainer = Trainer(cfg, device="cpu", grad_callback=keep)
     assert trainer.run.accumulation_steps == microbatches
     loss, _ = trainer.train_step()
@@ -53,7 +53,7 @@ def test_accumulation_steps_are_the_microbatches_at_pp1_only() -> None:
 
 
 def test_microbatches_that_do_not_divide_the_local_batch_are_refused_before_building() -> None:
-    cfg = TrainConfig(mesh={"dp_shard": 2}, global_batch_size=8, num_microbatches=3)
+    cfg = TrainConfig(mesh={"dp_shard": 2}, batch_size=8, microbatches=3)
     errors = check_config(cfg)
     assert [f.field for f in errors] == ["num_microbatches"]
     text = str(errors[0])

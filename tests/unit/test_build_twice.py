@@ -17,7 +17,7 @@ MESH = {"dp_shard": 2, "cp": 2}
 
 
 def _build(model: str, mesh) -> list[str]:
-    cfg = TrainConfig(model=model, mesh=MESH, global_batch_size=4, seq_len=16)
+    cfg = TrainConfig(model=model, mesh=MESH, batch_size=4, seq_len=16)
     model = build_parallel_model(cfg, mesh, "cpu")
     return [path for path, _ in fsdp_units(model)]
 

@@ -23,14 +23,14 @@ from hyper_parallel.train.checkpoint import (
     verify_checkpoint,
 )
 
-TINY = {"global_batch_size": 4, "seq_len": 16, "log_every": 0, "progress": False}
+TINY = {"batch_size": 4, "seq_len": 16, "log_every": 0, "progress": False}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """4 steps, checkpoints at 2 and 4; and the same 4 steps uninterrupted, no checkpoints."""
     ckpt = tmp_path_factory.mktemp("ckpt")
-    cfg = TrainConfig(num_steps=4, checkpoint_dir=str(ckpt), checkpoint_every=2, **TINY)
+    cfg = TrainConfig(steps=4, checkpoint_dir=str(ckpt), checkpoint_every=2, **TINY)
     whole = Trainer(cfg.replace(checkpoint_dir=None), device="cpu")
     result = whole.fit()
     Trainer(cfg, device="cpu").fit()

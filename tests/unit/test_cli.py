@@ -185,7 +185,7 @@ def test_sequence_parallel_without_tp_is_the_run_plans_finding(capsys, command):
     from hyper_parallel.train import TrainConfig
 
     with pytest.raises(ValueError) as e:
-        TrainConfig(mesh={"dp_shard": 2}, sequence_parallel=True, seq_len=16)
+        TrainConfig(mesh={"dp_shard": 2}, sp=True, seq_len=16)
     finding = str(e.value).splitlines()[-1].strip()
     argv = [command, "--model", "llama3-debug", "--mesh", "dp=2", "--sp", "--seq", "16"]
     code, out, err = run_cli(capsys, *argv)

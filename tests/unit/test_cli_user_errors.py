@@ -277,7 +277,7 @@ def test_trainer_usage_errors(capsys, tmp_path):
     _, err = capsys.readouterr()
     assert "cannot read it" in err and "Traceback" not in err
     assert _train(["--steps", "0"]) == 2
-    assert "num_steps must be >= 1" in capsys.readouterr().err
+    assert "steps must be >= 1" in capsys.readouterr().err
     assert _train(["--resume", "--steps", "1"]) == 2
     assert "needs a checkpoint_dir" in capsys.readouterr().err
 

@@ -69,9 +69,7 @@ def test_plan_with_cp_shards_experts_over_efsdp_spanning_cp_ranks(capsys) -> Non
 def test_trainer_gate_refuses_what_expert_parallelism_does_not_run(mesh, message) -> None:
     from hyper_parallel.distributed import MeshLayout
 
-    cfg = TrainConfig(
-        model="qwen3-moe-debug", mesh=MeshLayout.parse(mesh).active(), global_batch_size=12
-    )
+    cfg = TrainConfig(model="qwen3-moe-debug", mesh=MeshLayout.parse(mesh).active(), batch_size=12)
     findings = check_config(cfg)
     assert any(message in f.message for f in findings), [str(f) for f in findings]
     assert all(f.fix for f in findings)
@@ -99,7 +97,7 @@ def test_ep_with_a_split_backward_schedule_is_refused_by_trainer_and_validate(sc
     from hyper_parallel.analysis import validate
 
     mesh = {"pp": 2, "dp_shard": 2, "ep": 2}
-    cfg = TrainConfig(model="qwen3-moe-debug", mesh=mesh, schedule=schedule, num_microbatches=4)
+    cfg = TrainConfig(model="qwen3-moe-debug", mesh=mesh, schedule=schedule, microbatches=4)
     findings = check_config(cfg)
     assert [(f.field, f.path) for f in findings] == [("ep", "mesh")], [str(f) for f in findings]
     assert "input- and weight-gradient steps" in findings[0].message

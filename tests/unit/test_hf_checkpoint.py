@@ -343,8 +343,8 @@ def test_export_hf_of_our_own_preset_loads_in_transformers_with_equal_logits(mod
     from hyper_parallel.train import TrainConfig, Trainer
 
     cfg = TrainConfig(
-        model=model, model_overrides={"num_layers": 1}, num_steps=1, log_every=0,
-        progress=False, checkpoint_dir=str(tmp_path / "ckpt"), global_batch_size=2, seq_len=16,
+        model=model, model_overrides={"num_layers": 1}, steps=1, log_every=0,
+        progress=False, checkpoint_dir=str(tmp_path / "ckpt"), batch_size=2, seq_len=16,
     )  # fmt: skip
     trainer = Trainer(cfg, device="cpu")
     trainer.fit()
@@ -364,7 +364,7 @@ def test_export_hf_without_a_model_record_asks_for_the_model(tmp_path, capsys):
     from hyper_parallel.cli import main
     from hyper_parallel.train import TrainConfig, Trainer, save_checkpoint
 
-    trainer = Trainer(TrainConfig(num_steps=1, log_every=0, progress=False), device="cpu")
+    trainer = Trainer(TrainConfig(steps=1, log_every=0, progress=False), device="cpu")
     save_checkpoint(tmp_path / "step_000001", model=trainer.model)  # no train record
     assert main(["export-hf", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "pass --model NAME" in capsys.readouterr().err

@@ -34,10 +34,10 @@ def test_a_job_file_holds_the_run_options_and_flags_override_it(tmp_path):
         "no-progress = true\n"
     )
     cfg = _config(job, "--steps", "9")
-    assert cfg.mesh == {"dp_shard": 2, "tp": 2} and cfg.num_steps == 9  # the flag wins
-    assert (cfg.global_batch_size, cfg.seq_len, cfg.lr_schedule) == (4, 16, "wsd")
+    assert cfg.mesh == {"dp_shard": 2, "tp": 2} and cfg.steps == 9  # the flag wins
+    assert (cfg.batch_size, cfg.seq_len, cfg.lr_schedule) == (4, 16, "wsd")
     assert cfg.model_overrides == {"num_layers": 1} and cfg.min_lr == 1e-5
-    assert cfg.sequence_parallel is True and cfg.progress is False
+    assert cfg.sp is True and cfg.progress is False
 
 
 @pytest.mark.parametrize(
@@ -59,6 +59,28 @@ def test_bad_job_files_name_the_key_and_the_fix(tmp_path, text, message):
         _config(job)
 
 
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("num_steps", "steps"),
+        ("global_batch_size", "batch_size"),
+        ("num_microbatches", "microbatches"),
+        ("sequence_parallel", "sp"),
+    ],
+)
+@pytest.mark.parametrize("suffix", [".toml", ".json"])
+def test_former_field_names_are_refused_with_the_flag_name(tmp_path, old, new, suffix):
+    # TrainConfig's fields carry the flags' names; the old names are unknown keys.
+    job = tmp_path / f"job{suffix}"
+    job.write_text(json.dumps({old: 2}) if suffix == ".json" else f"{old} = 2\n")
+    with pytest.raises(
+        ValueError, match=rf"unknown option\(s\) '{old}' \(did you mean '{new}'\?\)"
+    ):
+        _config(job)
+    with pytest.raises(TypeError, match=old):
+        TrainConfig(**{old: 2})
+
+
 def test_the_run_directory_keeps_the_resolved_config_version_and_commit(tmp_path, capsys):
     run_dir = tmp_path / "run"
     argv = ["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--no-progress"]
@@ -77,6 +99,6 @@ def test_the_run_directory_keeps_the_resolved_config_version_and_commit(tmp_path
 
 def test_a_json_file_of_trainconfig_fields_still_reads(tmp_path):
     path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(TrainConfig(num_steps=5, seed=3).to_dict()))
+    path.write_text(json.dumps(TrainConfig(steps=5, seed=3).to_dict()))
     cfg = _config(path, "--seed", "4")
-    assert (cfg.num_steps, cfg.seed) == (5, 4)
+    assert (cfg.steps, cfg.seed) == (5, 4)

@@ -51,7 +51,7 @@ def _expert_dtypes(cfg: TrainConfig, pp: int) -> list[set[torch.dtype]]:
 
 
 def test_experts_compute_in_bf16_at_pp2_exactly_as_at_pp1() -> None:
-    base = TrainConfig(model="qwen3-moe-debug", dtype="bf16", global_batch_size=4)
+    base = TrainConfig(model="qwen3-moe-debug", dtype="bf16", batch_size=4)
     flat = _expert_dtypes(base.replace(mesh={"dp_shard": 2, "ep": 2}), pp=1)
     piped = _expert_dtypes(base.replace(mesh={"pp": 2, "dp_shard": 2, "ep": 2}), pp=2)
     assert flat and all(d == {torch.bfloat16} for d in flat), flat

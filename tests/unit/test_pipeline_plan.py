@@ -288,7 +288,7 @@ def test_the_trainer_balances_by_flops_when_asked():
 
     cfg = TrainConfig(
         mesh={"pp": 3},
-        global_batch_size=6,
+        batch_size=6,
         model_overrides={"num_layers": 4},
         seq_len=64,
         pipeline_split={"balance": "flops"},

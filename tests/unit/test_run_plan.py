@@ -104,11 +104,11 @@ def _trainer(run: Run) -> set[str]:
     cfg = TrainConfig(
         model=run.model,
         mesh=run.layout.active(),
-        sequence_parallel=run.sp,
+        sp=run.sp,
         schedule=run.schedule,
-        num_microbatches=run.microbatches,
+        microbatches=run.microbatches,
         seq_len=run.seq,
-        global_batch_size=run.batch,
+        batch_size=run.batch,
     )
     return {str(f) for f in check_config(cfg)}
 
@@ -228,7 +228,7 @@ def test_the_micro_batch_default_is_one_rule() -> None:
     ):
         layout = MeshLayout.parse(mesh)
         cfg = TrainConfig(mesh=layout.active(), schedule=schedule)
-        assert cfg.microbatches == expected
+        assert cfg.resolved_microbatches == expected
         if layout.pp > 1:
             run = RunPlan.for_model(LLAMA, layout, schedule=schedule, batch_size=4)
             assert run.num_microbatches == expected

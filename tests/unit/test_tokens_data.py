@@ -60,7 +60,7 @@ def corpus(tmp_path_factory):
 TINY = dict(
     model="llama3-debug",
     model_overrides={"vocab_size": 320, "num_layers": 1},
-    global_batch_size=4,
+    batch_size=4,
     seq_len=16,
     log_every=0,
     progress=False,
@@ -160,9 +160,9 @@ def test_trainer_on_a_token_file_resumes_the_exact_stream(tmp_path):
     path = write_token_file(
         np.random.default_rng(0).integers(0, 320, 5000).astype(np.uint32), str(tmp_path / "c.bin")
     )
-    straight = Trainer(TrainConfig(data=path, num_steps=4, **TINY), device="cpu").fit().losses
+    straight = Trainer(TrainConfig(data=path, steps=4, **TINY), device="cpu").fit().losses
     ckpt = str(tmp_path / "ckpt")
-    cfg = TrainConfig(data=path, num_steps=4, checkpoint_dir=ckpt, **TINY)
+    cfg = TrainConfig(data=path, steps=4, checkpoint_dir=ckpt, **TINY)
     Trainer(cfg, device="cpu").fit(until_step=2)
     resumed = Trainer(cfg.replace(resume=True), device="cpu").fit()
     assert resumed.resumed_from == 2
@@ -175,7 +175,7 @@ def test_tensorboard_gets_loss_lr_grad_norm_tokens_per_s_mfu_and_memory(tmp_path
 
     monkeypatch.setenv("HYPER_PARALLEL_PEAK_TFLOPS", "1")
     cfg = TrainConfig(
-        num_steps=2,
+        steps=2,
         tensorboard=str(tmp_path / "tb"),
         **{**TINY, "model_overrides": {"num_layers": 1}},
     )

@@ -29,7 +29,7 @@ from hyper_parallel.train import (
 )
 from hyper_parallel.train.run import add_train_arguments, config_from_args, main, parse_mesh
 
-TINY = {"global_batch_size": 4, "seq_len": 16, "log_every": 0, "progress": False}
+TINY = {"batch_size": 4, "seq_len": 16, "log_every": 0, "progress": False}
 
 
 # ---------------------------------------------------------------------- data
@@ -97,7 +97,7 @@ def test_batch_errors_name_the_fix():
 
 
 def test_config_round_trips_through_a_dict():
-    cfg = TrainConfig(mesh={"dp": 2, "tp": 2}, sequence_parallel=True, num_steps=5)
+    cfg = TrainConfig(mesh={"dp": 2, "tp": 2}, sp=True, steps=5)
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     assert (cfg.dp, cfg.tp, cfg.world_size) == (2, 2, 4)
 
@@ -112,10 +112,10 @@ def test_config_round_trips_through_a_dict():
             {"mesh": {"dp": 3}},
             "global_batch_size=8 is not divisible by dp_replicate x dp_shard = 3",
         ),
-        ({"sequence_parallel": True}, "sequence_parallel needs tp > 1"),
-        ({"mesh": {"tp": 3}, "sequence_parallel": True}, "seq_len divisible by tp"),
+        ({"sp": True}, "sequence_parallel needs tp > 1"),
+        ({"mesh": {"tp": 3}, "sp": True}, "seq_len divisible by tp"),
         ({"resume": True}, "needs a checkpoint_dir"),
-        ({"num_steps": 0}, "num_steps must be >= 1"),
+        ({"steps": 0}, "steps must be >= 1"),
     ],
 )
 def test_config_rejects_inconsistent_values(changes, message):
@@ -129,7 +129,7 @@ def test_config_from_dict_rejects_unknown_fields():
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
-    cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1.0)
+    cfg = TrainConfig(steps=10, warmup_steps=2, lr=1.0)
     lrs = [cfg.lr_at(s) for s in range(10)]
     assert lrs[:3] == [0.5, 1.0, 1.0]
     assert all(a >= b for a, b in itertools.pairwise(lrs[2:]))
@@ -148,11 +148,11 @@ def test_parse_mesh():
 
 def test_command_line_options_override_the_config_file(tmp_path):
     path = tmp_path / "cfg.json"
-    path.write_text('{"num_steps": 7, "seed": 3}')
+    path.write_text('{"steps": 7, "seed": 3}')
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     cfg = config_from_args(parser.parse_args(["--config", str(path), "--steps", "9"]), 4)
-    assert (cfg.num_steps, cfg.seed, cfg.mesh) == (9, 3, {"dp_shard": 4})
+    assert (cfg.steps, cfg.seed, cfg.mesh) == (9, 3, {"dp_shard": 4})
 
 
 def test_mesh_without_a_process_group_says_how_to_launch():
@@ -205,7 +205,7 @@ def test_one_process_build_is_seeded():
 
 
 def test_checkpoint_round_trip_in_one_process(tmp_path):
-    cfg = TrainConfig(num_steps=2, **TINY)
+    cfg = TrainConfig(steps=2, **TINY)
     trainer = Trainer(cfg, device="cpu")
     trainer.fit()
     path = checkpoint_path(tmp_path, trainer.step)
@@ -235,7 +235,7 @@ def test_incomplete_checkpoint_is_skipped_and_refused(tmp_path):
 
 
 def test_resume_in_one_process_equals_an_uninterrupted_run(tmp_path):
-    cfg = TrainConfig(num_steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, **TINY)
+    cfg = TrainConfig(steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, **TINY)
     whole = Trainer(cfg.replace(checkpoint_dir=None), device="cpu")
     whole_result = whole.fit()
     Trainer(cfg, device="cpu").fit(until_step=2)

@@ -18,7 +18,7 @@ from hyper_parallel.train.run import main as run
 from hyper_parallel.train.schedule import WSD_DECAY_FRACTION, lr_at
 from hyper_parallel.train.tokens import write_token_file
 
-TINY = {"global_batch_size": 2, "seq_len": 16, "progress": False, "log_every": 1}
+TINY = {"batch_size": 2, "seq_len": 16, "progress": False, "log_every": 1}
 
 
 # ---------------------------------------------------------------------- schedules
@@ -42,7 +42,7 @@ def test_each_schedule_warms_up_then_decays_to_min_lr_and_stays_there():
 
 
 def test_default_schedule_is_cosine_to_a_tenth_as_before():
-    cfg = TrainConfig(num_steps=10, warmup_steps=2, lr=1e-3)
+    cfg = TrainConfig(steps=10, warmup_steps=2, lr=1e-3)
     for step in range(12):
         progress = min(1.0, max(0, step - 2) / 8)
         old = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
@@ -63,7 +63,7 @@ def test_bad_schedule_options_name_the_flag():
 
 def test_a_resumed_run_keeps_its_schedule_and_says_so_once(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
-    cfg = TrainConfig(num_steps=6, warmup_steps=1, checkpoint_dir=ckpt, **TINY)
+    cfg = TrainConfig(steps=6, warmup_steps=1, checkpoint_dir=ckpt, **TINY)
     first = Trainer(cfg, device="cpu")
     first.fit()
     last = first.cfg.lr_at(5)  # the rate of step 6
@@ -71,7 +71,7 @@ def test_a_resumed_run_keeps_its_schedule_and_says_so_once(tmp_path, capsys):
     capsys.readouterr()
     # --resume --steps 9 after 6 steps: the LR does not jump back up (it stays at the
     # schedule's final value), and the run says so once.
-    resumed = Trainer(cfg.replace(num_steps=9, resume=True), device="cpu")
+    resumed = Trainer(cfg.replace(steps=9, resume=True), device="cpu")
     assert [resumed.cfg.lr_at(s) for s in range(6, 9)] == pytest.approx([final] * 3)
     assert final < last  # it goes on down, not back up (the bug: a recomputed cosine)
     resumed.fit()
@@ -81,7 +81,7 @@ def test_a_resumed_run_keeps_its_schedule_and_says_so_once(tmp_path, capsys):
     lrs = [float(line.split("| lr ")[1].split()[0]) for line in out.splitlines() if "| lr " in line]
     assert lrs == pytest.approx([final] * 3, rel=1e-2)
     # Told otherwise: the schedule is stretched to the new length, without the note.
-    stretched = Trainer(cfg.replace(num_steps=12, resume=True, lr_schedule_steps=12), device="cpu")
+    stretched = Trainer(cfg.replace(steps=12, resume=True, lr_schedule_steps=12), device="cpu")
     assert stretched.cfg.lr_at(9) > final and stretched.cfg.lr_at(6) > last
     stretched.fit()
     assert "keeps the" not in capsys.readouterr().out
@@ -144,7 +144,7 @@ def test_a_hf_start_names_its_checkpoint(tmp_path, capsys):
 
 
 def test_quiet_runs_stay_quiet_but_still_log_to_the_run_dir(tmp_path, capsys):
-    cfg = TrainConfig(num_steps=2, run_dir=str(tmp_path / "run"), **{**TINY, "log_every": 0})
+    cfg = TrainConfig(steps=2, run_dir=str(tmp_path / "run"), **{**TINY, "log_every": 0})
     Trainer(cfg, device="cpu").fit()
     assert capsys.readouterr().out == ""
     assert "model: llama3-debug" in (tmp_path / "run" / "train.log").read_text()
@@ -156,7 +156,7 @@ def test_quiet_runs_stay_quiet_but_still_log_to_the_run_dir(tmp_path, capsys):
 def test_eval_loss_is_the_mean_loss_over_the_held_out_batches(tmp_path, capsys):
     rng = np.random.default_rng(1)
     held_out = write_token_file(rng.integers(0, 256, 70).astype(np.uint16), str(tmp_path / "e.bin"))
-    cfg = TrainConfig(num_steps=4, eval_data=held_out, eval_every=2, **TINY)
+    cfg = TrainConfig(steps=4, eval_data=held_out, eval_every=2, **TINY)
     trainer = Trainer(cfg, device="cpu")
     trainer.fit()
     evals = [line for line in capsys.readouterr().out.splitlines() if "eval loss" in line]
@@ -183,7 +183,7 @@ def test_eval_loss_goes_to_tensorboard(tmp_path):
     rng = np.random.default_rng(1)
     held_out = write_token_file(rng.integers(0, 256, 70).astype(np.uint16), str(tmp_path / "e.bin"))
     tb = tmp_path / "tb"
-    cfg = TrainConfig(num_steps=3, eval_data=held_out, eval_every=2, tensorboard=str(tb), **TINY)
+    cfg = TrainConfig(steps=3, eval_data=held_out, eval_every=2, tensorboard=str(tb), **TINY)
     Trainer(cfg.replace(log_every=0), device="cpu").fit()
     events = EventAccumulator(str(tb))
     events.Reload()
@@ -193,7 +193,7 @@ def test_eval_loss_goes_to_tensorboard(tmp_path):
 def test_eval_split_holds_out_the_last_share_of_the_data(tmp_path, capsys):
     tokens = np.random.default_rng(2).integers(0, 256, 200).astype(np.uint16)
     path = write_token_file(tokens, str(tmp_path / "d.bin"))
-    cfg = TrainConfig(num_steps=2, data=path, eval_split=0.25, **TINY)
+    cfg = TrainConfig(steps=2, data=path, eval_split=0.25, **TINY)
     trainer = Trainer(cfg, device="cpu")
     assert len(trainer.data.tokens) == 150  # trained on the first 75 %
     held = trainer.report.eval_data

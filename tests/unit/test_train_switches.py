@@ -19,8 +19,8 @@ from hyper_parallel.train.run import add_train_arguments, config_from_args, full
 from tests._compare import BF16_GRAD_RTOL, FP32_RTOL, check, diffs, worst_abs
 
 TINY = dict(
-    num_steps=2,
-    global_batch_size=2,
+    steps=2,
+    batch_size=2,
     seq_len=16,
     log_every=0,
     progress=False,
@@ -130,9 +130,9 @@ def test_compile_with_context_parallel_is_accepted_at_one_sequence_per_rank():
     # stops on torch's strided-shard propagation; found by the configuration matrix).
     from hyper_parallel.train.trainer import check_config
 
-    cfg = TrainConfig(mesh={"dp_shard": 2, "cp": 2}, compile=True, global_batch_size=2)
+    cfg = TrainConfig(mesh={"dp_shard": 2, "cp": 2}, compile=True, batch_size=2)
     assert check_config(cfg, world_size=4) == []
-    cfg = TrainConfig(mesh={"dp_shard": 2, "cp": 2}, compile=True, global_batch_size=8)
+    cfg = TrainConfig(mesh={"dp_shard": 2, "cp": 2}, compile=True, batch_size=8)
     [finding] = check_config(cfg, world_size=4)
     assert finding.field == "compile" and "one sequence per micro-batch" in finding.fix
 

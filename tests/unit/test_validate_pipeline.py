@@ -89,12 +89,12 @@ def test_pp_with_cp_runs_on_every_mesh(config):
     # Each stage holds its cp rank's positions; FSDP2 shards over dp_shard x cp and
     # averages the cp-partial gradients, with or without other axes.
     for mesh, world in (({"pp": 2, "cp": 2}, 4), ({"pp": 2, "cp": 2, "dp_shard": 2, "tp": 2}, 16)):
-        cfg = TrainConfig(mesh=mesh, num_microbatches=2, global_batch_size=4)
+        cfg = TrainConfig(mesh=mesh, microbatches=2, batch_size=4)
         assert not [f for f in check_config(cfg, world) if f.field == "pp"], mesh
 
 
 def test_validate_and_the_trainer_share_the_pipeline_findings(config):
-    cfg = TrainConfig(mesh={"pp": 2}, num_microbatches=3, global_batch_size=4)
+    cfg = TrainConfig(mesh={"pp": 2}, microbatches=3, batch_size=4)
     trainer = {f.message for f in check_config(cfg, world_size=2)}
     report = validate(config, {"pp": 2}, num_microbatches=3, batch_size=4)
     assert trainer and trainer == {f.message for f in report.errors}
