@@ -5,7 +5,7 @@ would, and reports the subprocess's wall time (launch to exit, Python start-up a
 imports included), its CPU time (user + system: what the wall time is on an idle
 machine, and much less sensitive to other load) and its peak resident set size (its
 own ``ru_maxrss`` at exit).
-``run_all.py`` runs it as section r and writes the README's dry-run figures from it.
+``run_all.py`` runs it as section r and writes the docs' dry-run figures from it.
 
 Run::
 
@@ -24,7 +24,7 @@ from _common import cli_run
 CASES = (
     ("llama3-70b", "dp=128,tp=8"),
     ("llama3-405b", "dp=2048,tp=8"),
-    # The README's MoE plan command (ep borrows its ranks from dp_shard x tp: 4,096 ranks).
+    # The docs' MoE plan command (ep borrows its ranks from dp_shard x tp: 4,096 ranks).
     ("qwen3-235b-a22b", "dp_shard=512,tp=8,ep=64"),
 )
 

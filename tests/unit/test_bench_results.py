@@ -1,8 +1,9 @@
 """The published benchmark numbers come from ``latest.json``, stamped, by the script.
 
-The README's performance block is exactly what ``run_all.py`` renders from
-``benchmarks/results/latest.json``, and so is every measured figure of its prose
-(``<!-- bench:NAME -->`` markers; "not measured yet" where the section has no data);
+The performance block of ``docs/benchmarks.md`` is exactly what ``run_all.py`` renders
+from ``benchmarks/results/latest.json``, and so is every measured figure the README and
+the ``docs/`` pages quote (``<!-- bench:NAME -->`` markers, each in one page; "not
+measured yet" where the section has no data);
 ``latest.md`` holds the same summary and every
 section's stamp; ``--only`` keeps the other sections' results; ``--repeat`` pools.
 """
@@ -32,39 +33,44 @@ def run_all() -> ModuleType:
     return module
 
 
-def test_readme_figures_are_the_ones_latest_json_gives(run_all):
+def test_the_docs_table_is_the_one_latest_json_gives(run_all):
     results = run_all.load_results()
-    assert run_all.readme_block() == run_all.summary(results).strip()
-    # Every row the README's table had before it was generated is still produced.
-    block = run_all.readme_block()
+    assert run_all.docs_block() == run_all.summary(results).strip()
+    # Every row the table had before it was generated is still produced.
+    block = run_all.docs_block()
     for row in ("fake PG, tp=8", "real gloo tp=2", "training step", "collectives per step"):
         assert row in block, row
 
 
-def test_every_measured_figure_in_the_readme_prose_is_latest_jsons(run_all):
+def test_every_measured_figure_in_the_readme_and_docs_is_latest_jsons(run_all):
     results = run_all.load_results()
     expected = run_all.figures(results)
-    in_readme = run_all.readme_figures()
-    # Every figure the script makes is in the README, and the README has no other.
-    assert set(in_readme) == set(expected)
+    quoted = run_all.docs_figures()
+    # Every figure the script makes is quoted once (README or docs/), and no other is.
+    assert set(quoted) == set(expected)
     for name, text in expected.items():
-        assert in_readme[name] == text, name
+        assert quoted[name] == text, name
         section = run_all.FIGURES[name][0]
         if section not in results:  # no stale hand number: exactly the placeholder
             assert text == run_all.not_measured(section), name
 
 
 def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(
-        f"{run_all.README_BEGIN}\nold\n{run_all.README_END}\n"
+    page = tmp_path / "benchmarks.md"
+    page.write_text(
+        f"{run_all.SUMMARY_BEGIN}\nold\n{run_all.SUMMARY_END}\n"
         "peak: <!-- bench:init-memory -->253 MiB<!-- /bench:init-memory -->; "
-        "plan: <!-- bench:dry-run -->8.5 s<!-- /bench:dry-run -->; "
+        "plan: <!-- bench:dry-run -->8.5 s<!-- /bench:dry-run -->\n"
+    )
+    # The other figures sit in another page (as they do in the README and docs/).
+    other = tmp_path / "other.md"
+    other.write_text(
         "moe: <!-- bench:dry-run-moe -->~30 s<!-- /bench:dry-run-moe -->; "
         "hf: <!-- bench:hf-load -->1.24 s<!-- /bench:hf-load -->; "
         "suggest: <!-- bench:suggest-speed -->60 s<!-- /bench:suggest-speed -->; "
         "s: <!-- bench:suggest-fidelity -->0.83<!-- /bench:suggest-fidelity -->\n"
     )
+    pages = [page, other]
     rows = [
         {"model": m, "mesh": mesh, "world_size": n, "wall_s": w, "cpu_s": c, "peak_rss_bytes": b}
         for m, mesh, n, w, c, b in (
@@ -73,8 +79,8 @@ def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_p
         )
     ]
     sections = {"r": {"stamp": {}, "data": rows}}
-    run_all.write_readme("table", readme, run_all.figures(sections))
-    got = run_all.readme_figures(readme)
+    run_all.write_docs("table", page, run_all.figures(sections), pages)
+    got = run_all.docs_figures(pages)
     assert got["dry-run"] == (
         f"llama3-70b at dp=128{X}tp=8 (1,024 ranks) in 8.5 CPU-seconds (9.0 s wall) and 341 MB peak"
     )
@@ -83,10 +89,27 @@ def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_p
     assert got["hf-load"] == run_all.not_measured("h")
     assert got["suggest-speed"] == run_all.not_measured("t")
     assert got["suggest-fidelity"] == run_all.not_measured("s")
-    assert "old" not in readme.read_text() and "table" in readme.read_text()
+    assert "old" not in page.read_text() and "table" in page.read_text()
+    assert "~30 s" not in other.read_text() and "253 MiB" not in page.read_text()
     # Section r without the MoE case: that figure is not measured, the other is.
     figs = run_all.figures({"r": {"stamp": {}, "data": rows[:1]}})
     assert figs["dry-run-moe"] == run_all.not_measured("r")
+
+
+def test_a_figure_must_be_quoted_by_exactly_one_page(run_all, tmp_path):
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"{run_all.SUMMARY_BEGIN}\n{run_all.SUMMARY_END}\n")
+    twice = "<!-- bench:dry-run -->x<!-- /bench:dry-run -->"
+    (tmp_path / "a.md").write_text(twice)
+    (tmp_path / "b.md").write_text(twice)
+    pages = [page, tmp_path / "a.md", tmp_path / "b.md"]
+    figs = {"dry-run": "y"}
+    with pytest.raises(SystemExit, match="exactly one"):
+        run_all.write_docs("table", page, figs, pages)
+    with pytest.raises(ValueError, match="repeated"):
+        run_all.docs_figures(pages)
+    with pytest.raises(SystemExit, match="no page"):
+        run_all.write_docs("table", page, {"hf-load": "z"}, pages[:1])
 
 
 def test_hf_load_figure_is_the_medians_of_section_h(run_all):

@@ -1,4 +1,4 @@
-"""The scripts behind the README's dry-run and init-memory numbers run and report sane values."""
+"""The scripts behind the docs' dry-run and init-memory numbers run and report sane values."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The README's dry-run figures (activation GBs of ``plan``) are what ``plan`` prints today.
+"""The docs' dry-run figures (activation GBs of ``plan``) are what ``plan`` prints today.
 
-Each figure is recomputed by the CLI itself, in this process, on the fake process group,
-and compared with the README's text rounded as it prints (``human_bytes``: GB, one
+The figures are quoted in ``docs/choosing-a-layout.md``. Each is recomputed by the CLI
+itself, in this process, on the fake process group, and compared with the page's text
+rounded as it prints (``human_bytes``: GB, one
 decimal). One ``plan`` run records every checkpointing mode's activations (the CLI's
 report keeps ``activations_by_ac``), so two traces cover the four figures.
 """
@@ -20,9 +21,9 @@ import pytest
 import hyper_parallel.analysis as analysis
 from hyper_parallel.cli import main
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-# The README wraps lines; compare with single spaces.
-FLAT = " ".join(README.split())
+PAGE = (Path(__file__).resolve().parents[2] / "docs" / "choosing-a-layout.md").read_text()
+# The page wraps lines; compare with single spaces.
+FLAT = " ".join(PAGE.split())
 
 
 def _plan(*argv: str) -> tuple[dict[str, Any], Any]:
@@ -52,7 +53,7 @@ def tp8() -> tuple[dict[str, Any], Any]:
     return _plan("--model", "llama3-8b", "--mesh", "tp=8", "--seq", "8192")
 
 
-def test_readme_activations_per_checkpointing_mode_are_what_plan_prints(tp8):
+def test_docs_activations_per_checkpointing_mode_are_what_plan_prints(tp8):
     printed, report = tp8
     by_ac = report.activations_by_ac
     # The JSON's figure (what `--ac none` prints) is the report's own for that mode.
@@ -63,19 +64,19 @@ def test_readme_activations_per_checkpointing_mode_are_what_plan_prints(tp8):
         r"([\d.]+) GB with `--ac full`, ([\d.]+) GB with `--ac selective`",
         FLAT,
     )
-    assert found, "the README's --ac sentence changed; update this test with it"
+    assert found, "the docs' --ac sentence changed; update this test with it"
     assert found.groups() == tuple(_gb(by_ac[m]) for m in ("none", "full", "selective"))
 
 
-def test_readme_cp_activations_are_what_plan_prints(tp8):
+def test_docs_cp_activations_are_what_plan_prints(tp8):
     cp2, _ = _plan("--model", "llama3-8b", "--mesh", "tp=8,cp=2", "--seq", "8192")
     found = re.search(
         r"`plan --model llama3-8b --mesh tp=8,cp=2 --seq 8192`: ([\d.]+) GB vs ([\d.]+) GB "
         r"at `--mesh tp=8`",
         FLAT,
     )
-    assert found, "the README's cp sentence changed; update this test with it"
+    assert found, "the docs' cp sentence changed; update this test with it"
     cp1_bytes = tp8[0]["per_rank_bytes"]["activations"]
     cp2_bytes = cp2["per_rank_bytes"]["activations"]
     assert found.groups() == (_gb(cp2_bytes), _gb(cp1_bytes))
-    assert cp2_bytes < 0.6 * cp1_bytes  # "about half", as the README says
+    assert cp2_bytes < 0.6 * cp1_bytes  # "about half", as the docs say
