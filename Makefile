@@ -6,14 +6,14 @@ PY     := $(VENV)/bin/python
 # torch would download a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
-LINT   := $(wildcard hyper_parallel tests benchmarks examples)
+LINT   := $(wildcard hyper_parallel tests benchmarks examples docs/_hooks)
 
-.PHONY: install test test-fast lint format demo bench matrix clean
+.PHONY: install test test-fast lint format demo bench docs matrix clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[test]" "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,docs,hf]" "$(TORCH)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -40,8 +40,12 @@ demo: $(STAMP)
 matrix: $(STAMP)
 	$(PY) -m tests.matrix.run_matrix
 
+# Measures every section, then writes docs/benchmarks.md's table and the quoted figures.
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py --write-readme
+	$(PY) benchmarks/run_all.py --write-docs
+
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache outputs
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache outputs site
