@@ -6,7 +6,8 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hyper_parallel.dmodule.model_spec import ModelFamily, ModelSpec, register_spec
+from hyper_parallel.contract import ModelFamily
+from hyper_parallel.dmodule.model_spec import ModelSpec, register_spec
 from hyper_parallel.models.common.decoder import TransformerStage, decoder_pipeline
 from hyper_parallel.models.common.loss import cross_entropy_loss
 from hyper_parallel.models.common.sharding import attention_heads
@@ -18,13 +19,18 @@ def _vocab_size(config: Any) -> int:
     return config.tok_embeddings.num_embeddings
 
 
+def _positions(config: Any) -> int:
+    """The positions the rotary tables cover (a config or a model built from one)."""
+    return config.rope.max_seq_len
+
+
 def decoder_family(name: str, **fields: Any) -> ModelFamily:
     """The :class:`~hyper_parallel.dmodule.ModelFamily` of a
     :class:`~hyper_parallel.models.common.Decoder` family.
 
     The shared decoder's answers are filled in — the loss
     (:func:`~hyper_parallel.models.common.cross_entropy_loss`), the vocabulary, the
-    blocks (``layers``), the attention heads, the stages' positions hook — and
+    blocks (``layers``), the attention heads, the positions (the rope's), the stages' positions hook — and
     ``fields`` (the family's sharding functions, counts, pipeline, experts) are added.
     """
     shared: dict[str, Any] = {
@@ -32,6 +38,7 @@ def decoder_family(name: str, **fields: Any) -> ModelFamily:
         "vocab_size": _vocab_size,
         "blocks": "layers",
         "attention_heads": attention_heads,
+        "positions": _positions,
         "set_positions": TransformerStage.set_positions,
     }
     return ModelFamily(name=name, **{**shared, **fields})

@@ -25,6 +25,7 @@ from hyper_parallel.models.common.family import decoder_family, register_presets
 from hyper_parallel.models.common.loss import cross_entropy_loss as cross_entropy_loss
 from hyper_parallel.models.qwen3_moe.config import PRESETS as PRESETS
 from hyper_parallel.models.qwen3_moe.config import num_expert_params as num_expert_params
+from hyper_parallel.models.qwen3_moe.config import num_experts as num_experts
 from hyper_parallel.models.qwen3_moe.config import num_params as num_params
 from hyper_parallel.models.qwen3_moe.config import preset_config as preset_config
 from hyper_parallel.models.qwen3_moe.config import qwen3_moe_config as qwen3_moe_config
@@ -64,6 +65,7 @@ __all__ = [
     "expert_ffn",
     "load_balancing_loss",
     "num_expert_params",
+    "num_experts",
     "num_params",
     "preset_config",
     "qwen3_moe_config",
@@ -77,6 +79,7 @@ FAMILY = decoder_family(
     ep=apply_ep,
     num_params=num_params,
     num_expert_params=num_expert_params,
+    experts=num_experts,
     pipeline=PIPELINE,
     expert_paths=("layers.*.moe.experts",),
     compile_experts=GroupedExperts.compile_compute,
