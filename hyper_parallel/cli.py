@@ -203,12 +203,8 @@ def _resolve_model(args: argparse.Namespace) -> None:
     """Set ``args.model`` and ``args.model_overrides`` from ``--model``,
     ``--hf-config`` and ``--model-overrides`` (as the trainer resolves them), or
     refuse a command line that names no model or two."""
-    from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
-    from hyper_parallel.checkpoint_hf.specs import register_specs
     from hyper_parallel.train.run_hooks import hf_model
 
-    if args.model in SPEC_NAMES.values():
-        register_specs()  # the *-hf specs, also when named directly
     overrides = dict(args.model_overrides or {})
     if args.hf_model is not None:
         if args.model or args.hf_config or overrides:

@@ -81,7 +81,7 @@ def resolve_model(cfg: Any) -> None:
         ValueError: The checkpoint's config has fields our model does not implement,
             there is no ``config.json``, or both sources are given.
     """
-    from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
+    from hyper_parallel.checkpoint_hf.config import hf_spec_names
 
     hf_config = getattr(cfg, "hf_config", None)
     if cfg.hf_checkpoint and hf_config:
@@ -89,17 +89,13 @@ def resolve_model(cfg: Any) -> None:
             "TrainConfig: hf_checkpoint and hf_config both name the model; give one "
             "(--hf-checkpoint DIR loads the weights too)."
         )
-    if cfg.hf_checkpoint or hf_config or cfg.model in SPEC_NAMES.values():
-        from hyper_parallel.checkpoint_hf.specs import register_specs
-
-        register_specs()  # the *-hf specs, also when named directly
     source = cfg.hf_checkpoint or hf_config
     if not source:
         return
     field = "hf_checkpoint" if cfg.hf_checkpoint else "hf_config"
     # Overrides of another named model are not this config's.
     default_model = type(cfg).__dataclass_fields__["model"].default
-    own = cfg.model_overrides if cfg.model in (default_model, *SPEC_NAMES.values()) else {}
+    own = cfg.model_overrides if cfg.model in {default_model, *hf_spec_names()} else {}
     cfg.model, cfg.model_overrides = hf_model(source, own, where=f"TrainConfig.{field}")
 
 

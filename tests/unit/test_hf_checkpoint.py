@@ -53,11 +53,11 @@ def _loaded(path):
 def test_llama3_config_with_rope_scaling_maps_to_our_model():
     raw = hf_model("llama").config.to_dict()
     cfg = read_hf_config(raw)
-    assert cfg.spec == "llama3-hf" and cfg.family == "llama"
+    assert cfg.spec == "llama3-hf" and cfg.family == "llama3"
     o = cfg.model_overrides
     assert (o["dim"], o["num_heads"], o["num_kv_heads"], o["ffn_dim"]) == (64, 8, 4, 96)
     assert o["rope_scaling"]["factor"] == 8.0
-    from hyper_parallel.checkpoint_hf.rope import Llama3RotaryEmbedding
+    from hyper_parallel.models.llama.rope import Llama3RotaryEmbedding
 
     rope = cfg.model_config().rope
     assert isinstance(rope, Llama3RotaryEmbedding.Config) and rope.factor == 8.0
@@ -88,7 +88,7 @@ def test_mistral_without_sliding_window_is_a_llama():
         num_attention_heads=2, num_key_value_heads=1, sliding_window=None,
     )  # fmt: skip
     raw = {**config.to_dict(), "architectures": ["MistralForCausalLM"]}
-    assert read_hf_config(raw).family == "llama"
+    assert read_hf_config(raw).family == "llama3"
     with pytest.raises(HFConfigError, match=r"sliding_window=4096: null"):
         read_hf_config({**raw, "sliding_window": 4096})
 

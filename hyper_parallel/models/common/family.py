@@ -12,7 +12,7 @@ from hyper_parallel.models.common.decoder import TransformerStage, decoder_pipel
 from hyper_parallel.models.common.loss import cross_entropy_loss
 from hyper_parallel.models.common.sharding import attention_heads
 
-__all__ = ["decoder_family", "dense_family", "register_presets"]
+__all__ = ["decoder_family", "dense_family", "register_hf_spec", "register_presets"]
 
 
 def _vocab_size(config: Any) -> int:
@@ -45,11 +45,16 @@ def decoder_family(name: str, **fields: Any) -> ModelFamily:
 
 
 def dense_family(
-    name: str, shardings: tuple[Any, Any, Any], num_params: Any, *, why_no_ep: str
+    name: str,
+    shardings: tuple[Any, Any, Any],
+    num_params: Any,
+    *,
+    why_no_ep: str,
+    hf: Any = None,
 ) -> ModelFamily:
     """:func:`decoder_family` of a dense decoder: ``shardings`` are its ``(tp, tp_sp, cp)``
     functions, its stages the shared ones (:func:`decoder_pipeline`), and ``ep`` refused
-    with ``why_no_ep``."""
+    with ``why_no_ep``; ``hf`` its Hugging Face adapter."""
     tp, tp_sp, cp = shardings
     return decoder_family(
         name,
@@ -59,6 +64,7 @@ def dense_family(
         axis_refusals={"ep": why_no_ep},
         num_params=num_params,
         pipeline=decoder_pipeline(),
+        hf=hf,
     )
 
 
@@ -78,3 +84,21 @@ def register_presets(
                 family=family,
             )
         )
+
+
+def register_hf_spec(family: ModelFamily, factory: Callable[..., Any]) -> None:
+    """Register the spec of ``family``'s Hugging Face adapter (``family.hf.spec``):
+    ``factory`` takes the keyword arguments the adapter reads from a ``config.json``."""
+    if family.hf is None:
+        raise ValueError(
+            f"register_hf_spec: family {family.name!r} has no Hugging Face adapter "
+            "(ModelFamily.hf); declare one first."
+        )
+    register_spec(
+        ModelSpec(
+            name=family.hf.spec,
+            build_model_fn=factory,
+            description=f"{family.name} family from a Hugging Face config.json (its sizes)",
+            family=family,
+        )
+    )
