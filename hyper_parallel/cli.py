@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     models.set_defaults(func=_cmd_models)
 
     # Hugging Face checkpoints in and out: verify-hf, export-hf, generate, tokenize.
-    from hyper_parallel.checkpoint_hf.commands import add_commands as add_hf_commands
+    from hyper_parallel.hf_commands.commands import add_commands as add_hf_commands
 
     add_hf_commands(sub)
     # The description names every command there is (it said "plan, validate and demo").
@@ -594,7 +594,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    from hyper_parallel.analysis._format import table
+    from hyper_parallel.analysis import table
 
     rows = [
         (

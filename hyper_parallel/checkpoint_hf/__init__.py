@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out, on any mesh.
+"""Hugging Face checkpoints in and out, on any mesh: the library below the trainer (its
+commands, ``verify-hf``, ``export-hf`` and ``generate``, are :mod:`hyper_parallel.hf_commands`).
 
 - :func:`read_hf_config`: a ``config.json`` as our model config, read by the adapter of
   the registered family that has its architecture (``ModelFamily.hf``), every

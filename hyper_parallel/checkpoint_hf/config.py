@@ -37,6 +37,7 @@ __all__ = [
     "hf_config_from_model",
     "hf_families",
     "hf_spec_names",
+    "load_config_json",
     "read_hf_config",
 ]
 
@@ -123,7 +124,14 @@ class HFConfig:
         return get_spec(self.spec).config(**self.model_overrides)
 
 
-def _load(source: str | os.PathLike[str] | dict[str, Any]) -> tuple[dict[str, Any], str]:
+def load_config_json(
+    source: str | os.PathLike[str] | dict[str, Any],
+) -> tuple[dict[str, Any], str]:
+    """``(the config.json as a dict, where it was read)`` of a path, its directory or a dict.
+
+    Raises:
+        FileNotFoundError: No ``config.json`` there.
+    """
     if isinstance(source, dict):
         return dict(source), "config"
     path = os.fspath(source)
@@ -262,7 +270,7 @@ def read_hf_config(source: str | os.PathLike[str] | dict[str, Any]) -> HFConfig:
         cfg = read_hf_config("path/to/checkpoint")
         model = cfg.model_config().build()
     """
-    raw, where = _load(source)
+    raw, where = load_config_json(source)
     archs = raw.get("architectures") or []
     families = hf_architectures()
     # Configs built in code (not yet saved) name only their model_type.

@@ -156,7 +156,7 @@ def build_data(cfg: Any, vocab_size: int | None) -> Any:
 
 def model_record(cfg: Any) -> str:
     """The JSON the trainer stores in checkpoints (``train.model_json``)."""
-    from hyper_parallel.checkpoint_hf.export import model_record as record
+    from hyper_parallel.checkpoint_hf.records import model_record as record
 
     hf_config = None
     if cfg.hf_checkpoint:
@@ -176,8 +176,8 @@ def save_weights(cfg: Any, parts: list[Any]) -> None:
     """
     if not cfg.save_hf:
         return
-    from hyper_parallel.checkpoint_hf.export import tokenizer_files
     from hyper_parallel.checkpoint_hf.io import save_hf
+    from hyper_parallel.checkpoint_hf.records import tokenizer_files
     from hyper_parallel.dmodule.model_spec import get_spec
 
     hf_config = None

@@ -311,7 +311,7 @@ def test_single_file_checkpoint_and_fp16(tmp_path):
 
 
 def test_generate_greedy_equals_transformers(moe_dir, llama_dir, tmp_path):
-    from hyper_parallel.checkpoint_hf.generate import generate
+    from hyper_parallel.hf_commands.generate import generate
 
     qwen3 = write_checkpoint("qwen3", str(tmp_path / "qwen3"))
     for path in (llama_dir, qwen3, moe_dir):
@@ -327,7 +327,7 @@ def test_generate_greedy_equals_transformers(moe_dir, llama_dir, tmp_path):
 
 
 def test_generate_stops_at_eos(llama_dir):
-    from hyper_parallel.checkpoint_hf.generate import generate
+    from hyper_parallel.hf_commands.generate import generate
 
     _, model = _loaded(llama_dir)
     first = generate(model, [5, 17], 1)[0]

@@ -32,7 +32,7 @@ from hyper_parallel.analysis.suggest._trace import _Tracer
 from hyper_parallel.distributed.pipeline import (
     SCHEDULES,
 )
-from hyper_parallel.dmodule._checks import Finding
+from hyper_parallel.dmodule.findings import Finding
 
 AC_MODES = ("none", "selective", "full")
 MODEL_AXES = ("tp", "cp", "ep")
