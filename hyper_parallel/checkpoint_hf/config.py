@@ -66,11 +66,6 @@ _METADATA = frozenset(
         "is_encoder_decoder",
         "tokenizer_class",
         "output_router_logits",
-        # Splits Llama's matmuls into slices for bitwise reproduction of Meta's runs;
-        # the same maths.
-        "pretraining_tp",
-        # Read only for sliding-window layers, which are refused.
-        "max_window_layers",
     }
 )
 

@@ -5,16 +5,16 @@ A :class:`TensorMap` says which Hugging Face tensor(s) one of our parameters is 
 of, and how the layout differs:
 
 - ``hf`` is one name, or one name per expert when our parameter stacks experts on
-  dim 0 (``moe.experts.w1[e]`` is ``mlp.experts.{e}.gate_proj.weight``);
-- ``rotary_head_dim`` marks rows that hold rotary heads (``wq``, ``wk``, and
-  Qwen3's per-head ``q_norm``/``k_norm``): Hugging Face rotates the two halves of a
-  head (``rotate_half``: pairs ``(i, i + D/2)``), our
-  :func:`~hyper_parallel.models.llama.model.apply_rotary_emb` rotates adjacent pairs
-  ``(2i, 2i + 1)``, so our row ``h D + 2i + j`` is Hugging Face's row
+  dim 0 (one Hugging Face tensor per expert);
+- ``rotary_head_dim`` marks rows that hold rotary heads (query and key projections,
+  per-head query/key norms) when Hugging Face rotates the two halves of a head
+  (``rotate_half``: pairs ``(i, i + D/2)``) and
+  :func:`~hyper_parallel.models.common.apply_rotary_emb` adjacent pairs
+  ``(2i, 2i + 1)``: our row ``h D + 2i + j`` is Hugging Face's row
   ``h D + i + j D/2`` (:func:`rotary_rows`) — the same model, its logits equal.
 
 Loading reads, for our rows ``r``, Hugging Face rows ``rotary_rows(r)``; saving writes
-``ours[inverse]``. :func:`family_maps` lists every parameter of a model of the family;
+``ours[inverse]``. :func:`family_maps` lists every parameter of a model of a family;
 the loader and the saver use that one list, so they invert each other exactly.
 """
 

@@ -1,5 +1,5 @@
 """The model specs that take a converted ``config.json`` (``HFAdapter.spec``, e.g.
-``llama3-hf``): each family registers its own next to its presets, with the family's
+``<family>-hf``): each family registers its own next to its presets, with the family's
 :class:`~hyper_parallel.contract.ModelFamily` (sharding, loss, pipeline, its Hugging
 Face adapter), so a checkpoint's model runs wherever a preset does:
 ``TrainConfig(model=cfg.spec, model_overrides=cfg.model_overrides)``, ``plan``,

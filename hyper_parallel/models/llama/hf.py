@@ -37,6 +37,9 @@ class LlamaHF(DecoderHF):
                 "head_dim", head_dim, f"hidden_size / num_attention_heads = {dim // heads}"
             )
         overrides["ffn_dim"] = reader.get("intermediate_size")
+        # Splits the matmuls into slices for bitwise reproduction of Meta's runs; the
+        # same maths.
+        reader.get("pretraining_tp")
         if rope[1] is not None:
             overrides["rope_scaling"] = rope[1]
 

@@ -31,6 +31,7 @@ class Qwen3HF(DecoderHF):
             # Our Qwen3 ties natively (one parameter), as transformers does.
             tie_embeddings=bool(reader.get("tie_word_embeddings", False)),
         )
+        reader.get("max_window_layers")  # read only for sliding-window layers (refused)
 
     def write_own(self, config: Any) -> dict[str, Any]:
         return {

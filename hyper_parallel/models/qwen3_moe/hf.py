@@ -41,6 +41,7 @@ class Qwen3MoeHF(DecoderHF):
             moe_hidden_dim=moe_dim,
             aux_loss_coef=float(reader.get("router_aux_loss_coef", 0.001)),
         )
+        reader.get("max_window_layers")  # read only for sliding-window layers (refused)
 
     def write_own(self, config: Any) -> dict[str, Any]:
         block = config.layers[0]
