@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     models.set_defaults(func=_cmd_models)
 
     # Hugging Face checkpoints in and out: verify-hf, export-hf, generate, tokenize.
-    from hyper_parallel.checkpoint_hf.commands import add_commands as add_hf_commands
+    from hyper_parallel.hf_commands.commands import add_commands as add_hf_commands
 
     add_hf_commands(sub)
     # The description names every command there is (it said "plan, validate and demo").
@@ -203,12 +203,8 @@ def _resolve_model(args: argparse.Namespace) -> None:
     """Set ``args.model`` and ``args.model_overrides`` from ``--model``,
     ``--hf-config`` and ``--model-overrides`` (as the trainer resolves them), or
     refuse a command line that names no model or two."""
-    from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
-    from hyper_parallel.checkpoint_hf.specs import register_specs
     from hyper_parallel.train.run_hooks import hf_model
 
-    if args.model in SPEC_NAMES.values():
-        register_specs()  # the *-hf specs, also when named directly
     overrides = dict(args.model_overrides or {})
     if args.hf_model is not None:
         if args.model or args.hf_config or overrides:
@@ -598,7 +594,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    from hyper_parallel.analysis._format import table
+    from hyper_parallel.analysis import table
 
     rows = [
         (

@@ -10,6 +10,7 @@ Example::
     print(validate(config, {"dp": 128, "tp": 8}).to_table())
 """
 
+from hyper_parallel.analysis._format import table as table
 from hyper_parallel.analysis.dry_run import DryRunReport as DryRunReport
 from hyper_parallel.analysis.dry_run import ModuleShards as ModuleShards
 from hyper_parallel.analysis.dry_run import ParamShard as ParamShard
@@ -35,5 +36,6 @@ __all__ = [
     "check_equivalence",
     "dry_run",
     "find_first_drift",
+    "table",
     "validate",
 ]

@@ -19,7 +19,7 @@ from torch import nn
 from hyper_parallel._torch_private import FakeTensorMode, pytree
 from hyper_parallel.config import Configurable
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
-from hyper_parallel.dmodule._boundary import parallelize_entries
+from hyper_parallel.dmodule.entries import parallelize_entries
 from hyper_parallel.dmodule.findings import Finding, PlanEntry
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.dmodule.plan import match_plan

@@ -38,8 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hyper_parallel.analysis._format import placement_text, table
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.dmodule._checks import BOUNDARY_ATTR
-from hyper_parallel.dmodule._placements import normalize_placements
+from hyper_parallel.dmodule.entries import BOUNDARY_ATTR, normalize_placements
 from hyper_parallel.dmodule.sharding import resolve_placements
 
 __all__ = [

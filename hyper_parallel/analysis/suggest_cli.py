@@ -113,8 +113,6 @@ def _source(args: argparse.Namespace) -> Any:
         ValueError: No model, two, or one that cannot be read or is not registered.
     """
     from hyper_parallel.analysis.suggest import ModelSource
-    from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
-    from hyper_parallel.checkpoint_hf.specs import register_specs
     from hyper_parallel.dmodule.model_spec import get_spec
     from hyper_parallel.train.run_hooks import hf_model
 
@@ -135,8 +133,6 @@ def _source(args: argparse.Namespace) -> Any:
         )
     else:
         spec = args.model
-        if spec in SPEC_NAMES.values():
-            register_specs()
         get_spec(spec)  # an unknown name: its error lists the known ones
     return ModelSource(spec, tuple(sorted(overrides.items())), label=label)
 

@@ -64,9 +64,8 @@ from hyper_parallel.distributed.layout import (
 )
 from hyper_parallel.distributed.pipeline import PipelineLayout, PipelineSplit
 from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
-from hyper_parallel.dmodule._checks import (
+from hyper_parallel.dmodule.entries import (
     BOUNDARY_ATTR,
-    Finding,
     ParallelizeError,
     PlanEntry,
     check_entries,
@@ -74,6 +73,7 @@ from hyper_parallel.dmodule._checks import (
     forward_signature,
     get_state,
 )
+from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 

@@ -1,11 +1,13 @@
-"""Hugging Face checkpoints in and out, on any mesh.
+"""Hugging Face checkpoints in and out, on any mesh: the library below the trainer (its
+commands, ``verify-hf``, ``export-hf`` and ``generate``, are :mod:`hyper_parallel.hf_commands`).
 
-- :func:`read_hf_config`: a ``config.json`` (Llama / Mistral without sliding window, Qwen3,
-  Qwen3-MoE) as our model config, every unsupported field refused;
+- :func:`read_hf_config`: a ``config.json`` as our model config, read by the adapter of
+  the registered family that has its architecture (``ModelFamily.hf``), every
+  unsupported field refused;
 - :func:`load_hf`: fill a model parallelized on any mesh, each rank reading only its
   slices of the safetensors files;
 - :func:`save_hf`: write a model (any mesh) as safetensors shards, index and config;
-- :func:`family_maps`: the one name/layout mapping per family both use.
+- :func:`family_maps`: the one name/layout mapping per family both use (its adapter's).
 
 Example::
 
@@ -32,8 +34,6 @@ from hyper_parallel.checkpoint_hf.io import save_hf as save_hf
 from hyper_parallel.checkpoint_hf.mapping import TensorMap as TensorMap
 from hyper_parallel.checkpoint_hf.mapping import family_maps as family_maps
 from hyper_parallel.checkpoint_hf.specs import register_specs as register_specs
-
-register_specs()
 
 __all__ = [
     "HFCheckpointError",

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_parallel.contract import ModelFamily
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.distributed import precision
 from hyper_parallel.distributed.activation_checkpoint import _Checkpointed
@@ -61,7 +62,7 @@ def apply_parallelism(
     compile_backend: str | None = None,
     checkpointed: Collection[int] = (),
     blocks_field: str = "layers",
-    family: Any = None,
+    family: ModelFamily | None = None,
     split_backward: bool = False,
     device_type: str = "cpu",
     who: str = "apply_parallelism",

@@ -252,6 +252,15 @@ def _attention_heads(model_config: Any) -> list[tuple[str, int, int]]:
     return family.attention_heads(model_config)
 
 
+def _max_seq_len(model_config: Any) -> int | None:
+    """The positions the model covers, as its family declares them
+    (:meth:`~hyper_parallel.contract.ModelFamily.max_seq_len`)."""
+    from hyper_parallel.dmodule.model_spec import family_of
+
+    family = family_of(model_config)
+    return family.max_seq_len(model_config) if family is not None else None
+
+
 def _sequence_parallel(model_config: Any) -> bool:
     """Whether a config splits the residual stream's sequence over ``tp`` (TP+SP)."""
     norm = getattr(model_config, "norm", None)
@@ -320,8 +329,7 @@ def cp_findings(model_config: Any, layout: MeshLayout, seq_len: int | None = Non
                 + (f", or use cp among {sizes}." if sizes else ", or pad the batch."),
             )
         )
-    rope = getattr(model_config, "rope", None)
-    max_seq_len = getattr(rope, "max_seq_len", None)
+    max_seq_len = _max_seq_len(model_config)
     if seq_len is not None and max_seq_len is not None and seq_len > max_seq_len:
         out.append(
             _error(

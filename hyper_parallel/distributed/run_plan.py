@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_parallel.contract import ModelFamily, PipelineLayoutProtocol
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed import precision
@@ -79,7 +80,6 @@ from hyper_parallel.distributed.fsdp import fsdp_mesh_for
 from hyper_parallel.distributed.layout import DATA_AXES, DENSE_AXES, MeshLayout, ParallelMesh
 from hyper_parallel.distributed.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
-    PipelineLayout,
     PipelinePlan,
     PipelineSplit,
     check_pipeline,
@@ -337,7 +337,7 @@ class RunPlan:
     name: str
     layout: MeshLayout
     subject: Any
-    family: Any = None
+    family: ModelFamily | None = None
     blocks_field: str | None = None
     entries: tuple[PlanEntry, ...] = ()
     plan_axes: tuple[str, ...] = ()
@@ -353,7 +353,7 @@ class RunPlan:
     seq_len: int | None = None
     pipeline_split: PipelineSplit | None = None
     stages_per_rank: int | None = None
-    pipeline_layout: PipelineLayout | None = None
+    pipeline_layout: PipelineLayoutProtocol | None = None
     pipeline: PipelinePlan | None = None
     num_blocks: int | None = None
     findings: tuple[Finding, ...] = ()
@@ -442,7 +442,7 @@ class RunPlan:
         name: str,
         entries: Sequence[PlanEntry] | None = None,
         model: nn.Module | None = None,
-        pipeline_layout: PipelineLayout | None = None,
+        pipeline_layout: PipelineLayoutProtocol | None = None,
         world_size: int | None = None,
         **switches: Any,
     ) -> RunPlan:
@@ -486,8 +486,8 @@ class RunPlan:
         name: str,
         layout: MeshLayout,
         subject: Any,
-        family: Any,
-        pipeline_layout: PipelineLayout | None,
+        family: ModelFamily | None,
+        pipeline_layout: PipelineLayoutProtocol | None,
         world_size: int | None,
         entries: Sequence[PlanEntry] | None = None,
         model: nn.Module | None = None,
@@ -944,7 +944,7 @@ def _model_findings(
 
 
 def _position_findings(
-    name: str | None, subject: Any, family: Any, seq_len: int | None
+    name: str | None, subject: Any, family: ModelFamily | None, seq_len: int | None
 ) -> list[Finding]:
     """A sequence longer than the model's rotary positions (``rope.max_seq_len``), refused
     with the fix: a registered model of the same family and size that takes it (Llama
@@ -954,8 +954,8 @@ def _position_findings(
     Llama 3.1's is scaled to 131,072; a longer table than that is the user's explicit
     override, never a silent one.
     """
-    limit = getattr(getattr(subject, "rope", None), "max_seq_len", None)
-    if seq_len is None or not isinstance(limit, int) or seq_len <= limit:
+    limit = family.max_seq_len(subject) if family is not None else None
+    if seq_len is None or limit is None or seq_len <= limit:
         return []
     who = name or "the model"
     longer = _longer_models(name, subject, family, seq_len)
@@ -974,7 +974,9 @@ def _position_findings(
     ]
 
 
-def _longer_models(name: str | None, subject: Any, family: Any, seq_len: int) -> str | None:
+def _longer_models(
+    name: str | None, subject: Any, family: ModelFamily | None, seq_len: int
+) -> str | None:
     """Registered models of ``subject``'s family and parameter count whose positions
     cover ``seq_len`` (``"llama3.1-8b (131,072 positions)"``), or ``None``."""
     from hyper_parallel.dmodule.model_spec import get_spec, list_specs
@@ -995,7 +997,7 @@ def _longer_models(name: str | None, subject: Any, family: Any, seq_len: int) ->
             config = spec.config()
         except (ValueError, TypeError):  # a spec sized by a file (the *-hf ones)
             continue
-        positions = getattr(getattr(config, "rope", None), "max_seq_len", 0)
+        positions = spec.family.max_seq_len(config) or 0
         if positions >= seq_len and count(config) == size:
             found.append(f"{other} ({positions:,} positions)")
     return " or ".join(found) or None
@@ -1009,7 +1011,9 @@ def _unique(findings: Iterable[Finding]) -> list[Finding]:
     return out
 
 
-def _blocks_field(family: Any, pipeline_layout: PipelineLayout | None) -> str | None:
+def _blocks_field(
+    family: ModelFamily | None, pipeline_layout: PipelineLayoutProtocol | None
+) -> str | None:
     """The attribute holding the repeated blocks: the family's, or its pipeline's."""
     if family is not None and family.blocks is not None:
         return family.blocks
@@ -1020,8 +1024,8 @@ def _pipeline(
     name: str,
     layout: MeshLayout,
     model: nn.Module | None,
-    family: Any,
-    pipeline_layout: PipelineLayout | None,
+    family: ModelFamily | None,
+    pipeline_layout: PipelineLayoutProtocol | None,
     *,
     schedule: str,
     num_microbatches: int,

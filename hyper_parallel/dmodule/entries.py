@@ -24,10 +24,14 @@ from hyper_parallel.dmodule._boundary import installed_forward as installed_forw
 from hyper_parallel.dmodule._boundary import parallelize_entries as parallelize_entries
 from hyper_parallel.dmodule._checks import BOUNDARY_ATTR as BOUNDARY_ATTR
 from hyper_parallel.dmodule._checks import check_entries as check_entries
+from hyper_parallel.dmodule._checks import check_mesh as check_mesh
 from hyper_parallel.dmodule._checks import errors_of as errors_of
+from hyper_parallel.dmodule._checks import forward_signature as forward_signature
+from hyper_parallel.dmodule._checks import get_state as get_state
 from hyper_parallel.dmodule._checks import state_owner as state_owner
 from hyper_parallel.dmodule._fast import _contiguous_stride as contiguous_stride
 from hyper_parallel.dmodule._fast import _ParamView as ParamView
+from hyper_parallel.dmodule._placements import normalize_placements as normalize_placements
 from hyper_parallel.dmodule.findings import ParallelizeError as ParallelizeError
 from hyper_parallel.dmodule.findings import PlanEntry as PlanEntry
 
@@ -38,9 +42,13 @@ __all__ = [
     "ParamView",
     "PlanEntry",
     "check_entries",
+    "check_mesh",
     "contiguous_stride",
     "errors_of",
+    "forward_signature",
+    "get_state",
     "installed_forward",
+    "normalize_placements",
     "parallelize_entries",
     "state_owner",
 ]

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hyper_parallel.distributed.activation_checkpoint import AC_MODES
-from hyper_parallel.distributed.layout import LayoutError, MeshLayout
+from hyper_parallel.distributed.mesh_arguments import mesh_argument as mesh_argument
+from hyper_parallel.distributed.mesh_arguments import parse_mesh as parse_mesh
 from hyper_parallel.distributed.pipeline import SCHEDULES
 from hyper_parallel.distributed.precision import DTYPES
 from hyper_parallel.train.schedule import LR_SCHEDULES
@@ -49,28 +50,6 @@ __all__ = [
     "parse_mesh",
     "positive_int",
 ]
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """Parse ``"dp=2,tp=2"`` into ``{"dp_shard": 2, "tp": 2}``: the axes of size > 1.
-
-    Any user axis of :class:`~hyper_parallel.distributed.MeshLayout` is accepted
-    (``dp`` is ``dp_shard``); ``""`` is ``{}`` (one device).
-
-    Raises:
-        LayoutError: (a ``ValueError``) every malformed entry, unknown axis (with the
-            nearest name), repeated axis, size < 1 and ``ep`` not dividing
-            dp_shard x cp x tp, in one error.
-    """
-    return MeshLayout.parse(text).active()
-
-
-def mesh_argument(text: str) -> dict[str, int]:
-    """``argparse`` type of ``--mesh``: :func:`parse_mesh`, errors as usage errors."""
-    try:
-        return parse_mesh(text)
-    except LayoutError as e:  # argparse shows an ArgumentTypeError's own message
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def json_object(text: str) -> dict[str, Any]:

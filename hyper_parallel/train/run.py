@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
 from hyper_parallel._warnings import quiet_strided_gather
+from hyper_parallel.distributed.process_group import init_process_group
 from hyper_parallel.train import report
 from hyper_parallel.train.arguments import (
     _OPTIONS,
@@ -50,7 +50,7 @@ from hyper_parallel.train.arguments import (
     parse_mesh,
 )
 from hyper_parallel.train.job import write_run_record
-from hyper_parallel.train.trainer import Trainer, check_config, default_device
+from hyper_parallel.train.trainer import Trainer, check_config
 
 quiet_strided_gather()  # full_gradients' full_tensor of FSDP-over-TP gradients (see _warnings)
 
@@ -105,48 +105,9 @@ def _first_grads_writer(path: str, pp: int) -> Callable[[int, list[torch.nn.Modu
 # The run options are defined once (hyper_parallel.train.arguments); re-exported here.
 _json_object = json_object
 _mesh_argument = mesh_argument
-
-
-def _attempt_store() -> dist.Store | None:
-    """torchrun's shared rendezvous store, with keys scoped to this restart attempt.
-
-    torchrun (torch 2.13) lets workers share its agent's TCP store and keeps that
-    store across restarts, while ``env://`` initialization adds no per-attempt
-    prefix: after a restart, ranks read the previous attempt's gloo addresses and
-    fail with "connectFullMesh ... Connection refused". Prefixing the keys with
-    ``TORCHELASTIC_RESTART_COUNT`` (the same on every worker of an attempt) keeps
-    attempts apart. ``None`` when workers do not use the agent's store.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=default_pg_timeout,
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"hyper_parallel/attempt_{attempt}", store)
-
-
-def _init_process_group() -> int:
-    """Join torchrun's process group when launched by it; returns the world size.
-
-    The backend follows the device: NCCL on CUDA, gloo on CPU.
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and not dist.is_initialized():
-        device = default_device()
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        store = _attempt_store()
-        if store is None:
-            dist.init_process_group(backend=backend)
-        else:
-            rank = int(os.environ["RANK"])
-            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
-    return world_size
+# Joining the process group is distributed's (hyper_parallel.distributed.process_group);
+# the old private name stays for callers of this module.
+_init_process_group = init_process_group
 
 
 def build_parser(prog: str = "python -m hyper_parallel.train.run") -> argparse.ArgumentParser:

@@ -81,7 +81,7 @@ def resolve_model(cfg: Any) -> None:
         ValueError: The checkpoint's config has fields our model does not implement,
             there is no ``config.json``, or both sources are given.
     """
-    from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
+    from hyper_parallel.checkpoint_hf.config import hf_spec_names
 
     hf_config = getattr(cfg, "hf_config", None)
     if cfg.hf_checkpoint and hf_config:
@@ -89,17 +89,13 @@ def resolve_model(cfg: Any) -> None:
             "TrainConfig: hf_checkpoint and hf_config both name the model; give one "
             "(--hf-checkpoint DIR loads the weights too)."
         )
-    if cfg.hf_checkpoint or hf_config or cfg.model in SPEC_NAMES.values():
-        from hyper_parallel.checkpoint_hf.specs import register_specs
-
-        register_specs()  # the *-hf specs, also when named directly
     source = cfg.hf_checkpoint or hf_config
     if not source:
         return
     field = "hf_checkpoint" if cfg.hf_checkpoint else "hf_config"
     # Overrides of another named model are not this config's.
     default_model = type(cfg).__dataclass_fields__["model"].default
-    own = cfg.model_overrides if cfg.model in (default_model, *SPEC_NAMES.values()) else {}
+    own = cfg.model_overrides if cfg.model in {default_model, *hf_spec_names()} else {}
     cfg.model, cfg.model_overrides = hf_model(source, own, where=f"TrainConfig.{field}")
 
 
@@ -160,7 +156,7 @@ def build_data(cfg: Any, vocab_size: int | None) -> Any:
 
 def model_record(cfg: Any) -> str:
     """The JSON the trainer stores in checkpoints (``train.model_json``)."""
-    from hyper_parallel.checkpoint_hf.export import model_record as record
+    from hyper_parallel.checkpoint_hf.records import model_record as record
 
     hf_config = None
     if cfg.hf_checkpoint:
@@ -180,8 +176,8 @@ def save_weights(cfg: Any, parts: list[Any]) -> None:
     """
     if not cfg.save_hf:
         return
-    from hyper_parallel.checkpoint_hf.export import tokenizer_files
     from hyper_parallel.checkpoint_hf.io import save_hf
+    from hyper_parallel.checkpoint_hf.records import tokenizer_files
     from hyper_parallel.dmodule.model_spec import get_spec
 
     hf_config = None

@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -55,6 +54,7 @@ from hyper_parallel.distributed.compile import BACKENDS
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
 from hyper_parallel.distributed.pipeline import build_schedule, pipeline_step
 from hyper_parallel.distributed.precision import check_dtype, loss_logits
+from hyper_parallel.distributed.process_group import default_device as default_device
 from hyper_parallel.distributed.run_plan import (
     RunPlan,
     build_model,
@@ -381,13 +381,6 @@ class TrainResult:
     final_step: int
     seconds: float
     resumed_from: int = 0
-
-
-def default_device() -> torch.device:
-    """This rank's device: its CUDA device under ``LOCAL_RANK`` when there is one, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def build_mesh(

@@ -79,7 +79,7 @@ def write_checkpoint(
 def rank_logits(path: str, mesh: dict[str, int], tokens: torch.Tensor, sp: bool = False) -> Any:
     """On every rank: load ``path`` on ``mesh`` (``sp``: sequence parallel); rank 0 returns
     the batch's logits."""
-    from hyper_parallel.checkpoint_hf.verify import mesh_logits
+    from hyper_parallel.hf_commands.verify import mesh_logits
 
     torch.manual_seed(123)  # the random init is overwritten by the checkpoint
     logits, _ = mesh_logits(path, mesh, tokens, sp)
@@ -95,7 +95,7 @@ def rank_roundtrip(path: str, mesh: dict[str, int], out: str) -> Any:
     from torch.distributed.tensor import DTensor
 
     from hyper_parallel.checkpoint_hf import save_hf
-    from hyper_parallel.checkpoint_hf.verify import load_on_mesh
+    from hyper_parallel.hf_commands.verify import load_on_mesh
 
     loaded = load_on_mesh(path, mesh)
     save_hf(loaded.parts, out, hf_config=loaded.report.config, max_shard_size="60KB")
@@ -115,7 +115,7 @@ def rank_save_over(path: str, mesh: dict[str, int], out: str) -> Any:
     """
     from hyper_parallel.checkpoint_hf import save_hf
     from hyper_parallel.checkpoint_hf.outputs import OutputError
-    from hyper_parallel.checkpoint_hf.verify import load_on_mesh
+    from hyper_parallel.hf_commands.verify import load_on_mesh
 
     loaded = load_on_mesh(path, mesh)
     try:

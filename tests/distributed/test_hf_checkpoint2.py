@@ -28,7 +28,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from hyper_parallel.checkpoint_hf.verify import batch_tokens, hf_logits
+    from hyper_parallel.hf_commands.verify import batch_tokens, hf_logits
 
     tokens = batch_tokens(128, 4, 16)
     out = {}

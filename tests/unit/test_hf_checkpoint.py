@@ -53,11 +53,11 @@ def _loaded(path):
 def test_llama3_config_with_rope_scaling_maps_to_our_model():
     raw = hf_model("llama").config.to_dict()
     cfg = read_hf_config(raw)
-    assert cfg.spec == "llama3-hf" and cfg.family == "llama"
+    assert cfg.spec == "llama3-hf" and cfg.family == "llama3"
     o = cfg.model_overrides
     assert (o["dim"], o["num_heads"], o["num_kv_heads"], o["ffn_dim"]) == (64, 8, 4, 96)
     assert o["rope_scaling"]["factor"] == 8.0
-    from hyper_parallel.checkpoint_hf.rope import Llama3RotaryEmbedding
+    from hyper_parallel.models.llama.rope import Llama3RotaryEmbedding
 
     rope = cfg.model_config().rope
     assert isinstance(rope, Llama3RotaryEmbedding.Config) and rope.factor == 8.0
@@ -88,7 +88,7 @@ def test_mistral_without_sliding_window_is_a_llama():
         num_attention_heads=2, num_key_value_heads=1, sliding_window=None,
     )  # fmt: skip
     raw = {**config.to_dict(), "architectures": ["MistralForCausalLM"]}
-    assert read_hf_config(raw).family == "llama"
+    assert read_hf_config(raw).family == "llama3"
     with pytest.raises(HFConfigError, match=r"sliding_window=4096: null"):
         read_hf_config({**raw, "sliding_window": 4096})
 
@@ -311,7 +311,7 @@ def test_single_file_checkpoint_and_fp16(tmp_path):
 
 
 def test_generate_greedy_equals_transformers(moe_dir, llama_dir, tmp_path):
-    from hyper_parallel.checkpoint_hf.generate import generate
+    from hyper_parallel.hf_commands.generate import generate
 
     qwen3 = write_checkpoint("qwen3", str(tmp_path / "qwen3"))
     for path in (llama_dir, qwen3, moe_dir):
@@ -327,7 +327,7 @@ def test_generate_greedy_equals_transformers(moe_dir, llama_dir, tmp_path):
 
 
 def test_generate_stops_at_eos(llama_dir):
-    from hyper_parallel.checkpoint_hf.generate import generate
+    from hyper_parallel.hf_commands.generate import generate
 
     _, model = _loaded(llama_dir)
     first = generate(model, [5, 17], 1)[0]

@@ -6,7 +6,7 @@ from typing import Any
 
 from hyper_parallel.analysis.suggest._report import Candidate
 from hyper_parallel.analysis.suggest._source import ModelSource
-from hyper_parallel.dmodule._checks import Finding
+from hyper_parallel.dmodule.findings import Finding
 
 
 class _Checks:

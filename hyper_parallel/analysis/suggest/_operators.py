@@ -230,7 +230,8 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
     loss_fn = source.spec.family.loss_fn
     for depth in (1, 2):
         config = source.config()
-        config = config.replace(layers=list(config.layers[:depth]))
+        blocks = source.spec.family.blocks or "layers"
+        config = config.replace(**{blocks: list(getattr(config, blocks)[:depth])})
         with torch.device("meta"):
             model = config.build().to(torch.bfloat16)
         tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
@@ -262,7 +263,7 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
             )
         )
     (f1, b1, a1, ab1, fo1, bo1, fe1, be1, t1), (f2, b2, a2, ab2, fo2, bo2, fe2, be2, t2) = counts
-    n = len(source.config().layers)
+    n = source.spec.family.num_layers(source.config())
     optimizer_ops, grad_reads = _optimizer_ops_per_tensor()
     return _Flops(
         f2 - f1,

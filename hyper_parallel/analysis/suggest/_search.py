@@ -32,7 +32,7 @@ from hyper_parallel.analysis.suggest._trace import _Tracer
 from hyper_parallel.distributed.pipeline import (
     SCHEDULES,
 )
-from hyper_parallel.dmodule._checks import Finding
+from hyper_parallel.dmodule.findings import Finding
 
 AC_MODES = ("none", "selective", "full")
 MODEL_AXES = ("tp", "cp", "ep")
@@ -302,8 +302,8 @@ def suggest(
         allow_cross_node_tp = allow_cross_node_ep = True
     source, max_seq = _long_enough(source, seq_len)
     config = source.config()
-    num_layers = len(config.layers)
-    num_experts = _num_experts(config)
+    num_layers = source.spec.family.num_layers(config)
+    num_experts = _num_experts(source, config)
     global_batch = global_batch_tokens // seq_len
     rejected: Counter = Counter()
     checks = _Checks(source, seq_len, global_batch, dtype)

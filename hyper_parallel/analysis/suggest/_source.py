@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,32 +70,13 @@ def model_from_hf_config(path: str | Path) -> ModelSource:
 def _long_enough(source: ModelSource, seq_len: int) -> tuple[ModelSource, int | None]:
     """``source`` with ``max_seq_len`` raised to ``seq_len`` when its rotary tables are
     shorter (the command then passes it in ``--model-overrides``); and the old limit."""
-    limit = None
-    for value in _walk(source.config()):
-        n = getattr(value, "max_seq_len", None)
-        if isinstance(n, int):
-            limit = n
-            break
+    limit = source.spec.family.max_seq_len(source.config())
     if limit is None or seq_len <= limit:
         return source, limit
     overrides = dict(source.overrides) | {"max_seq_len": seq_len}
     return dataclasses.replace(source, overrides=tuple(sorted(overrides.items()))), limit
 
 
-def _num_experts(config: Any) -> int:
-    for layer in config.layers[:1]:
-        for value in _walk(layer):
-            n = getattr(value, "num_experts", None)
-            if isinstance(n, int):
-                return n
-    return 1
-
-
-def _walk(config: Any, depth: int = 0) -> Iterator[Any]:
-    yield config
-    if depth > 4 or not dataclasses.is_dataclass(config):
-        return
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name, None)
-        if dataclasses.is_dataclass(value):
-            yield from _walk(value, depth + 1)
+def _num_experts(source: ModelSource, config: Any) -> int:
+    """The routed experts of each block (the family's contract); 1 for a dense model."""
+    return source.spec.family.num_experts(config) or 1

@@ -81,7 +81,7 @@ class _Tracer:
         self.seq_len = seq_len
         self.dtype = dtype
         self.cache: dict[tuple[int, int, bool, int, bool], _Trace] = {}
-        self.num_layers = len(source.config().layers)
+        self.num_layers = source.spec.family.num_layers(source.config())
 
     @property
     def count(self) -> int:

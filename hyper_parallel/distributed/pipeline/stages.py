@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_parallel.contract import ModelFamily
 from hyper_parallel.distributed import precision
 from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
 from hyper_parallel.distributed.builder import apply_parallelism
@@ -77,7 +78,7 @@ def build_stage_modules(
     compile_backend: str | None = None,
     ac: str = "none",
     dtype: str = "fp32",
-    family: Any = None,
+    family: ModelFamily | None = None,
 ) -> list[nn.Module]:
     """Build, shard, materialize and initialize the stages ``pp_rank`` runs, on given meshes.
 

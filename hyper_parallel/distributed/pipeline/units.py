@@ -14,30 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_parallel.contract.pipeline import PipelineUnit as PipelineUnit
+
 __all__ = ["PipelineLayout", "PipelineUnit", "count_unit_flops"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PipelineUnit:
-    """The smallest piece a stage holds: the embedding, one block, or the head.
-
-    Attributes:
-        name: ``"tok_embeddings"``, ``"layers.3"``, ``"norm+output"``.
-        modules: Module paths in the model that make up the unit.
-        num_params: Parameters of the unit.
-        num_flops: Forward FLOPs of the unit for one sequence, when counted
-            (:func:`count_unit_flops`); ``None`` otherwise.
-    """
-
-    name: str
-    modules: tuple[str, ...]
-    num_params: int
-    num_flops: int | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class PipelineLayout:
-    """How a model family is cut into stages (declared next to the model).
+    """How a model family is cut into stages (declared next to the model); the shared
+    decoder's :class:`~hyper_parallel.contract.PipelineLayoutProtocol`.
 
     Attributes:
         first: Config fields of the first unit (on the first stage), e.g. the embedding.

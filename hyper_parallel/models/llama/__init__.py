@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 from hyper_parallel.models.common.decoder import TransformerStage as TransformerStage
-from hyper_parallel.models.common.family import dense_family, register_presets
+from hyper_parallel.models.common.family import dense_family, register_hf_spec, register_presets
 from hyper_parallel.models.common.layers import Attention as Attention
 from hyper_parallel.models.common.layers import FeedForward as FeedForward
 from hyper_parallel.models.common.layers import RMSNorm as RMSNorm
@@ -41,6 +41,8 @@ from hyper_parallel.models.llama.config import PRESETS as PRESETS
 from hyper_parallel.models.llama.config import llama3_config as llama3_config
 from hyper_parallel.models.llama.config import num_params as num_params
 from hyper_parallel.models.llama.config import preset_config as preset_config
+from hyper_parallel.models.llama.hf import HF as HF
+from hyper_parallel.models.llama.hf import llama_hf_config as llama_hf_config
 from hyper_parallel.models.llama.model import Transformer as Transformer
 from hyper_parallel.models.llama.model import TransformerBlock as TransformerBlock
 from hyper_parallel.models.llama.rope import Llama3RotaryEmbedding as Llama3RotaryEmbedding
@@ -50,6 +52,7 @@ from hyper_parallel.models.llama.sharding import apply_tp_sp as apply_tp_sp
 
 __all__ = [
     "FAMILY",
+    "HF",
     "LLAMA31_ROPE_SCALING",
     "PIPELINE",
     "PRESETS",
@@ -70,6 +73,7 @@ __all__ = [
     "causal_mask",
     "cross_entropy_loss",
     "llama3_config",
+    "llama_hf_config",
     "num_params",
     "preset_config",
 ]
@@ -79,6 +83,7 @@ FAMILY = dense_family(
     (apply_tp, apply_tp_sp, apply_cp),
     num_params,
     why_no_ep="Llama is dense: it has no routed experts to place on ep",
+    hf=HF,
 )
 """What the infrastructure needs to know about the Llama family (shared by its presets)."""
 
@@ -99,3 +104,4 @@ register_presets(
         "llama3.1-405b": "Llama 3.1 405B: rope scaled to 131,072 positions",
     },
 )
+register_hf_spec(FAMILY, llama_hf_config)

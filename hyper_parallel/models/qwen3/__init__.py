@@ -12,12 +12,14 @@ Example::
 
 from __future__ import annotations
 
-from hyper_parallel.models.common.family import dense_family, register_presets
+from hyper_parallel.models.common.family import dense_family, register_hf_spec, register_presets
 from hyper_parallel.models.common.loss import cross_entropy_loss as cross_entropy_loss
 from hyper_parallel.models.qwen3.config import PRESETS as PRESETS
 from hyper_parallel.models.qwen3.config import num_params as num_params
 from hyper_parallel.models.qwen3.config import preset_config as preset_config
 from hyper_parallel.models.qwen3.config import qwen3_config as qwen3_config
+from hyper_parallel.models.qwen3.hf import HF as HF
+from hyper_parallel.models.qwen3.hf import qwen3_hf_config as qwen3_hf_config
 from hyper_parallel.models.qwen3.model import Transformer as Transformer
 from hyper_parallel.models.qwen3.sharding import apply_cp as apply_cp
 from hyper_parallel.models.qwen3.sharding import apply_tp as apply_tp
@@ -25,6 +27,7 @@ from hyper_parallel.models.qwen3.sharding import apply_tp_sp as apply_tp_sp
 
 __all__ = [
     "FAMILY",
+    "HF",
     "PIPELINE",
     "PRESETS",
     "Transformer",
@@ -35,6 +38,7 @@ __all__ = [
     "num_params",
     "preset_config",
     "qwen3_config",
+    "qwen3_hf_config",
 ]
 
 FAMILY = dense_family(
@@ -42,6 +46,7 @@ FAMILY = dense_family(
     (apply_tp, apply_tp_sp, apply_cp),
     num_params,
     why_no_ep="Qwen3 dense has no routed experts to place on ep; Qwen3-MoE has",
+    hf=HF,
 )
 """What the infrastructure needs to know about the Qwen3 dense (shared by its presets)."""
 
@@ -59,3 +64,4 @@ register_presets(
         "qwen3-32b": "Qwen3-32B shapes",
     },
 )
+register_hf_spec(FAMILY, qwen3_hf_config)

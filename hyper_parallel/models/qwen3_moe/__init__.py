@@ -21,13 +21,16 @@ Example::
 
 from __future__ import annotations
 
-from hyper_parallel.models.common.family import decoder_family, register_presets
+from hyper_parallel.models.common.family import decoder_family, register_hf_spec, register_presets
 from hyper_parallel.models.common.loss import cross_entropy_loss as cross_entropy_loss
 from hyper_parallel.models.qwen3_moe.config import PRESETS as PRESETS
 from hyper_parallel.models.qwen3_moe.config import num_expert_params as num_expert_params
+from hyper_parallel.models.qwen3_moe.config import num_experts as num_experts
 from hyper_parallel.models.qwen3_moe.config import num_params as num_params
 from hyper_parallel.models.qwen3_moe.config import preset_config as preset_config
 from hyper_parallel.models.qwen3_moe.config import qwen3_moe_config as qwen3_moe_config
+from hyper_parallel.models.qwen3_moe.hf import HF as HF
+from hyper_parallel.models.qwen3_moe.hf import qwen3_moe_hf_config as qwen3_moe_hf_config
 from hyper_parallel.models.qwen3_moe.model import Attention as Attention
 from hyper_parallel.models.qwen3_moe.model import GroupedExperts as GroupedExperts
 from hyper_parallel.models.qwen3_moe.model import MoE as MoE
@@ -64,9 +67,11 @@ __all__ = [
     "expert_ffn",
     "load_balancing_loss",
     "num_expert_params",
+    "num_experts",
     "num_params",
     "preset_config",
     "qwen3_moe_config",
+    "qwen3_moe_hf_config",
 ]
 
 FAMILY = decoder_family(
@@ -77,9 +82,11 @@ FAMILY = decoder_family(
     ep=apply_ep,
     num_params=num_params,
     num_expert_params=num_expert_params,
+    experts=num_experts,
     pipeline=PIPELINE,
     expert_paths=("layers.*.moe.experts",),
     compile_experts=GroupedExperts.compile_compute,
+    hf=HF,
 )
 """What the infrastructure needs to know about the Qwen3-MoE family (shared by its presets)."""
 
@@ -94,3 +101,4 @@ register_presets(
         "qwen3-235b-a22b": "Qwen3-235B-A22B shapes: 128 experts, top-8",
     },
 )
+register_hf_spec(FAMILY, qwen3_moe_hf_config)

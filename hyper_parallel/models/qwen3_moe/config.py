@@ -172,6 +172,16 @@ def num_expert_params(config: Transformer.Config) -> int:
     )
 
 
+def num_experts(config: Transformer.Config) -> int:
+    """The routed experts of each block (every block holds the same number).
+
+    Example:
+        >>> num_experts(preset_config("qwen3-30b-a3b"))
+        128
+    """
+    return config.layers[0].moe.experts.num_experts if config.layers else 0
+
+
 def num_params(config: Transformer.Config) -> int:
     """Number of parameters of the model ``config`` builds, counted from the config alone.
 

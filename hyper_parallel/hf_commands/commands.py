@@ -18,14 +18,14 @@ __all__ = ["add_commands", "load_tokenizer"]
 
 
 def _json_object(text: str) -> dict[str, Any]:
-    from hyper_parallel.train.run import _json_object as parse
+    from hyper_parallel.train.arguments import json_object
 
-    return parse(text)
+    return json_object(text)
 
 
 def add_commands(sub: Any) -> None:
     """Add ``train``, ``verify-hf``, ``export-hf``, ``generate``, ``tokenize`` to ``sub``."""
-    from hyper_parallel.checkpoint_hf import verify
+    from hyper_parallel.hf_commands import verify
 
     r = sub.add_parser(
         "train",
@@ -119,15 +119,15 @@ def _train(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import torch
 
-    from hyper_parallel.checkpoint_hf.export import export_hf
+    from hyper_parallel.hf_commands.export import export_hf
 
     model: dict[str, Any] = {}
     if args.model:
         model = {"model": args.model, "model_overrides": args.model_overrides or {}}
     if args.hf_config:
-        from hyper_parallel.checkpoint_hf.config import _load
+        from hyper_parallel.checkpoint_hf.config import load_config_json
 
-        model["hf_config"] = _load(args.hf_config)[0]
+        model["hf_config"] = load_config_json(args.hf_config)[0]
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
     try:
         files = export_hf(
@@ -223,7 +223,7 @@ def load_tokenizer(path: str | None, default_dirs: list[str], vocab_size: int) -
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from hyper_parallel.checkpoint_hf.generate import generate
+    from hyper_parallel.hf_commands.generate import generate
 
     try:
         if args.hf_checkpoint:
@@ -236,7 +236,7 @@ def _generate(args: argparse.Namespace) -> int:
             eos, dirs = cfg.eos_token_ids, [args.hf_checkpoint]
         else:
             from hyper_parallel.checkpoint_hf.config import read_hf_config
-            from hyper_parallel.checkpoint_hf.export import (
+            from hyper_parallel.hf_commands.export import (
                 checkpoint_record,
                 load_trainer_checkpoint,
             )

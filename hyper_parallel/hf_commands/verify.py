@@ -233,9 +233,9 @@ def parity(ours: torch.Tensor, theirs: torch.Tensor, tokens: torch.Tensor) -> tu
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from hyper_parallel.train.run import _init_process_group
+    from hyper_parallel.distributed.process_group import init_process_group
 
-    _init_process_group()
+    init_process_group()
     tokens = torch.load(args.tokens)
     try:
         logits, _ = mesh_logits(args.dir, json.loads(args.mesh_json), tokens, args.sp)
@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
             "--nproc-per-node",
             str(layout.world_size),
             "-m",
-            "hyper_parallel.checkpoint_hf.verify",
+            "hyper_parallel.hf_commands.verify",
             "--worker",
             "--dir",
             args.dir,
@@ -330,12 +330,12 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``verify-hf``'s options."""
-    from hyper_parallel.train.run import _mesh_argument
+    from hyper_parallel.distributed.mesh_arguments import mesh_argument
 
     parser.add_argument("dir", help="Hugging Face checkpoint directory (config.json + safetensors)")
     parser.add_argument(
         "--mesh",
-        type=_mesh_argument,
+        type=mesh_argument,
         default={"tp": 2},
         help="mesh of local ranks, e.g. tp=2, dp_shard=2,tp=2, pp=2, cp=2, ep=2 (default tp=2)",
     )
@@ -347,7 +347,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hyper_parallel.checkpoint_hf.verify``."""
+    """``python -m hyper_parallel.hf_commands.verify``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--worker" in argv:
         worker = argparse.ArgumentParser()

@@ -14,73 +14,14 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = [
-    "MODEL_KEY",
-    "TOKENIZER_FILES",
-    "checkpoint_record",
-    "export_hf",
-    "load_trainer_checkpoint",
-    "model_record",
-    "tokenizer_files",
-]
+from hyper_parallel.checkpoint_hf.records import MODEL_KEY, tokenizer_files
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-)
-"""Files of a Hugging Face checkpoint that travel with its weights (whichever are present)."""
-
-
-def tokenizer_files(tokenizer: str | None, folders: Iterable[str | None] = ()) -> dict[str, str]:
-    """``{name: source}`` of the tokenizer files to put next to exported weights.
-
-    ``tokenizer`` (a ``tokenizer.json``, under any name) is copied as ``tokenizer.json``
-    and the other :data:`TOKENIZER_FILES` found beside it come along; then those of
-    ``folders`` (the Hugging Face checkpoint the run started from) fill the gaps.
-    """
-    found: dict[str, str] = {}
-    dirs = [os.path.dirname(os.path.abspath(tokenizer))] if tokenizer else []
-    if tokenizer:
-        found["tokenizer.json"] = tokenizer
-    for folder in [*dirs, *(f for f in folders if f)]:
-        for name in TOKENIZER_FILES:
-            candidate = os.path.join(folder, name)
-            if name not in found and os.path.isfile(candidate):
-                found[name] = candidate
-    return found
-
-
-MODEL_KEY = "model_json"
-"""The key of the model record in a checkpoint's ``train`` state."""
-
-
-def model_record(
-    model: str,
-    model_overrides: dict[str, Any],
-    hf_config: dict[str, Any] | None,
-    tokenizer: str | None = None,
-) -> str:
-    """The JSON the trainer stores under ``train.model_json`` (``tokenizer``: the run's)."""
-    record: dict[str, Any] = {
-        "model": model,
-        "model_overrides": model_overrides,
-        "hf_config": hf_config,
-    }
-    if tokenizer is not None:
-        record["tokenizer"] = os.path.abspath(tokenizer)
-    return json.dumps(record, sort_keys=True)
+__all__ = ["checkpoint_record", "export_hf", "load_trainer_checkpoint"]
 
 
 def _step_dir(path: str) -> str:
@@ -183,7 +124,7 @@ def export_hf(
 ) -> list[str]:
     """Write the model of a trainer checkpoint as a Hugging Face checkpoint in ``out``.
 
-    The tokenizer files of the run (:func:`tokenizer_files` of the recorded tokenizer)
+    The tokenizer files of the run (:func:`~hyper_parallel.checkpoint_hf.records.tokenizer_files` of the recorded tokenizer)
     are copied along, so ``generate --hf-checkpoint OUT`` works on the export. ``out``
     is written aside and renamed into place when complete
     (:mod:`~hyper_parallel.checkpoint_hf.outputs`).

@@ -1,6 +1,6 @@
 """Sampling from a model on one process, with a KV cache.
 
-:func:`generate` runs one of our decoders (Llama, Qwen3 or Qwen3-MoE, unsharded) token by
+:func:`generate` runs one of our decoders (a shared ``Decoder`` of any family, unsharded) token by
 token: the prompt once, then one token per step, each layer's keys and values kept
 (:class:`KVCache`) so a step costs one token's compute. It uses the model's own
 modules (norms, projections, rotary tables, feed-forward or experts) in the order
@@ -72,7 +72,7 @@ def forward_cached(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> to
     cos, sin = model.rope(start + tokens.shape[1], positions)
     for i, layer in enumerate(model.layers):
         h = h + _attention(layer.attention, layer.attention_norm(h), cos, sin, cache, i, start)
-        ffn = layer.feed_forward if hasattr(layer, "feed_forward") else layer.moe
+        ffn = getattr(layer, layer.ffn_name)  # the block's declared feed-forward
         h = h + ffn(layer.ffn_norm(h))
     return model.output(model.norm(h))
 
@@ -90,7 +90,7 @@ def generate(
 ) -> list[int]:
     """The new token ids after ``prompt`` (greedy when ``temperature`` is 0).
 
-    Works for the decoders of every family (Llama, Qwen3, Qwen3-MoE): the blocks'
+    Works for the decoders of every family: the blocks'
     attention (with or without per-head norms) and feed-forward or experts.
 
     Args:
