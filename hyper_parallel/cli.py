@@ -6,6 +6,7 @@ Examples::
     hyper-parallel plan --model llama3-70b --mesh dp=128,tp=8 --sp --format json
     hyper-parallel plan --model llama3-70b --mesh dp_replicate=4,dp_shard=32,tp=8
     hyper-parallel validate --model llama3-8b --mesh dp=16,tp=8
+    hyper-parallel validate --config job.toml     # a job file (suggest --write-config)
     hyper-parallel validate --hf-model llama --plan examples/plans/hf_llama_tp.yaml --mesh tp=2
     hyper-parallel demo --mesh dp=2,tp=2
     hyper-parallel demo --mesh dp_replicate=2,dp_shard=2

@@ -299,6 +299,12 @@ def test_validate_config_takes_the_job_files_mesh_and_flags_override_it(capsys, 
     assert code == 0, (out, err)
     mesh = json.loads(out)["mesh"]
     assert (mesh["tp"], mesh["dp_shard"]) == (1, 2)
+    # plan --config: the same mesh, and the job's seq-len as its sequence.
+    job.write_text('model = "llama3-debug"\nmesh = "dp=2,tp=2"\nseq-len = 48\n')
+    code, out, err = _run(capsys, "plan", "--config", str(job), "--format", "json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["mesh"]["dp_shard"], report["mesh"]["tp"], report["seq_len"]) == (2, 2, 48)
     job.write_text('model = "llama3-debug"\nmesh = "tp=2"\nstepz = 4\n')
     code, out, err = _run(capsys, "validate", "--config", str(job))
     assert code == 2 and "'stepz' (did you mean 'steps'?)" in err
