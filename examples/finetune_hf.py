@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hyper_parallel.checkpoint_hf.generate import generate
 
 from hyper_parallel.checkpoint_hf import load_hf, read_hf_config
-from hyper_parallel.checkpoint_hf.generate import generate
 from hyper_parallel.train import TrainConfig, Trainer
 from hyper_parallel.train.arguments import parse_mesh
 

@@ -1,4 +1,4 @@
-"""The ``hyper-parallel`` command line: ``plan``, ``validate``, ``demo``, ``models``.
+"""The ``hyper-parallel`` command line: ``plan``, ``validate``, ``demo``, ``models``, ``launch``.
 
 Examples::
 
@@ -6,9 +6,11 @@ Examples::
     hyper-parallel plan --model llama3-70b --mesh dp=128,tp=8 --sp --format json
     hyper-parallel plan --model llama3-70b --mesh dp_replicate=4,dp_shard=32,tp=8
     hyper-parallel validate --model llama3-8b --mesh dp=16,tp=8
+    hyper-parallel validate --config job.toml     # a job file (suggest --write-config)
     hyper-parallel validate --hf-model llama --plan examples/plans/hf_llama_tp.yaml --mesh tp=2
     hyper-parallel demo --mesh dp=2,tp=2
     hyper-parallel demo --mesh dp_replicate=2,dp_shard=2
+    hyper-parallel launch --nodes 2 --gpus-per-node 8 --slurm job.sbatch --mesh dp=2,tp=8
 
 ``--mesh`` takes ``name=size`` pairs over ``pp, dp_replicate, dp_shard`` (alias ``dp``),
 ``cp, tp, ep`` in any order (:class:`hyper_parallel.distributed.MeshLayout`); every
@@ -85,6 +87,50 @@ def _add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
         help=f"sequence length (default {_SEQ_LEN}; {_HF_SEQ_LEN} for --hf-model)",
     )
     p.add_argument("--format", choices=("table", "json"), default="table", help="output format")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="job file (.toml, as train --config and suggest --write-config write it): its "
+        "model, mesh, switches and seq-len; options given here override it",
+    )
+
+
+def _job_file_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """``plan`` / ``validate --config FILE``: the job file's values of the options the
+    command takes become its parser's defaults, so options given still override them.
+
+    Raises:
+        _UsageError: The job file cannot be read or holds a bad value (named).
+    """
+    command = argv[0] if argv else None
+    flags = [a for a in argv if a == "--config" or a.startswith("--config=")]
+    if command not in ("plan", "validate") or not flags:
+        return
+    if flags[-1] == "--config":
+        at = len(argv) - 1 - argv[::-1].index("--config")
+        if at + 1 >= len(argv):
+            return  # argparse reports the missing value
+        path = argv[at + 1]
+    else:
+        path = flags[-1].split("=", 1)[1]
+    from hyper_parallel.train.arguments import _OPTIONS, COMMAND_OPTIONS
+    from hyper_parallel.train.job import load_job_file
+
+    try:
+        values = load_job_file(path, _OPTIONS)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    p = sub.choices[command]
+    fields = COMMAND_OPTIONS[command].fields or ()
+    # The job's other options (steps, lr, ...) are the trainer's; a dry run has no use for them.
+    given = {f: values[f] for f in fields if values.get(f) is not None}
+    if values.get("seq_len") is not None:
+        given["seq"] = values["seq_len"]
+    p.set_defaults(**given)
+    for action in p._actions:
+        if action.dest in given:
+            action.required = False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -156,6 +202,14 @@ def _parser() -> argparse.ArgumentParser:
     from hyper_parallel.hf_commands.commands import add_commands as add_hf_commands
 
     add_hf_commands(sub)
+    launch = sub.add_parser(
+        "launch",
+        add_help=False,  # --help goes to the launcher's own parser
+        help="print the torchrun command of each node and a SLURM batch script for a run "
+        "on --nodes N x --gpus-per-node G (starts nothing; launch --help lists its options)",
+    )
+    launch.add_argument("options", nargs=argparse.REMAINDER)  # main passes them on itself
+    launch.set_defaults(func=lambda args: _launch(args.options))
     # The description names every command there is (it said "plan, validate and demo").
     parser.description += f" Commands: {', '.join(sub.choices)}."
     return parser
@@ -173,7 +227,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hyper_parallel.train.run import main as train_main
 
         return train_main(argv[1:], prog="hyper-parallel train")
-    args = _parser().parse_args(argv)
+    if argv[:1] == ["launch"]:  # the train options after it are passed on (as for train)
+        return _launch(argv[1:])
+    parser = _parser()
+    try:
+        _job_file_defaults(parser, argv)
+    except _UsageError as e:
+        print(f"hyper-parallel {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except _UsageError as e:
@@ -182,6 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _PlanError as e:
         print(f"hyper-parallel {args.command}: error: {e}", file=sys.stderr)
         return 1
+
+
+def _launch(argv: Sequence[str]) -> int:
+    from hyper_parallel.train.launch import main as launch_main
+
+    return launch_main(argv)
 
 
 # ---------------------------------------------------------------------- model + plan

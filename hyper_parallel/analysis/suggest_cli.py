@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any
 
@@ -55,6 +56,18 @@ def add_suggest_parser(sub: Any) -> None:
         "--global-batch-tokens", type=positive_int, required=True, help="tokens per optimizer step"
     )
     p.add_argument("--top", type=positive_int, default=5, help="plans to print (default 5)")
+    p.add_argument(
+        "--write-config",
+        metavar="FILE",
+        help="write the job file (TOML; train --config FILE, validate --config FILE) of the "
+        "top plan (or --pick N's)",
+    )
+    p.add_argument(
+        "--pick",
+        type=positive_int,
+        default=1,
+        help="with --write-config: the plan to write, by its number (default 1)",
+    )
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--chart", metavar="PNG", help="draw step time vs memory of the candidates")
     p.add_argument(
@@ -102,6 +115,35 @@ def run_suggest(args: argparse.Namespace) -> int:
     else:
         print(report.to_table())
     _chart(args, report)
+    if args.write_config is not None:
+        return _write_config(args, report)
+    return 0
+
+
+def _write_config(args: argparse.Namespace, report: Any) -> int:
+    """``--write-config FILE``: plan ``--pick``'s train options as a job file."""
+    from hyper_parallel.train.launch import job_file, train_options
+
+    if args.pick > len(report.plans):
+        print(
+            f"hyper-parallel suggest: error: --pick {args.pick}: there are "
+            f"{len(report.plans)} plan(s); give --pick 1..{len(report.plans)} (or a larger "
+            "--top).",
+            file=sys.stderr,
+        )
+        return 2
+    c, p, command = report.plans[args.pick - 1]
+    comment = (
+        f"suggest plan {args.pick}: {report.model} on {report.gpus} x {report.hardware.name}: "
+        f"{c.describe()}; predicted {p.step_s:.3g} s/step, "
+        f"{p.memory_bytes_per_gpu / 2**30:.1f} GiB per GPU.\n"
+        f"Run: {command.split(' -m ')[0]} -m hyper_parallel.train.run --config "
+        f"{shlex.quote(args.write_config)}"
+    )
+    text = job_file(train_options(command), comment)
+    with open(args.write_config, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"job file of plan {args.pick} written to {args.write_config}", file=sys.stderr)
     return 0
 
 
@@ -113,11 +155,12 @@ def _source(args: argparse.Namespace) -> Any:
         ValueError: No model, two, or one that cannot be read or is not registered.
     """
     from hyper_parallel.analysis.suggest import ModelSource
+    from hyper_parallel.analysis.suggest._source import hf_weights_dir
     from hyper_parallel.dmodule.model_spec import get_spec
     from hyper_parallel.train.run_hooks import hf_model
 
     overrides = dict(args.model_overrides or {})
-    label = ""
+    label, weights = "", None
     if args.hf_config is not None:
         spec, overrides = hf_model(args.hf_config, overrides)
         if args.model not in (None, spec):
@@ -126,6 +169,7 @@ def _source(args: argparse.Namespace) -> Any:
                 "both name the model; give one of them."
             )
         label = str(args.hf_config)
+        weights = hf_weights_dir(args.hf_config)  # the commands start from them
     elif args.model is None:
         raise ValueError(
             "no model: give --model NAME (see 'hyper-parallel models') or --hf-config PATH "
@@ -134,7 +178,7 @@ def _source(args: argparse.Namespace) -> Any:
     else:
         spec = args.model
         get_spec(spec)  # an unknown name: its error lists the known ones
-    return ModelSource(spec, tuple(sorted(overrides.items())), label=label)
+    return ModelSource(spec, tuple(sorted(overrides.items())), label=label, weights=weights)
 
 
 def _mesh_sizes(mesh: dict[str, int] | None) -> dict[str, int] | None:

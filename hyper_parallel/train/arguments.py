@@ -147,6 +147,15 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--checkpoint-every", "checkpoint_every", {"type": int, "help": "save every N steps"}),
     ("--keep-checkpoints", "keep_checkpoints", {"type": int, "help": "keep the N newest (0: all)"}),
     (
+        "--async-checkpoint",
+        "async_checkpoint",
+        {
+            "action": "store_true",
+            "help": "write checkpoints in the background (DCP async_save): training goes on "
+            "while they are written; each is finished before the next and at the end",
+        },
+    ),
+    (
         "--overwrite",
         "overwrite",
         {"action": "store_true", "help": "replace a non-empty --save-hf and old checkpoints"},

@@ -53,6 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
 from hyper_parallel.checkpoint_hf.outputs import staged_output
 
 __all__ = [
+    "PendingSave",
+    "async_save_checkpoint",
     "checkpoint_path",
     "checkpoint_steps",
     "latest_checkpoint",
@@ -308,6 +310,21 @@ def _merged_state(
     return state
 
 
+def _saved_state(
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    train_state: dict[str, Any] | None,
+    distributed: bool,
+) -> dict[str, Any]:
+    """What a checkpoint holds: model (and optimizer) states, ``train``, this rank's RNG."""
+    parts = _model_parts(model, optimizer)
+    state: dict[str, Any] = _merged_state(parts, with_optimizer=optimizer is not None)
+    state["train"] = dict(train_state or {})
+    # Keyed by rank: each rank's generator state is its own, not a replicated value.
+    state["rng"] = {f"rank{_rank(distributed)}": _rng_state()}
+    return state
+
+
 def save_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -330,11 +347,7 @@ def save_checkpoint(
             defaults to whether one is initialized.
     """
     distributed = _distributed(distributed)
-    parts = _model_parts(model, optimizer)
-    state: dict[str, Any] = _merged_state(parts, with_optimizer=optimizer is not None)
-    state["train"] = dict(train_state or {})
-    # Keyed by rank: each rank's generator state is its own, not a replicated value.
-    state["rng"] = {f"rank{_rank(distributed)}": _rng_state()}
+    state = _saved_state(model, optimizer, train_state, distributed)
     # Written into ``path.partial`` and renamed onto ``path`` by rank 0 once every rank
     # is done: a step directory is there complete or not at all, and a save over an
     # earlier one of this step replaces it whole.
@@ -342,6 +355,103 @@ def save_checkpoint(
         with _single_process_notice_muted(distributed):
             dcp.save(state, checkpoint_id=tmp, no_dist=not distributed)
         _write_manifest(tmp, distributed)
+
+
+class PendingSave:
+    """A checkpoint being written in the background (:func:`async_save_checkpoint`).
+
+    :meth:`wait` finishes it on every rank that started it: DCP's write completes, the
+    checksums manifest is written and rank 0 renames the staged directory onto its
+    step's name, as :func:`save_checkpoint` does before it returns. Until then the
+    step directory does not exist (only its ``.partial`` sibling), so a crash in
+    between leaves the previous complete checkpoint the latest.
+    """
+
+    def __init__(
+        self, path: str, tmp: str, future: Any, stack: contextlib.ExitStack, distributed: bool
+    ) -> None:
+        self.path = path
+        self._tmp = tmp
+        self._future = future
+        self._stack = stack
+        self._distributed = distributed
+        self._done = False
+
+    def done(self) -> bool:
+        """Whether this rank's write is finished (:meth:`wait` still renames it)."""
+        return self._done or self._future.done()
+
+    def wait(self) -> str:
+        """Finish the save (a collective when distributed); returns its path."""
+        if self._done:
+            return self.path
+        self._done = True
+        try:
+            self._future.result()
+            _write_manifest(self._tmp, self._distributed)
+        except BaseException as e:
+            self._stack.__exit__(type(e), e, e.__traceback__)
+            raise
+        self._stack.close()  # every rank done: rank 0 renames the staged directory
+        return self.path
+
+
+_SAVE_GROUP: list[Any] = []  # [default group, its writers' group], made once per default group
+
+
+def _save_group() -> Any:
+    """A gloo group of every rank for the background writes' own collectives.
+
+    DCP's thread talks to the other ranks while the training thread runs its own
+    collectives; on one communicator their order could interleave differently on
+    different ranks. One group per default process group, made once (a collective)."""
+    world = dist.group.WORLD
+    if not _SAVE_GROUP or _SAVE_GROUP[0] is not world:
+        _SAVE_GROUP[:] = [world, dist.new_group(backend="gloo")]
+    return _SAVE_GROUP[1]
+
+
+def async_save_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    train_state: dict[str, Any] | None = None,
+    distributed: bool | None = None,
+) -> PendingSave:
+    """Start saving what :func:`save_checkpoint` saves; return before it is written.
+
+    The states are copied to CPU memory first (DCP's ``async_save`` stager), so training
+    may change them at once; the files are written by a background thread. Call
+    :meth:`PendingSave.wait` on every rank before the next save and before the end.
+
+    Example::
+
+        pending = async_save_checkpoint(checkpoint_path(d, step), model=m, optimizer=o)
+        ...  # train on
+        pending.wait()
+    """
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    distributed = _distributed(distributed)
+    state = _saved_state(model, optimizer, train_state, distributed)
+    group = _save_group() if distributed else None
+    if not distributed:
+        # DCP's writer thread says it assumes one process; here that was asked for
+        # (no_dist). Its warning comes from that thread, after any catch_warnings
+        # block of ours has ended, so the filter is installed for the process, once.
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+    stack = contextlib.ExitStack()
+    tmp = stack.enter_context(staged_output(path, distributed=distributed, check=False))
+    try:
+        with _single_process_notice_muted(distributed):
+            future = async_save(
+                state, checkpoint_id=tmp, process_group=group, no_dist=not distributed
+            )
+    except BaseException as e:
+        stack.__exit__(type(e), e, e.__traceback__)
+        raise
+    return PendingSave(os.path.normpath(os.fspath(path)), tmp, future, stack, distributed)
 
 
 def _check_same_model(

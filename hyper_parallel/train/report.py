@@ -294,7 +294,8 @@ class RunReport:
         if cfg.checkpoint_dir:
             every = f"every {cfg.checkpoint_every} steps and " if cfg.checkpoint_every else ""
             keep = f", keeping the newest {cfg.keep_checkpoints}" if cfg.keep_checkpoints else ""
-            lines.append(f"checkpoints: {every}at the end, to {cfg.checkpoint_dir}{keep}")
+            how = ", written in the background" if getattr(cfg, "async_checkpoint", False) else ""
+            lines.append(f"checkpoints: {every}at the end, to {cfg.checkpoint_dir}{keep}{how}")
         if cfg.save_hf:
             lines.append(f"export: Hugging Face checkpoint to {cfg.save_hf} at the end")
         if self.eval_data is not None:
@@ -361,8 +362,12 @@ class RunReport:
             t.data = saved
         return total / self.eval_batches
 
-    def saved(self, path: str, seconds: float) -> None:
-        """A checkpoint was written; remove old ones beyond ``keep_checkpoints``."""
+    def saved(
+        self, path: str, seconds: float, *, step: int | None = None, background: bool = False
+    ) -> None:
+        """A checkpoint of ``step`` (default: the trainer's) was written; remove old ones
+        beyond ``keep_checkpoints``. ``background``: written while training went on
+        (``seconds`` from its start to its completion)."""
         cfg = self.trainer.cfg
         removed: list[str] = []
         if self.is_logger and cfg.keep_checkpoints and cfg.checkpoint_dir:
@@ -372,9 +377,10 @@ class RunReport:
         if not self.is_logger:
             return
         gone = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
+        how = " in the background" if background else ""
         self.say(
-            f"step {self.trainer.step}: checkpoint saved to {path} "
-            f"({_bytes(_dir_bytes(path))}, {seconds:.2f} s){gone}"
+            f"step {self.trainer.step if step is None else step}: checkpoint saved to {path} "
+            f"({_bytes(_dir_bytes(path))}, {seconds:.2f} s{how}){gone}"
         )
 
     def exported(self, path: str, seconds: float) -> None:

@@ -8,10 +8,13 @@ set up (NCCL on GPUs, gloo on CPUs), builds the N-D mesh and trains::
     torchrun --standalone --nproc-per-node 4 -m hyper_parallel.train.run \\
         --mesh dp_replicate=2,dp_shard=2
 
-    # 2 nodes x 8 GPUs (run on every node; same code path, NCCL picked from the device)
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29400 -m hyper_parallel.train.run \\
-        --mesh dp=2,tp=8 --checkpoint-dir /shared/ckpt --checkpoint-every 100 --resume
+    # 2 nodes x 8 GPUs (run on every node; same code path, NCCL picked from the device;
+    # 'hyper-parallel launch --nodes 2 --gpus-per-node 8 --slurm job.sbatch ...' prints
+    # this line and writes a SLURM script)
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank "$NODE_RANK" --rdzv-backend c10d \\
+        --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" -m hyper_parallel.train.run \\
+        --mesh dp=2,tp=8 --checkpoint-dir /shared/ckpt --checkpoint-every 100 --resume \\
+        --async-checkpoint
 
     # one process, no launcher
     python -m hyper_parallel.train.run --steps 20

@@ -69,6 +69,8 @@ from hyper_parallel.dmodule.module import Module
 from hyper_parallel.train import report, run_hooks
 from hyper_parallel.train import schedule as lr_schedules
 from hyper_parallel.train.checkpoint import (
+    PendingSave,
+    async_save_checkpoint,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
@@ -167,6 +169,10 @@ class TrainConfig:
             ``resume``) replace the checkpoints in ``checkpoint_dir``; without it they
             are refused before training (:mod:`hyper_parallel.checkpoint_hf.outputs`).
         keep_checkpoints: Keep only this many newest checkpoints (``0``: all).
+        async_checkpoint: Write checkpoints in the background (DCP's ``async_save``):
+            the states are copied to CPU memory and training goes on while a thread
+            writes them; the previous save is finished before the next one and at the
+            end of :meth:`Trainer.fit`, and is reported saved then.
         eval_data: Held-out data (as ``data``); its mean loss is logged every
             ``eval_every`` steps and at the end.
         eval_split: Hold out this last share of the training data for evaluation
@@ -213,6 +219,7 @@ class TrainConfig:
     lr_schedule_steps: int | None = None
     overwrite: bool = False
     keep_checkpoints: int = 0
+    async_checkpoint: bool = False
     eval_data: str | None = None
     eval_split: float | None = None
     eval_every: int = 0
@@ -768,6 +775,7 @@ class Trainer:
         self.resumed_from = 0
         self.step_callback = step_callback
         self.grad_callback = grad_callback
+        self._pending: tuple[PendingSave, int, float] | None = None  # a background save
         self.report = report.RunReport(self)
         if cfg.resume:
             assert cfg.checkpoint_dir is not None  # checked by TrainConfig
@@ -791,10 +799,8 @@ class Trainer:
 
     def save(self, path: str | None = None) -> str:
         """Save a checkpoint of the current step (default: under ``cfg.checkpoint_dir``)."""
-        if path is None:
-            if self.cfg.checkpoint_dir is None:
-                raise ValueError("Trainer.save: no path given and cfg.checkpoint_dir is None.")
-            path = checkpoint_path(self.cfg.checkpoint_dir, self.step)
+        self.wait_for_checkpoint()  # one save at a time, in step order
+        path = self._checkpoint_path(path)
         save_checkpoint(
             path,
             model=self._parts(self.model_parts),
@@ -803,6 +809,43 @@ class Trainer:
             distributed=self.mesh is not None,
         )
         return path
+
+    def save_async(self, path: str | None = None) -> PendingSave:
+        """Start saving a checkpoint of the current step in the background (after
+        finishing the one in flight); :meth:`wait_for_checkpoint` finishes it."""
+        self.wait_for_checkpoint()
+        path = self._checkpoint_path(path)
+        self._pending = (
+            async_save_checkpoint(
+                path,
+                model=self._parts(self.model_parts),
+                optimizer=self._parts(self.optimizers),
+                train_state=self.train_state(),
+                distributed=self.mesh is not None,
+            ),
+            self.step,
+            time.perf_counter(),
+        )
+        return self._pending[0]
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Finish the background save in flight, if any, and report it saved; returns
+        its path (``None`` when there was none). Every rank calls it."""
+        pending = self._pending
+        if pending is None:
+            return None
+        self._pending = None
+        save, step, started = pending
+        path = save.wait()
+        self.report.saved(path, time.perf_counter() - started, step=step, background=True)
+        return path
+
+    def _checkpoint_path(self, path: str | None) -> str:
+        if path is not None:
+            return path
+        if self.cfg.checkpoint_dir is None:
+            raise ValueError("Trainer.save: no path given and cfg.checkpoint_dir is None.")
+        return checkpoint_path(self.cfg.checkpoint_dir, self.step)
 
     def load(self, path: str) -> dict[str, Any]:
         """Restore model, optimizer, step, data position and RNG from a checkpoint.
@@ -994,12 +1037,16 @@ class Trainer:
             if cfg.checkpoint_dir is not None and (
                 (every and self.step % every == 0) or self.step == end
             ):
-                saving = time.perf_counter()
-                path = self.save()
-                self.report.saved(path, time.perf_counter() - saving)
+                if cfg.async_checkpoint:
+                    self.save_async()  # reported saved once written (wait_for_checkpoint)
+                else:
+                    saving = time.perf_counter()
+                    path = self.save()
+                    self.report.saved(path, time.perf_counter() - saving)
             self.report.after_step(loss)
             if self.step_callback is not None:
                 self.step_callback(self.step, loss)
+        self.wait_for_checkpoint()  # the last save is complete when fit returns
         progress.close()
         logger.close()
         if self.step == cfg.steps and cfg.save_hf:

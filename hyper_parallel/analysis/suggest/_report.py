@@ -126,6 +126,13 @@ class SuggestReport:
     faster beyond it)."""
     equivalents: list[list[str]] = dataclasses.field(default_factory=list)
     """Per plan: the same layout with dp split otherwise (predicted no faster)."""
+    slurm: str | None = None
+    """The SLURM batch script of plan 1 when it needs more than one node."""
+
+    @property
+    def nodes(self) -> int:
+        """The nodes the plans run on (``gpus`` over ``gpus_per_node``, at least one)."""
+        return max(1, self.gpus // self.gpus_per_node)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form: ``plans``, ``rejected``, ``hardware``, ``searched``, ``traced`` + context."""
@@ -157,6 +164,8 @@ class SuggestReport:
             "traced": self.traced,
             "elapsed_s": round(self.elapsed_s, 2),
             "assumptions": list(self.assumptions),
+            "nodes": self.nodes,
+            "slurm": self.slurm,
         }
 
     def to_table(self) -> str:
@@ -196,8 +205,18 @@ class SuggestReport:
             same = self.equivalents[i - 1] if i - 1 < len(self.equivalents) else []
             also = f"; equivalent: {', '.join(same[:4])}" if same else ""
             out.append(f"  {i}. {note}{also}")
-        out += ["", "Commands:"]
+        if self.nodes > 1:
+            out += [
+                "",
+                f"Commands (run on each of the {self.nodes} nodes, NODE_RANK=0..{self.nodes - 1},"
+                " MASTER_ADDR / MASTER_PORT of node 0):",
+            ]
+        else:
+            out += ["", "Commands:"]
         out += [f"  {i}. {cmd}" for i, (_, _, cmd) in enumerate(self.plans, 1)]
+        if self.slurm is not None:
+            out += ["", "SLURM batch script of plan 1 (sbatch FILE):"]
+            out += [f"  {line}" if line else "" for line in self.slurm.splitlines()]
         if self.rejected:
             out += ["", "Rejected:"]
             out += [

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shlex
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -33,6 +32,7 @@ from hyper_parallel.distributed.pipeline import (
     SCHEDULES,
 )
 from hyper_parallel.dmodule.findings import Finding
+from hyper_parallel.train.launch import node_command, slurm_script, train_options
 
 AC_MODES = ("none", "selective", "full")
 MODEL_AXES = ("tp", "cp", "ep")
@@ -363,6 +363,7 @@ def suggest(
     plans = [
         (c, p, _command(source, c, gpus, node, seq_len, global_batch, dtype)) for c, p in ranked
     ]
+    slurm = _slurm(plans[0][2], gpus, node) if plans else None
     report = SuggestReport(
         model=source.name,
         gpus=gpus,
@@ -382,6 +383,7 @@ def suggest(
         assumptions=_assumptions(hw, max_seq, seq_len),
         why=why,
         equivalents=equivalents,
+        slurm=slurm,
     )
     if not plans:
         if best_unfit is None:
@@ -596,33 +598,15 @@ def _device_memory_needed(per_rank: int) -> float:
     return (per_rank + MEMORY_HEADROOM_BYTES) / (1 - MEMORY_HEADROOM_FRACTION)
 
 
-def _command(
-    source: ModelSource,
-    c: Candidate,
-    gpus: int,
-    node: int,
-    seq_len: int,
-    global_batch: int,
-    dtype: str,
-) -> str:
-    """The ``torchrun ... -m hyper_parallel.train.run ...`` line that runs ``c``."""
-    if gpus <= node:
-        launch = ["torchrun", "--standalone", "--nproc-per-node", str(gpus)]
-    else:
-        launch = [
-            "torchrun",
-            "--nnodes",
-            str(gpus // node),
-            "--nproc-per-node",
-            str(node),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "HOST:29400",
-        ]
-    args = ["-m", "hyper_parallel.train.run", "--model", source.spec_name]
+def _train_args(
+    source: ModelSource, c: Candidate, seq_len: int, global_batch: int, dtype: str
+) -> list[str]:
+    """The ``hyper_parallel.train.run`` options that run ``c``."""
+    args = ["--model", source.spec_name]
     if source.overrides:
         args += ["--model-overrides", json.dumps(dict(source.overrides), separators=(",", ":"))]
+    if source.weights is not None:  # start from the checkpoint's weights, not random ones
+        args += ["--hf-checkpoint", source.weights]
     args += [
         "--mesh",
         c.mesh_text(),
@@ -641,7 +625,38 @@ def _command(
         args += ["--schedule", c.schedule or "1F1B", "--microbatches", str(c.microbatches)]
     elif c.microbatches > 1:  # gradient accumulation
         args += ["--microbatches", str(c.microbatches)]
-    return " ".join(shlex.quote(a) for a in launch + args)
+    return args
+
+
+def _nodes(gpus: int, node: int) -> tuple[int, int]:
+    """``(nodes, ranks per node)`` of ``gpus`` GPUs on nodes of ``node``."""
+    return (1, gpus) if gpus <= node else (gpus // node, node)
+
+
+def _command(
+    source: ModelSource,
+    c: Candidate,
+    gpus: int,
+    node: int,
+    seq_len: int,
+    global_batch: int,
+    dtype: str,
+) -> str:
+    """The ``torchrun ... -m hyper_parallel.train.run ...`` line that runs ``c`` (on each
+    node when it needs several: :func:`~hyper_parallel.train.launch.node_command`)."""
+    nodes, per_node = _nodes(gpus, node)
+    return node_command(
+        _train_args(source, c, seq_len, global_batch, dtype), nodes=nodes, gpus_per_node=per_node
+    )
+
+
+def _slurm(command: str, gpus: int, node: int) -> str | None:
+    """The SLURM batch script of a plan's ``command`` when it needs more than one node,
+    else ``None``."""
+    nodes, per_node = _nodes(gpus, node)
+    if nodes == 1:
+        return None
+    return slurm_script(train_options(command), nodes=nodes, gpus_per_node=per_node)
 
 
 def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:

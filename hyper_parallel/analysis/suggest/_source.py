@@ -16,11 +16,15 @@ class ModelSource:
         spec_name: Registered name (``llama3-70b``).
         overrides: Keyword overrides of the spec's config (``--model-overrides``).
         label: How reports name it (the spec, or the Hugging Face config's path).
+        weights: A Hugging Face checkpoint directory holding this model's weights
+            (``--hf-config DIR`` with safetensors in it): the commands start from them
+            (``--hf-checkpoint DIR``) instead of random weights.
     """
 
     spec_name: str
     overrides: tuple[tuple[str, Any], ...] = ()
     label: str = ""
+    weights: str | None = None
 
     @property
     def spec(self) -> Any:
@@ -64,7 +68,26 @@ def model_from_hf_config(path: str | Path) -> ModelSource:
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e}).") from None
     register_specs()
-    return ModelSource(hf.spec, tuple(sorted(hf.model_overrides.items())), label=str(path))
+    return ModelSource(
+        hf.spec,
+        tuple(sorted(hf.model_overrides.items())),
+        label=str(path),
+        weights=hf_weights_dir(path),
+    )
+
+
+def hf_weights_dir(path: str | Path) -> str | None:
+    """The directory of a Hugging Face ``config.json`` (or the directory given) when it
+    holds weights (``*.safetensors`` or a ``*.safetensors.index.json``), else ``None``."""
+    folder = Path(path)
+    if not folder.is_dir():
+        folder = folder.parent
+    if not folder.is_dir():
+        return None
+    if any(p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json")
+           for p in folder.iterdir()):  # fmt: skip
+        return str(folder)
+    return None
 
 
 def _long_enough(source: ModelSource, seq_len: int) -> tuple[ModelSource, int | None]:

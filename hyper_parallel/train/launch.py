@@ -1,0 +1,242 @@
+"""Commands that start a run on one or several nodes: ``torchrun`` lines and SLURM scripts.
+
+``hyper-parallel launch`` prints them (it never starts anything), and ``suggest`` prints
+them for the layouts it finds. One node is ``torchrun --standalone``; several nodes
+run the same ``torchrun`` line on each node with a c10d rendezvous at node 0
+(``$MASTER_ADDR:$MASTER_PORT``). The SLURM script starts one ``torchrun`` agent per
+node with ``srun`` (``--ntasks-per-node=1``); the rendezvous comes from SLURM's
+variables: the first host of ``$SLURM_JOB_NODELIST`` is the endpoint and
+``$SLURM_JOB_ID`` the rendezvous id, so no node needs its own rank.
+
+Examples::
+
+    hyper-parallel launch --nodes 4 --gpus-per-node 8 --mesh dp=4,tp=8 --steps 1000
+    hyper-parallel launch --nodes 2 --gpus-per-node 8 --slurm job.sbatch --config job.toml
+
+Exit status: 0 with the commands printed; 2 for a usage error (the train options are
+checked as ``train`` checks them, the mesh against nodes x GPUs per node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "job_file", "main", "node_command", "slurm_script", "train_options"]
+
+TRAIN_MODULE = "hyper_parallel.train.run"
+DEFAULT_PORT = 29500
+
+
+def _quoted(args: Sequence[str]) -> str:
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def node_command(train_args: Sequence[str], *, nodes: int, gpus_per_node: int) -> str:
+    """The ``torchrun`` line that runs ``python -m hyper_parallel.train.run train_args``.
+
+    One node: ``torchrun --standalone --nproc-per-node G``. Several: the line every
+    node runs, with ``$NODE_RANK`` (0 .. nodes-1) and node 0's ``$MASTER_ADDR`` and
+    ``$MASTER_PORT`` left for the shell to fill in.
+
+    Example::
+
+        node_command(["--mesh", "dp=2,tp=8"], nodes=2, gpus_per_node=8)
+    """
+    if nodes < 1 or gpus_per_node < 1:
+        raise ValueError(
+            f"launch: nodes ({nodes}) and GPUs per node ({gpus_per_node}) must be >= 1."
+        )
+    if nodes == 1:
+        launch = f"torchrun --standalone --nproc-per-node {gpus_per_node}"
+    else:
+        launch = (
+            f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} "
+            '--node-rank "$NODE_RANK" --rdzv-backend c10d '
+            '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"'
+        )
+    return f"{launch} -m {TRAIN_MODULE} {_quoted(train_args)}".rstrip()
+
+
+def slurm_script(
+    train_args: Sequence[str],
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    job_name: str = "hyper-parallel",
+    port: int = DEFAULT_PORT,
+) -> str:
+    """A SLURM batch script: ``srun`` starts one ``torchrun`` agent per node.
+
+    The rendezvous is c10d at the first host of the allocation
+    (``scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1``) with the job id as
+    its id, so every node runs the same line.
+
+    Example::
+
+        print(slurm_script(["--mesh", "dp=4,tp=8"], nodes=4, gpus_per_node=8))
+    """
+    if nodes < 1 or gpus_per_node < 1:
+        raise ValueError(
+            f"launch: nodes ({nodes}) and GPUs per node ({gpus_per_node}) must be >= 1."
+        )
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={gpus_per_node}",
+        # No pipefail: head leaving early may end scontrol with SIGPIPE, which is fine.
+        "set -eu",
+        "",
+        "# Node 0 of the allocation holds the rendezvous; every node runs the same torchrun.",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        ': "${MASTER_ADDR:?scontrol show hostnames gave no host}"',
+        f"MASTER_PORT=${{MASTER_PORT:-{port}}}",
+        "export MASTER_ADDR MASTER_PORT",
+        "",
+        f"srun --nodes={nodes} --ntasks-per-node=1 \\",
+        f"  torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} \\",
+        '  --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d \\',
+        '  --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\',
+        f"  -m {TRAIN_MODULE} {_quoted(train_args)}".rstrip(),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def train_options(command: str) -> list[str]:
+    """The train options of a :func:`node_command` line (what follows ``-m
+    hyper_parallel.train.run``)."""
+    words = shlex.split(command)
+    at = words.index(TRAIN_MODULE)
+    return words[at + 1 :]
+
+
+def job_file(train_args: Sequence[str], comment: str = "") -> str:
+    """The job file (TOML, read by ``--config``) holding the train options ``train_args``.
+
+    Raises:
+        ValueError: An option the trainer does not take, or a bad value.
+    """
+    import contextlib
+    import io
+
+    from hyper_parallel.train.arguments import _OPTIONS
+    from hyper_parallel.train.job import to_toml
+    from hyper_parallel.train.run import build_parser as train_parser
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = train_parser().parse_args(list(train_args))
+    except SystemExit:
+        raise ValueError(err.getvalue().strip().splitlines()[-1]) from None
+    head = "".join(f"# {line}\n" for line in comment.splitlines())
+    return head + to_toml(args, _OPTIONS)
+
+
+def build_parser(prog: str = "hyper-parallel launch") -> argparse.ArgumentParser:
+    """The launch options; every other option is a train option, passed on as given."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        allow_abbrev=False,  # a train option is never read as an abbreviated launch option
+        description="Print the torchrun command each node runs and, with --slurm, write a "
+        "SLURM batch script; nothing is started. Every other option is a train option "
+        "(see 'hyper-parallel train --help', --config job.toml included), checked as "
+        "train checks it and passed on unchanged.",
+    )
+    from hyper_parallel.train.arguments import positive_int
+
+    parser.add_argument("--nodes", type=positive_int, required=True, help="number of nodes")
+    parser.add_argument(
+        "--gpus-per-node", type=positive_int, required=True, help="ranks (GPUs) per node"
+    )
+    parser.add_argument(
+        "--slurm",
+        metavar="FILE",
+        help="also write a SLURM batch script here ('-': print it); submit with sbatch FILE",
+    )
+    parser.add_argument("--job-name", default="hyper-parallel", help="the SLURM job name")
+    parser.add_argument(
+        "--port",
+        type=positive_int,
+        default=DEFAULT_PORT,
+        help=f"rendezvous port on node 0 in the SLURM script (default {DEFAULT_PORT})",
+    )
+    return parser
+
+
+def _check_train_options(train_args: list[str], world_size: int) -> str | None:
+    """What is wrong with the train options on ``world_size`` ranks, or ``None``."""
+    import contextlib
+    import io
+
+    from hyper_parallel.train.arguments import config_from_args
+    from hyper_parallel.train.run import build_parser as train_parser
+    from hyper_parallel.train.trainer import check_config
+
+    parser = train_parser("hyper-parallel launch")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = parser.parse_args(train_args)
+    except SystemExit:
+        return (
+            err.getvalue().strip().splitlines()[-1].removeprefix("hyper-parallel launch: error: ")
+        )
+    try:
+        cfg = config_from_args(args, world_size)
+    except ValueError as e:
+        return str(e)
+    problems = check_config(cfg, world_size)
+    if problems:
+        lines = "\n".join(f"  {f}" for f in problems)
+        return f"{len(problems)} problem(s) on {world_size} ranks:\n{lines}"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the per-node command (and write the SLURM script); returns the exit status.
+
+    Example::
+
+        main(["--nodes", "2", "--gpus-per-node", "8", "--mesh", "dp=2,tp=8"])
+    """
+    parser = build_parser()
+    args, train_args = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    world_size = args.nodes * args.gpus_per_node
+    problem = _check_train_options(train_args, world_size)
+    if problem is not None:
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
+        return 2
+    command = node_command(train_args, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    if args.nodes > 1:
+        print(
+            f"# On each of the {args.nodes} nodes, with NODE_RANK=0..{args.nodes - 1} and "
+            "MASTER_ADDR / MASTER_PORT of node 0:"
+        )
+    print(command)
+    if args.slurm is not None:
+        script = slurm_script(
+            train_args,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            job_name=args.job_name,
+            port=args.port,
+        )
+        if args.slurm == "-":
+            print()
+            print(script, end="")
+        else:
+            with open(args.slurm, "w", encoding="utf-8") as f:
+                f.write(script)
+            os.chmod(args.slurm, 0o755)
+            print(f"# SLURM batch script written to {args.slurm}: sbatch {args.slurm}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

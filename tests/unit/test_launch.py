@@ -1,0 +1,310 @@
+"""Runs beyond one machine: ``hyper-parallel launch`` and ``suggest`` print the per-node
+``torchrun`` command and a SLURM batch script (content checked, the script run by bash
+against stand-ins for ``scontrol`` and ``srun``); ``suggest --hf-config DIR`` commands
+start from DIR's weights; ``suggest --write-config`` writes a job file that ``train
+--config`` and ``validate --config`` read."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from hyper_parallel.cli import _parser, main
+from hyper_parallel.train.arguments import add_train_arguments, config_from_args
+
+TRAIN_ARGS = [
+    "--mesh", "dp=2,tp=2",
+    "--steps", "3",
+    "--model-overrides", '{"num_layers": 2}',
+    "--checkpoint-dir", "/shared/ckpt dir",  # a space: quoted in the command and the script
+    "--checkpoint-every", "2",
+    "--sp",
+    "--no-progress",
+]  # fmt: skip
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _launcher_and_train(command: str) -> tuple[list[str], list[str]]:
+    words = shlex.split(command)
+    at = words.index("-m")
+    assert words[at + 1] == "hyper_parallel.train.run", command
+    return words[:at], words[at + 2 :]
+
+
+def _option(words: list[str], flag: str) -> str:
+    return words[words.index(flag) + 1]
+
+
+def _run_slurm_script(script: str, tmp_path, nodelist_hosts: list[str]) -> list[str]:
+    """Run the script under bash with ``scontrol`` and ``srun`` stand-ins; returns the
+    arguments ``srun`` received (the torchrun line every node would run), with the
+    variables the script set expanded."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/bash\n"
+        '[ "$1 $2" = "show hostnames" ] || exit 3\n'
+        + "".join(f"echo {h}\n" for h in nodelist_hosts)
+    )
+    record = tmp_path / "srun.args"
+    (bin_dir / "srun").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {record}\n')
+    for tool in ("scontrol", "srun"):
+        os.chmod(bin_dir / tool, 0o755)
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node[07-08]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": str(len(nodelist_hosts)),
+    }
+    subprocess.run(["bash", str(path)], env=env, check=True, timeout=30)
+    return record.read_text().splitlines()
+
+
+# ---------------------------------------------------------------------- launch
+
+
+def test_help_lists_launch(capsys) -> None:
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert "launch" in sub.choices
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert " launch " in " ".join(capsys.readouterr().out.split())
+
+
+def test_launch_prints_each_nodes_command_and_a_slurm_script(capsys, tmp_path) -> None:
+    assert shutil.which("bash") is not None
+    script_path = tmp_path / "run.sbatch"
+    code, out, err = _run(
+        capsys, "launch", "--nodes", "2", "--gpus-per-node", "2", "--slurm",
+        str(script_path), *TRAIN_ARGS,
+    )  # fmt: skip
+    assert code == 0, err
+    (command,) = [line for line in out.splitlines() if line.startswith("torchrun ")]
+    launcher, train = _launcher_and_train(command)
+    assert train == TRAIN_ARGS  # every option carried, unchanged
+    assert _option(launcher, "--nnodes") == "2" and _option(launcher, "--nproc-per-node") == "2"
+    assert _option(launcher, "--node-rank") == "$NODE_RANK"
+    assert _option(launcher, "--rdzv-backend") == "c10d"
+    assert _option(launcher, "--rdzv-endpoint") == "$MASTER_ADDR:$MASTER_PORT"
+    assert "--standalone" not in launcher
+    # The script: valid bash, SLURM's directives, and the line srun starts on each node.
+    script = script_path.read_text()
+    subprocess.run(["bash", "-n", str(script_path)], check=True, timeout=30)
+    assert script.startswith("#!/bin/bash\n") and os.access(script_path, os.X_OK)
+    for directive in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=2"):
+        assert f"#SBATCH {directive}\n" in script
+    srun = _run_slurm_script(script, tmp_path, ["node07", "node08"])
+    at = srun.index("torchrun")
+    assert srun[:at] == ["--nodes=2", "--ntasks-per-node=1"]
+    launcher, train = srun[at : srun.index("-m")], srun[srun.index("-m") + 2 :]
+    assert train == TRAIN_ARGS
+    assert _option(launcher, "--nnodes") == "2" and _option(launcher, "--nproc-per-node") == "2"
+    assert _option(launcher, "--rdzv-backend") == "c10d"
+    assert _option(launcher, "--rdzv-id") == "4242"  # $SLURM_JOB_ID
+    assert _option(launcher, "--rdzv-endpoint") == "node07:29500"  # the first host
+
+
+def test_launch_one_node_is_standalone_and_prints_the_script(capsys) -> None:
+    code, out, err = _run(
+        capsys, "launch", "--nodes", "1", "--gpus-per-node", "4", "--slurm", "-", *TRAIN_ARGS
+    )
+    assert code == 0, err
+    lines = out.splitlines()
+    launcher, train = _launcher_and_train(lines[0])
+    assert launcher == ["torchrun", "--standalone", "--nproc-per-node", "4"]
+    assert train == TRAIN_ARGS
+    assert "#SBATCH --nodes=1" in out and "srun --nodes=1" in out
+
+
+def test_launch_carries_a_job_file_and_checks_it(capsys, tmp_path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('mesh = "dp=2,tp=4"\nsteps = 5\nmodel-overrides = { num_layers = 2 }\n')
+    code, out, err = _run(
+        capsys, "launch", "--nodes", "2", "--gpus-per-node", "4", "--config", str(job)
+    )
+    assert code == 0, err
+    (command,) = [line for line in out.splitlines() if line.startswith("torchrun ")]
+    assert _launcher_and_train(command)[1] == ["--config", str(job)]
+    # The mesh is checked against nodes x GPUs per node before anything is printed.
+    code, out, err = _run(
+        capsys, "launch", "--nodes", "2", "--gpus-per-node", "2", "--config", str(job)
+    )
+    assert code == 2 and out == ""
+    assert "dp_shard=2,tp=4" in err and "8 ranks" in err and "the world has 4" in err
+    # A misspelt train option: the trainer's error, once.
+    code, out, err = _run(capsys, "launch", "--nodes", "2", "--gpus-per-node", "2", "--stepz", "3")
+    assert code == 2 and out == ""
+    assert err.count("error") == 1 and "--stepz" in err
+
+
+# ---------------------------------------------------------------------- suggest
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> str:
+    """A tiny Llama checkpoint as transformers writes it (config + safetensors)."""
+    import torch
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    assert any(name.endswith(".safetensors") for name in os.listdir(folder))
+    return str(folder)
+
+
+def _suggest(capsys, source: list[str], *extra: str) -> tuple[int, dict, str]:
+    code, out, err = _run(
+        capsys, "suggest", *source, "--gpu", "h100-80gb", "--seq", "128",
+        "--global-batch-tokens", "2048", "--format", "json", *extra,
+    )  # fmt: skip
+    return code, (json.loads(out) if out else {}), err
+
+
+def test_suggest_prints_each_nodes_command_and_a_slurm_script(capsys, tiny_hf, tmp_path) -> None:
+    code, report, err = _suggest(
+        capsys, ["--hf-config", tiny_hf], "--gpus", "4", "--gpus-per-node", "2", "--top", "2"
+    )
+    assert code == 0, err
+    assert report["nodes"] == 2
+    for plan in report["plans"]:
+        launcher, train = _launcher_and_train(plan["command"])
+        assert _option(launcher, "--nnodes") == "2"
+        assert _option(launcher, "--nproc-per-node") == "2"
+        assert _option(launcher, "--node-rank") == "$NODE_RANK"
+        assert _option(launcher, "--rdzv-backend") == "c10d"
+        assert _option(train, "--mesh") == ",".join(
+            f"{a}={s}" for a, s in plan["mesh"].items() if s > 1
+        )
+    script = report["slurm"]
+    srun = _run_slurm_script(script, tmp_path, ["gpu-a", "gpu-b"])
+    top_train = _launcher_and_train(report["plans"][0]["command"])[1]
+    assert srun[srun.index("-m") + 2 :] == top_train  # the top plan's options, each one
+    assert _option(srun, "--rdzv-endpoint") == "gpu-a:29500"
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=2" in script
+    # The table shows both.
+    code, out, err = _run(
+        capsys, "suggest", "--hf-config", tiny_hf, "--gpu", "h100-80gb", "--seq", "128",
+        "--global-batch-tokens", "2048", "--gpus", "4", "--gpus-per-node", "2", "--top", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "run on each of the 2 nodes" in out and "SLURM batch script of plan 1" in out
+    # One node: the standalone line and no script.
+    code, report, err = _suggest(capsys, ["--hf-config", tiny_hf], "--gpus", "2", "--top", "1")
+    assert code == 0, err
+    launcher, _ = _launcher_and_train(report["plans"][0]["command"])
+    assert launcher == ["torchrun", "--standalone", "--nproc-per-node", "2"]
+    assert report["nodes"] == 1 and report["slurm"] is None
+
+
+def test_suggest_hf_config_commands_start_from_the_weights(capsys, tiny_hf, tmp_path) -> None:
+    from hyper_parallel.analysis.suggest import model_from_hf_config
+
+    code, report, err = _suggest(capsys, ["--hf-config", tiny_hf], "--gpus", "2", "--top", "1")
+    assert code == 0, err
+    train = _launcher_and_train(report["plans"][0]["command"])[1]
+    assert _option(train, "--hf-checkpoint") == tiny_hf
+    # The config.json's path names the same folder; a sharded checkpoint, by its index.
+    assert model_from_hf_config(os.path.join(tiny_hf, "config.json")).weights == tiny_hf
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shutil.copy(os.path.join(tiny_hf, "config.json"), sharded)
+    (sharded / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    assert model_from_hf_config(sharded).weights == str(sharded)
+    # A config without weights: nothing to start from, the model only.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(os.path.join(tiny_hf, "config.json"), bare)
+    code, report, err = _suggest(capsys, ["--hf-config", str(bare)], "--gpus", "2", "--top", "1")
+    assert code == 0, err
+    assert "--hf-checkpoint" not in report["plans"][0]["command"]
+
+
+def _train_config(job) -> object:
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    return config_from_args(parser.parse_args(["--config", str(job)]))
+
+
+def test_suggest_write_config_writes_the_picked_plans_job_file(capsys, tiny_hf, tmp_path) -> None:
+    for pick in (1, 2):
+        job = tmp_path / f"job{pick}.toml"
+        code, report, err = _suggest(
+            capsys, ["--hf-config", tiny_hf], "--gpus", "4", "--gpus-per-node", "2",
+            "--mesh", "pp=2,dp=2", "--top", "2", "--write-config", str(job),
+            "--pick", str(pick),
+        )  # fmt: skip
+        assert code == 0, err
+        plan = report["plans"][pick - 1]
+        cfg = _train_config(job)  # train --config reads it
+        assert cfg.mesh == {a: s for a, s in plan["mesh"].items() if s > 1}
+        assert cfg.schedule == plan["schedule"]
+        assert cfg.microbatches == plan["microbatches"]
+        assert (cfg.ac, bool(cfg.sp)) == (plan["ac"], plan["sp"])
+        assert (cfg.seq_len, cfg.batch_size) == (128, 2048 // 128)
+        assert cfg.hf_checkpoint == tiny_hf
+        # Its options are the printed command's, each one.
+        train = _launcher_and_train(plan["command"])[1]
+        again = _train_config(job)
+        parser = argparse.ArgumentParser()
+        add_train_arguments(parser)
+        assert again == config_from_args(parser.parse_args(train))
+        # validate --config accepts it.
+        code, out, err = _run(capsys, "validate", "--config", str(job))
+        assert code == 0, (out, err)
+        assert "OK:" in out
+    # The two picks differ (GPipe and 1F1B here), so --pick chose.
+    assert (tmp_path / "job1.toml").read_text() != (tmp_path / "job2.toml").read_text()
+    code, _, err = _suggest(
+        capsys, ["--hf-config", tiny_hf], "--gpus", "2", "--top", "1",
+        "--write-config", str(tmp_path / "x.toml"), "--pick", "3",
+    )  # fmt: skip
+    assert code == 2 and "--pick 3: there are 1 plan(s)" in err
+    assert not (tmp_path / "x.toml").exists()
+
+
+def test_validate_config_takes_the_job_files_mesh_and_flags_override_it(capsys, tmp_path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('model = "llama3-debug"\nmesh = "tp=2"\nsteps = 4\n')
+    code, out, err = _run(capsys, "validate", "--config", str(job), "--format", "json")
+    assert code == 0, (out, err)
+    mesh = json.loads(out)["mesh"]
+    assert (mesh["tp"], mesh["dp_shard"]) == (2, 1)
+    code, out, err = _run(
+        capsys, "validate", "--config", str(job), "--mesh", "dp=2", "--format", "json"
+    )
+    assert code == 0, (out, err)
+    mesh = json.loads(out)["mesh"]
+    assert (mesh["tp"], mesh["dp_shard"]) == (1, 2)
+    # plan --config: the same mesh, and the job's seq-len as its sequence.
+    job.write_text('model = "llama3-debug"\nmesh = "dp=2,tp=2"\nseq-len = 48\n')
+    code, out, err = _run(capsys, "plan", "--config", str(job), "--format", "json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["mesh"]["dp_shard"], report["mesh"]["tp"], report["seq_len"]) == (2, 2, 48)
+    job.write_text('model = "llama3-debug"\nmesh = "tp=2"\nstepz = 4\n')
+    code, out, err = _run(capsys, "validate", "--config", str(job))
+    assert code == 2 and "'stepz' (did you mean 'steps'?)" in err
