@@ -165,7 +165,9 @@ def _apply_plan(
     """Dense entries on ``dense_mesh``, routed experts on ``mesh["ep"]``; checked first."""
     dense = [e for e in entries if not any(e is x for x in experts)]
     if (dense or plan_findings) and dense_mesh is None and mesh is not None:
-        dense_mesh = mesh.dense  # a plan that declares no axis is checked and applied too
+        # Only the test-only stage builder gets here (the run plan's plan_mesh decides
+        # the fallback for every other build).
+        dense_mesh = mesh.dense
     findings = list(plan_findings)
     if experts:
         assert mesh is not None

@@ -660,9 +660,15 @@ class RunPlan:
         """The dense axes (no ``pp``) the plan declares: what its submesh is made of."""
         return tuple(a for a in self.plan_axes if a in DENSE_AXES)
 
-    def plan_mesh(self, mesh: ParallelMesh) -> DeviceMesh | None:
-        """The submesh the dense plan is applied on (:func:`~hyper_parallel.distributed.plan_mesh`)."""
-        return plan_mesh(mesh, self.dense_plan_axes)
+    def plan_mesh(self, mesh: ParallelMesh) -> DeviceMesh:
+        """The submesh the dense plan is applied on (:func:`~hyper_parallel.distributed.plan_mesh`).
+
+        A plan that names no mesh axis (every placement the default, ``Replicate``) is
+        checked and applied on the dense mesh (every dense axis): the one fallback, which
+        the builder and ``validate``'s trace both take from here.
+        """
+        sub = plan_mesh(mesh, self.dense_plan_axes)
+        return sub if sub is not None else mesh.dense
 
     def fsdp_mesh(self, mesh: ParallelMesh) -> DeviceMesh | None:
         """The mesh FSDP2 shards dense states over (``None``: no FSDP)."""

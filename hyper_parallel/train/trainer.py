@@ -60,8 +60,6 @@ from hyper_parallel.distributed.run_plan import (
     build_model,
     build_stages,
     default_num_microbatches,
-    raise_findings,
-    switch_findings,
 )
 from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
@@ -220,7 +218,14 @@ class TrainConfig:
     run_dir: str | None = None
 
     def __post_init__(self) -> None:
-        run_hooks.resolve_model(self)
+        # Data only: no file is read here (the Hugging Face config is read once, where
+        # the run is built: run_hooks.resolve_model), and the run plan's findings are
+        # the trainer's gate (check_config), not this constructor's.
+        if self.hf_checkpoint and self.hf_config:
+            raise ValueError(
+                "TrainConfig: hf_checkpoint and hf_config both name the model; give one "
+                "(--hf-checkpoint DIR loads the weights too)."
+            )
         if not isinstance(self.compile, bool):
             raise ValueError(f"TrainConfig.compile must be True or False, got {self.compile!r}.")
         if self.compile_backend not in BACKENDS:
@@ -254,16 +259,6 @@ class TrainConfig:
                 f"lr={self.lr}, max_grad_norm={self.max_grad_norm}, "
                 f"weight_decay={self.weight_decay}."
             )
-        # The run plan's own findings (validate and plan report them with this text).
-        raise_findings(
-            switch_findings(
-                self.layout,
-                sequence_parallel=self.sequence_parallel,
-                seq_len=self.seq_len,
-                global_batch_size=self.global_batch_size,
-            ),
-            "TrainConfig",
-        )
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("TrainConfig: resume=True needs a checkpoint_dir to resume from.")
         report.check_fields(self)
@@ -453,6 +448,7 @@ def run_plan(
         world_size: The ranks the job has, when known (checked against the mesh).
         layout: Plan for this mesh instead of ``cfg.mesh`` (``MeshLayout()``: one device).
     """
+    cfg = _resolved(cfg)
     layout = cfg.layout if layout is None else layout
     return RunPlan.for_model(
         cfg.model,
@@ -471,6 +467,18 @@ def run_plan(
         seq_len=cfg.seq_len,
         pipeline_split=cfg.pipeline_split,
     )
+
+
+def _resolved(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its Hugging Face source's model: as given when it is resolved already
+    (its model a ``*-hf`` spec), else read here
+    (:func:`~hyper_parallel.train.run_hooks.resolve_model`)."""
+    from hyper_parallel.checkpoint_hf.config import SPEC_NAMES
+
+    run_hooks.register_hf_specs(cfg)
+    if (cfg.hf_checkpoint or cfg.hf_config) and cfg.model not in SPEC_NAMES.values():
+        cfg, _ = run_hooks.resolve_model(cfg)
+    return cfg
 
 
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Finding]:
@@ -689,6 +697,10 @@ class Trainer:
         grad_callback: Called as ``fn(step, model_parts)`` on every rank once the
             step's gradients are final (reduced, scaled, experts rescaled) and before
             clipping; the demo reads the first step's gradients there.
+        hf: The Hugging Face config of ``cfg.hf_checkpoint`` / ``cfg.hf_config``
+            when the caller already read it
+            (:func:`~hyper_parallel.train.run_hooks.resolve_model`); ``None``: read
+            here, once.
 
     Raises:
         ValueError: Every problem :func:`check_config` finds (a bad mesh, an axis the
@@ -707,7 +719,11 @@ class Trainer:
         device: torch.device | str | None = None,
         step_callback: Callable[[int, float], None] | None = None,
         grad_callback: Callable[[int, list[nn.Module]], None] | None = None,
+        hf: Any = None,
     ) -> None:
+        # The model of a Hugging Face source, its config.json read once for the run
+        # (``hf``: already read by the code that built the run; run_hooks.resolve_model).
+        cfg, self.hf = run_hooks.resolve_model(cfg, hf)
         self.cfg = cfg
         self.device = torch.device(device if device is not None else default_device())
         layout = cfg.layout
@@ -761,7 +777,7 @@ class Trainer:
             if spec.family.vocab_size is not None
             else None
         )
-        self.data = run_hooks.build_data(cfg, vocab_size)
+        self.data = run_hooks.build_data(cfg, vocab_size, self.hf)
         if self.data is None:
             tokens = load_tokens(cfg.text)
             if vocab_size is not None and vocab_size < VOCAB_SIZE:
@@ -794,7 +810,7 @@ class Trainer:
             "step": self.step,
             "data_position": data["position"],
             "data_epoch": data["epoch"],
-            "model_json": run_hooks.model_record(self.cfg),
+            "model_json": run_hooks.model_record(self.cfg, self.hf),
             "lr_schedule_steps": self.cfg.lr_schedule_steps or self.cfg.num_steps,
         }
 
@@ -1013,7 +1029,7 @@ class Trainer:
         logger.close()
         if self.step == cfg.num_steps and cfg.save_hf:
             saving = time.perf_counter()
-            run_hooks.save_weights(cfg, self.model_parts)
+            run_hooks.save_weights(cfg, self.model_parts, self.hf)
             self.report.exported(cfg.save_hf, time.perf_counter() - saving)
         return TrainResult(
             steps=steps,
