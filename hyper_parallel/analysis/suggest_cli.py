@@ -87,6 +87,9 @@ def run_suggest(args: argparse.Namespace) -> int:
             schedule=args.schedule,
             ac=args.ac,
             microbatches=args.num_microbatches,
+            sp=args.sequence_parallel,
+            compile=bool(args.compile),
+            pipeline_split=args.pipeline_split,
         )
     except DoesNotFit as e:
         if args.format == "json":
