@@ -44,6 +44,7 @@ from hyper_parallel.distributed.axes import (
     axis_support_findings,
     declared_axes,
 )
+from hyper_parallel.distributed.builder import apply_run_plan
 from hyper_parallel.distributed.context_parallel import positions as cp_positions
 from hyper_parallel.distributed.fsdp import fsdp_mesh_dims
 from hyper_parallel.distributed.layout import (
@@ -55,7 +56,7 @@ from hyper_parallel.distributed.layout import (
     as_layout,
 )
 from hyper_parallel.distributed.precision import check_dtype
-from hyper_parallel.distributed.run_plan import RunPlan, apply_run_plan
+from hyper_parallel.distributed.run_plan import RunPlan
 from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.sharding import ShardingConfig
 

@@ -1,16 +1,19 @@
-"""One run plan: every decision about a run, made once, and the one builder that applies it.
+"""One run plan: every decision about a run, made once (the builder applies it).
 
 A run is a model, a mesh layout and the switches (sequence parallel, compile,
 activation checkpointing, dtype, pipeline schedule, micro-batches, stage split).
 :class:`RunPlan` decides, once and before any process group exists:
 
 - its **findings** — every problem of the mesh, the model's sharding over it, context
-  and expert parallelism, the pipeline plan — which are the *only* checks: the
-  trainer's gate (:func:`~hyper_parallel.train.trainer.check_config`), ``validate``,
-  ``plan`` (the dry run) and the demo all ask this object;
-- the **submesh** each plan applies to (:meth:`RunPlan.plan_mesh`), the FSDP2 / HSDP
-  mesh of the dense states (:meth:`RunPlan.fsdp_mesh`) and whether the routed experts
-  are an FSDP2 unit of their own over ``efsdp`` (:meth:`RunPlan.shards_experts`);
+  and expert parallelism, the switches, the pipeline plan — which are the *only*
+  checks: the trainer's gate (:func:`~hyper_parallel.train.trainer.check_config`),
+  ``validate``, ``plan`` (the dry run), ``suggest --mesh`` and the demo all ask this
+  object;
+- the **submesh** each plan applies to (:meth:`RunPlan.plan_mesh`, the dense mesh for
+  a plan naming no axis), the FSDP2 / HSDP mesh of the dense states
+  (:meth:`RunPlan.fsdp_mesh`), whether the routed experts are an FSDP2 unit of their
+  own over ``efsdp`` (:meth:`RunPlan.shards_experts`) and whether FSDP2 reshards
+  parameters after forward (:attr:`RunPlan.reshard_after_forward`: not under ``pp``);
 - the **gradient convention** under ``cp`` and ``ep`` (:attr:`RunPlan.loss_divisor`,
   :attr:`RunPlan.gradient_divide_factor`, :meth:`RunPlan.finish_gradients`): each
   rank's loss is divided by ``cp``, the ``cp`` ranks' gradients are *summed* (FSDP2
@@ -26,13 +29,10 @@ activation checkpointing, dtype, pipeline schedule, micro-batches, stage split).
   (default 1): FSDP2 skips its reduction on all but the last micro-batch
   (:attr:`RunPlan.accumulation_steps`, :meth:`RunPlan.finish_gradients`).
 
-:func:`apply_run_plan` is the one builder: plan (dense states on the plan's submesh,
-routed experts on ``ep``) → the experts' FSDP2 unit over ``efsdp`` → ``torch.compile``
-per block → activation checkpointing → FSDP2 (with the dtype's mixed-precision
-policy, the cp divide factor) → bf16 autocast where FSDP2 does not cast. It serves
-the whole model at ``pp=1`` (:func:`build_model`), each pipeline stage at ``pp>1``
-(:func:`build_stages`) and the dry run's fake model (``trace=True``: nothing
-compiled, checkpointing estimated rather than applied, nothing materialized).
+It builds nothing: :mod:`hyper_parallel.distributed.builder` applies a plan
+(:func:`~hyper_parallel.distributed.builder.build_model`,
+:func:`~hyper_parallel.distributed.builder.build_stages`,
+:func:`~hyper_parallel.distributed.builder.apply_run_plan`).
 
 Example::
 
@@ -56,7 +56,6 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed import precision
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
-from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
 from hyper_parallel.distributed.axes import (
     MODEL_AXES,
     apply_model_axes,
@@ -65,7 +64,7 @@ from hyper_parallel.distributed.axes import (
     plan_mesh,
     states_on_axes,
 )
-from hyper_parallel.distributed.builder import apply_parallelism, module_entries
+from hyper_parallel.distributed.builder import module_entries
 from hyper_parallel.distributed.compile import BACKENDS
 from hyper_parallel.distributed.context_parallel import cp_findings
 from hyper_parallel.distributed.expert_parallel import (
@@ -84,7 +83,6 @@ from hyper_parallel.distributed.pipeline import (
     PipelineSplit,
     check_pipeline,
     count_unit_flops,
-    init_states_by_unit,
     stages_per_rank_of,
 )
 from hyper_parallel.dmodule.findings import Finding, PlanEntry
@@ -94,9 +92,6 @@ __all__ = [
     "PlanCache",
     "RunPlan",
     "accumulation_findings",
-    "apply_run_plan",
-    "build_model",
-    "build_stages",
     "compile_findings",
     "default_num_microbatches",
     "raise_findings",
@@ -686,6 +681,17 @@ class RunPlan:
         )
 
     @property
+    def reshard_after_forward(self) -> bool:
+        """Whether FSDP2 frees gathered parameters after each forward.
+
+        Not under ``pp``: a stage runs several micro-batches' forwards and backwards per
+        step, and keeping its parameters gathered between them (as torchtitan does)
+        gathers them once per step — what the planner's pipeline cost model assumes —
+        instead of once per micro-batch.
+        """
+        return self.layout.pp == 1
+
+    @property
     def mp_policy(self) -> Any:
         """FSDP2's mixed-precision policy for :attr:`dtype` (every FSDP2 unit takes it)."""
         return precision.fsdp_policy(self.dtype)
@@ -763,114 +769,6 @@ class RunPlan:
     def split_backward(self) -> bool:
         """Whether the schedule splits each backward (input, then weight gradients)."""
         return self.layout.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES
-
-
-# ---------------------------------------------------------------------------- the builder
-
-
-def apply_run_plan(
-    module: nn.Module,
-    run: RunPlan,
-    mesh: ParallelMesh | None,
-    *,
-    entries: Sequence[PlanEntry] | None = None,
-    plan_findings: Sequence[Finding] = (),
-    trace: bool = False,
-    device_type: str = "cpu",
-) -> list[str]:
-    """Apply ``run`` to ``module``: the whole model, one pipeline stage, or a fake model.
-
-    The meshes, switches and gradient convention come from ``run``; the sequence
-    (plan → experts' FSDP2 → compile → activation checkpointing → FSDP2 → autocast)
-    is :func:`~hyper_parallel.distributed.builder.apply_parallelism`.
-
-    Args:
-        module: Built on the meta device (or fake tensors for the dry run).
-        run: The run plan.
-        mesh: The run's mesh; ``None`` for one device.
-        entries: The plan's entries on ``module``; default its Modules' sharding configs.
-        plan_findings: Problems already found in the plan (refused with the rest).
-        trace: The dry run's fake model: nothing compiled and no checkpoint wrappers
-            (the dry run estimates ``run.ac`` from the saved activations).
-        device_type: Where the module computes (for bf16 autocast without FSDP2).
-
-    Returns:
-        The paths of the blocks FSDP2 wrapped (the root is wrapped too).
-    """
-    field = run.blocks_field or "layers"
-    blocks = getattr(module, field, None)
-    num_blocks = run.num_blocks
-    if num_blocks is None:
-        num_blocks = len(blocks) if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)) else 0
-    return apply_parallelism(
-        module,
-        mesh=mesh,
-        dense_mesh=run.plan_mesh(mesh) if mesh is not None else None,
-        fsdp_mesh=run.fsdp_mesh(mesh) if mesh is not None else None,
-        shard_experts=mesh is not None and run.shards_experts(mesh),
-        entries=entries,
-        plan_findings=plan_findings,
-        dtype=run.dtype,
-        gradient_divide_factor=run.gradient_divide_factor,
-        compile_backend=run.compile_backend if run.compile and not trace else None,
-        checkpointed=() if trace else checkpointed_blocks(num_blocks, run.ac),
-        blocks_field=field,
-        family=run.family,
-        split_backward=run.split_backward,
-        device_type=device_type,
-        who=run.name,
-    )
-
-
-def build_model(
-    run: RunPlan, mesh: ParallelMesh | None, device: torch.device | str, seed: int
-) -> nn.Module:
-    """The whole model of ``run`` (``pp=1``): built on meta, :func:`apply_run_plan`,
-    materialized on ``device`` and initialized (the same values at any mesh)."""
-    _require(run, "build_model")
-    with torch.device("meta"):
-        module = run.subject.build()
-    apply_run_plan(module, run, mesh, device_type=torch.device(device).type)
-    _materialize(module, run, device, seed)
-    return module
-
-
-def build_stages(
-    run: RunPlan, mesh: ParallelMesh, device: torch.device | str, seed: int
-) -> list[nn.Module]:
-    """This rank's pipeline stages of ``run`` (``pp>1``), each through :func:`apply_run_plan`.
-
-    Each stage is built on meta from the sharded config's units it holds
-    (:meth:`~hyper_parallel.distributed.pipeline.PipelineLayout.stage_config`); the
-    ``ep`` and ``efsdp`` meshes are this pp rank's.
-    """
-    _require(run, "build_stages")
-    assert run.pipeline is not None and run.pipeline_layout is not None
-    modules = []
-    for s in run.pipeline.stages_of_rank(mesh["pp"].get_local_rank()):
-        with torch.device("meta"):
-            stage = run.pipeline_layout.stage_config(run.subject, run.pipeline.stages[s]).build()
-        apply_run_plan(stage, run, mesh, device_type=torch.device(device).type)
-        _materialize(stage, run, device, seed)
-        modules.append(stage)
-    return modules
-
-
-def _require(run: RunPlan, who: str) -> None:
-    run.raise_for_errors(f"{who} ({run.name} on {run.layout.describe()})")
-    if run.subject is None or isinstance(run.subject, nn.Module):
-        raise ValueError(f"{who}: the run plan of {run.name} holds no model config to build.")
-
-
-def _materialize(module: nn.Module, run: RunPlan, device: torch.device | str, seed: int) -> None:
-    """``to_empty`` on ``device`` and initialize: per pipeline unit when the model is cut
-    into units (the same values at any pp), else the whole model under ``seed``."""
-    module.to_empty(device=device)
-    if run.pipeline_layout is not None:
-        init_states_by_unit(module, run.pipeline_layout, seed)
-    else:
-        torch.manual_seed(seed)
-        module.init_states()  # type: ignore[operator]
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -51,16 +51,12 @@ from torch import nn
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
 from hyper_parallel.distributed.axes import MODEL_AXES, apply_model_axes, declared_axes
+from hyper_parallel.distributed.builder import build_model, build_stages
 from hyper_parallel.distributed.compile import BACKENDS
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
 from hyper_parallel.distributed.pipeline import build_schedule, pipeline_step
 from hyper_parallel.distributed.precision import check_dtype, loss_logits
-from hyper_parallel.distributed.run_plan import (
-    RunPlan,
-    build_model,
-    build_stages,
-    default_num_microbatches,
-)
+from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
 from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.dmodule.module import Module
@@ -501,7 +497,7 @@ def build_parallel_model(
     """Build ``cfg.model`` on meta, parallelize, ``fully_shard``, materialize and initialize.
 
     The run plan of ``cfg`` on ``mesh`` (:func:`run_plan`) applied by the one builder
-    (:func:`~hyper_parallel.distributed.run_plan.build_model`): the model built on the
+    (:func:`~hyper_parallel.distributed.builder.build_model`): the model built on the
     meta device with the sharding of every active model axis (:func:`model_config`) →
     the plan on the submesh of the axes it declares (routed experts on ``ep``, each an
     FSDP2 unit over ``efsdp``) → ``torch.compile`` per block (``cfg.compile``) →
@@ -542,7 +538,7 @@ def build_pipeline_stages(
     """This rank's pipeline stages of ``cfg.model`` and their plan (``pp > 1``).
 
     The run plan of ``cfg`` on ``mesh`` applied to each stage by the same builder as
-    the whole model at pp=1 (:func:`~hyper_parallel.distributed.run_plan.build_stages`):
+    the whole model at pp=1 (:func:`~hyper_parallel.distributed.builder.build_stages`):
     the same plan submesh, experts on this pp rank's ``ep`` (FSDP2 over its ``efsdp``
     with ``cfg.dtype``'s policy), compile, checkpointing, FSDP2 and the cp divide factor.
     """
