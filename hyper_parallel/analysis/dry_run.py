@@ -476,12 +476,10 @@ def dry_run(
     # the run: the trainer's and validate's gate (on a meta build of one layer).
     meta = target.build_meta(1 if target.layers_field else None)
     entries, _ = target.entries(meta)
-    run = RunPlan.for_subject(
-        target.config if target.config is not None else target.model,
+    run = target.run_plan(
         layout,
-        name=target.name,
-        entries=entries,
-        model=meta,
+        meta,
+        entries,
         fsdp=fsdp,
         ac=ac,
         dtype=dtype,

@@ -365,11 +365,10 @@ def validate(
             layout.pp, schedule, stages_per_rank
         )
     # The run's decisions and checks: the same object the trainer and `plan` ask.
-    run = RunPlan.for_subject(
-        target.config if target.config is not None else model,
+    run = target.run_plan(
         layout,
-        name=target.name,
-        entries=entries,
+        model,
+        entries,
         pipeline_layout=pipeline,
         schedule=schedule,
         num_microbatches=num_microbatches,

@@ -26,7 +26,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,23 +39,11 @@ from hyper_parallel.distributed.expert_parallel import shard_experts as shard_ex
 from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_units
 from hyper_parallel.distributed.layout import ParallelMesh
 from hyper_parallel.distributed.pipeline.stages import init_states_by_unit
+from hyper_parallel.distributed.run_plan import RunPlan, module_entries
 from hyper_parallel.dmodule.entries import check_entries, errors_of, parallelize_entries
 from hyper_parallel.dmodule.findings import Finding, ParallelizeError, PlanEntry
-from hyper_parallel.dmodule.module import Module
 
-if TYPE_CHECKING:
-    from hyper_parallel.distributed.run_plan import RunPlan
-
-__all__ = ["apply_parallelism", "apply_run_plan", "build_model", "build_stages", "module_entries"]
-
-
-def module_entries(model: nn.Module) -> list[PlanEntry]:
-    """The plan of a Module tree: every ``sharding_config`` with its path."""
-    return [
-        PlanEntry(path, m, m.sharding_config)
-        for path, m in model.named_modules()
-        if isinstance(m, Module) and m.sharding_config is not None
-    ]
+__all__ = ["apply_parallelism", "apply_run_plan", "build_model", "build_stages"]
 
 
 def apply_parallelism(
