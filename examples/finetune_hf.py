@@ -9,7 +9,7 @@ The whole path a Python user takes, in one file:
    a few optimizer steps on the shipped text (or ``--data``); ``save_hf`` writes the
    trained model back in Hugging Face format;
 3. the saved model, loaded on one process, generates a few tokens greedily
-   (:func:`hyper_parallel.checkpoint_hf.generate.generate`), and ``transformers`` loads
+   (:func:`hyper_parallel.hf_commands.generate.generate`), and ``transformers`` loads
    the same files and generates the same tokens.
 
 Run it in one process (a mesh of one device)::
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hyper_parallel.checkpoint_hf.generate import generate
 
 from hyper_parallel.checkpoint_hf import load_hf, read_hf_config
+from hyper_parallel.hf_commands.generate import generate
 from hyper_parallel.train import TrainConfig, Trainer
 from hyper_parallel.train.arguments import parse_mesh
 

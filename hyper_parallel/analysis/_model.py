@@ -55,6 +55,32 @@ class Target:
     layers_field: str | None = None
     num_layers: int | None = None
 
+    # ------------------------------------------------------------------ the run plan
+
+    def run_plan(
+        self, layout: Any, meta: nn.Module, entries: Sequence[PlanEntry], **switches: Any
+    ) -> Any:
+        """This target's :class:`~hyper_parallel.distributed.run_plan.RunPlan` on ``layout``.
+
+        The one constructor the analyses (``validate``, the dry run) build a run plan
+        with: the same decisions and findings as the trainer's
+        (:meth:`~hyper_parallel.distributed.run_plan.RunPlan.for_model`).
+
+        Args:
+            layout: The mesh.
+            meta: A meta build of the target (the dry run's may have fewer identical
+                layers): what the checks read.
+            entries: The plan's entries on ``meta`` (:meth:`entries`).
+            switches: As :meth:`~hyper_parallel.distributed.run_plan.RunPlan.for_model`
+                (``pipeline_layout`` too).
+        """
+        from hyper_parallel.distributed.run_plan import RunPlan
+
+        subject = self.config if self.config is not None else meta
+        return RunPlan.for_subject(
+            subject, layout, name=self.name, entries=entries, model=meta, **switches
+        )
+
     # ------------------------------------------------------------------ building
 
     def _config_at(self, num_layers: int | None) -> Any:

@@ -43,8 +43,8 @@ from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
 from hyper_parallel.distributed.axes import (
     axis_support_findings,
     declared_axes,
-    states_on_axes,
 )
+from hyper_parallel.distributed.builder import apply_run_plan
 from hyper_parallel.distributed.context_parallel import positions as cp_positions
 from hyper_parallel.distributed.fsdp import fsdp_mesh_dims
 from hyper_parallel.distributed.layout import (
@@ -56,7 +56,7 @@ from hyper_parallel.distributed.layout import (
     as_layout,
 )
 from hyper_parallel.distributed.precision import check_dtype
-from hyper_parallel.distributed.run_plan import RunPlan, apply_run_plan
+from hyper_parallel.distributed.run_plan import RunPlan
 from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
@@ -442,8 +442,8 @@ def dry_run(
             the model into stages first), the run plan's errors (the trainer's and
             ``validate``'s: a ``cp`` axis the plan does not declare, experts that do
             not split over ``ep``, ...), a plan that ``parallelize`` refuses (run
-            :func:`validate` for the full list), or a plan that places states on a
-            data axis while FSDP shards over it, or ``dtype="bf16"`` with a
+            :func:`validate` for the full list; a plan placing states on a data axis
+            FSDP shards over is one of the run plan's), or ``dtype="bf16"`` with a
             ``param_dtype`` other than fp32 (mixed precision keeps fp32 master weights).
         RuntimeError: When a real process group already exists.
 
@@ -465,10 +465,6 @@ def dry_run(
             f"AdamW state; param_dtype={param_dtype} contradicts it. Leave param_dtype at "
             "torch.float32, or plan pure low-precision parameters with dtype='fp32'."
         )
-    if num_microbatches < 1:
-        raise ValueError(
-            f"dry_run: num_microbatches={num_microbatches}; give at least 1 (--microbatches)."
-        )
     layout = as_layout(mesh)
     # The dry run traces one pipeline's ranks; `plan` cuts a pp mesh into stages first.
     _raise_errors(
@@ -480,12 +476,10 @@ def dry_run(
     # the run: the trainer's and validate's gate (on a meta build of one layer).
     meta = target.build_meta(1 if target.layers_field else None)
     entries, _ = target.entries(meta)
-    run = RunPlan.for_subject(
-        target.config if target.config is not None else target.model,
+    run = target.run_plan(
         layout,
-        name=target.name,
-        entries=entries,
-        model=meta,
+        meta,
+        entries,
         fsdp=fsdp,
         ac=ac,
         dtype=dtype,
@@ -619,13 +613,6 @@ def _trace_step(
         args = _inputs(model, inputs, batch_size, seq_len, mode)
         if "cp" in axes and world.layout.cp > 1:  # given inputs: rank 0's part of the sequence
             kwargs = {"positions": mode.from_tensor(cp_positions(seq_len, 0, world.layout.cp))}
-    on_data = states_on_axes(entries, DATA_AXES)
-    if fsdp_mesh is not None and on_data:
-        raise ValueError(
-            f"dry_run: the plan places states on a data axis ({', '.join(on_data)}), "
-            "which FSDP also shards over; pass fsdp=False (CLI: --no-fsdp) to place them "
-            "yourself, or drop the data axes from those configs."
-        )
     experts = [e for e in entries if e.config.dispatch is not None]
     # The one builder, as the trainer applies it (plan on its submesh, experts on ep
     # and FSDP2 over efsdp, FSDP2 with the dtype's policy); a fake model: nothing

@@ -504,10 +504,13 @@ def _combine(
 def _block_gathers(ops: Sequence[Op], stage: int) -> tuple[int, int]:
     """How often a block's FSDP2 unit all-gathers in forward and in backward in one step.
 
-    Replays the stage's actions against torch's FSDP2 settings under a pipeline
-    schedule (``PipelineStage``: blocks reshard after each forward; backward keeps
-    them gathered, ``set_reshard_after_backward(False)``, until the step's
-    ``REDUCE_GRAD``): a forward or backward that finds the block sharded gathers it.
+    Replays the stage's actions against the builder's FSDP2 settings under a pipeline
+    schedule: stage parameters stay gathered after forward
+    (``reshard_after_forward=False``, the run plan's
+    :attr:`~hyper_parallel.distributed.run_plan.RunPlan.reshard_after_forward` under
+    ``pp``, as torchtitan) and after backward (``PipelineStage``'s
+    ``set_reshard_after_backward(False)``) until the step's ``REDUCE_GRAD``: a forward
+    or backward that finds the block sharded gathers it — the step's first action only.
     """
     gathered = False
     forward = backward = 0
@@ -516,10 +519,11 @@ def _block_gathers(ops: Sequence[Op], stage: int) -> tuple[int, int]:
             continue
         if op.kind == "F":
             forward += not gathered
-            gathered = False
         elif op.kind in ("B", "I"):
             backward += not gathered
-            gathered = True
+        else:
+            continue
+        gathered = True
     return forward, backward
 
 
@@ -545,9 +549,10 @@ def stage_collectives(
     block and with two: the difference is one block's collectives (the blocks are
     identical), the rest the stage's own units. Per step, collectives of the
     activations (``tp``, ``cp``) repeat per micro-batch; FSDP2's reduce-scatter (and
-    HSDP's all-reduce) runs once, at torch's ``REDUCE_GRAD``; the stage root is
-    gathered once, each block as often as :func:`_block_gathers` finds it sharded
-    (under the zero-bubble schedules the stage is one FSDP2 unit: gathered once).
+    HSDP's all-reduce) runs once, at torch's ``REDUCE_GRAD``; the stage root and each
+    block are gathered once, by the step's first forward (the builder keeps stage
+    parameters gathered across micro-batches, :func:`_block_gathers`; under the
+    zero-bubble schedules the stage is one FSDP2 unit: gathered once).
     The stages are traced as rank 0 of the pipeline's other axes sees them: under
     context parallelism its ``seq_len / cp`` tokens with their global positions
     (what the trainer's stages hold, ``set_positions``), so each block's key/value
@@ -659,7 +664,8 @@ def stage_collectives(
         block_weights = {"forward": forward, "backward": backward}
         blocks = _combine([(one_block, num_blocks)])
         total = _combine(
-            _per_step(root_collectives, data, m, None) + _per_step(blocks, data, m, block_weights)
+            _per_step(root_collectives, data, m, {"forward": 1, "backward": 0})
+            + _per_step(blocks, data, m, block_weights)
         )
         out.append(
             {
@@ -717,15 +723,16 @@ def _per_step(
     Collectives on a model axis move activations: once per micro-batch, as does every
     all-to-all (the routed experts' dispatch, whose ep group may be the very ranks of a
     data axis). On a data axis, gradients are reduced once per step; parameters are
-    gathered once for the stage root (``gathers=None``), per ``gathers[phase]`` for the
-    blocks.
+    gathered ``gathers[phase]`` times (``None``: once per phase): the stage root once,
+    by the step's first forward, and each block as :func:`_block_gathers` replays it
+    (the builder keeps stage parameters gathered through the step).
     """
     scaled = []
     for (kind, axis, phase), v in part.items():
         if axis not in data_axes or kind == "all_to_all":
             weight = num_microbatches
         elif kind == "all_gather":
-            weight = 1 if gathers is None else gathers[phase]
+            weight = 1 if gathers is None else gathers.get(phase, 0)
         else:
             weight = 1
         scaled.append(({(kind, axis, phase): v}, weight))

@@ -100,6 +100,9 @@ def run_suggest(args: argparse.Namespace) -> int:
             schedule=args.schedule,
             ac=args.ac,
             microbatches=args.microbatches,
+            sp=args.sp,
+            compile=bool(args.compile),
+            pipeline_split=args.pipeline_split,
         )
     except DoesNotFit as e:
         if args.format == "json":

@@ -59,7 +59,6 @@ from hyper_parallel.distributed.layout import (
     DATA_AXES,
     DENSE_AXES,
     MeshLayout,
-    ParallelMesh,
     as_layout,
 )
 from hyper_parallel.distributed.pipeline import PipelineLayout, PipelineSplit
@@ -366,11 +365,10 @@ def validate(
             layout.pp, schedule, stages_per_rank
         )
     # The run's decisions and checks: the same object the trainer and `plan` ask.
-    run = RunPlan.for_subject(
-        target.config if target.config is not None else model,
+    run = target.run_plan(
         layout,
-        name=target.name,
-        entries=entries,
+        model,
+        entries,
         pipeline_layout=pipeline,
         schedule=schedule,
         num_microbatches=num_microbatches,
@@ -841,7 +839,7 @@ def _trace(
         )
     try:
         with fake_world(layout) as world:
-            mesh = _plan_submesh(world, run)
+            mesh = run.plan_mesh(world)  # the builder's (a plan naming no axis: the dense mesh)
             shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
             return _trace_on(
                 target, model, mesh, kept, shape, report, inputs, batch_size, seq_len, mode
@@ -851,12 +849,6 @@ def _trace(
             raise
         report.notes.append(f"boundary analysis skipped: {e}")
         return []
-
-
-def _plan_submesh(world: ParallelMesh, run: RunPlan) -> DeviceMesh:
-    """The submesh the run plan applies the plan on; the tp axis for an empty plan."""
-    sub = run.plan_mesh(world)
-    return sub if sub is not None else world.submesh(("tp",))
 
 
 def _trace_on(

@@ -16,15 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from hyper_parallel.distributed.compile import blocks_of
 
 __all__ = [
     "AC_MODES",
     "SELECTIVE_EVERY",
-    "apply_activation_checkpointing",
     "check_mode",
     "checkpointed_blocks",
 ]
@@ -66,35 +62,3 @@ class _Checkpointed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
-
-
-def apply_activation_checkpointing(
-    model: nn.Module, mode: str, *, blocks: str | None = "layers"
-) -> list[int]:
-    """Checkpoint the blocks of ``model.<blocks>`` that ``mode`` selects, in place.
-
-    Apply after the tensor-parallel plan and ``torch.compile`` (it wraps the compiled
-    forward; see :mod:`hyper_parallel.distributed.compile`) and before FSDP2.
-
-    Args:
-        model: A model with a container of blocks.
-        mode: ``"none"``, ``"full"`` or ``"selective"`` (see the module docstring).
-        blocks: The attribute holding the blocks (the family's
-            :attr:`~hyper_parallel.dmodule.ModelFamily.blocks`).
-
-    Returns:
-        The indices of the checkpointed blocks.
-
-    Raises:
-        ValueError: For an unknown mode, or a model without ``layers``.
-
-    Example::
-
-        apply_activation_checkpointing(model, "full")
-    """
-    check_mode(mode)
-    units = blocks_of(model, what="apply_activation_checkpointing", blocks=blocks)
-    chosen = checkpointed_blocks(len(units), mode)
-    for i in chosen:
-        units[i].forward = _Checkpointed(units[i].forward)  # type: ignore[method-assign]
-    return chosen

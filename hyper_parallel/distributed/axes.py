@@ -186,7 +186,8 @@ def plan_axis_findings(
     Returns:
         Errors: ``cp`` > 1 that the plan does not declare (each rank's sequence shard
         would be read as the whole sequence), ``dp`` used in a placement (a size
-        synonym only). Warnings: states placed on a data axis (the HSDP trap).
+        synonym only), states placed on a data axis FSDP2 shards over (the HSDP
+        trap). Warnings: a plan placing only activations on a data axis.
     """
     axes = tuple(axes)
     out = []
@@ -220,18 +221,23 @@ def plan_axis_findings(
         paths = sorted(states_on_data)
         where = f" ({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''})" if paths else ""
         model_axes = [a for a in axes if a not in DATA_AXES]
+        # States (not only activations) there, and FSDP2 has ranks to shard them over:
+        # the builder would hand fully_shard states already on a data axis. Refused
+        # (the trainer, the dry run, validate and plan alike); activations alone warn.
+        shards = layout.dp_replicate > 1 or layout.fsdp > 1
         out.append(
             Finding(
-                "warning",
+                "error" if paths and shards else "warning",
                 "plan",
                 data[0],
-                f"the plan places tensors on the data axis {data[0]!r}{where}, which FSDP2 "
-                "also shards over. Those states end up on a mesh of "
-                f"{tuple(data + model_axes)}: a 2-D slice like that handed to fully_shard "
-                f"silently becomes HSDP (replicate over {data[0]!r}, shard over the second "
-                "axis), not FSDP over the data ranks.",
+                f"the plan places {'states' if paths else 'tensors'} on the data axis "
+                f"{data[0]!r}{where}, which FSDP2 also shards over. Those states end up on a "
+                f"mesh of {tuple(data + model_axes)}: a 2-D slice like that handed to "
+                f"fully_shard silently becomes HSDP (replicate over {data[0]!r}, shard over "
+                "the second axis), not FSDP over the data ranks.",
                 "leave data axes to FSDP (drop them from the plan; FSDP2 runs on "
-                "ParallelMesh.fsdp_mesh()), or turn FSDP off to place states yourself.",
+                "ParallelMesh.fsdp_mesh()), or turn FSDP off (fsdp=False; CLI: --no-fsdp) "
+                "to place states yourself.",
             )
         )
     return out

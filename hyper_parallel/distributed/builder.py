@@ -1,19 +1,26 @@
-"""The one sequence that parallelizes a module: plan → experts → compile → AC → FSDP2.
+"""The builder: a :class:`~hyper_parallel.distributed.run_plan.RunPlan` decides, this builds.
 
-:func:`apply_parallelism` is the only place the order is written. The trainer's whole
-model (``pp=1``), every pipeline stage (``pp>1``) and the dry run's fake model go
-through it — via :func:`~hyper_parallel.distributed.run_plan.apply_run_plan`, which
-takes the meshes and switches from a :class:`~hyper_parallel.distributed.run_plan.RunPlan`,
-or via :func:`~hyper_parallel.distributed.pipeline.build_stage_modules` with explicit
-meshes. Why this order: :mod:`hyper_parallel.distributed.compile` (AC outside the
-compiled blocks, FSDP2 outside both); the routed experts are their own FSDP2 unit
-over ``efsdp`` before the blocks take the rest
-(:mod:`hyper_parallel.distributed.expert_parallel`).
+:func:`apply_run_plan` applies a run plan to a module — the trainer's whole model
+(``pp=1``, :func:`build_model`), each of this rank's pipeline stages (``pp>1``,
+:func:`build_stages`) and the dry run's fake model (``trace=True``: nothing compiled,
+checkpointing estimated rather than applied, nothing materialized). Every mesh,
+switch and decision comes from the plan (the submesh of the plan's axes, the FSDP2
+mesh, whether the routed experts are an FSDP2 unit of their own, whether FSDP2
+reshards after forward, the cp gradient divisor); the order is written once, in
+:func:`apply_parallelism`: plan (dense states on the plan's submesh, routed experts
+on ``ep``) → the experts' FSDP2 unit over ``efsdp`` → ``torch.compile`` per block →
+activation checkpointing → FSDP2 (with the dtype's mixed-precision policy) → bf16
+autocast where FSDP2 does not cast. Why this order:
+:mod:`hyper_parallel.distributed.compile` (AC outside the compiled blocks, FSDP2
+outside both); the routed experts are their own FSDP2 unit over ``efsdp`` before the
+blocks take the rest (:mod:`hyper_parallel.distributed.expert_parallel`).
 
 Example::
 
-    paths = apply_parallelism(model, mesh=mesh, dense_mesh=mesh["tp"],
-                              fsdp_mesh=mesh.fsdp_mesh(), dtype="bf16")
+    from hyper_parallel.distributed.run_plan import RunPlan
+
+    run = RunPlan.for_model("llama3-debug", {"dp_shard": 2}, batch_size=4)
+    model = build_model(run, mesh, "cpu", seed=0)  # mesh: run.layout.build("cpu")
 """
 
 from __future__ import annotations
@@ -27,25 +34,17 @@ from torch import nn
 from hyper_parallel.contract import ModelFamily
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.distributed import precision
-from hyper_parallel.distributed.activation_checkpoint import _Checkpointed
+from hyper_parallel.distributed.activation_checkpoint import _Checkpointed, checkpointed_blocks
 from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.distributed.expert_parallel import shard_experts as shard_experts_over_efsdp
 from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_units
 from hyper_parallel.distributed.layout import ParallelMesh
+from hyper_parallel.distributed.pipeline.stages import init_states_by_unit
+from hyper_parallel.distributed.run_plan import RunPlan, module_entries
 from hyper_parallel.dmodule.entries import check_entries, errors_of, parallelize_entries
 from hyper_parallel.dmodule.findings import Finding, ParallelizeError, PlanEntry
-from hyper_parallel.dmodule.module import Module
 
-__all__ = ["apply_parallelism", "module_entries"]
-
-
-def module_entries(model: nn.Module) -> list[PlanEntry]:
-    """The plan of a Module tree: every ``sharding_config`` with its path."""
-    return [
-        PlanEntry(path, m, m.sharding_config)
-        for path, m in model.named_modules()
-        if isinstance(m, Module) and m.sharding_config is not None
-    ]
+__all__ = ["apply_parallelism", "apply_run_plan", "build_model", "build_stages"]
 
 
 def apply_parallelism(
@@ -64,6 +63,7 @@ def apply_parallelism(
     blocks_field: str = "layers",
     family: ModelFamily | None = None,
     split_backward: bool = False,
+    reshard_after_forward: bool = True,
     device_type: str = "cpu",
     who: str = "apply_parallelism",
 ) -> list[str]:
@@ -86,7 +86,9 @@ def apply_parallelism(
         module: Built on the meta device (or on fake tensors).
         mesh: The run's mesh (its ``ep`` and ``efsdp`` views); ``None``: every entry
             goes on ``dense_mesh``.
-        dense_mesh: The submesh of the plan's dense axes, or ``None``.
+        dense_mesh: The submesh of the plan's dense axes
+            (:meth:`~hyper_parallel.distributed.run_plan.RunPlan.plan_mesh`); ``None``
+            only without ``mesh``.
         fsdp_mesh: What FSDP2 shards dense states over, or ``None``.
         shard_experts: Make the routed experts FSDP2 units over ``efsdp``.
         entries: The plan's entries; default the Modules' own sharding configs.
@@ -101,6 +103,10 @@ def apply_parallelism(
         family: The model's :class:`~hyper_parallel.dmodule.ModelFamily`: its routed
             experts and their ``compile_experts`` hook, for ``compile_backend``.
         split_backward: The schedule splits the backward (zero-bubble schedules).
+        reshard_after_forward: ``False``: every FSDP2 unit keeps its parameters
+            gathered after forward (the run plan's
+            :attr:`~hyper_parallel.distributed.run_plan.RunPlan.reshard_after_forward`
+            under ``pp``); ``True``: FSDP2's default (blocks reshard, the root does not).
         device_type: Where the module computes (bf16 autocast).
         who: Names the caller in errors.
 
@@ -113,12 +119,22 @@ def apply_parallelism(
             stage whose container is empty is one FSDP2 unit, its root).
     """
     precision.check_dtype(dtype)
+    assert mesh is None or dense_mesh is not None, "the run plan's plan_mesh(mesh)"
     entries = module_entries(module) if entries is None else list(entries)
     experts = [e for e in entries if e.config.dispatch is not None] if mesh is not None else []
     _apply_plan(module, mesh, dense_mesh, entries, experts, plan_findings)
     mp_policy = precision.fsdp_policy(dtype)
+    # FSDP2's own default unless the plan keeps parameters gathered: an explicit True
+    # would reshard the root too, which then gathers again in backward.
+    kept = {} if reshard_after_forward else {"reshard_after_forward": False}
     if mesh is not None and shard_experts:
-        shard_experts_over_efsdp(module, mesh, experts=experts, mp_policy=mp_policy)
+        shard_experts_over_efsdp(
+            module,
+            mesh,
+            experts=experts,
+            mp_policy=mp_policy,
+            **kept,
+        )
     blocks = _blocks(module, blocks_field)
     if compile_backend is not None and blocks:
         apply_compile(
@@ -143,7 +159,13 @@ def apply_parallelism(
                 f"{who}: {type(module).__name__} has no ModuleList (or ModuleDict) of blocks "
                 "to wrap with fully_shard; FSDP2 shards each block and then the root."
             )
-        paths = apply_fsdp(module, fsdp_mesh, units, mp_policy=mp_policy)
+        paths = apply_fsdp(
+            module,
+            fsdp_mesh,
+            units,
+            mp_policy=mp_policy,
+            **kept,
+        )
         if gradient_divide_factor is not None:
             for path in [*paths, ""]:
                 unit = module.get_submodule(path)
@@ -153,6 +175,112 @@ def apply_parallelism(
     elif dtype != "fp32":
         module.forward = _Autocast(module.forward, device_type)  # type: ignore[method-assign]
     return paths
+
+
+def apply_run_plan(
+    module: nn.Module,
+    run: RunPlan,
+    mesh: ParallelMesh | None,
+    *,
+    entries: Sequence[PlanEntry] | None = None,
+    plan_findings: Sequence[Finding] = (),
+    trace: bool = False,
+    device_type: str = "cpu",
+) -> list[str]:
+    """Apply ``run`` to ``module``: the whole model, one pipeline stage, or a fake model.
+
+    The meshes, switches and gradient convention come from ``run``; the sequence
+    (plan → experts' FSDP2 → compile → activation checkpointing → FSDP2 → autocast)
+    is :func:`apply_parallelism`.
+
+    Args:
+        module: Built on the meta device (or fake tensors for the dry run).
+        run: The run plan.
+        mesh: The run's mesh; ``None`` for one device.
+        entries: The plan's entries on ``module``; default its Modules' sharding configs.
+        plan_findings: Problems already found in the plan (refused with the rest).
+        trace: The dry run's fake model: nothing compiled and no checkpoint wrappers
+            (the dry run estimates ``run.ac`` from the saved activations).
+        device_type: Where the module computes (for bf16 autocast without FSDP2).
+
+    Returns:
+        The paths of the blocks FSDP2 wrapped (the root is wrapped too).
+    """
+    field = run.blocks_field or "layers"
+    blocks = getattr(module, field, None)
+    num_blocks = run.num_blocks
+    if num_blocks is None:
+        num_blocks = len(blocks) if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)) else 0
+    return apply_parallelism(
+        module,
+        mesh=mesh,
+        dense_mesh=run.plan_mesh(mesh) if mesh is not None else None,
+        fsdp_mesh=run.fsdp_mesh(mesh) if mesh is not None else None,
+        shard_experts=mesh is not None and run.shards_experts(mesh),
+        entries=entries,
+        plan_findings=plan_findings,
+        dtype=run.dtype,
+        gradient_divide_factor=run.gradient_divide_factor,
+        compile_backend=run.compile_backend if run.compile and not trace else None,
+        checkpointed=() if trace else checkpointed_blocks(num_blocks, run.ac),
+        blocks_field=field,
+        family=run.family,
+        split_backward=run.split_backward,
+        reshard_after_forward=run.reshard_after_forward,
+        device_type=device_type,
+        who=run.name,
+    )
+
+
+def build_model(
+    run: RunPlan, mesh: ParallelMesh | None, device: torch.device | str, seed: int
+) -> nn.Module:
+    """The whole model of ``run`` (``pp=1``): built on meta, :func:`apply_run_plan`,
+    materialized on ``device`` and initialized (the same values at any mesh)."""
+    _require(run, "build_model")
+    with torch.device("meta"):
+        module = run.subject.build()
+    apply_run_plan(module, run, mesh, device_type=torch.device(device).type)
+    _materialize(module, run, device, seed)
+    return module
+
+
+def build_stages(
+    run: RunPlan, mesh: ParallelMesh, device: torch.device | str, seed: int
+) -> list[nn.Module]:
+    """This rank's pipeline stages of ``run`` (``pp>1``), each through :func:`apply_run_plan`.
+
+    Each stage is built on meta from the sharded config's units it holds
+    (:meth:`~hyper_parallel.distributed.pipeline.PipelineLayout.stage_config`); the
+    ``ep`` and ``efsdp`` meshes are this pp rank's.
+    """
+    _require(run, "build_stages")
+    assert run.pipeline is not None and run.pipeline_layout is not None
+    modules = []
+    for s in run.pipeline.stages_of_rank(mesh["pp"].get_local_rank()):
+        with torch.device("meta"):
+            stage = run.pipeline_layout.stage_config(run.subject, run.pipeline.stages[s]).build()
+        apply_run_plan(stage, run, mesh, device_type=torch.device(device).type)
+        _materialize(stage, run, device, seed)
+        modules.append(stage)
+    return modules
+
+
+def _require(run: RunPlan, who: str) -> None:
+    run.raise_for_errors(f"{who} ({run.name} on {run.layout.describe()})")
+    if run.subject is None or isinstance(run.subject, nn.Module):
+        raise ValueError(f"{who}: the run plan of {run.name} holds no model config to build.")
+
+
+def _materialize(module: nn.Module, run: RunPlan, device: torch.device | str, seed: int) -> None:
+    """``to_empty`` on ``device`` and initialize: per pipeline unit when the model is cut
+    into units (the same values at any pp), else the whole model under ``seed``."""
+    module.to_empty(device=device)
+    if run.pipeline_layout is not None:
+        init_states_by_unit(module, run.pipeline_layout, seed)
+    else:
+        torch.manual_seed(seed)
+        module.init_states()  # type: ignore[operator]
 
 
 def _apply_plan(
@@ -165,8 +293,6 @@ def _apply_plan(
 ) -> None:
     """Dense entries on ``dense_mesh``, routed experts on ``mesh["ep"]``; checked first."""
     dense = [e for e in entries if not any(e is x for x in experts)]
-    if (dense or plan_findings) and dense_mesh is None and mesh is not None:
-        dense_mesh = mesh.dense  # a plan that declares no axis is checked and applied too
     findings = list(plan_findings)
     if experts:
         assert mesh is not None

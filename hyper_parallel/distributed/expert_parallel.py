@@ -81,7 +81,6 @@ __all__ = [
     "expert_parameters",
     "expert_shard_placement",
     "moe_layers",
-    "parallelize_with_experts",
     "rescale_expert_grads",
     "shard_experts",
 ]
@@ -588,48 +587,6 @@ def expert_entries(model: nn.Module) -> tuple[list[PlanEntry], list[PlanEntry]]:
     return [e for e in entries if e.config.dispatch is None], experts
 
 
-def parallelize_with_experts(
-    model: nn.Module, mesh: ParallelMesh, dense_mesh: DeviceMesh | None
-) -> None:
-    """Apply a Module tree's sharding: routed experts on ``mesh["ep"]``, the rest on ``dense_mesh``.
-
-    Both sets are checked before either is applied, so on any problem the model is
-    left as it was.
-
-    Raises:
-        ParallelizeError: Listing every problem of both sets.
-    """
-    from hyper_parallel.dmodule.entries import (
-        ParallelizeError,
-        check_entries,
-        errors_of,
-        parallelize_entries,
-    )
-
-    dense, experts = expert_entries(model)
-    ep_mesh = mesh["ep"]
-    findings = check_entries(experts, ("ep",), {"ep": ep_mesh.size()}) if experts else []
-    if dense and dense_mesh is None:
-        findings.append(
-            Finding(
-                "error",
-                dense[0].path,
-                "",
-                "dense sharding configs need a model-parallel mesh, and none was given.",
-                "parallelize dense states on the submesh of the axes they declare.",
-            )
-        )
-    if dense and dense_mesh is not None:
-        axes = tuple(dense_mesh.mesh_dim_names or ())
-        findings += check_entries(dense, axes, dict(zip(axes, dense_mesh.shape)))
-    if errors_of(findings):
-        raise ParallelizeError(errors_of(findings))
-    if dense and dense_mesh is not None:
-        parallelize_entries(model, dense_mesh, dense)
-    if experts:
-        parallelize_entries(model, ep_mesh, experts)
-
-
 def shard_experts(
     model: nn.Module,
     mesh: ParallelMesh,
@@ -641,7 +598,7 @@ def shard_experts(
 
     Expert states are DTensors on ``ep``; FSDP2 shards them further over ``efsdp`` (a
     2-D (efsdp, ep) layout), and the dense FSDP of the enclosing blocks then leaves them
-    alone. Run it after :func:`parallelize_with_experts` and before the blocks'
+    alone. Run after the experts are placed on ``ep`` and before the blocks'
     ``fully_shard`` (:func:`~hyper_parallel.distributed.builder.apply_parallelism` does,
     with the run's mixed-precision policy). Returns the wrapped paths.
 

@@ -15,13 +15,10 @@ The loss is computed from float32 logits either way (torchtitan does the same).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["DTYPES", "autocast", "check_dtype", "fsdp_policy", "loss_logits"]
+__all__ = ["DTYPES", "check_dtype", "fsdp_policy", "loss_logits"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -46,20 +43,6 @@ def fsdp_policy(dtype: str) -> MixedPrecisionPolicy:
     if dtype == "fp32":
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def autocast(dtype: str, device: torch.device | str, *, sharded: bool) -> Any:
-    """The context the forward runs in: bf16 autocast where FSDP does not cast.
-
-    Args:
-        dtype: ``"fp32"`` or ``"bf16"``.
-        device: Where the model computes.
-        sharded: Whether FSDP2 already applies :func:`fsdp_policy` (no autocast then).
-    """
-    check_dtype(dtype)
-    if dtype == "fp32" or sharded:
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 def loss_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,19 @@
-"""One run plan: every decision about a run, made once, and the one builder that applies it.
+"""One run plan: every decision about a run, made once (the builder applies it).
 
 A run is a model, a mesh layout and the switches (sequence parallel, compile,
 activation checkpointing, dtype, pipeline schedule, micro-batches, stage split).
 :class:`RunPlan` decides, once and before any process group exists:
 
 - its **findings** — every problem of the mesh, the model's sharding over it, context
-  and expert parallelism, the pipeline plan — which are the *only* checks: the
-  trainer's gate (:func:`~hyper_parallel.train.trainer.check_config`), ``validate``,
-  ``plan`` (the dry run) and the demo all ask this object;
-- the **submesh** each plan applies to (:meth:`RunPlan.plan_mesh`), the FSDP2 / HSDP
-  mesh of the dense states (:meth:`RunPlan.fsdp_mesh`) and whether the routed experts
-  are an FSDP2 unit of their own over ``efsdp`` (:meth:`RunPlan.shards_experts`);
+  and expert parallelism, the switches, the pipeline plan — which are the *only*
+  checks: the trainer's gate (:func:`~hyper_parallel.train.trainer.check_config`),
+  ``validate``, ``plan`` (the dry run), ``suggest --mesh`` and the demo all ask this
+  object;
+- the **submesh** each plan applies to (:meth:`RunPlan.plan_mesh`, the dense mesh for
+  a plan naming no axis), the FSDP2 / HSDP mesh of the dense states
+  (:meth:`RunPlan.fsdp_mesh`), whether the routed experts are an FSDP2 unit of their
+  own over ``efsdp`` (:meth:`RunPlan.shards_experts`) and whether FSDP2 reshards
+  parameters after forward (:attr:`RunPlan.reshard_after_forward`: not under ``pp``);
 - the **gradient convention** under ``cp`` and ``ep`` (:attr:`RunPlan.loss_divisor`,
   :attr:`RunPlan.gradient_divide_factor`, :meth:`RunPlan.finish_gradients`): each
   rank's loss is divided by ``cp``, the ``cp`` ranks' gradients are *summed* (FSDP2
@@ -26,13 +29,10 @@ activation checkpointing, dtype, pipeline schedule, micro-batches, stage split).
   (default 1): FSDP2 skips its reduction on all but the last micro-batch
   (:attr:`RunPlan.accumulation_steps`, :meth:`RunPlan.finish_gradients`).
 
-:func:`apply_run_plan` is the one builder: plan (dense states on the plan's submesh,
-routed experts on ``ep``) → the experts' FSDP2 unit over ``efsdp`` → ``torch.compile``
-per block → activation checkpointing → FSDP2 (with the dtype's mixed-precision
-policy, the cp divide factor) → bf16 autocast where FSDP2 does not cast. It serves
-the whole model at ``pp=1`` (:func:`build_model`), each pipeline stage at ``pp>1``
-(:func:`build_stages`) and the dry run's fake model (``trace=True``: nothing
-compiled, checkpointing estimated rather than applied, nothing materialized).
+It builds nothing: :mod:`hyper_parallel.distributed.builder` applies a plan
+(:func:`~hyper_parallel.distributed.builder.build_model`,
+:func:`~hyper_parallel.distributed.builder.build_stages`,
+:func:`~hyper_parallel.distributed.builder.apply_run_plan`).
 
 Example::
 
@@ -57,23 +57,15 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed import precision
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
-from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
 from hyper_parallel.distributed.axes import (
     MODEL_AXES,
-    apply_model_axes,
     declared_axes,
-    plan_axis_findings,
     plan_mesh,
     states_on_axes,
 )
-from hyper_parallel.distributed.builder import apply_parallelism, module_entries
 from hyper_parallel.distributed.compile import BACKENDS
-from hyper_parallel.distributed.context_parallel import cp_findings
 from hyper_parallel.distributed.expert_parallel import (
-    ep_findings,
     ep_layout_findings,
-    ep_plan_findings,
-    moe_layers,
     rescale_expert_grads,
 )
 from hyper_parallel.distributed.fsdp import fsdp_mesh_for
@@ -82,23 +74,32 @@ from hyper_parallel.distributed.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
     PipelinePlan,
     PipelineSplit,
-    check_pipeline,
-    count_unit_flops,
-    init_states_by_unit,
     stages_per_rank_of,
 )
+from hyper_parallel.distributed.run_checks import (
+    accumulation_findings as accumulation_findings,
+)
+from hyper_parallel.distributed.run_checks import compile_findings as compile_findings
+from hyper_parallel.distributed.run_checks import (
+    model_findings,
+    pipeline_plan_findings,
+    position_findings,
+    sharded_subject,
+)
+from hyper_parallel.distributed.run_checks import raise_findings as raise_findings
+from hyper_parallel.distributed.run_checks import schedule_findings as schedule_findings
+from hyper_parallel.distributed.run_checks import switch_findings as switch_findings
 from hyper_parallel.dmodule.findings import Finding, PlanEntry
+from hyper_parallel.dmodule.module import Module
 
 __all__ = [
     "RUN_AXES",
     "PlanCache",
     "RunPlan",
     "accumulation_findings",
-    "apply_run_plan",
-    "build_model",
-    "build_stages",
     "compile_findings",
     "default_num_microbatches",
+    "module_entries",
     "raise_findings",
     "schedule_findings",
     "switch_findings",
@@ -106,6 +107,15 @@ __all__ = [
 
 RUN_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 """User axes a run composes (every axis of :class:`~hyper_parallel.distributed.MeshLayout`)."""
+
+
+def module_entries(model: nn.Module) -> list[PlanEntry]:
+    """The plan of a Module tree: every ``sharding_config`` with its path."""
+    return [
+        PlanEntry(path, m, m.sharding_config)
+        for path, m in model.named_modules()
+        if isinstance(m, Module) and m.sharding_config is not None
+    ]
 
 
 def default_num_microbatches(pp: int, schedule: str, stages_per_rank: int | None = None) -> int:
@@ -125,148 +135,6 @@ def default_num_microbatches(pp: int, schedule: str, stages_per_rank: int | None
     if pp <= 1:
         return 1
     return pp * stages_per_rank_of(schedule, stages_per_rank)
-
-
-def accumulation_findings(
-    num_microbatches: int, batch_size: int | None, layout: MeshLayout
-) -> list[Finding]:
-    """What refuses gradient accumulation at ``pp=1``: a count below 1, or a batch per
-    data-parallel rank that does not split into that many equal micro-batches.
-
-    Equal micro-batches make the step's loss the mean of theirs, so the accumulated
-    gradient is exactly the one of one forward over the whole batch.
-
-    Args:
-        num_microbatches: Micro-batches per step (``--microbatches``).
-        batch_size: Sequences per data-parallel rank per step, when known.
-        layout: The mesh (its data-parallel size names the global batch in the fix).
-
-    Example:
-        >>> from hyper_parallel.distributed import MeshLayout
-        >>> [f.field for f in accumulation_findings(3, 4, MeshLayout(dp_shard=2))]
-        ['num_microbatches']
-    """
-    if num_microbatches < 1:
-        return [
-            Finding(
-                "error",
-                "",
-                "num_microbatches",
-                f"--microbatches {num_microbatches}: a step needs at least one micro-batch.",
-                "give --microbatches >= 1 (1: one forward of the whole batch).",
-            )
-        ]
-    if batch_size is None or batch_size % num_microbatches == 0:
-        return []
-    dp = layout.size("batch")
-    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-    shown = ", ".join(str(d) for d in divisors[:8]) + (", ..." if len(divisors) > 8 else "")
-    return [
-        Finding(
-            "error",
-            "",
-            "num_microbatches",
-            f"--microbatches {num_microbatches} does not divide the batch of {batch_size} "
-            f"sequences per data-parallel rank (global batch {batch_size * dp} over "
-            f"dp_replicate x dp_shard = {dp}): the micro-batches would be unequal.",
-            f"use --microbatches among {shown} (divisors of {batch_size}), or a global batch "
-            f"that is a multiple of {dp * num_microbatches} (dp x micro-batches).",
-        )
-    ]
-
-
-def switch_findings(
-    layout: MeshLayout,
-    *,
-    sequence_parallel: bool = False,
-    seq_len: int | None = None,
-    global_batch_size: int | None = None,
-) -> list[Finding]:
-    """What the switches ask of the mesh: sequence parallelism needs ``tp > 1`` and a
-    sequence divisible by ``tp``; the global batch splits evenly over the data ranks.
-
-    ``TrainConfig`` raises these at construction with the same text
-    (:func:`raise_findings`); ``validate``, ``plan`` and the demo report them as
-    findings of the run plan.
-    """
-    out: list[Finding] = []
-    tp = layout.tp
-    if sequence_parallel and (tp == 1 or (seq_len is not None and seq_len % tp)):
-        out.append(
-            Finding(
-                "error",
-                "switches",
-                "sequence_parallel",
-                f"sequence_parallel needs tp > 1 and seq_len divisible by tp (got tp={tp}, "
-                f"seq_len={seq_len}): it shards each sequence over the tp axis.",
-                "set a tp axis dividing seq_len (e.g. tp=2), or drop sequence_parallel.",
-            )
-        )
-    dp = layout.size("batch")
-    if global_batch_size is not None and global_batch_size % dp:
-        out.append(
-            Finding(
-                "error",
-                "switches",
-                "global_batch_size",
-                f"global_batch_size={global_batch_size} is not divisible by dp_replicate x "
-                f"dp_shard = {dp}; each data-parallel rank takes an equal slice of the "
-                "global batch.",
-                f"make global_batch_size a multiple of {dp}, or change the data axes.",
-            )
-        )
-    return out
-
-
-def compile_findings(
-    layout: MeshLayout, *, compile: bool, fsdp: bool, microbatch_size: int | None
-) -> list[Finding]:
-    """What ``torch.compile`` does not trace: cp on a states mesh of several axes with
-    more than one sequence per micro-batch.
-
-    Under context parallelism a block's input is a sequence shard; each linear layer
-    flattens (batch, sequence) into rows, so a batch of several sequences becomes a
-    strided shard of the rows. On a states mesh of more than one axis (tp, or FSDP2's
-    data axes next to cp) torch 2.13 propagates that sharding through the matmul with a
-    data-dependent size, which dynamo's fake tensors cannot give: every rank stops
-    with ``PendingUnbackedSymbolNotFound`` (found by the configuration matrix at
-    dp_shard=2 x cp=2, dp_replicate=2 x cp=2 and cp=2 x tp=2 with 4 sequences per
-    rank). Eager runs it, and one sequence per micro-batch compiles (dp_shard=2 x cp=2,
-    and cp alone with 2 sequences, match eager).
-    """
-    if not compile or layout.cp == 1 or microbatch_size is None or microbatch_size <= 1:
-        return []
-    others = [a for a in ("dp_replicate", "dp_shard") if fsdp and layout.size(a) > 1]
-    others += ["tp"] if layout.tp > 1 else []
-    if not others:
-        return []
-    return [
-        Finding(
-            "error",
-            "switches",
-            "compile",
-            f"compile with cp={layout.cp} next to {' x '.join(others)} and "
-            f"{microbatch_size} sequences per micro-batch: dynamo cannot trace the linear "
-            "layers on a sequence shard flattened with the batch over a states mesh of "
-            "several axes (torch's strided-shard propagation needs a data-dependent size; "
-            "every rank would stop).",
-            "give each rank one sequence per micro-batch (a global batch of data-parallel "
-            "ranks x micro-batches), or leave compile off with cp.",
-        )
-    ]
-
-
-def raise_findings(findings: Iterable[Finding], where: str) -> None:
-    """Raise one ``ValueError`` listing every error of ``findings`` (none: return).
-
-    Args:
-        findings: Findings of any severity; only errors are raised.
-        where: Who refuses, e.g. ``"Trainer (mesh pp=2)"``.
-    """
-    errors = [f for f in findings if f.severity == "error"]
-    if errors:
-        lines = "\n".join(f"  {f}" for f in errors)
-        raise ValueError(f"{where}: {len(errors)} problem(s):\n{lines}")
 
 
 class PlanCache:
@@ -395,7 +263,7 @@ class RunPlan:
         layout = MeshLayout.from_sizes(layout) if not isinstance(layout, MeshLayout) else layout
         sp = bool(switches.get("sequence_parallel", False))
         if cache is None:
-            subject, family, findings = _sharded_subject(model, model_overrides, layout, sp)
+            subject, family, findings = sharded_subject(model, model_overrides, layout, sp)
             return cls._decide(
                 name=model,
                 layout=layout,
@@ -413,7 +281,7 @@ class RunPlan:
             sp,
         )
         if key not in cache.structures:
-            subject, family, findings = _sharded_subject(model, model_overrides, layout, sp)
+            subject, family, findings = sharded_subject(model, model_overrides, layout, sp)
             built = _meta_build(subject) if subject is not None else None
             entries = tuple(module_entries(built)) if built is not None else ()
             cache.structures[key] = (subject, family, tuple(findings), built, entries)
@@ -537,13 +405,13 @@ class RunPlan:
         else:
             axes, on_data = declared_axes(entries), states_on_axes(entries, DATA_AXES)
         if subject is not None:
-            findings += _position_findings(name, subject, family, seq_len)
+            findings += position_findings(name, subject, family, seq_len)
         if subject is not None:
             assert model is not None
             memo = None
             if cache is not None and structure is not None:
                 memo = cache.memos.setdefault(structure, {})
-            findings += _model_findings(
+            findings += model_findings(
                 layout, subject, model, entries, axes, on_data, fsdp, seq_len, memo=memo
             )
         split, plan, pipeline_found = None, None, []
@@ -580,7 +448,7 @@ class RunPlan:
                 batch_size=batch_size,
                 seq_len=seq_len,
             )
-            # What _pipeline reads of the layout: pp, whether cp is on, and ep.
+            # What pipeline_plan_findings reads of the layout: pp, whether cp is on, and ep.
             key = (
                 structure,
                 layout.pp,
@@ -593,7 +461,7 @@ class RunPlan:
                 memo = None
                 if cache is not None and structure is not None:
                     memo = cache.memos.setdefault(structure, {})
-                found_plan = _pipeline(
+                found_plan = pipeline_plan_findings(
                     name, layout, model, family, pipeline_layout, memo=memo, **args
                 )
                 if cache is not None and structure is not None:
@@ -660,9 +528,15 @@ class RunPlan:
         """The dense axes (no ``pp``) the plan declares: what its submesh is made of."""
         return tuple(a for a in self.plan_axes if a in DENSE_AXES)
 
-    def plan_mesh(self, mesh: ParallelMesh) -> DeviceMesh | None:
-        """The submesh the dense plan is applied on (:func:`~hyper_parallel.distributed.plan_mesh`)."""
-        return plan_mesh(mesh, self.dense_plan_axes)
+    def plan_mesh(self, mesh: ParallelMesh) -> DeviceMesh:
+        """The submesh the dense plan is applied on (:func:`~hyper_parallel.distributed.plan_mesh`).
+
+        A plan that names no mesh axis (every placement the default, ``Replicate``) is
+        checked and applied on the dense mesh (every dense axis): the one fallback, which
+        the builder and ``validate``'s trace both take from here.
+        """
+        sub = plan_mesh(mesh, self.dense_plan_axes)
+        return sub if sub is not None else mesh.dense
 
     def fsdp_mesh(self, mesh: ParallelMesh) -> DeviceMesh | None:
         """The mesh FSDP2 shards dense states over (``None``: no FSDP)."""
@@ -678,6 +552,17 @@ class RunPlan:
         return (
             layout.ep > 1 and self.fsdp and (self.fsdp_mesh(mesh) is not None or layout.efsdp > 1)
         )
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether FSDP2 frees gathered parameters after each forward.
+
+        Not under ``pp``: a stage runs several micro-batches' forwards and backwards per
+        step, and keeping its parameters gathered between them (as torchtitan does)
+        gathers them once per step — what the planner's pipeline cost model assumes —
+        instead of once per micro-batch.
+        """
+        return self.layout.pp == 1
 
     @property
     def mp_policy(self) -> Any:
@@ -759,142 +644,7 @@ class RunPlan:
         return self.layout.pp > 1 and self.schedule in SPLIT_BACKWARD_SCHEDULES
 
 
-# ---------------------------------------------------------------------------- the builder
-
-
-def apply_run_plan(
-    module: nn.Module,
-    run: RunPlan,
-    mesh: ParallelMesh | None,
-    *,
-    entries: Sequence[PlanEntry] | None = None,
-    plan_findings: Sequence[Finding] = (),
-    trace: bool = False,
-    device_type: str = "cpu",
-) -> list[str]:
-    """Apply ``run`` to ``module``: the whole model, one pipeline stage, or a fake model.
-
-    The meshes, switches and gradient convention come from ``run``; the sequence
-    (plan → experts' FSDP2 → compile → activation checkpointing → FSDP2 → autocast)
-    is :func:`~hyper_parallel.distributed.builder.apply_parallelism`.
-
-    Args:
-        module: Built on the meta device (or fake tensors for the dry run).
-        run: The run plan.
-        mesh: The run's mesh; ``None`` for one device.
-        entries: The plan's entries on ``module``; default its Modules' sharding configs.
-        plan_findings: Problems already found in the plan (refused with the rest).
-        trace: The dry run's fake model: nothing compiled and no checkpoint wrappers
-            (the dry run estimates ``run.ac`` from the saved activations).
-        device_type: Where the module computes (for bf16 autocast without FSDP2).
-
-    Returns:
-        The paths of the blocks FSDP2 wrapped (the root is wrapped too).
-    """
-    field = run.blocks_field or "layers"
-    blocks = getattr(module, field, None)
-    num_blocks = run.num_blocks
-    if num_blocks is None:
-        num_blocks = len(blocks) if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)) else 0
-    return apply_parallelism(
-        module,
-        mesh=mesh,
-        dense_mesh=run.plan_mesh(mesh) if mesh is not None else None,
-        fsdp_mesh=run.fsdp_mesh(mesh) if mesh is not None else None,
-        shard_experts=mesh is not None and run.shards_experts(mesh),
-        entries=entries,
-        plan_findings=plan_findings,
-        dtype=run.dtype,
-        gradient_divide_factor=run.gradient_divide_factor,
-        compile_backend=run.compile_backend if run.compile and not trace else None,
-        checkpointed=() if trace else checkpointed_blocks(num_blocks, run.ac),
-        blocks_field=field,
-        family=run.family,
-        split_backward=run.split_backward,
-        device_type=device_type,
-        who=run.name,
-    )
-
-
-def build_model(
-    run: RunPlan, mesh: ParallelMesh | None, device: torch.device | str, seed: int
-) -> nn.Module:
-    """The whole model of ``run`` (``pp=1``): built on meta, :func:`apply_run_plan`,
-    materialized on ``device`` and initialized (the same values at any mesh)."""
-    _require(run, "build_model")
-    with torch.device("meta"):
-        module = run.subject.build()
-    apply_run_plan(module, run, mesh, device_type=torch.device(device).type)
-    _materialize(module, run, device, seed)
-    return module
-
-
-def build_stages(
-    run: RunPlan, mesh: ParallelMesh, device: torch.device | str, seed: int
-) -> list[nn.Module]:
-    """This rank's pipeline stages of ``run`` (``pp>1``), each through :func:`apply_run_plan`.
-
-    Each stage is built on meta from the sharded config's units it holds
-    (:meth:`~hyper_parallel.distributed.pipeline.PipelineLayout.stage_config`); the
-    ``ep`` and ``efsdp`` meshes are this pp rank's.
-    """
-    _require(run, "build_stages")
-    assert run.pipeline is not None and run.pipeline_layout is not None
-    modules = []
-    for s in run.pipeline.stages_of_rank(mesh["pp"].get_local_rank()):
-        with torch.device("meta"):
-            stage = run.pipeline_layout.stage_config(run.subject, run.pipeline.stages[s]).build()
-        apply_run_plan(stage, run, mesh, device_type=torch.device(device).type)
-        _materialize(stage, run, device, seed)
-        modules.append(stage)
-    return modules
-
-
-def _require(run: RunPlan, who: str) -> None:
-    run.raise_for_errors(f"{who} ({run.name} on {run.layout.describe()})")
-    if run.subject is None or isinstance(run.subject, nn.Module):
-        raise ValueError(f"{who}: the run plan of {run.name} holds no model config to build.")
-
-
-def _materialize(module: nn.Module, run: RunPlan, device: torch.device | str, seed: int) -> None:
-    """``to_empty`` on ``device`` and initialize: per pipeline unit when the model is cut
-    into units (the same values at any pp), else the whole model under ``seed``."""
-    module.to_empty(device=device)
-    if run.pipeline_layout is not None:
-        init_states_by_unit(module, run.pipeline_layout, seed)
-    else:
-        torch.manual_seed(seed)
-        module.init_states()  # type: ignore[operator]
-
-
 # ---------------------------------------------------------------------------- helpers
-
-
-def _sharded_subject(
-    model: str, overrides: Mapping[str, Any] | None, layout: MeshLayout, sp: bool
-) -> tuple[Any, Any, list[Finding]]:
-    """The registered model's config sharded for the layout's model axes, its family, and
-    what refused it (an unknown name, overrides, or axis sizes the model does not take)."""
-    from hyper_parallel.dmodule.model_spec import get_spec
-
-    findings: list[Finding] = []
-    subject, family = None, None
-    try:
-        spec = get_spec(model)
-        family = spec.family
-        config = spec.config(**dict(overrides or {}))
-    except (ValueError, TypeError) as e:  # unknown name, or overrides it refuses
-        findings.append(
-            Finding("error", "model", model, str(e), "name a registered model and its fields.")
-        )
-    else:
-        try:
-            subject = apply_model_axes(spec, config, layout, sequence_parallel=sp)
-        except ValueError as e:
-            findings.append(
-                Finding("error", "model", model, str(e), "pick axis sizes the model supports.")
-            )
-    return subject, family, findings
 
 
 def _frozen(value: Any) -> Any:
@@ -909,98 +659,6 @@ def _frozen(value: Any) -> Any:
 def _meta_build(config: Any) -> nn.Module:
     with torch.device("meta"):
         return config.build()
-
-
-def _model_findings(
-    layout: MeshLayout,
-    subject: Any,
-    model: nn.Module,
-    entries: Sequence[PlanEntry],
-    axes: Sequence[str],
-    states_on_data: Any,
-    fsdp: bool,
-    seq_len: int | None,
-    memo: dict[Any, Any] | None = None,
-) -> list[Finding]:
-    """The model's sharding against the mesh: experts over ``ep``, the plan's axes against
-    the data axes and ``cp``, context parallelism against the sequence and the heads.
-    ``memo`` (per model structure, from a :class:`PlanCache`) keeps the model's MoE
-    layers, found once by walking its modules."""
-    out: list[Finding] = []
-    if layout.ep > 1:
-        out += ep_plan_findings(layout, entries)
-        layers = None
-        if memo is not None:
-            if "moe_layers" not in memo:
-                memo["moe_layers"] = moe_layers(model)
-            layers = memo["moe_layers"]
-        out += ep_findings(model, layout, layers=layers)
-    out += plan_axis_findings(layout, axes, fsdp=fsdp, states_on_data=states_on_data)
-    if layout.cp > 1:
-        found = cp_findings(model if isinstance(subject, nn.Module) else subject, layout, seq_len)
-        # The sequence against the positions is _position_findings' (at every cp size).
-        out += [f for f in found if (f.path, f.field) != ("rope", "max_seq_len")]
-    return out
-
-
-def _position_findings(
-    name: str | None, subject: Any, family: ModelFamily | None, seq_len: int | None
-) -> list[Finding]:
-    """A sequence longer than the model's rotary positions (``rope.max_seq_len``), refused
-    with the fix: a registered model of the same family and size that takes it (Llama
-    3.1's scaled rope for Llama 3), a shorter sequence, or ``max_seq_len`` overridden.
-
-    The positions are what the model's rope covers: a Llama 3 rope was trained on 8,192,
-    Llama 3.1's is scaled to 131,072; a longer table than that is the user's explicit
-    override, never a silent one.
-    """
-    limit = family.max_seq_len(subject) if family is not None else None
-    if seq_len is None or limit is None or seq_len <= limit:
-        return []
-    who = name or "the model"
-    longer = _longer_models(name, subject, family, seq_len)
-    instead = f"use {longer} instead, " if longer else ""
-    return [
-        Finding(
-            "error",
-            "rope",
-            "max_seq_len",
-            f"seq_len {seq_len:,} exceeds {who}'s {limit:,} positions (rope.max_seq_len="
-            f"{limit}); the rotary embedding has no angle for the positions past them.",
-            f"{instead}shorten the sequence to at most {limit:,} tokens, or set "
-            f"--model-overrides '{{\"max_seq_len\": {seq_len}}}' (positions the rope was "
-            "not trained on).",
-        )
-    ]
-
-
-def _longer_models(
-    name: str | None, subject: Any, family: ModelFamily | None, seq_len: int
-) -> str | None:
-    """Registered models of ``subject``'s family and parameter count whose positions
-    cover ``seq_len`` (``"llama3.1-8b (131,072 positions)"``), or ``None``."""
-    from hyper_parallel.dmodule.model_spec import get_spec, list_specs
-
-    count = getattr(family, "num_params", None)
-    if family is None or count is None or isinstance(subject, nn.Module):
-        return None
-    try:
-        size = count(subject)
-    except (AttributeError, TypeError, ValueError):
-        return None
-    found = []
-    for other in list_specs():
-        spec = get_spec(other)
-        if other == name or spec.family is None or spec.family.name != family.name:
-            continue
-        try:
-            config = spec.config()
-        except (ValueError, TypeError):  # a spec sized by a file (the *-hf ones)
-            continue
-        positions = spec.family.max_seq_len(config) or 0
-        if positions >= seq_len and count(config) == size:
-            found.append(f"{other} ({positions:,} positions)")
-    return " or ".join(found) or None
 
 
 def _unique(findings: Iterable[Finding]) -> list[Finding]:
@@ -1018,128 +676,3 @@ def _blocks_field(
     if family is not None and family.blocks is not None:
         return family.blocks
     return pipeline_layout.layers if pipeline_layout is not None else "layers"
-
-
-def _pipeline(
-    name: str,
-    layout: MeshLayout,
-    model: nn.Module | None,
-    family: ModelFamily | None,
-    pipeline_layout: PipelineLayoutProtocol | None,
-    *,
-    schedule: str,
-    num_microbatches: int,
-    split: PipelineSplit | None,
-    stages_per_rank: int | None,
-    batch_size: int | None,
-    seq_len: int | None,
-    memo: dict[Any, Any] | None = None,
-) -> tuple[PipelinePlan | None, list[Finding]]:
-    """The pipeline plan and its findings (``pp > 1``), each on path ``pipeline``.
-
-    ``memo`` (one per model structure, from a :class:`PlanCache`) keeps the model's
-    units and its tied-weight findings per stage assignment.
-    """
-    if pipeline_layout is None:
-        return None, [
-            Finding(
-                "error",
-                "mesh",
-                "pp",
-                f"pp={layout.pp}, but {name} declares no pipeline stages (no PipelineLayout "
-                "registered with the model).",
-                "leave pp out of the mesh, register the model's PipelineLayout, or pass "
-                "validate(..., pipeline=PipelineLayout(...)) describing its units.",
-            )
-        ]
-    if layout.cp > 1 and family is not None and family.set_positions is None:
-        return None, [
-            Finding(
-                "error",
-                "mesh",
-                "cp",
-                f"model {name!r} with pp and cp: its family declares no set_positions "
-                "hook to hand each pipeline stage its tokens' positions.",
-                "leave cp or pp out of the mesh, or declare ModelFamily.set_positions.",
-            )
-        ]
-    if model is None:  # the model's sharding was refused: reported already
-        return None, []
-    flops = split is not None and split.balance == "flops"
-    units_key = ("units", seq_len or 2048) if flops else ("units",)
-    try:
-        if memo is not None and units_key in memo:
-            units = memo[units_key]
-        elif flops:
-            with torch.device("meta"):
-                units = count_unit_flops(pipeline_layout, model, seq_len or 2048)
-        else:
-            units = pipeline_layout.units_of_model(model)
-        if memo is not None:
-            memo[units_key] = units
-    except ValueError as e:  # the model refuses the sequence it is counted on
-        return None, [
-            Finding(
-                "error",
-                "pipeline",
-                "split.balance",
-                f"counting each unit's FLOPs on a sequence of {seq_len or 2048} tokens failed: {e}",
-                "use a sequence length the model takes, or balance by 'params'.",
-            )
-        ]
-    except AttributeError as e:
-        return None, [
-            Finding(
-                "error",
-                "pipeline",
-                "layout",
-                f"the pipeline description does not fit {type(model).__name__}: {e}",
-                "pass the PipelineLayout of this model family.",
-            )
-        ]
-    plan, found = check_pipeline(
-        units,
-        pp=layout.pp,
-        schedule=schedule,
-        num_microbatches=num_microbatches,
-        split=split,
-        stages_per_rank=stages_per_rank,
-        batch_size=batch_size,
-        model=model,
-        tied_memo=memo.setdefault("tied", {}) if memo is not None else None,
-    )
-    found = [dataclasses.replace(f, path=f.path or "pipeline") for f in found]
-    found += schedule_findings(layout, schedule)
-    if any(f.severity == "error" for f in found):
-        plan = None
-    return plan, found
-
-
-def schedule_findings(layout: MeshLayout, schedule: str) -> list[Finding]:
-    """What a pipeline schedule does not run with the other axes: ``ep`` with a schedule
-    that splits the backward.
-
-    Inside a pipeline stage the routed experts are an FSDP2 unit of their own (over
-    ``efsdp``, a mesh apart from the dense states'). The zero-bubble schedules
-    (``InterleavedZeroBubble``, ``ZBVZeroBubble``) run each backward as an
-    input-gradient and a later weight-gradient step, and FSDP2 units nested in a stage
-    then reduce their gradients before the weight step has accumulated them (the
-    reason a stage is one FSDP2 unit under those schedules): measured 9.5e-4 and
-    2.3e-3 off one device after 5 steps of the debug MoE at pp=2 x dp_shard=2 x ep=2.
-    1F1B, GPipe and Interleaved1F1B run the full backward and match one device.
-    """
-    if layout.ep == 1 or layout.pp == 1 or schedule not in SPLIT_BACKWARD_SCHEDULES:
-        return []
-    return [
-        Finding(
-            "error",
-            "mesh",
-            "ep",
-            f"ep={layout.ep} with pp={layout.pp} and {schedule}: the schedule splits each "
-            "backward into input- and weight-gradient steps, and the routed experts' own "
-            "FSDP2 unit (over efsdp) inside each stage would reduce its gradients before "
-            "the weight step (wrong gradients).",
-            "use 1F1B, GPipe or Interleaved1F1B with ep, or leave ep out of the mesh for "
-            f"{schedule}.",
-        )
-    ]

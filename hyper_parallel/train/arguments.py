@@ -308,9 +308,10 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
         required=("mesh",),
     ),
     # The search is for GPUs, where training runs in bf16 mixed precision.
-    # --mesh, --schedule, --ac and --microbatches fix that part of the search (unset: searched).
+    # --mesh, --schedule, --ac, --microbatches and --sp fix that part of the search (unset:
+    # searched); --compile and --pipeline-split are the run's, as the trainer's.
     "suggest": CommandOptions(
-        fields=(*MODEL_FIELDS, "dtype", "mesh", "schedule", "ac", "microbatches"),
+        fields=(*MODEL_FIELDS, "dtype", "mesh", *SWITCHES, "ac"),
         defaults={
             "model": None,
             "dtype": "bf16",
@@ -318,6 +319,7 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
             "schedule": None,
             "ac": None,
             "microbatches": None,
+            "sp": None,
         },
     ),
 }

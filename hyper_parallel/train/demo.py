@@ -41,10 +41,12 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.train import run_hooks
 from hyper_parallel.train.arguments import (
     COMMAND_OPTIONS,
     add_command_arguments,
@@ -202,7 +204,7 @@ def _launch_ranks(cfg: TrainConfig, out_dir: str) -> tuple[int, dict | None]:
     return 0, metrics
 
 
-def _train_here(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _train_here(cfg: TrainConfig, hf: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same run in this process, on one device: its losses and first-step gradients."""
     threads = torch.get_num_threads()
     # The debug model is tiny: extra threads only contend for the cores.
@@ -214,7 +216,7 @@ def _train_here(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]
             grads.update(full_gradients(model_parts))
 
     try:
-        losses = Trainer(cfg, device="cpu", grad_callback=keep_first).fit().losses
+        losses = Trainer(cfg, device="cpu", grad_callback=keep_first, hf=hf).fit().losses
         return losses, grads
     finally:
         torch.set_num_threads(threads)
@@ -252,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args, progress=False)
         if getattr(args, "log_every", None) is None:
             cfg = cfg.replace(log_every=max(1, cfg.steps // 3))
+        # A Hugging Face source's config.json, read once here (the one-device run takes it).
+        cfg, hf = run_hooks.resolve_model(cfg)
     except ValueError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
@@ -315,7 +319,8 @@ def run(args: argparse.Namespace) -> int:
             resume=False,
             save_hf=None,
             tensorboard=None,
-        )
+        ),
+        hf,
     )
     steps, dist_losses = metrics["steps"], metrics["losses"]
     diffs = [abs(a - b) for a, b in zip(dist_losses, one_losses, strict=True)]

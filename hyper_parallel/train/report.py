@@ -430,7 +430,9 @@ def _eval_stream(cfg: Any, trainer: Any) -> Any:
     if spec.family.vocab_size is not None:
         vocab = spec.family.vocab_size(spec.config(**cfg.model_overrides))
     try:
-        return build_data(dataclasses.replace(cfg, data=cfg.eval_data), vocab)
+        return build_data(
+            dataclasses.replace(cfg, data=cfg.eval_data), vocab, getattr(trainer, "hf", None)
+        )
     except ValueError as e:
         raise ValueError(str(e).replace("--data ", "--eval-data ")) from None
 

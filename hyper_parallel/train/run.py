@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from hyper_parallel._warnings import quiet_strided_gather
 from hyper_parallel.distributed.process_group import init_process_group
-from hyper_parallel.train import report
+from hyper_parallel.train import report, run_hooks
 from hyper_parallel.train.arguments import (
     _OPTIONS,
     add_command_arguments,
@@ -152,6 +152,8 @@ def main(
     first = int(os.environ.get("RANK", "0")) == 0
     try:
         cfg = config_from_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+        # A Hugging Face source's config.json, read once for the run (the trainer takes it).
+        cfg, hf = run_hooks.resolve_model(cfg)
         problems = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if not problems:
             report.check_files(cfg)
@@ -170,7 +172,7 @@ def main(
             grad_callback = (
                 _first_grads_writer(args.grads_out, cfg.layout.pp) if args.grads_out else None
             )
-            trainer = Trainer(cfg, step_callback=step_callback, grad_callback=grad_callback)
+            trainer = Trainer(cfg, step_callback=step_callback, grad_callback=grad_callback, hf=hf)
         except ValueError as e:  # a run that cannot start: say why, no traceback
             rank = dist.get_rank() if dist.is_initialized() else 0
             # An error every rank meets alike (the same files) is said once, by rank 0.

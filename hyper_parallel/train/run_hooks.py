@@ -3,9 +3,11 @@
 Kept apart from :mod:`hyper_parallel.train.trainer`, which calls these at a few fixed
 points:
 
-- :func:`resolve_model` (``TrainConfig`` creation): ``hf_checkpoint`` sets the model
-  to the checkpoint's (``llama3-hf`` / ``qwen3-moe-hf`` with its sizes; user
-  ``model_overrides`` on top);
+- :func:`resolve_model` (where a run is built from options: ``train.run``, the demo,
+  the :class:`~hyper_parallel.train.Trainer`): ``hf_checkpoint`` (or ``hf_config``)
+  sets the model to the checkpoint's (``llama3-hf`` / ``qwen3-moe-hf`` with its sizes;
+  user ``model_overrides`` on top), reading its ``config.json`` once for the run; the
+  other hooks take what it read (``TrainConfig`` itself is data and reads no file);
 - :func:`load_weights` (after the model is built on the mesh): :func:`load_hf`, each
   rank reading only its shards;
 - :func:`build_data` (the data stream): ``data`` (token files or text with a
@@ -32,6 +34,7 @@ __all__ = [
     "load_weights",
     "model_record",
     "peak_flops",
+    "register_hf_specs",
     "resolve_model",
     "save_weights",
     "tokenizer_path",
@@ -55,48 +58,81 @@ def hf_model(
         ValueError: The file cannot be read, is not JSON, or the converter refuses it
             (each field we do not implement, named); the message starts with ``where``.
     """
+    return _model_of(_read(source, where=where), overrides)
+
+
+def resolve_model(cfg: Any, hf: Any = None) -> tuple[Any, Any]:
+    """``cfg`` with ``model`` and ``model_overrides`` set from ``cfg.hf_checkpoint`` or
+    ``cfg.hf_config`` (the user's ``model_overrides`` apply on top), and the
+    :class:`~hyper_parallel.checkpoint_hf.config.HFConfig` read for it.
+
+    The one place a run reads the Hugging Face ``config.json``: the code that builds the
+    run calls it once and hands the config it read to the :class:`Trainer` and to the
+    hooks (:func:`build_data`, :func:`model_record`, :func:`save_weights`). Resolving a
+    resolved config again gives the same model. Without a source nothing is read.
+
+    Args:
+        cfg: A :class:`~hyper_parallel.train.TrainConfig`.
+        hf: The ``HFConfig`` of the source, already read (``None``: read it here).
+
+    Returns:
+        ``(resolved copy of cfg, HFConfig or None)``.
+
+    Raises:
+        ValueError: The checkpoint's config has fields our model does not implement, or
+            there is no ``config.json``.
+    """
+    import dataclasses
+
+    from hyper_parallel.checkpoint_hf.config import hf_spec_names
+
+    register_hf_specs(cfg)
+    source = cfg.hf_checkpoint or getattr(cfg, "hf_config", None)
+    if not source:
+        return cfg, None
+    field = "hf_checkpoint" if cfg.hf_checkpoint else "hf_config"
+    # Overrides of another named model are not this config's.
+    default_model = type(cfg).__dataclass_fields__["model"].default
+    own = cfg.model_overrides if cfg.model in {default_model, *hf_spec_names()} else {}
+    if hf is None:
+        hf = _read(source, where=f"TrainConfig.{field}")
+    model, overrides = _model_of(hf, own)
+    return dataclasses.replace(cfg, model=model, model_overrides=overrides), hf
+
+
+def register_hf_specs(cfg: Any) -> None:
+    """Register the ``*-hf`` model specs when ``cfg`` names one or a Hugging Face source."""
+    from hyper_parallel.checkpoint_hf.config import hf_spec_names
+
+    hf_config = getattr(cfg, "hf_config", None)
+    if cfg.hf_checkpoint or hf_config or cfg.model in hf_spec_names():
+        from hyper_parallel.checkpoint_hf.specs import register_specs
+
+        register_specs()
+
+
+def _read(source: str, *, where: str) -> Any:
+    """The ``HFConfig`` of ``source``; every failure a ``ValueError`` starting with ``where``."""
     import json
 
     from hyper_parallel.checkpoint_hf.config import read_hf_config
-    from hyper_parallel.checkpoint_hf.specs import register_specs
 
     where = f"{where} {str(source)!r}"
     try:
-        hf = read_hf_config(source)
+        return read_hf_config(source)
     except OSError as e:  # FileNotFoundError included
         raise ValueError(f"{where}: cannot read it ({e.strerror or e}).") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON ({e}).") from None
     except ValueError as e:  # HFConfigError: fields we do not implement
         raise ValueError(f"{where}: {e}") from None
+
+
+def _model_of(hf: Any, overrides: Any) -> tuple[str, dict[str, Any]]:
+    from hyper_parallel.checkpoint_hf.specs import register_specs
+
     register_specs()
     return hf.spec, {**hf.model_overrides, **dict(overrides or {})}
-
-
-def resolve_model(cfg: Any) -> None:
-    """Set ``cfg.model`` and ``cfg.model_overrides`` from ``cfg.hf_checkpoint`` or
-    ``cfg.hf_config`` (in place); the user's ``model_overrides`` apply on top.
-
-    Raises:
-        ValueError: The checkpoint's config has fields our model does not implement,
-            there is no ``config.json``, or both sources are given.
-    """
-    from hyper_parallel.checkpoint_hf.config import hf_spec_names
-
-    hf_config = getattr(cfg, "hf_config", None)
-    if cfg.hf_checkpoint and hf_config:
-        raise ValueError(
-            "TrainConfig: hf_checkpoint and hf_config both name the model; give one "
-            "(--hf-checkpoint DIR loads the weights too)."
-        )
-    source = cfg.hf_checkpoint or hf_config
-    if not source:
-        return
-    field = "hf_checkpoint" if cfg.hf_checkpoint else "hf_config"
-    # Overrides of another named model are not this config's.
-    default_model = type(cfg).__dataclass_fields__["model"].default
-    own = cfg.model_overrides if cfg.model in {default_model, *hf_spec_names()} else {}
-    cfg.model, cfg.model_overrides = hf_model(source, own, where=f"TrainConfig.{field}")
 
 
 def load_weights(cfg: Any, parts: list[Any]) -> None:
@@ -118,19 +154,19 @@ def tokenizer_path(cfg: Any) -> str | None:
     return None
 
 
-def _eos(cfg: Any) -> Any:
-    if not cfg.hf_checkpoint:
+def _eos(cfg: Any, hf: Any) -> Any:
+    if not cfg.hf_checkpoint or hf is None:
         return None
-    from hyper_parallel.checkpoint_hf.config import read_hf_config
-
-    ids = read_hf_config(cfg.hf_checkpoint).eos_token_ids
+    ids = hf.eos_token_ids
     return ids[0] if ids else None
 
 
-def build_data(cfg: Any, vocab_size: int | None) -> Any:
+def build_data(cfg: Any, vocab_size: int | None, hf: Any = None) -> Any:
     """The run's data stream: ``cfg.data`` (checked against ``vocab_size``), else ``None``.
 
-    ``None`` means the trainer's own default (the shipped text, bytes).
+    ``None`` means the trainer's own default (the shipped text, bytes). ``hf``: the
+    checkpoint's config (:func:`resolve_model`), whose end-of-sequence id separates
+    documents.
     """
     if not cfg.data:
         return None
@@ -144,7 +180,7 @@ def build_data(cfg: Any, vocab_size: int | None) -> Any:
             vocab_size=vocab_size,
             tokenizer=tokenizer_path(cfg),
             text_field=cfg.text_field,
-            eos=_eos(cfg),
+            eos=_eos(cfg, hf),
         )
         return TokenBatches(
             tokens, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len, source=cfg.data
@@ -154,19 +190,16 @@ def build_data(cfg: Any, vocab_size: int | None) -> Any:
         raise
 
 
-def model_record(cfg: Any) -> str:
-    """The JSON the trainer stores in checkpoints (``train.model_json``)."""
+def model_record(cfg: Any, hf: Any = None) -> str:
+    """The JSON the trainer stores in checkpoints (``train.model_json``); ``hf``: the
+    checkpoint's config (:func:`resolve_model`)."""
     from hyper_parallel.checkpoint_hf.records import model_record as record
 
-    hf_config = None
-    if cfg.hf_checkpoint:
-        from hyper_parallel.checkpoint_hf.config import read_hf_config
-
-        hf_config = read_hf_config(cfg.hf_checkpoint).raw
+    hf_config = hf.raw if cfg.hf_checkpoint and hf is not None else None
     return record(cfg.model, dict(cfg.model_overrides), hf_config, tokenizer_path(cfg))
 
 
-def save_weights(cfg: Any, parts: list[Any]) -> None:
+def save_weights(cfg: Any, parts: list[Any], hf: Any = None) -> None:
     """Write the model parts to ``cfg.save_hf`` in Hugging Face format (every rank calls it).
 
     The tokenizer files the run used (and those of its Hugging Face checkpoint) are
@@ -180,11 +213,7 @@ def save_weights(cfg: Any, parts: list[Any]) -> None:
     from hyper_parallel.checkpoint_hf.records import tokenizer_files
     from hyper_parallel.dmodule.model_spec import get_spec
 
-    hf_config = None
-    if cfg.hf_checkpoint:
-        from hyper_parallel.checkpoint_hf.config import read_hf_config
-
-        hf_config = read_hf_config(cfg.hf_checkpoint)
+    hf_config = hf if cfg.hf_checkpoint else None
     config = get_spec(cfg.model).config(**cfg.model_overrides)
     save_hf(
         parts,

@@ -50,19 +50,13 @@ from torch import nn
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
 from hyper_parallel.distributed.axes import MODEL_AXES, apply_model_axes, declared_axes
+from hyper_parallel.distributed.builder import build_model, build_stages
 from hyper_parallel.distributed.compile import BACKENDS
 from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
 from hyper_parallel.distributed.pipeline import build_schedule, pipeline_step
 from hyper_parallel.distributed.precision import check_dtype, loss_logits
 from hyper_parallel.distributed.process_group import default_device as default_device
-from hyper_parallel.distributed.run_plan import (
-    RunPlan,
-    build_model,
-    build_stages,
-    default_num_microbatches,
-    raise_findings,
-    switch_findings,
-)
+from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
 from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.dmodule.module import Module
@@ -227,7 +221,14 @@ class TrainConfig:
     run_dir: str | None = None
 
     def __post_init__(self) -> None:
-        run_hooks.resolve_model(self)
+        # Data only: no file is read here (the Hugging Face config is read once, where
+        # the run is built: run_hooks.resolve_model), and the run plan's findings are
+        # the trainer's gate (check_config), not this constructor's.
+        if self.hf_checkpoint and self.hf_config:
+            raise ValueError(
+                "TrainConfig: hf_checkpoint and hf_config both name the model; give one "
+                "(--hf-checkpoint DIR loads the weights too)."
+            )
         if not isinstance(self.compile, bool):
             raise ValueError(f"TrainConfig.compile must be True or False, got {self.compile!r}.")
         if self.compile_backend not in BACKENDS:
@@ -261,16 +262,6 @@ class TrainConfig:
                 f"lr={self.lr}, max_grad_norm={self.max_grad_norm}, "
                 f"weight_decay={self.weight_decay}."
             )
-        # The run plan's own findings (validate and plan report them with this text).
-        raise_findings(
-            switch_findings(
-                self.layout,
-                sequence_parallel=self.sp,
-                seq_len=self.seq_len,
-                global_batch_size=self.batch_size,
-            ),
-            "TrainConfig",
-        )
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("TrainConfig: resume=True needs a checkpoint_dir to resume from.")
         report.check_fields(self)
@@ -453,6 +444,7 @@ def run_plan(
         world_size: The ranks the job has, when known (checked against the mesh).
         layout: Plan for this mesh instead of ``cfg.mesh`` (``MeshLayout()``: one device).
     """
+    cfg = _resolved(cfg)
     layout = cfg.layout if layout is None else layout
     return RunPlan.for_model(
         cfg.model,
@@ -471,6 +463,18 @@ def run_plan(
         seq_len=cfg.seq_len,
         pipeline_split=cfg.pipeline_split,
     )
+
+
+def _resolved(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its Hugging Face source's model: as given when it is resolved already
+    (its model a ``*-hf`` spec), else read here
+    (:func:`~hyper_parallel.train.run_hooks.resolve_model`)."""
+    from hyper_parallel.checkpoint_hf.config import hf_spec_names
+
+    run_hooks.register_hf_specs(cfg)
+    if (cfg.hf_checkpoint or cfg.hf_config) and cfg.model not in hf_spec_names():
+        cfg, _ = run_hooks.resolve_model(cfg)
+    return cfg
 
 
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Finding]:
@@ -493,7 +497,7 @@ def build_parallel_model(
     """Build ``cfg.model`` on meta, parallelize, ``fully_shard``, materialize and initialize.
 
     The run plan of ``cfg`` on ``mesh`` (:func:`run_plan`) applied by the one builder
-    (:func:`~hyper_parallel.distributed.run_plan.build_model`): the model built on the
+    (:func:`~hyper_parallel.distributed.builder.build_model`): the model built on the
     meta device with the sharding of every active model axis (:func:`model_config`) →
     the plan on the submesh of the axes it declares (routed experts on ``ep``, each an
     FSDP2 unit over ``efsdp``) → ``torch.compile`` per block (``cfg.compile``) →
@@ -534,7 +538,7 @@ def build_pipeline_stages(
     """This rank's pipeline stages of ``cfg.model`` and their plan (``pp > 1``).
 
     The run plan of ``cfg`` on ``mesh`` applied to each stage by the same builder as
-    the whole model at pp=1 (:func:`~hyper_parallel.distributed.run_plan.build_stages`):
+    the whole model at pp=1 (:func:`~hyper_parallel.distributed.builder.build_stages`):
     the same plan submesh, experts on this pp rank's ``ep`` (FSDP2 over its ``efsdp``
     with ``cfg.dtype``'s policy), compile, checkpointing, FSDP2 and the cp divide factor.
     """
@@ -689,6 +693,10 @@ class Trainer:
         grad_callback: Called as ``fn(step, model_parts)`` on every rank once the
             step's gradients are final (reduced, scaled, experts rescaled) and before
             clipping; the demo reads the first step's gradients there.
+        hf: The Hugging Face config of ``cfg.hf_checkpoint`` / ``cfg.hf_config``
+            when the caller already read it
+            (:func:`~hyper_parallel.train.run_hooks.resolve_model`); ``None``: read
+            here, once.
 
     Raises:
         ValueError: Every problem :func:`check_config` finds (a bad mesh, an axis the
@@ -707,7 +715,11 @@ class Trainer:
         device: torch.device | str | None = None,
         step_callback: Callable[[int, float], None] | None = None,
         grad_callback: Callable[[int, list[nn.Module]], None] | None = None,
+        hf: Any = None,
     ) -> None:
+        # The model of a Hugging Face source, its config.json read once for the run
+        # (``hf``: already read by the code that built the run; run_hooks.resolve_model).
+        cfg, self.hf = run_hooks.resolve_model(cfg, hf)
         self.cfg = cfg
         self.device = torch.device(device if device is not None else default_device())
         layout = cfg.layout
@@ -761,7 +773,7 @@ class Trainer:
             if spec.family.vocab_size is not None
             else None
         )
-        self.data = run_hooks.build_data(cfg, vocab_size)
+        self.data = run_hooks.build_data(cfg, vocab_size, self.hf)
         if self.data is None:
             tokens = load_tokens(cfg.text)
             if vocab_size is not None and vocab_size < VOCAB_SIZE:
@@ -793,7 +805,7 @@ class Trainer:
             "step": self.step,
             "data_position": data["position"],
             "data_epoch": data["epoch"],
-            "model_json": run_hooks.model_record(self.cfg),
+            "model_json": run_hooks.model_record(self.cfg, self.hf),
             "lr_schedule_steps": self.cfg.lr_schedule_steps or self.cfg.steps,
         }
 
@@ -1051,7 +1063,7 @@ class Trainer:
         logger.close()
         if self.step == cfg.steps and cfg.save_hf:
             saving = time.perf_counter()
-            run_hooks.save_weights(cfg, self.model_parts)
+            run_hooks.save_weights(cfg, self.model_parts, self.hf)
             self.report.exported(cfg.save_hf, time.perf_counter() - saving)
         return TrainResult(
             steps=steps,

@@ -223,7 +223,7 @@ def compiled_moe_matches_eager(backend: str) -> dict[str, Any]:
 
     from torch.distributed.fsdp import FSDPModule
 
-    from hyper_parallel.distributed.run_plan import build_model
+    from hyper_parallel.distributed.builder import build_model
     from hyper_parallel.train import trainer
 
     torch._dynamo.reset()

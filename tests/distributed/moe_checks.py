@@ -362,6 +362,31 @@ def trainer_bf16_loss(mesh_text: str) -> dict[str, Any]:
     }
 
 
+def _planned(
+    layout: MeshLayout, mesh: Any, overrides: dict[str, Any] | None, sequence_parallel: bool = False
+) -> torch.nn.Module:
+    """The debug MoE placed as the trainer places it: its run plan (the registered
+    sharding of every active axis) applied by the builder — the plan only, no FSDP2 —
+    and initialized under seed 0 as the one-device reference is."""
+    from hyper_parallel.distributed.builder import apply_run_plan
+    from hyper_parallel.distributed.run_plan import RunPlan
+
+    run = RunPlan.for_model(
+        "qwen3-moe-debug",
+        layout,
+        model_overrides=overrides,
+        sequence_parallel=sequence_parallel,
+        fsdp=False,
+        seq_len=SEQ,
+    )
+    run.raise_for_errors("moe_checks")
+    torch.manual_seed(0)
+    model = run.subject.build()
+    model.init_states()
+    apply_run_plan(model, run, mesh)
+    return model
+
+
 def tp_model_parity(
     mesh_text: str, sequence_parallel: bool = False, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -372,10 +397,7 @@ def tp_model_parity(
     :func:`model_parity`. The model's sharding is the registered one
     (``apply_model_axes``: tp then ep), parallelized as the trainer does.
     """
-    from hyper_parallel.distributed.axes import apply_model_axes, plan_mesh
-    from hyper_parallel.distributed.expert_parallel import parallelize_with_experts
     from hyper_parallel.dmodule import get_spec
-    from hyper_parallel.train.trainer import config_axes
 
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
@@ -384,15 +406,7 @@ def tp_model_parity(
     torch.manual_seed(0)
     reference = config.build()
     reference.init_states()
-    sharded = apply_model_axes(spec, config, layout, sequence_parallel=sequence_parallel)
-    torch.manual_seed(0)
-    model = sharded.build()
-    model.init_states()
-    sub = plan_mesh(mesh, config_axes(sharded))
-    if layout.ep > 1:
-        parallelize_with_experts(model, mesh, sub)
-    else:
-        model.parallelize(sub)
+    model = _planned(layout, mesh, overrides, sequence_parallel)
     return _compare(model, reference, mesh)
 
 
@@ -408,10 +422,7 @@ def cp_model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> 
     single-device value on every cp rank.
     """
     from hyper_parallel.distributed import context_parallel as cp
-    from hyper_parallel.distributed.axes import apply_model_axes, plan_mesh
-    from hyper_parallel.distributed.expert_parallel import parallelize_with_experts
     from hyper_parallel.dmodule import get_spec
-    from hyper_parallel.train.trainer import config_axes
 
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
@@ -420,15 +431,7 @@ def cp_model_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> 
     torch.manual_seed(0)
     reference = config.build()
     reference.init_states()
-    sharded = apply_model_axes(spec, config, layout)
-    torch.manual_seed(0)
-    model = sharded.build()
-    model.init_states()
-    sub = plan_mesh(mesh, config_axes(sharded))
-    if layout.ep > 1:
-        parallelize_with_experts(model, mesh, sub)
-    else:
-        model.parallelize(sub)
+    model = _planned(layout, mesh, overrides)
 
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

@@ -15,24 +15,19 @@ import torch.distributed as c10d
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed import context_parallel, precision
-from hyper_parallel.distributed.axes import plan_mesh
+from hyper_parallel.distributed.builder import build_stages
 from hyper_parallel.distributed.expert_parallel import rescale_expert_grads
 from hyper_parallel.distributed.fsdp import fsdp_mesh_for
 from hyper_parallel.distributed.layout import MeshLayout
 from hyper_parallel.distributed.pipeline import (
-    PipelineSplit,
     build_schedule,
-    build_stage_modules,
     init_states_by_unit,
     pipeline_step,
-    plan_pipeline,
 )
+from hyper_parallel.distributed.run_plan import RunPlan
 from hyper_parallel.dmodule import get_spec
 from hyper_parallel.models.llama import (
-    PIPELINE,
-    apply_cp,
     apply_tp,
-    apply_tp_sp,
     cross_entropy_loss,
     preset_config,
 )
@@ -64,44 +59,37 @@ def _setup(
     switches: dict | None = None,
     model: str = "llama3-debug",
 ):
+    """This rank's stages built as the trainer builds them: the run plan of ``model`` at
+    ``mesh_text`` (its meshes, experts' FSDP2 unit, compile, AC, dtype) through the builder.
+
+    ``switches``: ``compile_backend`` (compile on, with that backend), ``ac``, ``dtype``.
+    """
     layout = MeshLayout.parse(mesh_text)
     mesh = layout.build("cpu")
-    spec = get_spec(model)
-    stages = spec.pipeline()
-    config = spec.config(**overrides)
-    units = stages.units(config)
-    batch = BATCH // (layout.dp_replicate * layout.dp_shard)
-    plan = plan_pipeline(
-        units,
-        pp=layout.pp,
+    switches = dict(switches or {})
+    if "compile_backend" in switches:
+        switches["compile"] = True
+    run = RunPlan.for_model(
+        model,
+        layout,
+        model_overrides=overrides,
+        world_size=layout.world_size,
+        sequence_parallel=sequence_parallel,
         schedule=schedule,
         num_microbatches=num_microbatches,
-        split=PipelineSplit.from_dict(split) if split else None,
-        batch_size=batch,
+        pipeline_split=split,
+        batch_size=BATCH // layout.size("batch"),
+        seq_len=SEQ_LEN,
+        **switches,
     )
-    tp_fn = apply_tp_sp if sequence_parallel else apply_tp
-    sharded = tp_fn(config, tp_size=layout.tp) if layout.tp > 1 else config
-    tp_mesh, fsdp_mesh = (mesh["tp"] if layout.tp > 1 else None), mesh.fsdp_mesh()
-    if layout.ep > 1:  # the routed experts on this pp rank's ep mesh (FSDP2 over efsdp)
-        sharded = spec.sharding("ep")(sharded)
-        switches = {**(switches or {}), "expert_mesh": mesh}
-    if layout.cp > 1:  # the trainer's meshes: FSDP2 over cp on the stage's (cp,) mesh
-        sharded = apply_cp(sharded, cp_size=layout.cp)
-        axes = ("cp", "tp") if layout.tp > 1 else ("cp",)
-        tp_mesh, fsdp_mesh = plan_mesh(mesh, axes), fsdp_mesh_for(mesh, axes)
-    pp_rank = mesh["pp"].get_local_rank()
-    modules = build_stage_modules(
-        sharded,
-        stages,
-        plan,
-        pp_rank,
-        device="cpu",
-        seed=0,
-        tp_mesh=tp_mesh,
-        fsdp_mesh=fsdp_mesh,
-        **(switches or {}),
+    modules = build_stages(run, mesh, "cpu", seed=0)
+    plan = run.pipeline
+    config = get_spec(model).config(**overrides)
+    # The trainer's loss convention: each rank's loss scaled by the run plan (1 / cp; the
+    # cp ranks' gradients are summed), unscaled again in train_vs_one_device.
+    sched = build_schedule(
+        modules, plan, mesh["pp"], "cpu", lambda *a: run.scale_loss(cross_entropy_loss(*a))
     )
-    sched = build_schedule(modules, plan, mesh["pp"], "cpu", cross_entropy_loss)
     return layout, mesh, config, plan, modules, sched
 
 
@@ -148,7 +136,8 @@ def train_vs_one_device(
 ) -> dict[str, Any]:
     """Train ``num_steps`` AdamW steps pipelined and on one device; compare losses and grads.
 
-    ``switches`` (``compile_backend``, ``ac``, ``dtype``) go to the stages; the one
+    The stages are the trainer's (the run plan through the builder, :func:`_setup`).
+    ``switches`` (``compile_backend``, ``ac``, ``dtype``) go to the run plan; the one
     device reference runs eagerly without checkpointing, in the same precision
     (bf16 autocast from fp32 weights, as the trainer's one-process run), on the
     whole batch at once; under bf16 the first step's gradients are also compared
@@ -201,7 +190,8 @@ def train_vs_one_device(
             )
             for m in modules:
                 m.set_positions(context_parallel.positions(SEQ_LEN, cp_rank, layout.cp))
-        loss = pipeline_step(sched, plan, mesh["pp"], inputs, targets)
+        # This rank's mean loss (the schedule's was scaled by 1 / cp, as the trainer's).
+        loss = pipeline_step(sched, plan, mesh["pp"], inputs, targets) * layout.cp
         if layout.ep > 1:
             for m in modules:
                 rescale_expert_grads(m, layout)
@@ -211,7 +201,8 @@ def train_vs_one_device(
             c10d.all_reduce(loss, op=c10d.ReduceOp.AVG, group=mesh["cp"].get_group())
         losses.append(loss.item())
         full_inputs, full_targets = _batch(step)
-        with precision.autocast(dtype, "cpu", sharded=False):
+        # The one-process run's precision: bf16 autocast from fp32 weights.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             logits = reference(full_inputs)
         ref_loss = cross_entropy_loss(precision.loss_logits(logits), full_targets)
         ref_loss.backward()
@@ -254,23 +245,15 @@ def run_back_to_back(
     return {"seconds": time.perf_counter() - t0, "losses": losses}
 
 
-def _stage_modules(mesh_text: str, schedule: str, tp_size: int) -> tuple[Any, list[Any]]:
+def _stage_modules(mesh_text: str, schedule: str) -> tuple[Any, list[Any]]:
+    """This rank's stages at ``mesh_text`` through the builder, placed by the plan only
+    (no FSDP2), initialized under seed 1."""
     layout = MeshLayout.parse(mesh_text)
+    run = RunPlan.for_model(
+        "llama3-debug", layout, schedule=schedule, num_microbatches=4, fsdp=False
+    )
     mesh = layout.build("cpu")
-    config = preset_config("llama3-debug")
-    plan = plan_pipeline(
-        PIPELINE.units(config), pp=layout.pp, schedule=schedule, num_microbatches=4
-    )
-    modules = build_stage_modules(
-        apply_tp(config, tp_size=tp_size),
-        PIPELINE,
-        plan,
-        mesh["pp"].get_local_rank(),
-        device="cpu",
-        seed=1,
-        tp_mesh=mesh["tp"],
-    )
-    return (mesh, plan), modules
+    return (mesh, run.pipeline), build_stages(run, mesh, "cpu", seed=1)
 
 
 def _full_states(modules: list[Any], optimizers: list[Any]) -> dict[str, torch.Tensor]:
@@ -288,7 +271,7 @@ def checkpoint_across_meshes(path: str) -> dict[str, Any]:
     at pp=1 x tp=4 and into one process. Returns the largest differences."""
     from hyper_parallel.train.checkpoint import load_checkpoint, save_checkpoint
 
-    (mesh, plan), modules = _stage_modules("pp=2,tp=2", "1F1B", 2)
+    (mesh, plan), modules = _stage_modules("pp=2,tp=2", "1F1B")
     optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in modules]
     sched = build_schedule(modules, plan, mesh["pp"], "cpu", cross_entropy_loss)
     for step in range(2):
@@ -309,7 +292,7 @@ def checkpoint_across_meshes(path: str) -> dict[str, Any]:
 
     result: dict[str, Any] = {"num_saved": len(reference)}
     # pp=2 x tp=2, interleaved: 4 stages, another split of the same names.
-    (_, _), other = _stage_modules("pp=2,tp=2", "Interleaved1F1B", 2)
+    (_, _), other = _stage_modules("pp=2,tp=2", "Interleaved1F1B")
     other_opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in other]
     result["train_state"] = load_checkpoint(path, model=other, optimizer=other_opts)
     states = _full_states(other, other_opts)

@@ -99,9 +99,9 @@ def test_demo_under_bf16_prints_its_wider_bounds_and_fails_a_2x_gradient(
     kept = {}
     real_here = demo._train_here
 
-    def here(cfg):
+    def here(cfg, hf=None):
         kept["dtype"] = cfg.dtype
-        return real_here(cfg)
+        return real_here(cfg, hf)
 
     monkeypatch.setattr(demo, "_train_here", here)
 

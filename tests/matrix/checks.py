@@ -1,9 +1,9 @@
 """One matrix configuration: refused before any rank builds, or trained and held to one device.
 
 :func:`gate` runs in the driver process (no process group): the trainer's gate
-(:func:`~hyper_parallel.train.trainer.check_config`) and ``hyper-parallel validate``
-with the same switches; a refused run must be refused by both with the same findings,
-word for word. :func:`train_vs_one_device` runs on every rank of a gloo pool
+(:func:`~hyper_parallel.train.trainer.check_config`), ``hyper-parallel validate``,
+``plan`` and ``suggest --mesh`` with the same switches; a refused run must be refused
+by all four with the same findings, word for word. :func:`train_vs_one_device` runs on every rank of a gloo pool
 (``tests/distributed/harness.py``): the trainer for 2 steps at the configuration's mesh,
 then on rank 0 the same run in one process; :func:`judge` holds the result to one
 device through ``tests/_compare.py``:
@@ -27,7 +27,14 @@ from typing import Any
 
 from tests._compare import BF16_GRAD_RTOL, FP32_RTOL, Diff, check, diffs, worst_abs
 
-__all__ = ["FP32_LOSS_TOL", "gate", "judge", "train_vs_one_device", "validate_argv"]
+__all__ = [
+    "FP32_LOSS_TOL",
+    "gate",
+    "judge",
+    "suggest_argv",
+    "train_vs_one_device",
+    "validate_argv",
+]
 
 FP32_LOSS_TOL = 1e-5
 
@@ -39,6 +46,8 @@ def validate_argv(cfg: dict[str, Any]) -> list[str]:
     mesh = ",".join(f"{k}={v}" for k, v in cfg["mesh"].items()) or "dp_shard=1"
     dp = cfg["mesh"].get("dp_replicate", 1) * cfg["mesh"].get("dp_shard", 1)
     argv = ["validate", "--model", cfg["model"], "--mesh", mesh]
+    if cfg.get("model_overrides"):
+        argv += ["--model-overrides", json.dumps(cfg["model_overrides"])]
     argv += ["--batch", str(cfg["batch_size"] // dp), "--seq", str(cfg["seq_len"])]
     if cfg.get("sp"):
         argv.append("--sp")
@@ -74,6 +83,34 @@ def plan_argv(cfg: dict[str, Any]) -> list[str] | None:
     return [*argv, "--dtype", cfg.get("dtype", "fp32"), "--ac", cfg.get("ac", "none")]
 
 
+def suggest_argv(cfg: dict[str, Any], world_size: int) -> list[str]:
+    """``hyper-parallel suggest --mesh`` arguments for ``cfg``: every switch fixed (the
+    micro-batches at the trainer's resolved count), on ``world_size`` GPUs."""
+    import json
+
+    from hyper_parallel.distributed.run_plan import default_num_microbatches
+
+    mesh = ",".join(f"{k}={v}" for k, v in cfg["mesh"].items()) or "dp_shard=1"
+    schedule = cfg.get("schedule", "1F1B")
+    microbatches = cfg.get("num_microbatches") or default_num_microbatches(
+        cfg["mesh"].get("pp", 1), schedule
+    )
+    argv = ["suggest", "--model", cfg["model"], "--mesh", mesh, "--gpus", str(world_size)]
+    if cfg.get("model_overrides"):
+        argv += ["--model-overrides", json.dumps(cfg["model_overrides"])]
+    argv += ["--gpu", "h100-80gb", "--seq", str(cfg["seq_len"])]
+    argv += ["--global-batch-tokens", str(cfg["batch_size"] * cfg["seq_len"])]
+    argv += ["--dtype", cfg.get("dtype", "fp32"), "--ac", cfg.get("ac", "none")]
+    argv += ["--schedule", schedule, "--microbatches", str(microbatches)]
+    if cfg.get("sp"):
+        argv.append("--sp")
+    if cfg.get("compile"):
+        argv.append("--compile")
+    if cfg.get("pipeline_split") is not None:
+        argv += ["--pipeline-split", json.dumps(cfg["pipeline_split"])]
+    return argv
+
+
 def _cli(argv: list[str]) -> tuple[int, str, str]:
     from hyper_parallel.cli import main as cli_main
 
@@ -105,7 +142,8 @@ def gate(cfg: dict[str, Any], world_size: int) -> dict[str, Any]:
         ``validate_rc`` and ``validate_missing`` (the trainer's findings validate does
         not report; empty when they agree), ``validate_extra`` (validate's errors on a
         run the trainer accepts), ``plan_missing`` (those ``plan`` does not print, for a
-        refused run whose batch ``plan --batch`` can state).
+        refused run whose batch ``plan --batch`` can state), ``suggest_missing`` (those
+        ``suggest --mesh`` does not print, for a refused run).
     """
     import json
 
@@ -154,8 +192,16 @@ def gate(cfg: dict[str, Any], world_size: int) -> dict[str, Any]:
         plan_text = _words(plan_out + plan_err)
         wanted = lines if raised is not None else [str(f) for f in found]
         plan_missing = [f for f in wanted if plan_rc == 0 or _words(f) not in plan_text]
+    # suggest --mesh: no candidate of the fixed run passes; it prints the run plan's errors.
+    suggest_missing: list[str] = []
+    if findings:
+        wanted = lines if raised is not None else [str(f) for f in found]
+        suggest_rc, suggest_out, suggest_err = _cli(suggest_argv(cfg, world_size))
+        suggest_text = _words(suggest_out + suggest_err)
+        suggest_missing = [f for f in wanted if suggest_rc == 0 or _words(f) not in suggest_text]
     return {
         "plan_missing": plan_missing,
+        "suggest_missing": suggest_missing,
         "refused": bool(findings),
         "findings": findings,
         "validate_rc": rc,

@@ -4,8 +4,8 @@ Each configuration (:mod:`tests.matrix.configs`: a pairwise covering array over 
 switch on 4 ranks, and a few 8-rank runs) is
 
 - ``refused``: the trainer's gate refuses it before any rank builds, and
-  ``hyper-parallel validate`` and ``plan`` with the same switches report the same
-  findings word for word (else ``GATES DIFFER``); or
+  ``hyper-parallel validate``, ``plan`` and ``suggest --mesh`` with the same switches
+  report the same findings word for word (else ``GATES DIFFER``); or
 - ``ran``: built on real gloo ranks, trained 2 steps and held to one device (loss and
   every first-step gradient, :func:`tests.matrix.checks.judge`); the row gives the
   largest loss difference and gradient relative error (against the fp32 one-process
@@ -97,7 +97,8 @@ def run_one(
     cfg = config.train_config(backend)
     g = gate(cfg, config.world_size)
     if g["refused"]:
-        status = "refused" if not (g["validate_missing"] or g["plan_missing"]) else "GATES DIFFER"
+        differ = g["validate_missing"] or g["plan_missing"] or g["suggest_missing"]
+        status = "refused" if not differ else "GATES DIFFER"
         lines = [ln.strip() for ln in g["findings"][0].splitlines() if ln.strip()]
         first = lines[1 if len(lines) > 1 else 0][:240]  # past "TrainConfig: n problem(s):"
         detail = f"{len(g['findings'])} finding(s): {first}"
@@ -105,6 +106,8 @@ def run_one(
             detail += f" | validate (rc {g['validate_rc']}) misses it"
         if g["plan_missing"]:
             detail += " | plan misses it"
+        if g["suggest_missing"]:
+            detail += " | suggest --mesh misses it"
         return Outcome(config, status, detail, seconds=time.perf_counter() - t0)
     if g["validate_extra"]:
         return Outcome(

@@ -32,7 +32,7 @@ def _cfg(global_batch: int | None = None, **switches) -> dict:
 def test_compile_under_cp_with_several_sequences_is_refused_alike(mesh):
     g = gate(_cfg(family="llama3-debug", compile=True, **mesh), 4)
     assert g["refused"], g
-    assert g["validate_missing"] == [] and g["plan_missing"] == [], g
+    assert g["validate_missing"] == g["plan_missing"] == g["suggest_missing"] == [], g
     assert any("compile with cp=2" in f and "Fix: give each rank one" in f for f in g["findings"])
 
 
@@ -44,8 +44,13 @@ def test_compile_under_cp_with_one_sequence_per_rank_is_accepted():
 
 def test_sequence_parallel_without_tp_and_an_uneven_batch_are_run_plan_findings():
     g = gate(_cfg(family="llama3-debug", dp_shard=2, dp_replicate=2, sp=True), 4)
-    assert g["refused"] and g["validate_missing"] == [] and g["plan_missing"] == [], g
-    assert "sequence_parallel needs tp > 1" in g["findings"][0]
+    assert (
+        g["refused"] and g["validate_missing"] == g["plan_missing"] == g["suggest_missing"] == []
+    ), g
+    assert "sp (sequence parallelism) needs tp > 1" in g["findings"][0]
     g = gate(_cfg(6, family="llama3-debug", dp_shard=4), 4)
     assert g["refused"], g
-    assert "global_batch_size=6 is not divisible by dp_replicate x dp_shard = 4" in g["findings"][0]
+    assert (
+        "batch_size=6 (the global batch) is not divisible by dp_replicate x dp_shard = 4"
+        in g["findings"][0]
+    )

@@ -14,7 +14,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from hyper_parallel.analysis import dry_run
 from hyper_parallel.analysis.memory import SavedActivations
-from hyper_parallel.distributed.activation_checkpoint import apply_activation_checkpointing
+from hyper_parallel.distributed.builder import build_model
+from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.distributed.run_plan import RunPlan
 from hyper_parallel.dmodule import get_spec
 from hyper_parallel.models.llama import cross_entropy_loss, preset_config
 
@@ -23,10 +25,8 @@ SEQ, BATCH = 64, 2
 
 def _measured_bytes(ac: str) -> int:
     """Bytes the allocator still holds after forward + loss, beyond the loss itself."""
-    torch.manual_seed(0)
-    model = preset_config("llama3-debug").build()
-    model.init_states()
-    apply_activation_checkpointing(model, ac)
+    # The trainer's one-device build: the run plan's checkpointing through the builder.
+    model = build_model(RunPlan.for_model("llama3-debug", MeshLayout(), ac=ac), None, "cpu", 0)
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

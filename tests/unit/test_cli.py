@@ -190,7 +190,7 @@ def test_sequence_parallel_without_tp_is_the_run_plans_finding(capsys, command):
     argv = [command, "--model", "llama3-debug", "--mesh", "dp=2", "--sp", "--seq", "16"]
     code, out, err = run_cli(capsys, *argv)
     assert code == 1
-    assert "sequence_parallel needs tp > 1" in finding
+    assert "sp (sequence parallelism) needs tp > 1" in finding
     text = " ".join((out + err).split())
     assert finding.split(": ", 2)[-1].split(" Fix:")[0] in text
 

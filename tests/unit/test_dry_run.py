@@ -240,12 +240,18 @@ def _output_plan(axis: str) -> dict[str, ShardingConfig]:
 
 def test_plan_on_a_data_axis_conflicts_with_fsdp():
     plan = _output_plan("dp_shard")
-    with pytest.raises(ValueError, match="pass fsdp=False"):
+    # The run plan's finding (the trainer's, validate's and plan's alike).
+    with pytest.raises(ValueError, match=r"places states on the data axis 'dp_shard' \(output\)"):
         dry_run(DEBUG.config(), {"dp": 2, "tp": 2}, plan, seq_len=16)
     report = dry_run(DEBUG.config(), {"dp": 2, "tp": 2}, plan, seq_len=16, fsdp=False)
     assert report.plan_axes == ("dp_shard",) and report.fsdp_axes == ()
     rows = {(m.path, p.name): p for m in report.modules for p in m.params}
     assert rows[("output", "weight")].placements == {"dp_shard": "Shard(0)", "tp": "Replicate()"}
+
+
+def test_no_micro_batch_is_the_run_plans_finding():
+    with pytest.raises(ValueError, match="--microbatches 0: a step needs at least one"):
+        dry_run(DEBUG.config(), {"dp": 2}, seq_len=16, num_microbatches=0)
 
 
 def test_dp_in_a_placement_is_refused_with_the_axis_name():

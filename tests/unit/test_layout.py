@@ -134,15 +134,23 @@ def test_declared_axes_and_plan_submesh():
     assert plan_axis_findings(MeshLayout.parse("cp=2,tp=2"), ("cp", "tp"), fsdp=True) == []
 
 
-def test_plan_on_a_data_axis_warns_about_the_hsdp_trap():
+def test_plan_on_a_data_axis_refuses_states_and_warns_about_activations():
     from hyper_parallel.distributed import plan_axis_findings
 
+    layout = MeshLayout.parse("dp_shard=2,tp=2")
+    # States there: FSDP2 would be handed states already on a data axis (refused).
+    (error,) = plan_axis_findings(layout, ("dp_shard", "tp"), fsdp=True, states_on_data=["w"])
+    assert error.severity == "error" and error.field == "dp_shard"
+    assert "places states on the data axis 'dp_shard' (w)" in error.message
+    assert "silently becomes HSDP" in error.message and "('dp_shard', 'tp')" in error.message
+    assert "fsdp_mesh()" in error.fix and "--no-fsdp" in error.fix
+    # Activations only, or no data rank for FSDP2 to shard over: a warning.
+    (warning,) = plan_axis_findings(layout, ("dp_shard", "tp"), fsdp=True)
+    assert warning.severity == "warning" and "places tensors" in warning.message
     (warning,) = plan_axis_findings(
-        MeshLayout.parse("dp_shard=2,tp=2"), ("dp_shard", "tp"), fsdp=True, states_on_data=["w"]
+        MeshLayout.parse("tp=2"), ("dp_shard", "tp"), fsdp=True, states_on_data=["w"]
     )
-    assert warning.severity == "warning" and warning.field == "dp_shard"
-    assert "silently becomes HSDP" in warning.message and "('dp_shard', 'tp')" in warning.message
-    assert "fsdp_mesh()" in warning.fix
+    assert warning.severity == "warning"
     assert plan_axis_findings(MeshLayout.parse("dp_shard=2"), ("dp_shard",), fsdp=False) == []
 
 
@@ -169,7 +177,7 @@ def test_fsdp_mesh_findings_name_the_hsdp_trap():
         dist.destroy_process_group()
 
 
-def test_validate_warns_about_the_hsdp_trap():
+def test_validate_refuses_the_hsdp_trap():
     from hyper_parallel.analysis import validate
     from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
     from hyper_parallel.dmodule import ShardingConfig, get_spec
@@ -184,7 +192,7 @@ def test_validate_warns_about_the_hsdp_trap():
         )
     }
     report = validate(config, {"dp_shard": 2, "tp": 2}, plan, trace=False)
-    (trap,) = [f for f in report.warnings if "HSDP" in f.message]
+    (trap,) = [f for f in report.errors if "HSDP" in f.message]
     assert trap.path == "plan" and "(output)" in trap.message
     # A user's own 2-D DeviceMesh that puts a data axis beside tp: the same trap.
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -127,12 +127,16 @@ def test_hf_config_and_overrides_mean_one_model_in_every_command(tmp_path, capsy
 
     config = _tiny_llama31(tmp_path)
     overrides = '{"num_layers": 2}'
-    # train.run and the demo: the TrainConfig their options build.
+    # train.run and the demo: the TrainConfig their options build, resolved where the
+    # run is built (TrainConfig itself reads no file).
+    from hyper_parallel.train.run_hooks import resolve_model
+
     for command in ("train", "demo"):
         args = PARSERS[command].parse_args(
             ["--hf-config", config, "--model-overrides", overrides, "--mesh", "dp=2"]
         )
-        cfg = config_from_args(args)
+        cfg, hf = resolve_model(config_from_args(args))
+        assert hf.spec == "llama3-hf"
         assert cfg.model == "llama3-hf" and cfg.model_overrides["num_layers"] == 2
         assert cfg.model_overrides["rope_scaling"]["factor"] == 8.0
     spec = get_spec(cfg.model)

@@ -189,6 +189,35 @@ def test_save_hf_into_the_checkpoint_it_started_from_is_refused(tiny_hf, tmp_pat
     assert sorted(os.listdir(tiny_hf)) == before
 
 
+def test_the_hugging_face_config_is_read_once_per_run(tiny_hf, tmp_path, monkeypatch):
+    # Every reader on the train path (the model, the data's end-of-sequence id, each
+    # checkpoint's model record, --save-hf) takes the config read once where the run is
+    # built; TrainConfig is data and reads nothing. (load_hf reads the checkpoint's own
+    # files, config.json included, through checkpoint_hf.io.)
+    import hyper_parallel.checkpoint_hf.config as hf_config
+
+    reads = []
+    real = hf_config.read_hf_config
+
+    def counting(source):
+        reads.append(source)
+        return real(source)
+
+    monkeypatch.setattr(hf_config, "read_hf_config", counting)
+    cfg = TrainConfig(hf_checkpoint=tiny_hf, steps=2)
+    assert reads == [] and cfg.model == "llama3-debug"  # not resolved: data only
+    text = tmp_path / "a.txt"
+    text.write_text("First Citizen: before we proceed any further, hear me speak.\n" * 20)
+    argv = [*TINY, "--steps", "2", "--hf-checkpoint", tiny_hf, "--data", str(text)]
+    argv += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
+    argv += ["--save-hf", str(tmp_path / "out")]
+    assert run(argv) == 0
+    assert reads == [tiny_hf]
+    assert [s for s, _ in checkpoint_steps(tmp_path / "ckpt")] == [1, 2]
+    record = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert record["hidden_size"] == 32
+
+
 # ---------------------------------------------------------------------- bad inputs
 
 

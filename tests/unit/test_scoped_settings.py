@@ -14,7 +14,7 @@ from hyper_parallel._torch_private import dynamo_config, functorch_config
 from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
 from hyper_parallel.distributed.pipeline import (
     build_schedule,
-    build_stage_modules,
+    init_states_by_unit,
     pipeline_step,
     plan_pipeline,
 )
@@ -31,7 +31,13 @@ def test_a_split_backward_step_turns_donated_buffers_off_only_inside() -> None:
         plan = plan_pipeline(
             PIPELINE.units(config), pp=1, schedule="ZBVZeroBubble", num_microbatches=2
         )
-        modules = build_stage_modules(config, PIPELINE, plan, 0, device="cpu", seed=0)
+        # Both stages in one process, unsharded (no mesh axis to apply: built and
+        # initialized as the builder does, per unit).
+        modules = []
+        for s in plan.stages_of_rank(0):
+            stage = PIPELINE.stage_config(config, plan.stages[s]).build()
+            init_states_by_unit(stage, PIPELINE, 0)
+            modules.append(stage)
         for m in modules:
             m.register_forward_hook(lambda *_: seen.append(functorch_config.donated_buffer))
         schedule = build_schedule(modules, plan, mesh["pp"], "cpu", cross_entropy_loss)

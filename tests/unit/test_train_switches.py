@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from hyper_parallel.distributed.activation_checkpoint import (
-    apply_activation_checkpointing,
-    checkpointed_blocks,
-)
+from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
+from hyper_parallel.distributed.builder import build_model
 from hyper_parallel.distributed.compile import apply_compile
-from hyper_parallel.distributed.precision import autocast, fsdp_policy, loss_logits
+from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.distributed.precision import fsdp_policy, loss_logits
+from hyper_parallel.distributed.run_plan import RunPlan
 from hyper_parallel.train import TrainConfig, Trainer
 from hyper_parallel.train.run import add_train_arguments, config_from_args, full_gradients
 from tests._compare import BF16_GRAD_RTOL, FP32_RTOL, check, diffs, worst_abs
@@ -49,9 +49,9 @@ def test_selective_checkpoints_every_second_block():
     assert checkpointed_blocks(3, "none") == []
 
 
-def test_switches_need_a_model_with_layers_and_a_known_backend():
+def test_compile_needs_a_model_with_layers_and_a_known_backend():
     with pytest.raises(ValueError, match=r"no 'layers' ModuleList.*ModelFamily\.blocks"):
-        apply_activation_checkpointing(nn.Linear(2, 2), "full")
+        apply_compile(nn.Linear(2, 2), backend="inductor")
     with pytest.raises(ValueError, match="'inductor'"):
         apply_compile(nn.Linear(2, 2), backend="xla")
 
@@ -60,12 +60,15 @@ def test_precision_policies():
     policy = fsdp_policy("bf16")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert fsdp_policy("fp32").param_dtype is None
-    with autocast("bf16", "cpu", sharded=False):
-        y = nn.Linear(4, 4)(torch.randn(2, 4))
-    assert y.dtype == torch.bfloat16
-    assert loss_logits(y).dtype == torch.float32
-    with autocast("bf16", "cpu", sharded=True):  # FSDP casts: no autocast
-        assert nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32
+    # Without FSDP2 the builder runs the forward under bf16 autocast from fp32 weights.
+    tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    for dtype, computed in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        run = RunPlan.for_model("llama3-debug", MeshLayout(), dtype=dtype)
+        model = build_model(run, None, "cpu", seed=0)
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        y = model(tokens)
+        assert y.dtype == computed
+        assert loss_logits(y).dtype == torch.float32
 
 
 def test_command_line_flags_reach_the_config():

@@ -16,18 +16,29 @@ class _Checks:
     (:func:`hyper_parallel.train.trainer.run_plan`): :meth:`RunPlan.for_model
     <hyper_parallel.distributed.run_plan.RunPlan.for_model>` with the candidate's mesh,
     sequence parallelism, checkpointing, dtype, schedule, micro-batches, the batch per
-    data-parallel rank and the sequence. One :class:`~hyper_parallel.distributed.run_plan.PlanCache`
+    data-parallel rank (and the global batch), the sequence, compile and the stage split. One :class:`~hyper_parallel.distributed.run_plan.PlanCache`
     serves the search, so the sharded model is built on the meta device once per local
     structure and the pipeline plan once per schedule, micro-batches and batch.
     """
 
-    def __init__(self, source: ModelSource, seq_len: int, global_batch: int, dtype: str) -> None:
+    def __init__(
+        self,
+        source: ModelSource,
+        seq_len: int,
+        global_batch: int,
+        dtype: str,
+        *,
+        compile: bool = False,
+        pipeline_split: Any = None,
+    ) -> None:
         from hyper_parallel.distributed.run_plan import PlanCache
 
         self.source = source
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.dtype = dtype
+        self.compile = compile
+        self.pipeline_split = pipeline_split
         self.config = source.config()
         self.stages = source.spec.family.pipeline
         self.cache = PlanCache()
@@ -56,7 +67,10 @@ class _Checks:
             num_microbatches=c.microbatches,
             stages_per_rank=c.stages_per_rank,
             batch_size=self.global_batch // c.dp,
+            global_batch_size=self.global_batch,
             seq_len=self.seq_len,
+            compile=self.compile,
+            pipeline_split=self.pipeline_split,
         )
 
     def findings(self, c: Candidate) -> list[tuple[str, Finding]]:

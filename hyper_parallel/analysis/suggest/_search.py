@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -228,9 +229,12 @@ def _matches(
     schedule: str | None,
     ac: str | None,
     microbatches: int | None,
+    sp: bool | None = None,
 ) -> bool:
     """Whether ``c`` keeps what the caller fixed."""
     if mesh is not None and c.mesh() != mesh:
+        return False
+    if sp is not None and c.sp != sp:
         return False
     if schedule is not None and c.pp > 1 and c.schedule != schedule:
         return False
@@ -255,6 +259,9 @@ def suggest(
     schedule: str | None = None,
     ac: str | None = None,
     microbatches: int | None = None,
+    sp: bool | None = None,
+    compile: bool = False,
+    pipeline_split: Mapping[str, Any] | None = None,
 ) -> SuggestReport:
     """Search the layouts of ``model`` on ``gpus`` GPUs; the best ``top`` by step time.
 
@@ -279,12 +286,17 @@ def suggest(
         schedule: Fix the pipeline schedule (pp > 1).
         ac: Fix activation checkpointing (``none``, ``selective``, ``full``).
         microbatches: Fix the pipeline's micro-batches (pp > 1).
+        sp: Fix sequence parallelism (``None``: searched).
+        compile: The run compiles its blocks (the run plan's compile findings).
+        pipeline_split: The run's stage split (``{"units_per_stage": n}``, ...).
 
     Returns:
         A :class:`SuggestReport`, plans best first.
 
     Raises:
-        ValueError: Bad arguments (named, with the fix).
+        ValueError: Bad arguments (named, with the fix), or with ``mesh``, a run the
+            run plan refuses (every finding, word for word as the trainer, ``validate``
+            and ``plan`` say it) when no candidate of it passes.
         DoesNotFit: No layout fits; its message names the smallest memory per GPU
             needed and the layout that needs it.
     """
@@ -306,7 +318,9 @@ def suggest(
     num_experts = _num_experts(source, config)
     global_batch = global_batch_tokens // seq_len
     rejected: Counter = Counter()
-    checks = _Checks(source, seq_len, global_batch, dtype)
+    checks = _Checks(
+        source, seq_len, global_batch, dtype, compile=compile, pipeline_split=pipeline_split
+    )
     tracer = _Tracer(source, seq_len, dtype)
     flops = count_flops(source, seq_len)
     limit = usable_memory(hw)
@@ -330,7 +344,7 @@ def suggest(
         rejected=rejected,
         microbatches=microbatches,
     ):
-        if not _matches(c, fixed, schedule, ac, microbatches):
+        if not _matches(c, fixed, schedule, ac, microbatches, sp):
             continue
         searched += 1
         problems = _findings(checks, c)
@@ -385,6 +399,8 @@ def suggest(
         equivalents=equivalents,
         slurm=slurm,
     )
+    if not plans and fixed is not None:
+        _refuse_fixed(checks, fixed, schedule, ac, microbatches, sp)
     if not plans:
         if best_unfit is None:
             raise DoesNotFit(
@@ -402,6 +418,31 @@ def suggest(
             report,
         )
     return report
+
+
+def _refuse_fixed(
+    checks: _Checks,
+    mesh: dict[str, int],
+    schedule: str | None,
+    ac: str | None,
+    microbatches: int | None,
+    sp: bool | None,
+) -> None:
+    """Raise the run plan's errors of the fixed run (the switches not fixed at the
+    trainer's defaults), when it has any: the gate the trainer, ``validate`` and
+    ``plan`` ask, word for word."""
+    from hyper_parallel.distributed.run_plan import default_num_microbatches, raise_findings
+
+    schedule = schedule or "1F1B"
+    c = Candidate(
+        **mesh,
+        microbatches=microbatches or default_num_microbatches(mesh["pp"], schedule),
+        schedule=schedule if mesh["pp"] > 1 else None,
+        ac=ac or "none",
+        sp=bool(sp),
+    )
+    described = ",".join(f"{a}={v}" for a, v in mesh.items() if v > 1) or "one device"
+    raise_findings(checks.run(c).errors, f"suggest --mesh {described}")
 
 
 def predict(

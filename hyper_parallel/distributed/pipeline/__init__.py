@@ -12,22 +12,20 @@ when neither is given — a split that balances stages by parameter count or by
 forward FLOPs (:func:`count_unit_flops`).
 :func:`plan_pipeline` checks everything before a process group exists and returns a
 :class:`PipelinePlan` (stages, the rank of each stage, the schedule);
-:func:`build_stage_modules` builds this rank's stages on the meta device from the
-model's own (already sharded) config, applies tensor parallelism, compile,
-activation checkpointing and FSDP2 (with bf16 mixed precision) inside each stage,
-materializes and initializes them unit by unit; :func:`build_schedule`
-wraps them in torch's ``PipelineStage`` and schedule.
+:func:`~hyper_parallel.distributed.builder.build_stages` builds this rank's stages
+of a :class:`~hyper_parallel.distributed.run_plan.RunPlan` on the meta device through
+the one builder (the model's plan, compile, activation checkpointing and FSDP2 with
+the dtype's policy inside each stage), materializes and initializes them unit by unit
+(:func:`init_states_by_unit`); :func:`build_schedule` wraps them in torch's
+``PipelineStage`` and schedule.
 
 Initialization is per unit: each unit is initialized under its own seed derived
 from the run's seed and the unit's name (:func:`init_states_by_unit`). A one-device
 model initialized the same way equals the union of the stages at any split.
 
 The package is split by role: :mod:`.units` (how a model is cut), :mod:`.plan`
-(schedules, the split and its checks), :mod:`.stages` (a rank's stages, built through
-the one builder, :mod:`hyper_parallel.distributed.builder`), :mod:`.schedule` (torch's
-schedule and one step). The trainer builds stages from a
-:class:`~hyper_parallel.distributed.run_plan.RunPlan`
-(:func:`~hyper_parallel.distributed.run_plan.build_stages`).
+(schedules, the split and its checks), :mod:`.stages` (per-unit initialization),
+:mod:`.schedule` (torch's schedule and one step).
 
 Example::
 
@@ -36,7 +34,7 @@ Example::
     layout, config = spec.pipeline(), spec.config()
     plan = plan_pipeline(layout.units(config), pp=2, schedule="1F1B", num_microbatches=4)
     # on each rank of a mesh with a pp axis:
-    # modules = build_stage_modules(config, layout, plan, pp_rank, device="cpu", seed=0)
+    # modules = build_stages(run, mesh, "cpu", seed=0)  # hyper_parallel.distributed.builder
     # schedule = build_schedule(modules, plan, mesh["pp"], "cpu", loss_fn)
     # loss = pipeline_step(schedule, plan, pp_rank, tokens, targets, mesh["pp"])
 """
@@ -67,7 +65,6 @@ from hyper_parallel.distributed.pipeline.plan import (
 )
 from hyper_parallel.distributed.pipeline.schedule import build_schedule as build_schedule
 from hyper_parallel.distributed.pipeline.schedule import pipeline_step as pipeline_step
-from hyper_parallel.distributed.pipeline.stages import build_stage_modules as build_stage_modules
 from hyper_parallel.distributed.pipeline.stages import init_states_by_unit as init_states_by_unit
 from hyper_parallel.distributed.pipeline.stages import unit_seed as unit_seed
 from hyper_parallel.distributed.pipeline.units import PipelineLayout as PipelineLayout
@@ -87,7 +84,6 @@ __all__ = [
     "PipelineUnit",
     "balanced_split",
     "build_schedule",
-    "build_stage_modules",
     "check_pipeline",
     "count_unit_flops",
     "init_states_by_unit",

@@ -1,0 +1,432 @@
+"""The run plan's checks: what refuses a run, each a finding with its fix.
+
+:class:`~hyper_parallel.distributed.run_plan.RunPlan` asks these once per run (the
+trainer's gate, ``validate``, ``plan``, ``suggest``): the switches against the mesh
+(:func:`switch_findings`, :func:`compile_findings`, :func:`accumulation_findings`),
+the model's sharding against the mesh (:func:`model_findings`), the sequence against
+the model's positions (:func:`position_findings`) and the pipeline plan
+(:func:`pipeline_plan_findings`, :func:`schedule_findings`). :func:`raise_findings` turns
+errors into one ``ValueError``. Decisions (meshes, the gradient convention, the
+micro-batch count) are the run plan's; this module only refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyper_parallel.contract import ModelFamily, PipelineLayoutProtocol
+from hyper_parallel.distributed.axes import apply_model_axes, plan_axis_findings
+from hyper_parallel.distributed.context_parallel import cp_findings
+from hyper_parallel.distributed.expert_parallel import ep_findings, ep_plan_findings, moe_layers
+from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.distributed.pipeline import (
+    SPLIT_BACKWARD_SCHEDULES,
+    PipelinePlan,
+    PipelineSplit,
+    check_pipeline,
+    count_unit_flops,
+)
+from hyper_parallel.dmodule.findings import Finding, PlanEntry
+
+__all__ = [
+    "accumulation_findings",
+    "compile_findings",
+    "model_findings",
+    "pipeline_plan_findings",
+    "position_findings",
+    "raise_findings",
+    "schedule_findings",
+    "sharded_subject",
+    "switch_findings",
+]
+
+
+def accumulation_findings(
+    num_microbatches: int, batch_size: int | None, layout: MeshLayout
+) -> list[Finding]:
+    """What refuses gradient accumulation at ``pp=1``: a count below 1, or a batch per
+    data-parallel rank that does not split into that many equal micro-batches.
+
+    Equal micro-batches make the step's loss the mean of theirs, so the accumulated
+    gradient is exactly the one of one forward over the whole batch.
+
+    Args:
+        num_microbatches: Micro-batches per step (``--microbatches``).
+        batch_size: Sequences per data-parallel rank per step, when known.
+        layout: The mesh (its data-parallel size names the global batch in the fix).
+
+    Example:
+        >>> from hyper_parallel.distributed import MeshLayout
+        >>> [f.field for f in accumulation_findings(3, 4, MeshLayout(dp_shard=2))]
+        ['num_microbatches']
+    """
+    if num_microbatches < 1:
+        return [
+            Finding(
+                "error",
+                "",
+                "num_microbatches",
+                f"--microbatches {num_microbatches}: a step needs at least one micro-batch.",
+                "give --microbatches >= 1 (1: one forward of the whole batch).",
+            )
+        ]
+    if batch_size is None or batch_size % num_microbatches == 0:
+        return []
+    dp = layout.size("batch")
+    divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+    shown = ", ".join(str(d) for d in divisors[:8]) + (", ..." if len(divisors) > 8 else "")
+    return [
+        Finding(
+            "error",
+            "",
+            "num_microbatches",
+            f"--microbatches {num_microbatches} does not divide the batch of {batch_size} "
+            f"sequences per data-parallel rank (global batch {batch_size * dp} over "
+            f"dp_replicate x dp_shard = {dp}): the micro-batches would be unequal.",
+            f"use --microbatches among {shown} (divisors of {batch_size}), or a global batch "
+            f"that is a multiple of {dp * num_microbatches} (dp x micro-batches).",
+        )
+    ]
+
+
+def switch_findings(
+    layout: MeshLayout,
+    *,
+    sequence_parallel: bool = False,
+    seq_len: int | None = None,
+    global_batch_size: int | None = None,
+) -> list[Finding]:
+    """What the switches ask of the mesh: sequence parallelism needs ``tp > 1`` and a
+    sequence divisible by ``tp``; the global batch splits evenly over the data ranks.
+
+    ``TrainConfig`` raises these at construction with the same text
+    (:func:`raise_findings`); ``validate``, ``plan`` and the demo report them as
+    findings of the run plan.
+    """
+    out: list[Finding] = []
+    tp = layout.tp
+    if sequence_parallel and (tp == 1 or (seq_len is not None and seq_len % tp)):
+        out.append(
+            Finding(
+                "error",
+                "switches",
+                "sp",
+                f"sp (sequence parallelism) needs tp > 1 and seq_len divisible by tp (got "
+                f"tp={tp}, seq_len={seq_len}): it shards each sequence over the tp axis.",
+                "set a tp axis dividing seq_len (e.g. tp=2), or drop --sp.",
+            )
+        )
+    dp = layout.size("batch")
+    if global_batch_size is not None and global_batch_size % dp:
+        out.append(
+            Finding(
+                "error",
+                "switches",
+                "batch_size",
+                f"batch_size={global_batch_size} (the global batch) is not divisible by "
+                f"dp_replicate x dp_shard = {dp}; each data-parallel rank takes an equal slice "
+                "of it.",
+                f"make --batch-size a multiple of {dp}, or change the data axes.",
+            )
+        )
+    return out
+
+
+def compile_findings(
+    layout: MeshLayout, *, compile: bool, fsdp: bool, microbatch_size: int | None
+) -> list[Finding]:
+    """What ``torch.compile`` does not trace: cp on a states mesh of several axes with
+    more than one sequence per micro-batch.
+
+    Under context parallelism a block's input is a sequence shard; each linear layer
+    flattens (batch, sequence) into rows, so a batch of several sequences becomes a
+    strided shard of the rows. On a states mesh of more than one axis (tp, or FSDP2's
+    data axes next to cp) torch 2.13 propagates that sharding through the matmul with a
+    data-dependent size, which dynamo's fake tensors cannot give: every rank stops
+    with ``PendingUnbackedSymbolNotFound`` (found by the configuration matrix at
+    dp_shard=2 x cp=2, dp_replicate=2 x cp=2 and cp=2 x tp=2 with 4 sequences per
+    rank). Eager runs it, and one sequence per micro-batch compiles (dp_shard=2 x cp=2,
+    and cp alone with 2 sequences, match eager).
+    """
+    if not compile or layout.cp == 1 or microbatch_size is None or microbatch_size <= 1:
+        return []
+    others = [a for a in ("dp_replicate", "dp_shard") if fsdp and layout.size(a) > 1]
+    others += ["tp"] if layout.tp > 1 else []
+    if not others:
+        return []
+    return [
+        Finding(
+            "error",
+            "switches",
+            "compile",
+            f"compile with cp={layout.cp} next to {' x '.join(others)} and "
+            f"{microbatch_size} sequences per micro-batch: dynamo cannot trace the linear "
+            "layers on a sequence shard flattened with the batch over a states mesh of "
+            "several axes (torch's strided-shard propagation needs a data-dependent size; "
+            "every rank would stop).",
+            "give each rank one sequence per micro-batch (a global batch of data-parallel "
+            "ranks x micro-batches), or leave compile off with cp.",
+        )
+    ]
+
+
+def raise_findings(findings: Iterable[Finding], where: str) -> None:
+    """Raise one ``ValueError`` listing every error of ``findings`` (none: return).
+
+    Args:
+        findings: Findings of any severity; only errors are raised.
+        where: Who refuses, e.g. ``"Trainer (mesh pp=2)"``.
+    """
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        lines = "\n".join(f"  {f}" for f in errors)
+        raise ValueError(f"{where}: {len(errors)} problem(s):\n{lines}")
+
+
+def sharded_subject(
+    model: str, overrides: Mapping[str, Any] | None, layout: MeshLayout, sp: bool
+) -> tuple[Any, Any, list[Finding]]:
+    """The registered model's config sharded for the layout's model axes, its family, and
+    what refused it (an unknown name, overrides, or axis sizes the model does not take)."""
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    findings: list[Finding] = []
+    subject, family = None, None
+    try:
+        spec = get_spec(model)
+        family = spec.family
+        config = spec.config(**dict(overrides or {}))
+    except (ValueError, TypeError) as e:  # unknown name, or overrides it refuses
+        findings.append(
+            Finding("error", "model", model, str(e), "name a registered model and its fields.")
+        )
+    else:
+        try:
+            subject = apply_model_axes(spec, config, layout, sequence_parallel=sp)
+        except ValueError as e:
+            findings.append(
+                Finding("error", "model", model, str(e), "pick axis sizes the model supports.")
+            )
+    return subject, family, findings
+
+
+def model_findings(
+    layout: MeshLayout,
+    subject: Any,
+    model: nn.Module,
+    entries: Sequence[PlanEntry],
+    axes: Sequence[str],
+    states_on_data: Any,
+    fsdp: bool,
+    seq_len: int | None,
+    memo: dict[Any, Any] | None = None,
+) -> list[Finding]:
+    """The model's sharding against the mesh: experts over ``ep``, the plan's axes against
+    the data axes and ``cp``, context parallelism against the sequence and the heads.
+    ``memo`` (per model structure, from a :class:`PlanCache`) keeps the model's MoE
+    layers, found once by walking its modules."""
+    out: list[Finding] = []
+    if layout.ep > 1:
+        out += ep_plan_findings(layout, entries)
+        layers = None
+        if memo is not None:
+            if "moe_layers" not in memo:
+                memo["moe_layers"] = moe_layers(model)
+            layers = memo["moe_layers"]
+        out += ep_findings(model, layout, layers=layers)
+    out += plan_axis_findings(layout, axes, fsdp=fsdp, states_on_data=states_on_data)
+    if layout.cp > 1:
+        found = cp_findings(model if isinstance(subject, nn.Module) else subject, layout, seq_len)
+        # The sequence against the positions is position_findings' (at every cp size).
+        out += [f for f in found if (f.path, f.field) != ("rope", "max_seq_len")]
+    return out
+
+
+def position_findings(
+    name: str | None, subject: Any, family: ModelFamily | None, seq_len: int | None
+) -> list[Finding]:
+    """A sequence longer than the model's rotary positions (``rope.max_seq_len``), refused
+    with the fix: a registered model of the same family and size that takes it (Llama
+    3.1's scaled rope for Llama 3), a shorter sequence, or ``max_seq_len`` overridden.
+
+    The positions are what the model's rope covers: a Llama 3 rope was trained on 8,192,
+    Llama 3.1's is scaled to 131,072; a longer table than that is the user's explicit
+    override, never a silent one.
+    """
+    limit = family.max_seq_len(subject) if family is not None else None
+    if seq_len is None or limit is None or seq_len <= limit:
+        return []
+    who = name or "the model"
+    longer = _longer_models(name, subject, family, seq_len)
+    instead = f"use {longer} instead, " if longer else ""
+    return [
+        Finding(
+            "error",
+            "rope",
+            "max_seq_len",
+            f"seq_len {seq_len:,} exceeds {who}'s {limit:,} positions (rope.max_seq_len="
+            f"{limit}); the rotary embedding has no angle for the positions past them.",
+            f"{instead}shorten the sequence to at most {limit:,} tokens, or set "
+            f"--model-overrides '{{\"max_seq_len\": {seq_len}}}' (positions the rope was "
+            "not trained on).",
+        )
+    ]
+
+
+def _longer_models(
+    name: str | None, subject: Any, family: ModelFamily | None, seq_len: int
+) -> str | None:
+    """Registered models of ``subject``'s family and parameter count whose positions
+    cover ``seq_len`` (``"llama3.1-8b (131,072 positions)"``), or ``None``."""
+    from hyper_parallel.dmodule.model_spec import get_spec, list_specs
+
+    count = getattr(family, "num_params", None)
+    if family is None or count is None or isinstance(subject, nn.Module):
+        return None
+    try:
+        size = count(subject)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    found = []
+    for other in list_specs():
+        spec = get_spec(other)
+        if other == name or spec.family is None or spec.family.name != family.name:
+            continue
+        try:
+            config = spec.config()
+        except (ValueError, TypeError):  # a spec sized by a file (the *-hf ones)
+            continue
+        positions = spec.family.max_seq_len(config) or 0
+        if positions >= seq_len and count(config) == size:
+            found.append(f"{other} ({positions:,} positions)")
+    return " or ".join(found) or None
+
+
+def pipeline_plan_findings(
+    name: str,
+    layout: MeshLayout,
+    model: nn.Module | None,
+    family: ModelFamily | None,
+    pipeline_layout: PipelineLayoutProtocol | None,
+    *,
+    schedule: str,
+    num_microbatches: int,
+    split: PipelineSplit | None,
+    stages_per_rank: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+    memo: dict[Any, Any] | None = None,
+) -> tuple[PipelinePlan | None, list[Finding]]:
+    """The pipeline plan and its findings (``pp > 1``), each on path ``pipeline``.
+
+    ``memo`` (one per model structure, from a :class:`PlanCache`) keeps the model's
+    units and its tied-weight findings per stage assignment.
+    """
+    if pipeline_layout is None:
+        return None, [
+            Finding(
+                "error",
+                "mesh",
+                "pp",
+                f"pp={layout.pp}, but {name} declares no pipeline stages (no PipelineLayout "
+                "registered with the model).",
+                "leave pp out of the mesh, register the model's PipelineLayout, or pass "
+                "validate(..., pipeline=PipelineLayout(...)) describing its units.",
+            )
+        ]
+    if layout.cp > 1 and family is not None and family.set_positions is None:
+        return None, [
+            Finding(
+                "error",
+                "mesh",
+                "cp",
+                f"model {name!r} with pp and cp: its family declares no set_positions "
+                "hook to hand each pipeline stage its tokens' positions.",
+                "leave cp or pp out of the mesh, or declare ModelFamily.set_positions.",
+            )
+        ]
+    if model is None:  # the model's sharding was refused: reported already
+        return None, []
+    flops = split is not None and split.balance == "flops"
+    units_key = ("units", seq_len or 2048) if flops else ("units",)
+    try:
+        if memo is not None and units_key in memo:
+            units = memo[units_key]
+        elif flops:
+            with torch.device("meta"):
+                units = count_unit_flops(pipeline_layout, model, seq_len or 2048)
+        else:
+            units = pipeline_layout.units_of_model(model)
+        if memo is not None:
+            memo[units_key] = units
+    except ValueError as e:  # the model refuses the sequence it is counted on
+        return None, [
+            Finding(
+                "error",
+                "pipeline",
+                "split.balance",
+                f"counting each unit's FLOPs on a sequence of {seq_len or 2048} tokens failed: {e}",
+                "use a sequence length the model takes, or balance by 'params'.",
+            )
+        ]
+    except AttributeError as e:
+        return None, [
+            Finding(
+                "error",
+                "pipeline",
+                "layout",
+                f"the pipeline description does not fit {type(model).__name__}: {e}",
+                "pass the PipelineLayout of this model family.",
+            )
+        ]
+    plan, found = check_pipeline(
+        units,
+        pp=layout.pp,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        split=split,
+        stages_per_rank=stages_per_rank,
+        batch_size=batch_size,
+        model=model,
+        tied_memo=memo.setdefault("tied", {}) if memo is not None else None,
+    )
+    found = [dataclasses.replace(f, path=f.path or "pipeline") for f in found]
+    found += schedule_findings(layout, schedule)
+    if any(f.severity == "error" for f in found):
+        plan = None
+    return plan, found
+
+
+def schedule_findings(layout: MeshLayout, schedule: str) -> list[Finding]:
+    """What a pipeline schedule does not run with the other axes: ``ep`` with a schedule
+    that splits the backward.
+
+    Inside a pipeline stage the routed experts are an FSDP2 unit of their own (over
+    ``efsdp``, a mesh apart from the dense states'). The zero-bubble schedules
+    (``InterleavedZeroBubble``, ``ZBVZeroBubble``) run each backward as an
+    input-gradient and a later weight-gradient step, and FSDP2 units nested in a stage
+    then reduce their gradients before the weight step has accumulated them (the
+    reason a stage is one FSDP2 unit under those schedules): measured 9.5e-4 and
+    2.3e-3 off one device after 5 steps of the debug MoE at pp=2 x dp_shard=2 x ep=2.
+    1F1B, GPipe and Interleaved1F1B run the full backward and match one device.
+    """
+    if layout.ep == 1 or layout.pp == 1 or schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return []
+    return [
+        Finding(
+            "error",
+            "mesh",
+            "ep",
+            f"ep={layout.ep} with pp={layout.pp} and {schedule}: the schedule splits each "
+            "backward into input- and weight-gradient steps, and the routed experts' own "
+            "FSDP2 unit (over efsdp) inside each stage would reduce its gradients before "
+            "the weight step (wrong gradients).",
+            "use 1F1B, GPipe or Interleaved1F1B with ep, or leave ep out of the mesh for "
+            f"{schedule}.",
+        )
+    ]
