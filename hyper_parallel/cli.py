@@ -113,11 +113,11 @@ def _job_file_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> None
         path = argv[at + 1]
     else:
         path = flags[-1].split("=", 1)[1]
-    from hyper_parallel.train.arguments import _OPTIONS, COMMAND_OPTIONS
+    from hyper_parallel.train.arguments import COMMAND_OPTIONS, RUN_OPTIONS
     from hyper_parallel.train.job import load_job_file
 
     try:
-        values = load_job_file(path, _OPTIONS)
+        values = load_job_file(path, RUN_OPTIONS)
     except ValueError as e:
         raise _UsageError(str(e)) from None
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

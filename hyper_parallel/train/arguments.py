@@ -36,6 +36,7 @@ from hyper_parallel.train.schedule import LR_SCHEDULES
 __all__ = [
     "COMMAND_OPTIONS",
     "MODEL_FIELDS",
+    "RUN_OPTIONS",
     "SWITCHES",
     "CommandOptions",
     "add_command_arguments",
@@ -87,7 +88,7 @@ def _defaults() -> dict[str, Any]:
 
 
 # flag, TrainConfig field, argparse keywords (help says what; the default is added).
-_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--model", "model", {"help": "registered model name"}),
     (
         "--model-overrides",
@@ -330,7 +331,7 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
 def command_defaults(command: str) -> dict[str, Any]:
     """The parsed default of each option ``command`` takes, by field."""
     spec = COMMAND_OPTIONS[command]
-    fields = [dest for _, dest, _ in _OPTIONS] if spec.fields is None else spec.fields
+    fields = [dest for _, dest, _ in RUN_OPTIONS] if spec.fields is None else spec.fields
     if spec.config_file or spec.fields is None:
         out: dict[str, Any] = {}
     else:  # no --config to fall back on: the TrainConfig default itself
@@ -385,7 +386,7 @@ def add_train_arguments(
             help="job file (.toml: these options without dashes, e.g. steps = 3; or .json of "
             "TrainConfig fields); options given here override it",
         )
-    for flag, dest, _ in _OPTIONS:
+    for flag, dest, _ in RUN_OPTIONS:
         if wanted is not None and dest not in wanted:
             continue
         kwargs = option_kwargs(dest, given)
@@ -405,7 +406,7 @@ def option_kwargs(dest: str, defaults: Mapping[str, Any] | None = None) -> dict[
         KeyError: ``dest`` is not a field of the table.
     """
     given = dict(defaults or {})
-    (kwargs,) = [dict(k) for _, d, k in _OPTIONS if d == dest]
+    (kwargs,) = [dict(k) for _, d, k in RUN_OPTIONS if d == dest]
     if kwargs.get("type") in (int, float) and "metavar" not in kwargs:
         kwargs["metavar"] = "N" if kwargs["type"] is int else "X"
     shown = given.get(dest, _defaults().get(dest))
@@ -417,12 +418,12 @@ def option_kwargs(dest: str, defaults: Mapping[str, Any] | None = None) -> dict[
 
 def option_fields() -> tuple[str, ...]:
     """Every field of the table, in its order (``option_flag`` gives each one's flag)."""
-    return tuple(dest for _, dest, _ in _OPTIONS)
+    return tuple(dest for _, dest, _ in RUN_OPTIONS)
 
 
 def option_flag(dest: str) -> str:
     """The command-line flag of field ``dest`` (``"text_field"`` -> ``--text-field``)."""
-    (flag,) = [f for f, d, _ in _OPTIONS if d == dest]
+    (flag,) = [f for f, d, _ in RUN_OPTIONS if d == dest]
     return flag
 
 
@@ -447,8 +448,10 @@ def config_from_args(args: argparse.Namespace, world_size: int = 1, **fixed: Any
     if getattr(args, "config", None):
         from hyper_parallel.train.job import load_job_file
 
-        values.update(load_job_file(args.config, _OPTIONS))  # a job file (TOML), or JSON of fields
-    for _, name, _ in _OPTIONS:
+        values.update(
+            load_job_file(args.config, RUN_OPTIONS)
+        )  # a job file (TOML), or JSON of fields
+    for _, name, _ in RUN_OPTIONS:
         value = getattr(args, name, None)
         if value is not None:
             values[name] = value

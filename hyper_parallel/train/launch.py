@@ -124,7 +124,7 @@ def job_file(train_args: Sequence[str], comment: str = "") -> str:
     import contextlib
     import io
 
-    from hyper_parallel.train.arguments import _OPTIONS
+    from hyper_parallel.train.arguments import RUN_OPTIONS
     from hyper_parallel.train.job import to_toml
     from hyper_parallel.train.run import build_parser as train_parser
 
@@ -135,7 +135,7 @@ def job_file(train_args: Sequence[str], comment: str = "") -> str:
     except SystemExit:
         raise ValueError(err.getvalue().strip().splitlines()[-1]) from None
     head = "".join(f"# {line}\n" for line in comment.splitlines())
-    return head + to_toml(args, _OPTIONS)
+    return head + to_toml(args, RUN_OPTIONS)
 
 
 def build_parser(prog: str = "hyper-parallel launch") -> argparse.ArgumentParser:

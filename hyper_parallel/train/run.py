@@ -44,7 +44,7 @@ from hyper_parallel._warnings import quiet_strided_gather
 from hyper_parallel.distributed.process_group import init_process_group
 from hyper_parallel.train import report, run_hooks
 from hyper_parallel.train.arguments import (
-    _OPTIONS,
+    RUN_OPTIONS,
     add_command_arguments,
     add_train_arguments,
     config_from_args,
@@ -184,7 +184,7 @@ def main(
         folder = report.log_path(cfg)
         if rank == 0 and folder is not None:
             # The run directory keeps what ran: the resolved options, version and commit.
-            write_run_record(os.path.dirname(folder) or ".", trainer.cfg, _OPTIONS)
+            write_run_record(os.path.dirname(folder) or ".", trainer.cfg, RUN_OPTIONS)
         result = trainer.fit()
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0 and args.metrics_out:

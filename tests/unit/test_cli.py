@@ -181,11 +181,12 @@ def test_usage_errors_exit_2(capsys, argv, message):
 
 @pytest.mark.parametrize("command", ["plan", "validate"])
 def test_sequence_parallel_without_tp_is_the_run_plans_finding(capsys, command):
-    # The finding TrainConfig raises, word for word: one gate for every entry point.
-    from hyper_parallel.train import TrainConfig
+    # The finding the trainer raises, word for word: one gate for every entry point.
+    from hyper_parallel.train import TrainConfig, Trainer
 
+    cfg = TrainConfig(mesh={"dp_shard": 2}, sp=True, seq_len=16)  # data: it refuses nothing
     with pytest.raises(ValueError) as e:
-        TrainConfig(mesh={"dp_shard": 2}, sp=True, seq_len=16)
+        Trainer(cfg, device="cpu")
     finding = str(e.value).splitlines()[-1].strip()
     argv = [command, "--model", "llama3-debug", "--mesh", "dp=2", "--sp", "--seq", "16"]
     code, out, err = run_cli(capsys, *argv)
