@@ -24,6 +24,11 @@ pass its global positions), FSDP averaging gradients over every data rank (and t
 ``loss`` axis, the losses of any mesh match the single-process run to float32
 rounding.
 
+The run's configuration and gate are in :mod:`hyper_parallel.train.config`, what it builds
+in :mod:`hyper_parallel.train.build`, the gradients across the mesh in
+:mod:`hyper_parallel.train.gradients`; this module is the loop (:class:`Trainer`,
+:func:`train`) and re-exports them.
+
 Run it under ``torchrun`` (see :mod:`hyper_parallel.train.run`) or in one process::
 
     from hyper_parallel.train import TrainConfig, train
@@ -34,13 +39,11 @@ Run it under ``torchrun`` (see :mod:`hyper_parallel.train.run`) or in one proces
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,20 +51,14 @@ import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
-from hyper_parallel.distributed.axes import MODEL_AXES, apply_model_axes, declared_axes
+from hyper_parallel.distributed.axes import MODEL_AXES
 from hyper_parallel.distributed.builder import build_model, build_stages
-from hyper_parallel.distributed.compile import BACKENDS
-from hyper_parallel.distributed.layout import LayoutError, MeshLayout, ParallelMesh
 from hyper_parallel.distributed.pipeline import build_schedule, pipeline_step
-from hyper_parallel.distributed.precision import check_dtype, loss_logits
+from hyper_parallel.distributed.precision import loss_logits
 from hyper_parallel.distributed.process_group import default_device as default_device
-from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
-from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.dmodule.model_spec import get_spec
-from hyper_parallel.dmodule.module import Module
 from hyper_parallel.train import report, run_hooks
-from hyper_parallel.train import schedule as lr_schedules
+from hyper_parallel.train.build import build_mesh, build_parallel_model, build_pipeline_stages
 from hyper_parallel.train.checkpoint import (
     PendingSave,
     async_save_checkpoint,
@@ -70,7 +67,16 @@ from hyper_parallel.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from hyper_parallel.train.data import DEFAULT_TEXT, VOCAB_SIZE, TextBatches, load_tokens
+from hyper_parallel.train.config import (
+    TRAINER_AXES,
+    TrainConfig,
+    check_config,
+    config_axes,
+    model_config,
+    run_plan,
+)
+from hyper_parallel.train.data import VOCAB_SIZE, TextBatches, load_tokens
+from hyper_parallel.train.gradients import ScaledLoss, clip_grad_norm_, set_gradient_sync
 
 __all__ = [
     "MODEL_AXES",
@@ -84,248 +90,12 @@ __all__ = [
     "build_pipeline_stages",
     "check_config",
     "clip_grad_norm_",
+    "config_axes",
     "default_device",
     "model_config",
     "run_plan",
     "train",
 ]
-
-TRAINER_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-"""User axes the trainer runs; any other axis of size > 1 is refused by :func:`check_config`."""
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class TrainConfig:
-    """Everything one training run needs; JSON-serialisable (:meth:`to_dict`).
-
-    Args:
-        model: Name of a registered model spec (``hyper_parallel.dmodule.get_spec``).
-        model_overrides: Keyword overrides for the spec's config (e.g. ``num_layers``).
-        mesh: Mesh axis sizes over ``pp, dp_replicate, dp_shard`` (alias ``dp``),
-            ``cp, tp, ep``, e.g. ``{"dp_replicate": 2, "dp_shard": 2}`` (HSDP) or
-            ``{"dp": 2, "tp": 2}``; missing axes are 1. ``pp x dp_replicate x dp_shard
-            x cp x tp`` is the number of ranks; ``{}`` trains in one process.
-        sp: Sequence parallel: use the model's TP+SP layout instead of plain TP (needs
-            ``tp > 1`` and ``seq_len`` divisible by ``tp``).
-        steps: Optimizer steps to train for.
-        batch_size: Sequences per step over all data ranks (divisible by
-            dp_replicate x dp_shard).
-        seq_len: Tokens per sequence.
-        lr: Peak learning rate of AdamW.
-        weight_decay: AdamW's decoupled weight decay.
-        warmup_steps: Linear warm-up steps; then the ``lr_schedule``.
-        lr_schedule: ``"cosine"``, ``"linear"``, ``"constant"`` or ``"wsd"``
-            (:mod:`hyper_parallel.train.schedule`), decaying to ``min_lr``.
-        min_lr: The rate the schedule decays to; ``None``: 10 % of ``lr``.
-        lr_schedule_steps: The schedule's length in steps; ``None``: ``steps`` for
-            a new run, and for a resumed run the length it was started with.
-        max_grad_norm: Clip the global gradient norm to this; ``0`` disables clipping.
-        seed: Seeds initialization (same values at every mesh).
-        text: A text shipped in ``hyper_parallel/train/data/``.
-        checkpoint_dir: Where checkpoints go; ``None`` saves none.
-        checkpoint_every: Save every this many steps (``0``: only after the last step).
-        resume: Continue from the latest complete checkpoint in ``checkpoint_dir``
-            (starts from scratch when there is none).
-        log_every: Print a log line on rank 0 every this many steps (``0``: never).
-        progress: Show a progress bar on rank 0 when stderr is a terminal.
-        schedule: Pipeline schedule (torch's name) when ``pp > 1``: ``GPipe``,
-            ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``, ``ZBVZeroBubble``.
-        microbatches: Micro-batches per step, with and without ``pp``: each
-            data-parallel rank's batch splits into that many equal micro-batches, run
-            one after the other, gradients reduced once per step (gradient accumulation
-            at ``pp=1``). ``None``: 1 at ``pp=1``, one per stage under ``pp`` (``pp`` x
-            stages per rank; the run plan's one rule,
-            :func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`).
-        pipeline_split: The stage split (``{"units_per_stage": n}`` or
-            ``{"stages": [[unit, ...], ...]}``); ``None`` balances stages by parameters.
-        compile: ``torch.compile`` each transformer block (``fullgraph=True``), after
-            the tensor-parallel plan and before FSDP2
-            (:mod:`hyper_parallel.distributed.compile`).
-        compile_backend: ``torch.compile``'s backend under ``compile``: ``"inductor"``
-            (torch's code generator), or ``"aot_eager"`` / ``"eager"`` (tracing without
-            code generation: what the configuration matrix runs on a small CPU machine).
-        dtype: ``"fp32"``, or ``"bf16"`` mixed precision with fp32 master weights
-            (:mod:`hyper_parallel.distributed.precision`).
-        ac: Activation checkpointing: ``"none"``, ``"full"`` (every block) or
-            ``"selective"`` (every second block;
-            :mod:`hyper_parallel.distributed.activation_checkpoint`).
-        hf_checkpoint: Start from this Hugging Face checkpoint; sets ``model`` (and
-            ``model_overrides``) to its config (:mod:`hyper_parallel.train.run_hooks`).
-        hf_config: Take the model from this Hugging Face ``config.json`` (or its
-            directory) without its weights; sets ``model`` and ``model_overrides``.
-        save_hf: Write the trained model here in Hugging Face format at the end.
-        data: Training data instead of ``text``: a token file (``.bin``, ``.npy``) or
-            text files (``.txt``, ``.jsonl``) (:mod:`hyper_parallel.train.tokens`).
-        tokenizer: ``tokenizer.json`` for text ``data`` (default: the checkpoint's).
-        text_field: The ``.jsonl`` field holding a document.
-        tensorboard: Write per-step TensorBoard scalars to this directory.
-        overwrite: Let ``save_hf`` replace a non-empty directory and a new run (not
-            ``resume``) replace the checkpoints in ``checkpoint_dir``; without it they
-            are refused before training (:mod:`hyper_parallel.checkpoint_hf.outputs`).
-        keep_checkpoints: Keep only this many newest checkpoints (``0``: all).
-        async_checkpoint: Write checkpoints in the background (DCP's ``async_save``):
-            the states are copied to CPU memory and training goes on while a thread
-            writes them; the previous save is finished before the next one and at the
-            end of :meth:`Trainer.fit`, and is reported saved then.
-        eval_data: Held-out data (as ``data``); its mean loss is logged every
-            ``eval_every`` steps and at the end.
-        eval_split: Hold out this last share of the training data for evaluation
-            instead (``0.1``: the last 10 % of its tokens).
-        eval_every: Evaluate every this many steps (``0``: at the end only).
-        eval_batches: Global batches per evaluation (``None``: the whole of ``eval_data``).
-        run_dir: Where the run's log (``train.log``) goes; ``None``: ``checkpoint_dir``.
-    """
-
-    model: str = "llama3-debug"
-    model_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
-    mesh: dict[str, int] = dataclasses.field(default_factory=dict)
-    sp: bool = False
-    steps: int = 30
-    batch_size: int = 8
-    seq_len: int = 64
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    warmup_steps: int = 3
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    text: str = DEFAULT_TEXT
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    log_every: int = 1
-    progress: bool = True
-    schedule: str = "1F1B"
-    microbatches: int | None = None
-    pipeline_split: dict[str, Any] | None = None
-    compile: bool = False
-    compile_backend: str = "inductor"
-    dtype: str = "fp32"
-    ac: str = "none"
-    hf_checkpoint: str | None = None
-    hf_config: str | None = None
-    save_hf: str | None = None
-    data: str | None = None
-    tokenizer: str | None = None
-    text_field: str = "text"
-    tensorboard: str | None = None
-    lr_schedule: str = "cosine"
-    min_lr: float | None = None
-    lr_schedule_steps: int | None = None
-    overwrite: bool = False
-    keep_checkpoints: int = 0
-    async_checkpoint: bool = False
-    eval_data: str | None = None
-    eval_split: float | None = None
-    eval_every: int = 0
-    eval_batches: int | None = None
-    run_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        # Data only: no file is read here (the Hugging Face config is read once, where
-        # the run is built: run_hooks.resolve_model), and the run plan's findings are
-        # the trainer's gate (check_config), not this constructor's.
-        if self.hf_checkpoint and self.hf_config:
-            raise ValueError(
-                "TrainConfig: hf_checkpoint and hf_config both name the model; give one "
-                "(--hf-checkpoint DIR loads the weights too)."
-            )
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"TrainConfig.compile must be True or False, got {self.compile!r}.")
-        if self.compile_backend not in BACKENDS:
-            raise ValueError(
-                f"TrainConfig.compile_backend {self.compile_backend!r} is not one of "
-                f"{list(BACKENDS)}; leave it 'inductor' unless debugging a compile."
-            )
-        try:
-            check_dtype(self.dtype)
-            check_ac_mode(self.ac)
-        except ValueError as e:
-            raise ValueError(f"TrainConfig: {e}") from None
-        if not isinstance(self.mesh, Mapping):
-            raise ValueError(
-                f"TrainConfig.mesh must be a dict of axis sizes such as "
-                f'{{"dp_shard": 2, "tp": 2}}, got {type(self.mesh).__name__}.'
-            )
-        try:
-            MeshLayout.from_sizes(self.mesh)
-        except LayoutError as e:
-            raise ValueError(f"TrainConfig.mesh {dict(self.mesh)}: {e}") from None
-        for name in ("steps", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}.")
-        for name in ("warmup_steps", "checkpoint_every", "log_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}.")
-        if self.max_grad_norm < 0 or self.lr <= 0 or self.weight_decay < 0:
-            raise ValueError(
-                "TrainConfig: lr must be > 0 and max_grad_norm, weight_decay >= 0; got "
-                f"lr={self.lr}, max_grad_norm={self.max_grad_norm}, "
-                f"weight_decay={self.weight_decay}."
-            )
-        if self.resume and self.checkpoint_dir is None:
-            raise ValueError("TrainConfig: resume=True needs a checkpoint_dir to resume from.")
-        report.check_fields(self)
-
-    @property
-    def layout(self) -> MeshLayout:
-        """The mesh as a :class:`~hyper_parallel.distributed.MeshLayout`."""
-        return MeshLayout.from_sizes(self.mesh)
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel size: dp_replicate x dp_shard, the ranks that read different rows."""
-        return self.layout.size("batch")
-
-    @property
-    def tp(self) -> int:
-        """Tensor-parallel size."""
-        return self.layout.tp
-
-    @property
-    def resolved_microbatches(self) -> int:
-        """Micro-batches per step (``microbatches``; else 1, or one per pipeline stage)."""
-        if self.microbatches is not None:
-            return self.microbatches
-        return default_num_microbatches(self.layout.pp, self.schedule)
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks the mesh needs."""
-        return self.layout.world_size
-
-    def replace(self, **changes: Any) -> TrainConfig:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as a JSON-serialisable dict."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
-        """Rebuild a config from :meth:`to_dict` output.
-
-        Raises:
-            ValueError: For a key that is not a field (the message lists the fields).
-        """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ValueError(
-                f"TrainConfig: unknown field(s) {unknown}; fields are {sorted(names)}."
-            )
-        return cls(**values)
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based): warm-up, then ``lr_schedule``."""
-        return lr_schedules.lr_at(
-            step,
-            lr=self.lr,
-            warmup_steps=self.warmup_steps,
-            total_steps=self.lr_schedule_steps or self.steps,
-            min_lr=0.1 * self.lr if self.min_lr is None else self.min_lr,
-            schedule=self.lr_schedule,
-        )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -379,280 +149,6 @@ class TrainResult:
     final_step: int
     seconds: float
     resumed_from: int = 0
-
-
-def build_mesh(
-    sizes: Mapping[str, int] | MeshLayout, device: torch.device | str | None = None
-) -> ParallelMesh | None:
-    """The :class:`~hyper_parallel.distributed.ParallelMesh` of ``sizes`` on the running group.
-
-    Args:
-        sizes: Axis sizes (``{"dp_shard": 2, "tp": 2}``, ``dp`` = ``dp_shard``) or a
-            layout; missing axes are 1.
-        device: Device whose type the mesh uses; defaults to :func:`default_device`.
-
-    Returns:
-        The mesh, or ``None`` when the sizes multiply to 1 (one device, no mesh).
-
-    Raises:
-        ValueError: A bad mesh (every problem at once), sizes that need more than one
-            rank without a process group, or a process group of another size.
-    """
-    layout = MeshLayout.from_sizes(sizes)
-    if layout.world_size == 1:
-        return None
-    device_type = torch.device(device if device is not None else default_device()).type
-    return layout.build(device_type)
-
-
-def model_config(cfg: TrainConfig, tp: int | None = None) -> Any:
-    """The model config ``cfg`` trains, with the sharding of every active model axis.
-
-    For each axis of :data:`~hyper_parallel.distributed.axes.MODEL_AXES` of size > 1
-    the spec's sharding for that axis is applied
-    (:func:`~hyper_parallel.distributed.axes.apply_model_axes`), so the config declares
-    exactly the active model axes. Needs no process group, so a launcher can check a
-    run before starting ranks.
-
-    Args:
-        cfg: The run's config.
-        tp: Tensor-parallel size; defaults to ``cfg.tp``.
-
-    Raises:
-        ValueError: The model is not registered, has no sharding function for an
-            active axis, or the axis size does not fit its shapes.
-    """
-    layout = cfg.layout if tp is None else dataclasses.replace(cfg.layout, tp=tp)
-    spec = get_spec(cfg.model)
-    config = spec.config(**cfg.model_overrides)
-    return apply_model_axes(spec, config, layout, sequence_parallel=cfg.sp)
-
-
-def config_axes(config: Any) -> tuple[str, ...]:
-    """The mesh axes a model config's sharding configs declare."""
-    return declared_axes(c.sharding_config for _, c, _, _ in config.traverse(Module.Config))
-
-
-def run_plan(
-    cfg: TrainConfig, world_size: int | None = None, layout: MeshLayout | None = None
-) -> RunPlan:
-    """The :class:`~hyper_parallel.distributed.run_plan.RunPlan` of ``cfg``: every decision
-    and every check of the run, made once.
-
-    Args:
-        cfg: The run's config.
-        world_size: The ranks the job has, when known (checked against the mesh).
-        layout: Plan for this mesh instead of ``cfg.mesh`` (``MeshLayout()``: one device).
-    """
-    cfg = _resolved(cfg)
-    layout = cfg.layout if layout is None else layout
-    return RunPlan.for_model(
-        cfg.model,
-        layout,
-        model_overrides=cfg.model_overrides,
-        world_size=world_size,
-        sequence_parallel=cfg.sp,
-        compile=cfg.compile,
-        compile_backend=cfg.compile_backend,
-        ac=cfg.ac,
-        dtype=cfg.dtype,
-        schedule=cfg.schedule,
-        num_microbatches=cfg.microbatches,
-        batch_size=cfg.batch_size // layout.size("batch"),
-        global_batch_size=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        pipeline_split=cfg.pipeline_split,
-    )
-
-
-def _resolved(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with its Hugging Face source's model: as given when it is resolved already
-    (its model a ``*-hf`` spec), else read here
-    (:func:`~hyper_parallel.train.run_hooks.resolve_model`)."""
-    from hyper_parallel.checkpoint_hf.config import hf_spec_names
-
-    run_hooks.register_hf_specs(cfg)
-    if (cfg.hf_checkpoint or cfg.hf_config) and cfg.model not in hf_spec_names():
-        cfg, _ = run_hooks.resolve_model(cfg)
-    return cfg
-
-
-def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Finding]:
-    """Every problem of a run's mesh, axes, model and switches, before any process group.
-
-    The gate the trainer, ``python -m hyper_parallel.train.run`` and the demo use: the
-    errors of the run plan (:func:`run_plan`), which ``validate`` and ``plan`` report
-    too — the mesh (and, when given, its product against ``world_size``), the model's
-    sharding over its axes, context and expert parallelism, and the pipeline plan.
-
-    Returns:
-        The errors (an empty list when the run can start).
-    """
-    return run_plan(cfg, world_size).errors
-
-
-def build_parallel_model(
-    cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device | str | None = None
-) -> nn.Module:
-    """Build ``cfg.model`` on meta, parallelize, ``fully_shard``, materialize and initialize.
-
-    The run plan of ``cfg`` on ``mesh`` (:func:`run_plan`) applied by the one builder
-    (:func:`~hyper_parallel.distributed.builder.build_model`): the model built on the
-    meta device with the sharding of every active model axis (:func:`model_config`) →
-    the plan on the submesh of the axes it declares (routed experts on ``ep``, each an
-    FSDP2 unit over ``efsdp``) → ``torch.compile`` per block (``cfg.compile``) →
-    activation checkpointing (``cfg.ac``) → ``fully_shard`` (with ``cfg.dtype``'s mixed
-    precision) each block of the model and the root, on the FSDP (or HSDP) mesh the plan
-    decides → ``to_empty(device)`` → initialization under ``cfg.seed``. With
-    ``mesh=None`` the same model is built for one device, through the same steps, so it
-    gets the same initial values.
-
-    Args:
-        cfg: The run's config (model name, overrides, sequence parallel, seed).
-        mesh: A mesh from :func:`build_mesh`, or ``None`` for one device.
-        device: Where states live; defaults to :func:`default_device`.
-
-    Returns:
-        The initialized model.
-
-    Raises:
-        ValueError: The run plan's errors (e.g. no sharding function for an active
-            axis), or a model without blocks to shard.
-
-    Example:
-        >>> model = build_parallel_model(TrainConfig(), mesh=None)
-    """
-    device = torch.device(device if device is not None else default_device())
-    layout = mesh.layout if mesh is not None else MeshLayout()
-    if layout.pp > 1:
-        raise ValueError(
-            "build_parallel_model: the mesh has pp > 1; build this rank's pipeline stages "
-            "with build_pipeline_stages."
-        )
-    return build_model(run_plan(cfg, layout=layout), mesh, device, cfg.seed)
-
-
-def build_pipeline_stages(
-    cfg: TrainConfig, mesh: ParallelMesh, device: torch.device | str | None = None
-) -> tuple[list[nn.Module], Any]:
-    """This rank's pipeline stages of ``cfg.model`` and their plan (``pp > 1``).
-
-    The run plan of ``cfg`` on ``mesh`` applied to each stage by the same builder as
-    the whole model at pp=1 (:func:`~hyper_parallel.distributed.builder.build_stages`):
-    the same plan submesh, experts on this pp rank's ``ep`` (FSDP2 over its ``efsdp``
-    with ``cfg.dtype``'s policy), compile, checkpointing, FSDP2 and the cp divide factor.
-    """
-    device = torch.device(device if device is not None else default_device())
-    run = run_plan(cfg, layout=mesh.layout)
-    return build_stages(run, mesh, device, cfg.seed), run.pipeline
-
-
-def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float = 2.0,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Clip gradients to a global norm, for plain, DTensor and mixed-mesh gradients.
-
-    ``torch.nn.utils.clip_grad_norm_`` stacks the per-tensor norms, which fails when
-    DTensor gradients live on different meshes (e.g. FSDP-only parameters on
-    ``dp`` next to TP x FSDP ones on ``(dp, tp)``), and returns a DTensor norm. Here
-    the gradients are grouped by mesh; each group's norm is computed by torch and
-    made full with ``full_tensor()`` (the DTensor norm of a shard is partial: its
-    reduction adds the other shards' contributions and counts replicas once); the
-    groups' norms are then combined.
-
-    Args:
-        parameters: Parameters whose ``.grad`` to clip (those without are skipped).
-        max_norm: Largest allowed total norm (``inf``: only measure it).
-        norm_type: The p of the p-norm (``inf`` for the max norm).
-        group: Ranks holding the model's *other* parameters (the pipeline stages'
-            ``pp`` group): their norms are combined into the total.
-
-    Returns:
-        The total norm before clipping, a plain scalar tensor (same on every rank).
-    """
-    params = [p for p in parameters if p.grad is not None]
-    if group is not None:
-        return _clip_across(params, max_norm, norm_type, group)
-    if not params:
-        return torch.tensor(0.0)
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in params:
-        key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    group_norms = []
-    for group in groups.values():
-        with _quiet_redistribute_hints():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-        group_norms.append(norm)
-    total = torch.linalg.vector_norm(torch.stack(group_norms), norm_type)
-    if math.isfinite(max_norm):
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total
-
-
-def _clip_across(
-    params: list[torch.Tensor], max_norm: float, norm_type: float, group: dist.ProcessGroup
-) -> torch.Tensor:
-    """The norm over every rank of ``group`` (each holding other parameters), then clip."""
-    local = clip_grad_norm_(params, math.inf, norm_type).detach().float().reshape(())
-    if math.isinf(norm_type):
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        total = local
-    else:
-        powered = local**norm_type
-        dist.all_reduce(powered, group=group)
-        total = powered ** (1.0 / norm_type)
-    if math.isfinite(max_norm) and params:
-        by_mesh: dict[Any, list[torch.Tensor]] = {}
-        for p in params:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            by_mesh.setdefault(key, []).append(p)
-        for members in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
-    return total
-
-
-@contextlib.contextmanager
-def _quiet_redistribute_hints() -> Iterator[None]:
-    """Mute DTensor's hint that a 2-D partial reduction takes two all-reduces.
-
-    For one scalar per mesh the second all-reduce costs nothing worth a warning on
-    every rank, and every rank runs the same reductions in the same order.
-    """
-    logger = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Whether FSDP2 reduces gradients in the next backward, for every FSDP2 unit of
-    ``model`` (its blocks, the routed experts' own unit, the root; HSDP's all-reduce
-    too). Without FSDP2 (one device, no data axis) there is nothing to defer."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(enabled, recurse=False)
-
-
-class _ScaledLoss:
-    """The schedule's loss: ``loss_fn`` scaled as the run plan says (``1 / cp``)."""
-
-    def __init__(self, loss_fn: Callable[..., torch.Tensor], run: RunPlan) -> None:
-        self.loss_fn, self.run = loss_fn, run
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.run.scale_loss(self.loss_fn(*args, **kwargs))
 
 
 class _Progress:
@@ -757,7 +253,7 @@ class Trainer:
                 self.pipeline_plan,
                 self.mesh["pp"],
                 self.device,
-                _ScaledLoss(self.loss_fn, self.run),
+                ScaledLoss(self.loss_fn, self.run),
             )
         else:
             self.model_parts = [build_model(self.run, self.mesh, self.device, cfg.seed)]
@@ -969,7 +465,7 @@ class Trainer:
         total: torch.Tensor | None = None
         for i, micro in enumerate(batch.split(steps)):
             if steps > 1:
-                _set_gradient_sync(self.model, i == steps - 1)
+                set_gradient_sync(self.model, i == steps - 1)
             # bf16: FSDP2's policy casts, or the builder's autocast where there is no FSDP2.
             logits = self.model(micro.inputs, **micro.model_kwargs)
             loss = self.loss_fn(loss_logits(logits), micro.targets)
