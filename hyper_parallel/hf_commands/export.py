@@ -149,7 +149,10 @@ def export_hf(
     from hyper_parallel.checkpoint_hf.io import save_hf
     from hyper_parallel.checkpoint_hf.outputs import check_output
 
-    check_output(out, overwrite=overwrite, inputs=[checkpoint], what="export-hf OUT")
+    # The step folder read is an input too: OUT may sit inside the checkpoint directory
+    # (a new folder there is harmless), but never on the step it reads.
+    inputs = [checkpoint, _step_dir(os.fspath(checkpoint))]
+    check_output(out, overwrite=overwrite, inputs=inputs, what="export-hf OUT")
     built, config, hf_config = load_trainer_checkpoint(checkpoint, **model)
     if tokenizer is None:
         tokenizer = (checkpoint_record(checkpoint) or {}).get("tokenizer")
@@ -163,7 +166,7 @@ def export_hf(
         max_shard_size=max_shard_size,
         dtype=dtype,
         overwrite=overwrite,
-        inputs=[checkpoint],
+        inputs=inputs,
         extra_files=tokenizer_files(tokenizer),
         what="export-hf OUT",
     )

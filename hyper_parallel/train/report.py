@@ -87,6 +87,10 @@ def check_outputs(cfg: Any) -> None:
 
     inputs = [cfg.hf_checkpoint, cfg.tokenizer, cfg.eval_data]
     inputs += (cfg.data or "").split(",")
+    if cfg.checkpoint_dir:
+        # The checkpoints are the run's too: --save-hf may not replace a step folder (or
+        # the directory holding them), even with --overwrite.
+        inputs += [cfg.checkpoint_dir] + [p for _, p in checkpoint_steps(cfg.checkpoint_dir)]
     if cfg.save_hf:
         check_output(cfg.save_hf, overwrite=cfg.overwrite, inputs=inputs, what="--save-hf")
         if cfg.checkpoint_dir and os.path.realpath(cfg.save_hf) == os.path.realpath(
@@ -165,6 +169,27 @@ def batches_per_epoch(data: Any) -> int:
     return max(1, (len(data.tokens) - 1) // data.span)
 
 
+def lr_line(cfg: Any, done: int) -> str:
+    """The start summary's ``lr:`` line: the rates the run's steps get.
+
+    Step ``k`` (1-based) runs at ``cfg.lr_at(k - 1)``, as the trainer sets it; the line
+    names the first step's rate, the peak's step (when the run reaches it) and the last
+    step's rate, read from that function rather than from the flags.
+    """
+    first, last = done + 1, cfg.steps
+    total = cfg.lr_schedule_steps or cfg.steps
+    head = f"lr: {cfg.lr_schedule} over {total} step(s)"
+    if cfg.warmup_steps:
+        head += f", {cfg.warmup_steps} of warm-up"
+    points = [f"{cfg.lr_at(first - 1):.2e} at step {first}"]
+    peak = max(cfg.warmup_steps, 1)
+    if first < peak < last:
+        points.append(f"peak {cfg.lr_at(peak - 1):.2e} at step {peak}")
+    if last > first:
+        points.append(f"{cfg.lr_at(last - 1):.2e} at step {last}")
+    return f"{head}: " + ", ".join(points)
+
+
 class RunReport:
     """The reporting side of one :class:`~hyper_parallel.train.Trainer` (see the module).
 
@@ -233,11 +258,11 @@ class RunReport:
         saved = int(saved)
         if saved != cfg.steps:
             t.cfg = dataclasses.replace(cfg, lr_schedule_steps=saved)
-            final = t.cfg.lr_at(saved)
+            # Step k (1-based) runs at lr_at(k - 1): past the schedule's end, at min_lr.
             tail = (
-                f"; steps {saved + 1}-{cfg.steps} run at its final {final:.2e}"
+                f"; steps {saved + 1}-{cfg.steps}, past its end, run at {t.cfg.lr_at(saved):.2e}"
                 if cfg.steps > saved
-                else ""
+                else f"; step {cfg.steps} runs at {t.cfg.lr_at(cfg.steps - 1):.2e}"
             )
             self.notes.append(
                 f"lr: the resumed run keeps the {cfg.lr_schedule} schedule of {saved} steps it "
@@ -283,14 +308,7 @@ class RunReport:
             f"sequences x {cfg.seq_len} tokens = {remaining * data.span:,} tokens, "
             f"{passes:.2f} pass(es) over the data{wrap}"
         )
-        total = cfg.lr_schedule_steps or cfg.steps
-        min_lr = 0.1 * cfg.lr if cfg.min_lr is None else cfg.min_lr
-        lines.append(
-            f"lr: {cfg.lr_schedule}, peak {cfg.lr:.2e} after {cfg.warmup_steps} warm-up "
-            f"step(s), down to {min_lr:.2e} at step {total}"
-            if cfg.lr_schedule != "constant"
-            else f"lr: constant {cfg.lr:.2e} after {cfg.warmup_steps} warm-up step(s)"
-        )
+        lines.append(lr_line(cfg, t.step))
         if cfg.checkpoint_dir:
             every = f"every {cfg.checkpoint_every} steps and " if cfg.checkpoint_every else ""
             keep = f", keeping the newest {cfg.keep_checkpoints}" if cfg.keep_checkpoints else ""

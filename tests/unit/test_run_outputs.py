@@ -167,6 +167,11 @@ def test_export_hf_carries_the_tokenizer_and_never_writes_into_its_checkpoint(ti
     assert run(argv) == 0
     assert cli(["export-hf", str(ckpt), str(ckpt)]) == 2  # its own folder: refused
     assert cli(["export-hf", str(ckpt / "step_000001"), str(ckpt)]) == 2  # holds it: refused
+    # The step folder it reads, even with --overwrite (this deleted the checkpoint once).
+    step = ckpt / "step_000001"
+    assert cli(["export-hf", str(ckpt), str(step), "--overwrite"]) == 2
+    assert cli(["export-hf", str(step), str(step), "--overwrite"]) == 2
+    assert [s for s, _ in checkpoint_steps(ckpt)] == [1] and (step / ".metadata").is_file()
     out = tmp_path / "exported"
     assert cli(["export-hf", str(ckpt), str(out)]) == 0
     names = set(os.listdir(out))
@@ -187,6 +192,38 @@ def test_save_hf_into_the_checkpoint_it_started_from_is_refused(tiny_hf, tmp_pat
     assert run([*argv, "--overwrite"]) == 2
     assert "is the input" in capsys.readouterr().err
     assert sorted(os.listdir(tiny_hf)) == before
+
+
+def test_save_hf_never_replaces_a_checkpoint_of_the_run(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    argv = [*TINY, "--steps", "1", "--checkpoint-dir", str(ckpt)]
+    assert run(argv) == 0
+    step = ckpt / "step_000001"
+    before = sorted(os.listdir(step))
+    for target in (step, tmp_path):  # a step folder, a folder holding the checkpoints
+        capsys.readouterr()
+        resumed = [*TINY, "--steps", "2", "--checkpoint-dir", str(ckpt), "--resume"]
+        assert run([*resumed, "--save-hf", str(target), "--overwrite"]) == 2
+        assert "even with --overwrite" in capsys.readouterr().err
+    assert sorted(os.listdir(step)) == before
+    assert [s for s, _ in checkpoint_steps(ckpt)] == [1]
+    # A new folder inside the checkpoint directory is fine.
+    assert (
+        run(
+            [
+                *argv[:-2],
+                "--checkpoint-dir",
+                str(ckpt),
+                "--resume",
+                "--steps",
+                "2",
+                "--save-hf",
+                str(ckpt / "hf"),
+            ]
+        )
+        == 0
+    )
+    assert [s for s, _ in checkpoint_steps(ckpt)] == [1, 2]
 
 
 def test_the_hugging_face_config_is_read_once_per_run(tiny_hf, tmp_path, monkeypatch):

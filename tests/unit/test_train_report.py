@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -87,6 +88,44 @@ def test_a_resumed_run_keeps_its_schedule_and_says_so_once(tmp_path, capsys):
     assert "keeps the" not in capsys.readouterr().out
 
 
+def _rates_said(line):
+    """``{step: rate}`` of every "R at step K" in a summary or note line."""
+    found = re.findall(r"(\d\.\d\de[-+]\d\d) at step (\d+)", line)
+    return {int(k): float(r) for r, k in found}
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd"])
+def test_the_lr_line_names_the_rates_the_optimizer_steps_at(tmp_path, capsys, schedule):
+    ckpt = str(tmp_path / "ckpt")
+    cfg = TrainConfig(steps=6, warmup_steps=2, lr_schedule=schedule, checkpoint_dir=ckpt, **TINY)
+    got = {}
+    trainer = Trainer(cfg, device="cpu")
+    # The rate each step ran at, read back from the optimizer after the step.
+    trainer.step_callback = lambda step, loss: got.setdefault(
+        step, trainer.optimizer.param_groups[0]["lr"]
+    )
+    trainer.fit()
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("lr: "))
+    said = _rates_said(line)
+    assert set(said) >= {1, 6}, line
+    for step, rate in said.items():
+        assert rate == pytest.approx(got[step], rel=5e-3), (line, got)  # printed to 3 digits
+    # Resumed with more steps: the note names the rate the steps past the end get.
+    resumed = Trainer(cfg.replace(steps=8, resume=True), device="cpu")
+    resumed.step_callback = lambda step, loss: got.setdefault(
+        step, resumed.optimizer.param_groups[0]["lr"]
+    )
+    resumed.fit()
+    out = capsys.readouterr().out
+    note = next(x for x in out.splitlines() if "keeps the" in x)
+    rate = float(re.search(r"steps 7-8, past its end, run at (\S+?)[; (]", note).group(1))
+    assert rate == pytest.approx(got[7], rel=5e-3) and got[7] == got[8], (note, got)
+    for step, said_rate in _rates_said(
+        next(x for x in out.splitlines() if x.startswith("lr: "))
+    ).items():
+        assert said_rate == pytest.approx(got[step], rel=5e-3)
+
+
 # ---------------------------------------------------------------------- summary and events
 
 
@@ -112,7 +151,12 @@ def test_the_start_summary_events_and_log_file(tmp_path, small_data, capsys):
     assert f"data: {small_data}: 100 tokens, 6 sequences of 16 (3 step(s) per pass)" in out
     assert "run: steps 1-7 (7) x 2 sequences x 16 tokens = 224 tokens, 2.33 pass(es)" in out
     assert "the data starts over every 3 step(s)" in out
-    assert "lr: wsd, peak 3.00e-03 after 3 warm-up step(s), down to 3.00e-04 at step 7" in out
+    # wsd over 7 steps decays over its last step: step 7 still runs at the peak (the
+    # line used to say "down to 3.00e-04 at step 7", a rate no step got).
+    assert (
+        "lr: wsd over 7 step(s), 3 of warm-up: 1.00e-03 at step 1, peak 3.00e-03 at step 3, "
+        "3.00e-03 at step 7" in out
+    )
     assert f"checkpoints: every 3 steps and at the end, to {ckpt}, keeping the newest 1" in out
     assert f"export: Hugging Face checkpoint to {hf} at the end" in out
     assert f"log: {ckpt / 'train.log'}" in out
