@@ -367,7 +367,9 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
     """
     from hyper_parallel.distributed.run_plan import RunPlan, default_num_microbatches
 
-    microbatches = args.microbatches or default_num_microbatches(layout.pp, args.schedule)
+    microbatches = args.microbatches or default_num_microbatches(
+        layout.pp, args.schedule, args.stages_per_rank
+    )
     if args.command == "plan":
         batch = args.batch * microbatches
         seq_len = args.seq or _SEQ_LEN
@@ -386,6 +388,7 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
         batch_size=batch,
         seq_len=seq_len,
         pipeline_split=args.pipeline_split,
+        stages_per_rank=args.stages_per_rank,
         compile=args.compile,
         **switches,
     )
@@ -556,6 +559,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
             dtype=args.dtype,
             loss_fn=get_spec(args.model).family.loss_fn,
             split=subject.run.pipeline_split,
+            stages_per_rank=subject.run.stages_per_rank,
         )
     except PipelineError as e:
         raise _PlanError(str(e), e.findings) from None
@@ -599,6 +603,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             schedule=args.schedule,
             num_microbatches=args.microbatches,
             pipeline_split=args.pipeline_split,
+            stages_per_rank=args.stages_per_rank,
         )
     except (ValueError, TypeError) as e:
         raise _UsageError(str(e)) from None

@@ -360,6 +360,7 @@ def pipeline_report(
     dtype: str = "fp32",
     loss_fn: Any = None,
     split: Any = None,
+    stages_per_rank: int | None = None,
 ) -> dict[str, Any]:
     """The pipeline part of a dry run: stages, per-rank bytes, bubble and P2P traffic.
 
@@ -382,6 +383,8 @@ def pipeline_report(
             model's per-token estimate (``stages.activation_elements``, no cp).
         split: The stage split (a :class:`~hyper_parallel.distributed.pipeline.PipelineSplit`,
             as the run plan holds it); ``None``: balanced by parameters.
+        stages_per_rank: Stages per rank, as the run plan holds it (``None``: the
+            schedule's default).
 
     Returns:
         ``stages`` (per stage: units, parameters, per-rank bytes, and with
@@ -392,7 +395,12 @@ def pipeline_report(
 
     units = stages.units(config)
     plan = plan_pipeline(
-        units, pp=layout.pp, schedule=schedule, num_microbatches=num_microbatches, split=split
+        units,
+        pp=layout.pp,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        split=split,
+        stages_per_rank=stages_per_rank,
     )
     if sharded_config is None and layout.cp > 1:
         raise ValueError(

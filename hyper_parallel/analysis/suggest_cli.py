@@ -103,6 +103,7 @@ def run_suggest(args: argparse.Namespace) -> int:
             sp=args.sp,
             compile=bool(args.compile),
             pipeline_split=args.pipeline_split,
+            stages_per_rank=args.stages_per_rank,
         )
     except DoesNotFit as e:
         if args.format == "json":
@@ -234,7 +235,8 @@ def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | N
 
     schedule = args.schedule if layout.pp > 1 else None
     # At pp=1 the run plan's micro-batches are gradient accumulation (default 1).
-    microbatches = args.microbatches or default_num_microbatches(layout.pp, args.schedule)
+    per_rank = args.stages_per_rank if layout.pp > 1 else None
+    microbatches = args.microbatches or default_num_microbatches(layout.pp, args.schedule, per_rank)
     dp = layout.size("dp_replicate") * layout.size("dp_shard")
     seq = args.seq or 2048
     global_batch = args.batch * microbatches * dp
@@ -259,6 +261,7 @@ def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | N
         schedule=schedule,
         ac=args.ac,
         sp=bool(args.sp),
+        stages_per_rank=per_rank,
     )
     p = scorer.predict(c)
     return {

@@ -191,6 +191,17 @@ RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
             "help": "pipeline stage split, e.g. '{\"units_per_stage\": 2}' (default: balanced)",
         },
     ),
+    (
+        "--stages-per-rank",
+        "stages_per_rank",
+        {
+            "type": int,
+            "metavar": "N",
+            "help": "pipeline stages each pp rank runs: 2 or more for Interleaved1F1B and "
+            "InterleavedZeroBubble (default 2), exactly 2 for ZBVZeroBubble, 1 for GPipe "
+            "and 1F1B",
+        },
+    ),
     ("--log-every", "log_every", {"type": int, "help": "log every N steps (0: never)"}),
     (
         "--compile",
@@ -267,7 +278,7 @@ RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ),
 )
 
-SWITCHES = ("sp", "schedule", "microbatches", "pipeline_split", "compile")
+SWITCHES = ("sp", "schedule", "microbatches", "pipeline_split", "stages_per_rank", "compile")
 """The options ``plan`` and ``validate`` take too: they change the run those check."""
 
 MODEL_FIELDS = ("model", "model_overrides", "hf_config")

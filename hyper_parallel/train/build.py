@@ -17,6 +17,8 @@ from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh
 from hyper_parallel.distributed.process_group import default_device as default_device
 from hyper_parallel.train.config import TrainConfig, run_plan
 
+__all__ = ["build_mesh", "build_parallel_model", "build_pipeline_stages"]
+
 
 def build_mesh(
     sizes: Mapping[str, int] | MeshLayout, device: torch.device | str | None = None

@@ -24,6 +24,8 @@ from hyper_parallel.train import report, run_hooks
 from hyper_parallel.train import schedule as lr_schedules
 from hyper_parallel.train.data import DEFAULT_TEXT
 
+__all__ = ["TRAINER_AXES", "TrainConfig", "check_config", "config_axes", "model_config", "run_plan"]
+
 TRAINER_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 """User axes the trainer runs; any other axis of size > 1 is refused by :func:`check_config`."""
 
@@ -72,6 +74,9 @@ class TrainConfig:
             :func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`).
         pipeline_split: The stage split (``{"units_per_stage": n}`` or
             ``{"stages": [[unit, ...], ...]}``); ``None`` balances stages by parameters.
+        stages_per_rank: Pipeline stages each pp rank runs: 1 for GPipe / 1F1B, 2 or
+            more for Interleaved1F1B and InterleavedZeroBubble, exactly 2 for
+            ZBVZeroBubble; ``None``: the schedule's default (1, or 2).
         compile: ``torch.compile`` each transformer block (``fullgraph=True``), after
             the tensor-parallel plan and before FSDP2
             (:mod:`hyper_parallel.distributed.compile`).
@@ -131,6 +136,7 @@ class TrainConfig:
     schedule: str = "1F1B"
     microbatches: int | None = None
     pipeline_split: dict[str, Any] | None = None
+    stages_per_rank: int | None = None
     compile: bool = False
     compile_backend: str = "inductor"
     dtype: str = "fp32"
@@ -220,7 +226,7 @@ class TrainConfig:
         """Micro-batches per step (``microbatches``; else 1, or one per pipeline stage)."""
         if self.microbatches is not None:
             return self.microbatches
-        return default_num_microbatches(self.layout.pp, self.schedule)
+        return default_num_microbatches(self.layout.pp, self.schedule, self.stages_per_rank)
 
     @property
     def world_size(self) -> int:
@@ -319,6 +325,7 @@ def run_plan(
         global_batch_size=cfg.batch_size,
         seq_len=cfg.seq_len,
         pipeline_split=cfg.pipeline_split,
+        stages_per_rank=cfg.stages_per_rank,
     )
 
 

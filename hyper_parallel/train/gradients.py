@@ -20,6 +20,8 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed.process_group import default_device as default_device
 from hyper_parallel.distributed.run_plan import RunPlan
 
+__all__ = ["ScaledLoss", "clip_grad_norm_", "set_gradient_sync"]
+
 
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],

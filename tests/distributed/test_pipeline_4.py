@@ -183,6 +183,16 @@ def test_trainer_with_pp_matches_one_process(dist):
         assert len(r["parts"]) == 2
 
 
+def test_trainer_with_four_stages_per_rank_and_fsdp_matches_one_process(dist):
+    # --stages-per-rank 4: 8 stages over 8 layers + the embedding and the head, looped over
+    # pp=2, each stage an FSDP2 unit over dp_shard=2 (a stage of one block, or none).
+    switches = {"stages_per_rank": 4, "model_overrides": {"num_layers": 8}, "batch_size": 8}
+    results = dist.run(trainer_parity, {"pp": 2, "dp_shard": 2}, "Interleaved1F1B", 4, switches)
+    _check_trainer_parity(results)
+    for r in results:
+        assert len(r["parts"]) == 4
+
+
 # The trainer's wiring: experts on each pp rank's ep mesh, their gradients scaled to the
 # dense convention after the schedule (dp_shard / efsdp), clipped over pp. Under cp the
 # loss is scaled by 1 / cp and the stages' FSDP2 sums over cp (the balance loss sends its

@@ -59,6 +59,8 @@ def validate_argv(cfg: dict[str, Any]) -> list[str]:
         argv.append("--compile")
     if cfg.get("pipeline_split") is not None:
         argv += ["--pipeline-split", json.dumps(cfg["pipeline_split"])]
+    if cfg.get("stages_per_rank") is not None:
+        argv += ["--stages-per-rank", str(cfg["stages_per_rank"])]
     return argv
 
 
@@ -71,7 +73,7 @@ def plan_argv(cfg: dict[str, Any]) -> list[str] | None:
     argv[0] = "plan"
     pp = cfg["mesh"].get("pp", 1)
     microbatches = cfg.get("microbatches") or default_num_microbatches(
-        pp, cfg.get("schedule", "1F1B")
+        pp, cfg.get("schedule", "1F1B"), cfg.get("stages_per_rank")
     )
     at = argv.index("--batch") + 1
     per_rank = int(argv[at])
@@ -92,8 +94,8 @@ def suggest_argv(cfg: dict[str, Any], world_size: int) -> list[str]:
 
     mesh = ",".join(f"{k}={v}" for k, v in cfg["mesh"].items()) or "dp_shard=1"
     schedule = cfg.get("schedule", "1F1B")
-    microbatches = cfg.get("num_microbatches") or default_num_microbatches(
-        cfg["mesh"].get("pp", 1), schedule
+    microbatches = cfg.get("microbatches") or default_num_microbatches(
+        cfg["mesh"].get("pp", 1), schedule, cfg.get("stages_per_rank")
     )
     argv = ["suggest", "--model", cfg["model"], "--mesh", mesh, "--gpus", str(world_size)]
     if cfg.get("model_overrides"):
@@ -108,6 +110,8 @@ def suggest_argv(cfg: dict[str, Any], world_size: int) -> list[str]:
         argv.append("--compile")
     if cfg.get("pipeline_split") is not None:
         argv += ["--pipeline-split", json.dumps(cfg["pipeline_split"])]
+    if cfg.get("stages_per_rank") is not None:
+        argv += ["--stages-per-rank", str(cfg["stages_per_rank"])]
     return argv
 
 

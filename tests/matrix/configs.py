@@ -66,7 +66,6 @@ SWITCHES: dict[str, tuple[Any, ...]] = {
 WORLD_SIZE = 4
 GLOBAL_BATCH = 8
 SEQ_LEN = 16
-UNITS = 4  # embedding, 2 blocks, head: every debug family
 
 
 def _world(row: Mapping[str, Any]) -> int:
@@ -135,10 +134,6 @@ class Config:
         """The :class:`~hyper_parallel.train.TrainConfig` fields of this run (2 steps)."""
         s = self.switches
         pipelined = s["pipeline"] != "pp1"
-        split = None
-        if pipelined and s["stages_per_rank"] != "default":
-            pp = self.mesh["pp"]
-            split = {"units_per_stage": max(1, UNITS // (pp * s["stages_per_rank"]))}
         out: dict[str, Any] = dict(
             model=s["family"],
             mesh=self.mesh,
@@ -155,7 +150,8 @@ class Config:
         )
         if pipelined:
             out["schedule"] = s["pipeline"]
-            out["pipeline_split"] = split
+            if s["stages_per_rank"] != "default":
+                out["stages_per_rank"] = s["stages_per_rank"]
         if s["microbatches"] != "default":
             out["microbatches"] = s["microbatches"]
         if s["family"] == "qwen3-moe-debug":
@@ -219,7 +215,7 @@ PROBES: tuple[dict[str, Any], ...] = (
     # ep on a dense model (no routed experts to spread).
     dict(_EIGHT_BASE, family="llama3-debug", pipeline="pp1", dp_replicate=1, dp_shard=2, cp=1,
          tp=2, ep=2),
-    # One stage per rank for a V schedule, and two per rank for 1F1B (as splits).
+    # One stage per rank for a V schedule, and two per rank for 1F1B (--stages-per-rank).
     dict(_EIGHT_BASE, family="qwen3-debug", pipeline="ZBVZeroBubble", stages_per_rank=1,
          dp_replicate=1, dp_shard=2, cp=1, tp=1),
     dict(_EIGHT_BASE, family="llama3-debug", pipeline="1F1B", stages_per_rank=2,

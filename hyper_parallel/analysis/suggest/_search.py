@@ -76,6 +76,7 @@ def _candidates(
     allow_cross_node_ep: bool,
     rejected: Counter,
     microbatches: int | None = None,
+    stages_per_rank: int | None = None,
 ) -> Iterator[Candidate]:
     """Every layout worth asking the checks about; the ones refused here are counted."""
     tps = [t for t in _divisors(gpus) if allow_cross_node_tp or gpus_per_node % t == 0]
@@ -111,18 +112,40 @@ def _candidates(
                                 ] += len(eps) - len(near)
                             eps = near
                     for ep in eps:
-                        for schedule, m in _pipelines(pp, local, microbatches):
+                        pipelines = _pipelines(pp, local, microbatches, stages_per_rank, num_layers)
+                        for schedule, m, per_rank in pipelines:
                             for ac in AC_MODES:
                                 if tp > 1:  # searched, and refused without a trace
                                     rejected[SP_DOMINATES] += 1
                                 yield Candidate(
-                                    pp, dp_replicate, dp_shard, cp, tp, ep, m, schedule, ac, tp > 1
+                                    pp,
+                                    dp_replicate,
+                                    dp_shard,
+                                    cp,
+                                    tp,
+                                    ep,
+                                    m,
+                                    schedule,
+                                    ac,
+                                    tp > 1,
+                                    per_rank,
                                 )
 
 
 def _structure(c: Candidate) -> tuple:
     """What tells two layouts apart beyond how dp splits into dp_replicate x dp_shard."""
-    return (c.pp, c.dp, c.cp, c.tp, c.ep, c.microbatches, c.schedule, c.ac, c.sp)
+    return (
+        c.pp,
+        c.dp,
+        c.cp,
+        c.tp,
+        c.ep,
+        c.microbatches,
+        c.schedule,
+        c.stages_per_rank,
+        c.ac,
+        c.sp,
+    )
 
 
 def _complexity(c: Candidate) -> int:
@@ -176,26 +199,44 @@ def _rank(
     return ranked, why, equivalents
 
 
-def _pipelines(pp: int, local: int, fixed: int | None = None) -> list[tuple[str | None, int]]:
-    """Schedules and micro-batch counts (only ``fixed`` when given). Without pp, gradient
-    accumulation: every power of two that divides the local batch, and the local batch
-    itself (one sequence per micro-batch) — the fewest that fit win (the same compute,
-    fewer FSDP2 gathers). With pp every schedule torch runs, at the run plan's
-    micro-batch count (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`:
-    one per stage) and at 2 and 4 times it. Whether the local batch splits into them is
-    the run plan's finding."""
+def _pipelines(
+    pp: int,
+    local: int,
+    fixed: int | None = None,
+    stages_per_rank: int | None = None,
+    num_layers: int | None = None,
+) -> list[tuple[str | None, int, int | None]]:
+    """Schedules, micro-batch counts and stages per rank (only ``fixed`` /
+    ``stages_per_rank`` when given). Without pp, gradient accumulation: every power of
+    two that divides the local batch, and the local batch itself (one sequence per
+    micro-batch) — the fewest that fit win (the same compute, fewer FSDP2 gathers). With
+    pp every schedule torch runs; the looped ones (several stages per rank) at 2 stages
+    per rank and, where the layers allow, 4 and 8 (a smaller bubble); each at the run
+    plan's micro-batch count
+    (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`: one per
+    stage) and at 2 and 4 times it. Whether the local batch splits into them, and the
+    schedule takes that many stages, is the run plan's finding."""
+    from hyper_parallel.distributed.pipeline import MULTI_STAGE_SCHEDULES
     from hyper_parallel.distributed.run_plan import default_num_microbatches
 
     if pp == 1:
         if fixed:
-            return [(None, fixed)]
+            return [(None, fixed, None)]
         counts = [1 << k for k in range(local.bit_length()) if local % (1 << k) == 0]
-        return [(None, m) for m in sorted({*counts, local})]
-    out: list[tuple[str | None, int]] = []
+        return [(None, m, None) for m in sorted({*counts, local})]
+    out: list[tuple[str | None, int, int | None]] = []
     for schedule in SCHEDULES:
-        base = default_num_microbatches(pp, schedule)
-        counts = [fixed] if fixed else [k * base for k in (1, 2, 4)]
-        out += [(schedule, m) for m in counts]
+        if stages_per_rank is not None:
+            per_ranks: list[int | None] = [stages_per_rank]
+        elif schedule in MULTI_STAGE_SCHEDULES and schedule != "ZBVZeroBubble":
+            deeper = [s for s in (4, 8) if num_layers is None or pp * s <= num_layers]
+            per_ranks = [None, *deeper]  # None: the default, 2
+        else:
+            per_ranks = [None]
+        for per_rank in per_ranks:
+            base = default_num_microbatches(pp, schedule, per_rank)
+            counts = [fixed] if fixed else [k * base for k in (1, 2, 4)]
+            out += [(schedule, m, per_rank) for m in counts]
     return out
 
 
@@ -231,7 +272,8 @@ def _matches(
     microbatches: int | None,
     sp: bool | None = None,
 ) -> bool:
-    """Whether ``c`` keeps what the caller fixed."""
+    """Whether ``c`` keeps what the caller fixed (``stages_per_rank`` is fixed where the
+    candidates are made)."""
     if mesh is not None and c.mesh() != mesh:
         return False
     if sp is not None and c.sp != sp:
@@ -262,6 +304,7 @@ def suggest(
     sp: bool | None = None,
     compile: bool = False,
     pipeline_split: Mapping[str, Any] | None = None,
+    stages_per_rank: int | None = None,
 ) -> SuggestReport:
     """Search the layouts of ``model`` on ``gpus`` GPUs; the best ``top`` by step time.
 
@@ -289,6 +332,8 @@ def suggest(
         sp: Fix sequence parallelism (``None``: searched).
         compile: The run compiles its blocks (the run plan's compile findings).
         pipeline_split: The run's stage split (``{"units_per_stage": n}``, ...).
+        stages_per_rank: Fix the pipeline stages per rank (pp > 1; ``None``: searched
+            for the looped schedules: 2, 4, 8).
 
     Returns:
         A :class:`SuggestReport`, plans best first.
@@ -343,6 +388,7 @@ def suggest(
         allow_cross_node_ep=allow_cross_node_ep,
         rejected=rejected,
         microbatches=microbatches,
+        stages_per_rank=stages_per_rank,
     ):
         if not _matches(c, fixed, schedule, ac, microbatches, sp):
             continue
@@ -400,7 +446,7 @@ def suggest(
         slurm=slurm,
     )
     if not plans and fixed is not None:
-        _refuse_fixed(checks, fixed, schedule, ac, microbatches, sp)
+        _refuse_fixed(checks, fixed, schedule, ac, microbatches, sp, stages_per_rank)
     if not plans:
         if best_unfit is None:
             raise DoesNotFit(
@@ -427,6 +473,7 @@ def _refuse_fixed(
     ac: str | None,
     microbatches: int | None,
     sp: bool | None,
+    stages_per_rank: int | None = None,
 ) -> None:
     """Raise the run plan's errors of the fixed run (the switches not fixed at the
     trainer's defaults), when it has any: the gate the trainer, ``validate`` and
@@ -436,10 +483,12 @@ def _refuse_fixed(
     schedule = schedule or "1F1B"
     c = Candidate(
         **mesh,
-        microbatches=microbatches or default_num_microbatches(mesh["pp"], schedule),
+        microbatches=microbatches
+        or default_num_microbatches(mesh["pp"], schedule, stages_per_rank),
         schedule=schedule if mesh["pp"] > 1 else None,
         ac=ac or "none",
         sp=bool(sp),
+        stages_per_rank=stages_per_rank if mesh["pp"] > 1 else None,
     )
     described = ",".join(f"{a}={v}" for a, v in mesh.items() if v > 1) or "one device"
     raise_findings(checks.run(c).errors, f"suggest --mesh {described}")
@@ -664,6 +713,8 @@ def _train_args(
         args.append("--sp")
     if c.pp > 1:
         args += ["--schedule", c.schedule or "1F1B", "--microbatches", str(c.microbatches)]
+        if c.stages_per_rank is not None:
+            args += ["--stages-per-rank", str(c.stages_per_rank)]
     elif c.microbatches > 1:  # gradient accumulation
         args += ["--microbatches", str(c.microbatches)]
     return args

@@ -478,25 +478,28 @@ def check_pipeline(
             findings.append(
                 _error(
                     "stages_per_rank",
-                    f"{schedule} runs one stage per rank, got stages_per_rank={stages_per_rank}.",
-                    "use 1, or an interleaved schedule (Interleaved1F1B, InterleavedZeroBubble, "
-                    "ZBVZeroBubble) for several stages per rank.",
+                    f"{schedule} runs one stage per rank, got --stages-per-rank {stages_per_rank}.",
+                    "leave --stages-per-rank out (or 1), or use a looped schedule "
+                    "(Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble) for "
+                    "several stages per rank.",
                 )
             )
         elif multi and stages_per_rank < 2:
             findings.append(
                 _error(
                     "stages_per_rank",
-                    f"{schedule} runs several stages per rank, got {stages_per_rank}.",
-                    "use 2 or more, or GPipe / 1F1B for one stage per rank.",
+                    f"{schedule} runs several stages per rank, got --stages-per-rank "
+                    f"{stages_per_rank}.",
+                    "use --stages-per-rank 2 or more, or GPipe / 1F1B for one stage per rank.",
                 )
             )
     if schedule in _V_SHAPE and stages_per_rank not in (None, 2):
         findings.append(
             _error(
                 "stages_per_rank",
-                f"{schedule} places exactly 2 stages per rank (a V), got {stages_per_rank}.",
-                "use stages_per_rank=2, or Interleaved1F1B for more.",
+                f"{schedule} places exactly 2 stages per rank (a V), got --stages-per-rank "
+                f"{stages_per_rank}.",
+                "use --stages-per-rank 2 (or leave it out), or Interleaved1F1B for more.",
             )
         )
     if num_microbatches < 1:
