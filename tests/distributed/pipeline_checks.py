@@ -426,7 +426,7 @@ def cp_stage_collectives_per_step(schedule: str, num_microbatches: int) -> dict[
     axis; the loss's broadcast over pp (not a stage's) is outside it.
     """
     from hyper_parallel.analysis.collectives import CollectiveRecorder, axis_groups
-    from hyper_parallel.analysis.dry_run import _fsdp_group_names
+    from hyper_parallel.analysis.dry_run._trace import _fsdp_group_names
 
     layout, mesh, _, plan, modules, sched = _setup(
         "pp=2,cp=2", schedule, num_microbatches, None, {}
