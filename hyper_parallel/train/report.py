@@ -259,11 +259,13 @@ class RunReport:
         if saved != cfg.steps:
             t.cfg = dataclasses.replace(cfg, lr_schedule_steps=saved)
             # Step k (1-based) runs at lr_at(k - 1): past the schedule's end, at min_lr.
-            tail = (
-                f"; steps {saved + 1}-{cfg.steps}, past its end, run at {t.cfg.lr_at(saved):.2e}"
-                if cfg.steps > saved
-                else f"; step {cfg.steps} runs at {t.cfg.lr_at(cfg.steps - 1):.2e}"
-            )
+            rate = t.cfg.lr_at(saved)
+            if cfg.steps > saved + 1:
+                tail = f"; steps {saved + 1}-{cfg.steps}, past its end, run at {rate:.2e}"
+            elif cfg.steps == saved + 1:
+                tail = f"; step {cfg.steps}, past its end, runs at {rate:.2e}"
+            else:
+                tail = f"; step {cfg.steps} runs at {t.cfg.lr_at(cfg.steps - 1):.2e}"
             self.notes.append(
                 f"lr: the resumed run keeps the {cfg.lr_schedule} schedule of {saved} steps it "
                 f"was started with{tail} (pass --lr-schedule-steps {cfg.steps} to fit it "
