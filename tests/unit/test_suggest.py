@@ -496,3 +496,44 @@ def test_predicted_states_equal_the_dry_run_of_the_layout(source, mesh) -> None:
             "activations": report.per_rank.activations * sequences,
         }
         assert {k: p.memory[k] for k in expected} == expected, ac
+
+
+# ---------------------------------------------------------------------- pipeline search
+
+
+def test_the_pipeline_search_covers_stages_per_rank_and_short_local_batches():
+    from hyper_parallel.analysis.suggest._search import _pipelines
+
+    # Llama 3 405B at 8K on 16,384 GPUs: pp=16, 16 sequences per data-parallel rank; 126
+    # layers take 4 stages per rank at pp=16, not 8.
+    found = _pipelines(16, 16, num_layers=126)
+    per_rank = {}
+    for schedule, _m, spr in found:
+        per_rank.setdefault(schedule, set()).add(spr)
+    assert per_rank["Interleaved1F1B"] == {None, 4}
+    assert per_rank["InterleavedZeroBubble"] == {None, 4}
+    assert per_rank["ZBVZeroBubble"] == per_rank["1F1B"] == per_rank["GPipe"] == {None}
+    # One sequence per micro-batch is searched under every schedule, though the default
+    # count (one per stage: 32 for 2 stages per rank) is more than the batch holds.
+    for schedule in ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"):
+        assert (schedule, 16, None) in found, schedule
+    # Fixed by the caller: only that.
+    fixed = _pipelines(2, 8, fixed=4, stages_per_rank=3, num_layers=8)
+    assert {(s, m, spr) for s, m, spr in fixed if s == "Interleaved1F1B"} == {
+        ("Interleaved1F1B", 4, 3)
+    }
+    assert _pipelines(1, 8) == [(None, m, None) for m in (1, 2, 4, 8)]
+
+
+def test_suggested_commands_carry_the_stages_per_rank():
+    from hyper_parallel.analysis.suggest import Candidate, ModelSource
+    from hyper_parallel.analysis.suggest._search import _train_args
+
+    c = Candidate(2, 1, 2, 1, 1, 1, 8, "Interleaved1F1B", "none", False, 4)
+    args = _train_args(ModelSource("llama3-debug"), c, 16, 8, "bf16")
+    at = args.index("--stages-per-rank")
+    assert args[at + 1] == "4" and args[args.index("--microbatches") + 1] == "8"
+    default = dataclasses.replace(c, stages_per_rank=None)
+    assert "--stages-per-rank" not in _train_args(
+        ModelSource("llama3-debug"), default, 16, 8, "bf16"
+    )

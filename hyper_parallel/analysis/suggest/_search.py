@@ -214,8 +214,9 @@ def _pipelines(
     per rank and, where the layers allow, 4 and 8 (a smaller bubble); each at the run
     plan's micro-batch count
     (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`: one per
-    stage) and at 2 and 4 times it. Whether the local batch splits into them, and the
-    schedule takes that many stages, is the run plan's finding."""
+    stage), at 2 and 4 times it and, for a local batch shorter than that, at each
+    pp x 2^k below it that divides the local batch. Whether the local batch splits into
+    them, and the schedule takes that many stages, is the run plan's finding."""
     from hyper_parallel.distributed.pipeline import MULTI_STAGE_SCHEDULES
     from hyper_parallel.distributed.run_plan import default_num_microbatches
 
@@ -235,7 +236,14 @@ def _pipelines(
             per_ranks = [None]
         for per_rank in per_ranks:
             base = default_num_microbatches(pp, schedule, per_rank)
-            counts = [fixed] if fixed else [k * base for k in (1, 2, 4)]
+            if fixed:
+                counts = [fixed]
+            else:
+                # Also fewer than one per stage when the local batch is short (pp=16 with
+                # 16 sequences per data-parallel rank: Llama 3 405B's 8K run): every
+                # pp x 2^k that divides it.
+                fewer = [pp << k for k in range(8) if (pp << k) < base and local % (pp << k) == 0]
+                counts = [*fewer, *(k * base for k in (1, 2, 4))]
             out += [(schedule, m, per_rank) for m in counts]
     return out
 
