@@ -214,8 +214,8 @@ def _pipelines(
     per rank and, where the layers allow, 4 and 8 (a smaller bubble); each at the run
     plan's micro-batch count
     (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`: one per
-    stage), at 2 and 4 times it and, for a local batch shorter than that, at each
-    pp x 2^k below it that divides the local batch. Whether the local batch splits into
+    stage), at 2 and 4 times it (2 stages per rank only) and, for a local batch shorter
+    than that, at each pp x 2^k below it that divides the local batch. Whether the local batch splits into
     them, and the schedule takes that many stages, is the run plan's finding."""
     from hyper_parallel.distributed.pipeline import MULTI_STAGE_SCHEDULES
     from hyper_parallel.distributed.run_plan import default_num_microbatches
@@ -243,7 +243,10 @@ def _pipelines(
                 # 16 sequences per data-parallel rank: Llama 3 405B's 8K run): every
                 # pp x 2^k that divides it.
                 fewer = [pp << k for k in range(8) if (pp << k) < base and local % (pp << k) == 0]
-                counts = [*fewer, *(k * base for k in (1, 2, 4))]
+                # Deeper loops at their own default count only: each doubles the stages
+                # (a smaller bubble) where more micro-batches would do it too.
+                more = (1, 2, 4) if per_rank is None else (1,)
+                counts = [*fewer, *(k * base for k in more)]
             out += [(schedule, m, per_rank) for m in counts]
     return out
 
