@@ -102,6 +102,7 @@ def test_generate_prints_transformers_greedy_continuation(walkthrough, capsys):
     from transformers import AutoModelForCausalLM
 
     from hyper_parallel.cli import main
+    from hyper_parallel.hf_commands.commands import printable
 
     out = walkthrough["out"]
     prompt = "First Citizen:"
@@ -115,8 +116,8 @@ def test_generate_prints_transformers_greedy_continuation(walkthrough, capsys):
     theirs = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     expected = theirs[0, len(ids) :].tolist()
     assert result["ids"] == expected
-    assert main(argv) == 0
-    assert capsys.readouterr().out.strip() == tokenizer.decode(expected).strip()
+    assert main(argv) == 0  # the prompt, then its continuation, as one text
+    assert capsys.readouterr().out.strip() == printable(tokenizer.decode(ids + expected)).strip()
     # The trainer checkpoint generates the same (it records its model and tokenizer).
     assert main(["generate", "--checkpoint", walkthrough["ckpt"], "--prompt", prompt,
                  "--max-new-tokens", "12", "--format", "json"]) == 0  # fmt: skip

@@ -327,6 +327,18 @@ def test_an_empty_or_short_data_file_names_the_real_flags_and_counts(tiny_hf, tm
     assert "lower --batch-size to 1" in err and "--global-batch-size" not in err
 
 
+def test_generate_prints_the_prompt_and_escapes_control_characters(tiny_hf, capsys):
+    from hyper_parallel.hf_commands.commands import printable
+
+    assert printable("a\x1b[2Jb\x00c\nd\te") == "a\\x1b[2Jb\\x00c\nd\te"
+    assert printable("café — ok") == "café — ok"  # only control characters change
+    argv = ["generate", "--hf-checkpoint", tiny_hf, "--prompt", "First", "--max-new-tokens", "8"]
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("First")
+    assert all(ch in "\n\t" or (ord(ch) >= 32 and ord(ch) != 127) for ch in out)
+
+
 def test_help_names_every_command(capsys):
     from hyper_parallel.cli import _parser
 
