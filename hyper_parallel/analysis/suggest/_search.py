@@ -324,8 +324,21 @@ def suggest(
     tracer = _Tracer(source, seq_len, dtype)
     flops = count_flops(source, seq_len)
     limit = usable_memory(hw)
+    # What differs from the eager trainer that the run states (compile), at the
+    # published-runs fit (STATED_FACTORS).
     ctx = _Context(
-        source, hw, node, gpus, seq_len, global_batch, dtype, flops, checks, tracer, limit
+        source,
+        hw,
+        node,
+        gpus,
+        seq_len,
+        global_batch,
+        dtype,
+        flops,
+        checks,
+        tracer,
+        limit,
+        factors=RunFactors.stated(compile=compile),
     )
     lower_bound_states = 16 * sum(p for p in _param_counts(checks))
     searched = 0
@@ -394,7 +407,7 @@ def suggest(
         points=points,
         memory_limit=int(limit),
         best_unfit=best_unfit,
-        assumptions=_assumptions(hw, max_seq, seq_len),
+        assumptions=_assumptions(hw, max_seq, seq_len, ctx.factors),
         why=why,
         equivalents=equivalents,
         slurm=slurm,
@@ -700,7 +713,9 @@ def _slurm(command: str, gpus: int, node: int) -> str | None:
     return slurm_script(train_options(command), nodes=nodes, gpus_per_node=per_node)
 
 
-def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
+def _assumptions(
+    hw: Hardware, max_seq: int | None, seq_len: int, factors: RunFactors | None = None
+) -> list[str]:
     from hyper_parallel.analysis.cost_model import (
         MEMORY_HEADROOM_BYTES,
         MEMORY_HEADROOM_FRACTION,
@@ -748,6 +763,11 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "stage: pp, or 2 pp for the interleaved schedules); counts the local batch does "
         "not split into are the run plan's 'num_microbatches' refusals.",
     ]
+    if factors is not None and factors.compute != 1.0:
+        notes.append(
+            f"torch.compile: compute times x{factors.compute:g} (STATED_FACTORS: the fit of "
+            "benchmarks/bench_published.py on published runs that compile)."
+        )
     for field_name, source in sorted(hw.sources.items()):
         notes.append(f"{hw.name} {field_name}: {source}")
     if max_seq is not None and seq_len > max_seq:
