@@ -275,7 +275,12 @@ def test_published_runs_follow_their_split_rule_and_name_what_we_ship():
 
 
 def test_top_k_lists_distinct_structures_simplest_first_within_the_models_error():
-    from hyper_parallel.analysis.suggest._search import MODEL_ERROR, _complexity, _structure
+    from hyper_parallel.analysis.suggest._search import (
+        TOLD_APART,
+        _Needs,
+        _simplicity,
+        _structure,
+    )
 
     report = suggest(
         DEBUG, gpus=4, gpu="h100-80gb", seq_len=SEQ, global_batch_tokens=8 * SEQ, top=8
@@ -284,7 +289,9 @@ def test_top_k_lists_distinct_structures_simplest_first_within_the_models_error(
     structures = [_structure(c) for c, _ in plans]
     assert len(set(structures)) == len(structures)  # dp splits are one plan
     fastest = min(p.step_s for _, p in plans)
-    band = [c for c, p in plans if p.step_s <= fastest * (1 + MODEL_ERROR)]
+    band = [c for c, p in plans if p.step_s <= fastest * TOLD_APART]
     assert band == [c for c, _ in plans[: len(band)]]  # the band leads
-    assert [_complexity(c) for c in band] == sorted(_complexity(c) for c in band)
+    needs = _Needs.of([c for c, _ in plans])
+    keys = [_simplicity(c, needs) for c in band]
+    assert keys == sorted(keys)
     assert len(report.why) == len(plans) and all(report.why)
