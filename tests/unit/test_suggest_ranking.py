@@ -128,3 +128,51 @@ def test_top_cuts_after_ordering_and_nothing_scored_gives_nothing():
     ranked, why, equivalents = _rank(scored, top=1)
     assert _meshes(ranked) == ["dp_shard=8"] and len(why) == len(equivalents) == 1
     assert _rank([], top=3) == ([], [], [])
+
+
+# ----------------------------------------------------------------------------- pipelines
+
+
+def test_pipeline_counts_reach_one_sequence_per_micro_batch():
+    from hyper_parallel.analysis.suggest._search import _pipelines
+
+    by_schedule: dict[str | None, list[int]] = {}
+    for schedule, m in _pipelines(16, 16):
+        by_schedule.setdefault(schedule, []).append(m)
+    # pp=16 with 16 sequences per rank: below the interleaved default (2 pp = 32), the
+    # local batch itself is searched for every schedule.
+    assert set(by_schedule) == {
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+    }
+    assert all(counts == [16] for counts in by_schedule.values())
+    one_f_one_b = [m for s, m in _pipelines(4, 64) if s == "1F1B"]
+    assert one_f_one_b == [4, 8, 16, 32, 64]  # pp, 2 pp, 4 pp, half the batch, the batch
+    # Only counts the local batch splits into, and at least one per pipeline rank.
+    assert [m for s, m in _pipelines(4, 6) if s == "1F1B"] == [6]
+    assert _pipelines(8, 4) == []
+    assert _pipelines(4, 64, fixed=12) == [(s, 12) for s in by_schedule]
+
+
+def test_a_pipeline_plan_takes_the_micro_batches_that_shrink_its_bubble():
+    import dataclasses
+
+    from hyper_parallel.analysis.cost_model import Link, load_hardware
+    from hyper_parallel.analysis.suggest import LayoutScorer, ModelSource, suggest
+
+    model = ModelSource("llama3-debug", (("num_layers", 4),), label="llama-debug-4")
+    # Links without latency: the tiny model's step is then its compute and bubble, as a
+    # large model's is (with latency, its microsecond micro-batches favour fewer).
+    link = Link(bandwidth=450e9, latency_s=0.0, efficiency=1.0)
+    hw = dataclasses.replace(load_hardware("h100-80gb"), intra_node=link, inter_node=link)
+    kw = dict(gpus=4, gpu=hw, seq_len=64, global_batch_tokens=32 * 64)
+    report = suggest(model, mesh={"pp": 2, "dp_shard": 2}, schedule="1F1B", ac="none", **kw)
+    best, predicted, _ = report.plans[0]
+    assert best.microbatches == 16  # the local batch: one sequence per micro-batch
+    default = LayoutScorer(model, **kw).predict(
+        _c(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)
+    )
+    assert predicted.bubble_fraction < default.bubble_fraction / 2

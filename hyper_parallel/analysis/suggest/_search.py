@@ -240,8 +240,11 @@ def _pipelines(pp: int, local: int, fixed: int | None = None) -> list[tuple[str 
     itself (one sequence per micro-batch) — the fewest that fit win (the same compute,
     fewer FSDP2 gathers). With pp every schedule torch runs, at the run plan's
     micro-batch count (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`:
-    one per stage) and at 2 and 4 times it. Whether the local batch splits into them is
-    the run plan's finding."""
+    one per stage), at 2 and 4 times it, and at the local batch and half of it (one or
+    two sequences per micro-batch: the most micro-batches, the smallest bubble; e.g.
+    pp=16 with 16 sequences per rank, below the interleaved schedules' default of 32):
+    those the local batch splits into, at least one per pipeline rank (fewer leave
+    most ranks idle). Whether the schedule runs them is the run plan's finding."""
     from hyper_parallel.distributed.run_plan import default_num_microbatches
 
     if pp == 1:
@@ -251,9 +254,12 @@ def _pipelines(pp: int, local: int, fixed: int | None = None) -> list[tuple[str 
         return [(None, m) for m in sorted({*counts, local})]
     out: list[tuple[str | None, int]] = []
     for schedule in SCHEDULES:
+        if fixed:
+            out.append((schedule, fixed))
+            continue
         base = default_num_microbatches(pp, schedule)
-        counts = [fixed] if fixed else [k * base for k in (1, 2, 4)]
-        out += [(schedule, m) for m in counts]
+        counts = {k * base for k in (1, 2, 4)} | {local, local // 2}
+        out += [(schedule, m) for m in sorted(counts) if m >= pp and local % m == 0]
     return out
 
 
@@ -818,8 +824,9 @@ def _assumptions(
         "until then (counted as the gradients' memory).",
         f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank; pp up "
         f"to {MAX_PP}, with 1, 2 and 4 times the run plan's micro-batch count (one per "
-        "stage: pp, or 2 pp for the interleaved schedules); counts the local batch does "
-        "not split into are the run plan's 'num_microbatches' refusals.",
+        "stage: pp, or 2 pp for the interleaved schedules) and the local batch and half "
+        "of it (one or two sequences per micro-batch), each that the local batch splits "
+        "into with at least one micro-batch per pipeline rank.",
     ]
     if factors is not None and factors.compute != 1.0:
         notes.append(
