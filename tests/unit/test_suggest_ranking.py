@@ -93,6 +93,10 @@ def test_within_the_error_fewer_axes_first_beyond_it_by_time():
     assert why[0].startswith("+27% vs the fastest, within the model's error")
     assert "no axis beyond FSDP; ac=full" in why[0]
     assert "ahead of the fastest, dp_shard=2,cp=4" in why[0]
+    assert why[1] == (
+        "+1% vs the fastest, not told apart (within 1.5x), so simplest first: "
+        "axes beyond FSDP: tp; ac=none"
+    )
     assert "cp where a layout without it fits" in why[3]
     assert why[4] == "+51% vs the fastest: beyond the model's error, by time"
 

@@ -203,10 +203,15 @@ def _rank(evaluated: list[Scored], top: int) -> tuple[list[Scored], list[str], l
     for i, (c, p) in enumerate(ordered[:top]):
         slower = p.step_s / fastest[1].step_s - 1
         if i < in_band:
+            told = (
+                f"within the model's error (+-{MODEL_ERROR:.0%} a prediction: step times "
+                f"within {TOLD_APART:.1f}x are not told apart)"
+                if i == 0
+                else f"not told apart (within {TOLD_APART:.1f}x)"
+            )
             note = (
-                f"{_percent(slower)} vs the fastest, within the model's error (+-{MODEL_ERROR:.0%} "
-                f"a prediction: step times within {TOLD_APART:.1f}x are not told apart), "
-                f"so simplest first: {_simplicity_text(c, needs)}"
+                f"{_percent(slower)} vs the fastest, {told}, so simplest first: "
+                f"{_simplicity_text(c, needs)}"
             )
             if i == 0 and c is not fastest[0]:
                 note += (
