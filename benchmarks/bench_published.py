@@ -9,12 +9,18 @@ memory where given, the source) and predicts each run with the planner's cost mo
 Free parameters, fitted on the ``fit`` rows only (the split is the file's, assigned by
 its stated rule before any fitting and checked on load): the bf16 compute efficiency
 (one value for every H100/H200 file), the attention kernel's efficiency (its score
-matmuls, which dominate at long sequences), the collective efficiency (one multiplier on
-every link's), and the stated factors of what differs from our trainer: the compute
-time under ``torch.compile``, under float8 linears (tensorwise, rowwise) and the share
-of tp collectives async TP leaves exposed. "Before" is the hardware files' constants
-with no factor modeled (what the planner predicted until now). Held-out rows never
-enter the fit; their errors are reported apart. Nothing fitted is written anywhere.
+matmuls, which dominate at long sequences), the links' collective efficiency (every
+link of those files), and the stated factors of what differs from our trainer: the
+compute time under ``torch.compile``, under float8 linears (tensorwise, rowwise) and the
+share of tp collectives async TP leaves exposed. "Before" is the datasheet constants
+with no factor modeled (:data:`BEFORE`: what the planner predicted until the fit was
+written). Held-out rows never enter the fit; their errors are reported apart.
+
+The fit is what the planner uses: the GPU's values are written in the hardware files
+the fit rows ran on (:data:`FITTED_KINDS`, each value's ``source`` naming this script),
+the run factors in :data:`hyper_parallel.analysis.suggest.STATED_FACTORS`. Every run
+reports whether they hold exactly this fit; ``--check`` fits on the fit rows alone and
+exits 1 when they do not.
 
 Error: ``predicted / published - 1`` of tokens/s/GPU (or model TFLOP/s per GPU, the
 planner's FLOPs of a step over its predicted time); memory: predicted peak per GPU
@@ -24,6 +30,7 @@ the reason (e.g. gradient accumulation at pp=1).
 Run::
 
     .venv/bin/python benchmarks/bench_published.py [--json out.json]
+    .venv/bin/python benchmarks/bench_published.py --check   # the files hold the fit?
 """
 
 from __future__ import annotations
@@ -39,14 +46,23 @@ from typing import Any
 
 from hyper_parallel.analysis.cost_model import Hardware, Link, load_hardware
 from hyper_parallel.analysis.published import load_runs
-from hyper_parallel.analysis.suggest import AC_MODES, Candidate, LayoutScorer, RunFactors
+from hyper_parallel.analysis.suggest import (
+    AC_MODES,
+    STATED_FACTORS,
+    Candidate,
+    LayoutScorer,
+    RunFactors,
+)
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
+FITTED_KINDS = ("h100-80gb", "h100-96gb", "h200-141gb")
+"""The hardware files the fit rows ran on: the fitted GPU values are written in each."""
+
 BEFORE = {
-    "efficiency": None,  # None: the hardware file's own value
+    "efficiency": 0.55,  # the datasheet files' assumed bf16 compute efficiency
     "attention": None,  # None: the attention kernel at the matmuls' efficiency
-    "collective": 1.0,
+    "link_efficiency": 0.8,  # the datasheet files' assumed nccl-tests bus bandwidth share
     "compile": 1.0,
     "float8_tensorwise": 1.0,
     "float8_rowwise": 1.0,
@@ -55,7 +71,7 @@ BEFORE = {
 GRIDS = {
     "efficiency": [round(0.30 + 0.01 * i, 2) for i in range(61)],
     "attention": [round(0.10 + 0.02 * i, 2) for i in range(36)],
-    "collective": [round(0.2 + 0.05 * i, 2) for i in range(17)],
+    "link_efficiency": [round(0.16 + 0.04 * i, 2) for i in range(21)],
     "compile": [round(0.60 + 0.02 * i, 2) for i in range(21)],
     "float8_tensorwise": [round(0.50 + 0.02 * i, 2) for i in range(31)],
     "float8_rowwise": [round(0.50 + 0.02 * i, 2) for i in range(31)],
@@ -104,16 +120,22 @@ def _accumulates(scorer: LayoutScorer, c: Candidate) -> bool:
 
 
 def prepare(runs: list[dict[str, Any]]) -> list[Row]:
+    """Each run's scorer and candidates (runs of one model, cluster, sequence and batch
+    share a scorer: its traces and FLOP counts do not depend on the rest)."""
     rows = []
+    scorers: dict[tuple, LayoutScorer] = {}
     for run in runs:
         try:
-            scorer = LayoutScorer(
-                run["model"],
-                gpus=run["gpus"],
-                gpu=run["hardware"],
-                seq_len=run["seq"],
-                global_batch_tokens=run["global_batch"] * run["seq"],
-            )
+            key = (run["model"], run["gpus"], run["hardware"], run["seq"], run["global_batch"])
+            if key not in scorers:
+                scorers[key] = LayoutScorer(
+                    run["model"],
+                    gpus=run["gpus"],
+                    gpu=run["hardware"],
+                    seq_len=run["seq"],
+                    global_batch_tokens=run["global_batch"] * run["seq"],
+                )
+            scorer = scorers[key]
             candidates = _candidates(run)
             ok = []
             reasons = []
@@ -138,16 +160,14 @@ def prepare(runs: list[dict[str, Any]]) -> list[Row]:
 
 
 def _hardware(base: Hardware, p: dict[str, Any]) -> Hardware:
-    eff = dict(base.compute_efficiency)
-    if p["efficiency"] is not None:
-        eff["bf16"] = p["efficiency"]
+    """``base`` with the GPU's parameters of ``p`` (``attention`` ``None``: as matmuls)."""
 
     def link(x: Link) -> Link:
-        return dataclasses.replace(x, efficiency=min(1.0, x.efficiency * p["collective"]))
+        return dataclasses.replace(x, efficiency=p["link_efficiency"])
 
     return dataclasses.replace(
         base,
-        compute_efficiency=eff,
+        compute_efficiency={**base.compute_efficiency, "bf16": p["efficiency"]},
         attention_efficiency=p["attention"],
         intra_node=link(base.intra_node),
         inter_node=link(base.inter_node),
@@ -156,10 +176,47 @@ def _hardware(base: Hardware, p: dict[str, Any]) -> Hardware:
 
 
 def _factors(run: dict[str, Any], p: dict[str, Any]) -> RunFactors:
-    compute = p["compile"] if run["compile"] else 1.0
-    if run["float8"] in ("tensorwise", "rowwise"):
-        compute *= p[f"float8_{run['float8']}"]
-    return RunFactors(compute=compute, tp_exposed=p["async_tp_exposed"] if run["async_tp"] else 1.0)
+    return RunFactors.stated(
+        compile=bool(run["compile"]),
+        float8=run["float8"],
+        async_tp=bool(run["async_tp"]),
+        values=p,
+    )
+
+
+def shipped() -> dict[str, Any]:
+    """The parameters the planner ships: the GPU's from the :data:`FITTED_KINDS` files,
+    the rest from :data:`STATED_FACTORS`.
+
+    Raises:
+        ValueError: The files disagree on a value (one fit writes one value in each).
+    """
+    seen: dict[str, dict[str, Any]] = {}
+    for kind in FITTED_KINDS:
+        hw = load_hardware(kind)
+        links = {hw.intra_node.efficiency, hw.inter_node.efficiency}
+        links |= {x.efficiency for x in hw.collectives.values()}
+        if len(links) != 1:
+            raise ValueError(f"hardware {kind}: link efficiencies differ ({sorted(links)}).")
+        seen[kind] = {
+            "efficiency": hw.compute_efficiency["bf16"],
+            "attention": hw.attention_efficiency,
+            "link_efficiency": links.pop(),
+        }
+    if any(seen[k] != seen[FITTED_KINDS[0]] for k in FITTED_KINDS):
+        raise ValueError(f"hardware files disagree on the fitted values: {seen}.")
+    return {**seen[FITTED_KINDS[0]], **STATED_FACTORS}
+
+
+def compare(fitted: dict[str, Any], ships: dict[str, Any]) -> list[str]:
+    """The parameters whose shipped value is not the fitted one, as lines for people."""
+    return [
+        f"{name}: fitted {fitted[name]}, shipped {ships.get(name)}"
+        for name in fitted
+        if ships.get(name) is None
+        or fitted[name] is None
+        or not math.isclose(fitted[name], ships[name], rel_tol=1e-9)
+    ]
 
 
 def evaluate(row: Row, p: dict[str, Any], cache: dict[str, Hardware]) -> dict[str, Any]:
@@ -215,8 +272,6 @@ def fit(rows: list[Row], start: dict[str, Any], cache: dict[str, Hardware]) -> d
     """Coordinate descent over each parameter's grid, on the fit rows only."""
     assert all(r.run["split"] == "fit" for r in rows)
     p = dict(start)
-    if p["efficiency"] is None:
-        p["efficiency"] = 0.55
     if p["attention"] is None:
         p["attention"] = p["efficiency"]
     best = _loss(rows, p, cache)
@@ -252,10 +307,43 @@ def _stats(values: list[float]) -> dict[str, float | None]:
     return {"median": statistics.median(a), "worst": max(a), "n": len(a)}
 
 
+def fit_published(runs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The fit on the ``fit`` rows of ``runs`` (default: the published file's), reading
+    no held-out row."""
+    fit_runs = [r for r in (load_runs() if runs is None else runs) if r["split"] == "fit"]
+    rows = [r for r in prepare(fit_runs) if r.scorer is not None]
+    return fit(rows, BEFORE, {})
+
+
+def check() -> int:
+    """Fit on the fit rows and compare with what the planner ships: 0 when the
+    hardware files and :data:`STATED_FACTORS` hold exactly this fit, else 1."""
+    fitted = fit_published()
+    mismatch = compare(fitted, shipped())
+    print(f"fitted on the fit rows: {json.dumps(fitted)}")
+    if mismatch:
+        print(
+            "the shipped values are not this fit (write them into "
+            f"hyper_parallel/analysis/hardware/{{{','.join(FITTED_KINDS)}}}.yaml and "
+            "hyper_parallel/analysis/suggest/_cost.py STATED_FACTORS):"
+        )
+        print("\n".join(f"  {line}" for line in mismatch))
+        return 1
+    print(f"the hardware files ({', '.join(FITTED_KINDS)}) and STATED_FACTORS hold this fit.")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="fit on the fit rows only; exit 1 unless the shipped files hold that fit",
+    )
     args = parser.parse_args(argv)
+    if args.check:
+        return check()
     started = time.perf_counter()
     runs = load_runs()
     rows = prepare(runs)
@@ -263,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     fit_rows = [r for r in usable if r.run["split"] == "fit"]
     cache: dict[str, Hardware] = {}
     after = fit(fit_rows, BEFORE, cache)
+    ships = shipped()
     table = []
     for r in rows:
         entry = {
@@ -291,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": table,
         "params_before": BEFORE,
         "params_after": after,
+        "params_shipped": ships,
+        "shipped_mismatch": compare(after, ships),
         "summary": summary,
         "elapsed_s": time.perf_counter() - started,
     }
@@ -349,6 +440,12 @@ def format_result(result: dict[str, Any]) -> str:
     lines += [
         "",
         f"fitted on the fit rows: {json.dumps(result['params_after'])}",
+        "shipped (hardware files, STATED_FACTORS): "
+        + (
+            "this fit"
+            if not result["shipped_mismatch"]
+            else "NOT this fit: " + "; ".join(result["shipped_mismatch"])
+        ),
         f"before: fit {fmt(s['before_fit'])}; held-out {fmt(s['before_heldout'])}",
         f"after:  fit {fmt(s['after_fit'])}; held-out {fmt(s['after_heldout'])}",
         f"memory (|pred/pub - 1|), held-out: {fmt(s['after_heldout_memory'])}; "

@@ -32,6 +32,13 @@ def _free_comm(**changes: object) -> object:
     return dataclasses.replace(hw, intra_node=free, inter_node=free, **changes)
 
 
+def _known_links() -> object:
+    """An H100 file with links of stated numbers (450 GB/s, 3 us, 80 %), whatever the
+    shipped file's fitted efficiency is."""
+    hw = load_hardware("h100-80gb")
+    return dataclasses.replace(hw, intra_node=Link(bandwidth=450e9, latency_s=3e-6, efficiency=0.8))
+
+
 def _c(**kw: object) -> Candidate:
     base = dict(
         pp=1,
@@ -75,7 +82,7 @@ def test_block_flops_are_counted_by_hand_with_causal_attention():
 def test_ring_all_reduce_from_its_formula(p):
     """Ring all-reduce (Patarasuk & Yuan 2009): each rank sends 2 (p - 1) / p of the
     buffer; NCCL's tree takes 2 log2 p latency steps when fewer than the ring's."""
-    hw = load_hardware("h100-80gb")
+    hw = _known_links()
     link = hw.intra_node
     nbytes = 1 << 30
     steps = min(2 * (p - 1), 2 * (p.bit_length() - 1))
@@ -87,7 +94,7 @@ def test_ring_all_reduce_from_its_formula(p):
 
 def test_all_gather_time_halves_when_the_bandwidth_doubles():
     """Planted error 'bandwidth / 2' fails here: a large all-gather is bandwidth-bound."""
-    hw = load_hardware("h100-80gb")
+    hw = _known_links()
     nbytes = 8 << 30
     t = collective_seconds(hw, "all_gather", nbytes, count=1, group_size=8, crosses_nodes=False)
     # (p - 1) / p of the buffer over bandwidth x efficiency, + 7 ring steps of latency
@@ -118,8 +125,9 @@ def test_tp_halves_each_ranks_compute():
 
 def test_compute_term_is_the_flops_at_the_achieved_rate():
     """One rank, one sequence, no checkpointing: the step's compute is the counted FLOPs
-    at peak x efficiency plus the non-matmul traffic (no operator cost on a GPU kind)."""
-    hw = _free_comm()
+    at peak x efficiency plus the non-matmul traffic (no operator cost on a GPU kind);
+    the attention kernel at the matmuls' efficiency here (its own rate is tested apart)."""
+    hw = _free_comm(attention_efficiency=None)
     p = predict(DEBUG, _c(), gpus=1, gpu=hw, seq_len=SEQ, global_batch_tokens=SEQ)
     f = count_flops(DEBUG, SEQ)
     flops_s = f.total / (hw.peak_flops["bf16"] * hw.compute_efficiency["bf16"])
@@ -130,6 +138,26 @@ def test_compute_term_is_the_flops_at_the_achieved_rate():
     )
     expected = flops_s + traffic / hw.hbm_bandwidth
     assert p.time["pipeline_or_compute"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_attention_scores_run_at_the_attention_kernels_own_rate():
+    """With ``attention_efficiency`` set, the score matmuls (Q K^T and P V over the causal
+    half, forward and twice that backward, counted by hand) run at it and the rest at the
+    matmuls' rate: a planted 'attention at the matmul rate' fails here."""
+    slow = 0.25
+    hw = _free_comm(attention_efficiency=slow)
+    base = _free_comm(attention_efficiency=None)
+    kw = dict(gpus=1, seq_len=SEQ, global_batch_tokens=SEQ)
+    p = predict(DEBUG, _c(), gpu=hw, **kw)
+    q = predict(DEBUG, _c(), gpu=base, **kw)
+    att = DEBUG.config().layers[0].attention
+    heads = att.wq.out_features // att.head_dim
+    scores_fwd = 2 * heads * SEQ * SEQ * att.head_dim  # causal half of Q K^T + P V
+    scores = 3 * scores_fwd * len(DEBUG.config().layers)  # forward + backward (2x)
+    peak = hw.peak_flops["bf16"]
+    extra = scores / (peak * slow) - scores / (peak * hw.compute_efficiency["bf16"])
+    got = p.time["pipeline_or_compute"] - q.time["pipeline_or_compute"]
+    assert got == pytest.approx(extra, rel=1e-6)
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -247,7 +275,12 @@ def test_published_runs_follow_their_split_rule_and_name_what_we_ship():
 
 
 def test_top_k_lists_distinct_structures_simplest_first_within_the_models_error():
-    from hyper_parallel.analysis.suggest._search import MODEL_ERROR, _complexity, _structure
+    from hyper_parallel.analysis.suggest._search import (
+        TOLD_APART,
+        _Needs,
+        _simplicity,
+        _structure,
+    )
 
     report = suggest(
         DEBUG, gpus=4, gpu="h100-80gb", seq_len=SEQ, global_batch_tokens=8 * SEQ, top=8
@@ -256,7 +289,9 @@ def test_top_k_lists_distinct_structures_simplest_first_within_the_models_error(
     structures = [_structure(c) for c, _ in plans]
     assert len(set(structures)) == len(structures)  # dp splits are one plan
     fastest = min(p.step_s for _, p in plans)
-    band = [c for c, p in plans if p.step_s <= fastest * (1 + MODEL_ERROR)]
+    band = [c for c, p in plans if p.step_s <= fastest * TOLD_APART]
     assert band == [c for c, _ in plans[: len(band)]]  # the band leads
-    assert [_complexity(c) for c in band] == sorted(_complexity(c) for c in band)
+    needs = _Needs.of([c for c, _ in plans])
+    keys = [_simplicity(c, needs) for c in band]
+    assert keys == sorted(keys)
     assert len(report.why) == len(plans) and all(report.why)

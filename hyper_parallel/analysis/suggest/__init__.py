@@ -48,6 +48,7 @@ Example::
     print(report.to_table())
 """
 
+from hyper_parallel.analysis.suggest._cost import STATED_FACTORS as STATED_FACTORS
 from hyper_parallel.analysis.suggest._cost import RunFactors as RunFactors
 from hyper_parallel.analysis.suggest._operators import count_flops as count_flops
 from hyper_parallel.analysis.suggest._operators import count_operators as count_operators
@@ -65,6 +66,7 @@ from hyper_parallel.analysis.suggest._source import model_from_hf_config as mode
 
 __all__ = [
     "AC_MODES",
+    "STATED_FACTORS",
     "Candidate",
     "DoesNotFit",
     "LayoutScorer",

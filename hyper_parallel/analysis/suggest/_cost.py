@@ -27,6 +27,25 @@ from hyper_parallel.analysis.suggest._source import ModelSource
 from hyper_parallel.analysis.suggest._trace import _Comm, _Tracer
 from hyper_parallel.distributed.layout import MeshLayout
 
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
+"""torchao's float8 training recipes a published run may state (``none``: bf16 linears)."""
+
+STATED_FACTORS: dict[str, float] = {
+    "compile": 0.84,
+    "float8_tensorwise": 0.88,
+    "float8_rowwise": 1.08,
+    "async_tp_exposed": 0.2,
+}
+"""The values :meth:`RunFactors.stated` uses: the fit of ``benchmarks/bench_published.py``
+on the ``fit`` rows of ``analysis/published/runs.yaml`` only (torchtitan's H100 tables,
+Trainy's H200 run, the Llama 3 paper, NeMo AutoModel; 2026-12-04), fitted together with the
+H100/H200 hardware files' efficiencies. ``compile``: compute time under ``torch.compile``
+of each block as a fraction of eager; ``float8_*``: the further fraction under torchao's
+float8 linears of that recipe (rowwise came out slower than bf16: its scaling kernels cost
+more than the float8 matmuls save at these shapes); ``async_tp_exposed``: the share of
+tp's collectives async TP leaves on the critical path. ``bench_published.py --check``
+fails when these differ from its fit."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RunFactors:
@@ -44,6 +63,35 @@ class RunFactors:
 
     compute: float = 1.0
     tp_exposed: float = 1.0
+
+    @classmethod
+    def stated(
+        cls,
+        *,
+        compile: bool = False,
+        float8: str = "none",
+        async_tp: bool = False,
+        values: dict[str, float] | None = None,
+    ) -> RunFactors:
+        """The factors of a run that compiles, uses float8 linears or async TP, from
+        ``values`` (default :data:`STATED_FACTORS`, the published-runs fit).
+
+        Raises:
+            ValueError: ``float8`` is not one of :data:`FLOAT8_RECIPES`.
+
+        Example:
+            >>> RunFactors.stated(compile=True).compute
+            0.84
+        """
+        if float8 not in FLOAT8_RECIPES:
+            raise ValueError(
+                f"RunFactors.stated: float8={float8!r}; use one of {', '.join(FLOAT8_RECIPES)}."
+            )
+        v = STATED_FACTORS if values is None else values
+        compute = v["compile"] if compile else 1.0
+        if float8 != "none":
+            compute *= v[f"float8_{float8}"]
+        return cls(compute=compute, tp_exposed=v["async_tp_exposed"] if async_tp else 1.0)
 
 
 @dataclasses.dataclass

@@ -203,7 +203,7 @@ class SuggestReport:
         out += ["", "Why this order:"]
         for i, note in enumerate(self.why, 1):
             same = self.equivalents[i - 1] if i - 1 < len(self.equivalents) else []
-            also = f"; equivalent: {', '.join(same[:4])}" if same else ""
+            also = f"; same layout, dp split otherwise: {', '.join(same[:4])}" if same else ""
             out.append(f"  {i}. {note}{also}")
         if self.nodes > 1:
             out += [

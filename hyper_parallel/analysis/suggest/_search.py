@@ -48,10 +48,13 @@ bytes, and shards the norms' and dropouts' activations over tp (Korthikanti et a
 MAX_PP = 32
 """Largest pipeline searched (Llama 3 405B trained at pp=16; Dubey et al. 2024, Table 4)."""
 MODEL_ERROR = 0.20
-"""The step-time error the cost model states for itself: the issue's goal for the median
+"""The error the cost model states for one predicted step time: the goal for the median
 on held-out published GPU runs (``benchmarks/bench_published.py`` reports the measured
-one). Plans within it of the fastest are not told apart by speed: the simpler goes
-first (:func:`_complexity`)."""
+one, 16 % after the fit)."""
+TOLD_APART = (1 + MODEL_ERROR) / (1 - MODEL_ERROR)
+"""Step times closer than this ratio (1.5) are not told apart by the model: with each
+prediction within +-:data:`MODEL_ERROR` of its run, the one predicted slower by less may
+be the faster run. Within it the simpler plan goes first (:func:`_simplicity`)."""
 MIN_CP_TOKENS = 1024
 """Context parallelism is searched down to this many tokens per cp rank (attention kernels
 lose their efficiency on shorter pieces; torchtitan's cp runs keep >= 8k per rank)."""
@@ -133,70 +136,119 @@ def _candidates(
 
 
 def _structure(c: Candidate) -> tuple:
-    """What tells two layouts apart beyond how dp splits into dp_replicate x dp_shard."""
-    return (
-        c.pp,
-        c.dp,
-        c.cp,
-        c.tp,
-        c.ep,
-        c.microbatches,
-        c.schedule,
-        c.stages_per_rank,
-        c.ac,
-        c.sp,
-    )
+    """What tells two layouts apart beyond how dp splits into dp_replicate x dp_shard
+    (micro-batches, schedule, checkpointing and sp are the plan's settings)."""
+    return (c.pp, c.dp, c.cp, c.tp, c.ep)
 
 
-def _complexity(c: Candidate) -> int:
-    """How much a layout asks of its user: each model axis counts one, pp and cp two
-    more (a schedule and micro-batches to tune; the sequence split: only when the states
-    or the sequence need them), HSDP's two data-parallel levels one, checkpointing one
-    (selective) or two (full)."""
-    axes = (c.pp > 1) * 3 + (c.cp > 1) * 3 + (c.tp > 1) + (c.ep > 1)
-    return axes + (c.dp_replicate > 1 and c.dp_shard > 1) + AC_MODES.index(c.ac)
+@dataclasses.dataclass(frozen=True)
+class _Needs:
+    """Whether every layout that fits uses pp (the states need it) or cp (the sequence
+    needs it)."""
+
+    pp: bool
+    cp: bool
+
+    @classmethod
+    def of(cls, candidates: list[Candidate]) -> _Needs:
+        return cls(pp=all(c.pp > 1 for c in candidates), cp=all(c.cp > 1 for c in candidates))
 
 
-def _rank(
-    evaluated: list[tuple[Candidate, Prediction]], top: int
-) -> tuple[list[tuple[Candidate, Prediction]], list[str], list[list[str]]]:
-    """The top ``top`` distinct structures, each with why it is where it is and the
-    dp splits that are its equivalents.
+def _simplicity(c: Candidate, needs: _Needs) -> tuple[int, int, int]:
+    """How much a layout asks of its user, lower first: pp and cp used where a layout
+    without them fits (a schedule and micro-batches to tune, the sequence split), then
+    the mesh axes beyond FSDP (pp, cp, tp, ep, dp_replicate), then checkpointing (none,
+    selective, full). tp stays within a node unless ``--allow-cross-node-tp``."""
+    needless = (c.pp > 1 and not needs.pp) + (c.cp > 1 and not needs.cp)
+    axes = (c.pp > 1) + (c.cp > 1) + (c.tp > 1) + (c.ep > 1) + (c.dp_replicate > 1)
+    return needless, axes, AC_MODES.index(c.ac)
 
-    Fastest first, except that plans within :data:`MODEL_ERROR` of the fastest are
-    ordered simplest first (:func:`_complexity`; then by time): the model cannot tell
-    them apart, their user can. The same layout with dp split otherwise
-    (dp_replicate x dp_shard) is one plan: the fastest split stands for it, the others
-    are listed as equivalent.
+
+def _simplicity_text(c: Candidate, needs: _Needs) -> str:
+    """:func:`_simplicity` in words."""
+    parts = [
+        f"{axis} where a layout without it fits"
+        for axis, used, needed in (("pp", c.pp > 1, needs.pp), ("cp", c.cp > 1, needs.cp))
+        if used and not needed
+    ]
+    axes = [a for a in ("pp", "cp", "tp", "ep", "dp_replicate") if getattr(c, a) > 1]
+    parts.append(f"axes beyond FSDP: {', '.join(axes)}" if axes else "no axis beyond FSDP")
+    parts.append(f"ac={c.ac}")
+    return "; ".join(parts)
+
+
+Scored = tuple[Candidate, Prediction]
+
+
+def _order(items: list[Scored], needs: _Needs) -> tuple[list[Scored], int]:
+    """``items`` fastest first, except that those within :data:`TOLD_APART` of the
+    fastest go simplest first (:func:`_simplicity`, then time); and how many that is."""
+    items = sorted(items, key=lambda cp: (cp[1].step_s, cp[1].memory_bytes_per_gpu))
+    fastest = items[0][1].step_s
+    band = [x for x in items if x[1].step_s <= fastest * TOLD_APART]
+    band.sort(key=lambda cp: (_simplicity(cp[0], needs), cp[1].step_s))
+    return band + items[len(band) :], len(band)
+
+
+def _rank(evaluated: list[Scored], top: int) -> tuple[list[Scored], list[str], list[list[str]]]:
+    """The top ``top`` distinct structures, each with why it is where it is and the dp
+    splits that are its equivalents.
+
+    The same layout with dp split otherwise (dp_replicate x dp_shard), whatever its
+    micro-batches, schedule, checkpointing and sp, is one plan: the one :func:`_order`
+    puts first stands for it, the other splits are listed as equivalent (with their time
+    against it). Plans: fastest first, except that those the model cannot tell apart
+    from the fastest (within :data:`TOLD_APART`) go simplest first.
     """
-    evaluated = sorted(evaluated, key=lambda cp: (cp[1].step_s, cp[1].memory_bytes_per_gpu))
-    groups: dict[tuple, list[tuple[Candidate, Prediction]]] = {}
+    if not evaluated:
+        return [], [], []
+    needs = _Needs.of([c for c, _ in evaluated])
+    groups: dict[tuple, list[Scored]] = {}
     for c, p in evaluated:
         groups.setdefault(_structure(c), []).append((c, p))
-    heads = [members[0] for members in groups.values()]
-    if not heads:
-        return [], [], []
-    fastest = heads[0][1].step_s
-    band = [h for h in heads if h[1].step_s <= fastest * (1 + MODEL_ERROR)]
-    rest = heads[len(band) :]
-    band.sort(key=lambda cp: (_complexity(cp[0]), cp[1].step_s))
-    ranked = (band + rest)[:top]
-    simplest = _complexity(band[0][0])
+    heads = {}
+    for key, members in groups.items():
+        heads[key] = _order(members, needs)[0]
+    ordered, in_band = _order([m[0] for m in heads.values()], needs)
+    fastest = min(ordered, key=lambda cp: cp[1].step_s)
     why, equivalents = [], []
-    for c, p in ranked:
-        slower = p.step_s / fastest - 1
-        if (c, p) in band:
-            note = (
-                f"within the model's {MODEL_ERROR:.0%} error of the fastest "
-                f"({slower:+.0%}); complexity {_complexity(c)}"
+    for i, (c, p) in enumerate(ordered[:top]):
+        slower = p.step_s / fastest[1].step_s - 1
+        if i < in_band:
+            told = (
+                f"within the model's error (+-{MODEL_ERROR:.0%} a prediction: step times "
+                f"within {TOLD_APART:.1f}x are not told apart)"
+                if i == 0
+                else f"not told apart (within {TOLD_APART:.1f}x)"
             )
-            if _complexity(c) == simplest and slower > 0:
-                note += ": the simplest there, ahead of faster but more complex layouts"
+            note = (
+                f"{_percent(slower)} vs the fastest, {told}, so simplest first: "
+                f"{_simplicity_text(c, needs)}"
+            )
+            if i == 0 and c is not fastest[0]:
+                note += (
+                    f"; ahead of the fastest, {fastest[0].describe()} "
+                    f"({_simplicity_text(fastest[0], needs)})"
+                )
         else:
-            note = f"{slower:+.0%} vs the fastest: beyond the model's error"
+            note = f"{_percent(slower)} vs the fastest: beyond the model's error, by time"
         why.append(note)
-        equivalents.append([m.mesh_text() for m, _ in groups[_structure(c)][1:]])
-    return ranked, why, equivalents
+        splits: dict[tuple[int, int], Scored] = {}
+        for m, q in heads[_structure(c)]:
+            splits.setdefault((m.dp_replicate, m.dp_shard), (m, q))
+        equivalents.append(
+            [
+                f"{m.mesh_text()} ({_percent(q.step_s / p.step_s - 1)})"
+                for (rep, shard), (m, q) in splits.items()
+                if (rep, shard) != (c.dp_replicate, c.dp_shard)
+            ]
+        )
+    return ordered[:top], why, equivalents
+
+
+def _percent(x: float) -> str:
+    """``+12%``; ``+0%`` for what rounds to zero (never ``-0%``)."""
+    return f"{(0.0 if abs(x) < 0.005 else x):+.0%}"
 
 
 def _pipelines(
@@ -214,9 +266,12 @@ def _pipelines(
     per rank and, where the layers allow, 4 and 8 (a smaller bubble); each at the run
     plan's micro-batch count
     (:func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`: one per
-    stage), at 2 and 4 times it (2 stages per rank only) and, for a local batch shorter
-    than that, at each pp x 2^k below it that divides the local batch. Whether the local batch splits into
-    them, and the schedule takes that many stages, is the run plan's finding."""
+    stage), at 2 and 4 times it (2 stages per rank only), at each pp x 2^k below it, and at
+    the local batch and half of it (one or two sequences per micro-batch: the smallest
+    bubble; e.g. pp=16 with 16 sequences per rank, below the interleaved schedules'
+    default of 32): those the local batch splits into, at least one per pipeline rank
+    (fewer leave ranks idle). Whether the schedule takes that many stages is the run
+    plan's finding."""
     from hyper_parallel.distributed.pipeline import MULTI_STAGE_SCHEDULES
     from hyper_parallel.distributed.run_plan import default_num_microbatches
 
@@ -240,13 +295,13 @@ def _pipelines(
                 counts = [fixed]
             else:
                 # Also fewer than one per stage when the local batch is short (pp=16 with
-                # 16 sequences per data-parallel rank: Llama 3 405B's 8K run): every
-                # pp x 2^k that divides it.
-                fewer = [pp << k for k in range(8) if (pp << k) < base and local % (pp << k) == 0]
+                # 16 sequences per data-parallel rank: Llama 3 405B's 8K run).
+                fewer = {pp << k for k in range(8) if (pp << k) < base}
                 # Deeper loops at their own default count only: each doubles the stages
                 # (a smaller bubble) where more micro-batches would do it too.
                 more = (1, 2, 4) if per_rank is None else (1,)
-                counts = [*fewer, *(k * base for k in more)]
+                wanted = {*fewer, *(k * base for k in more), local, local // 2}
+                counts = sorted(m for m in wanted if m >= pp and local % m == 0)
             out += [(schedule, m, per_rank) for m in counts]
     return out
 
@@ -380,8 +435,21 @@ def suggest(
     tracer = _Tracer(source, seq_len, dtype)
     flops = count_flops(source, seq_len)
     limit = usable_memory(hw)
+    # What differs from the eager trainer that the run states (compile), at the
+    # published-runs fit (STATED_FACTORS).
     ctx = _Context(
-        source, hw, node, gpus, seq_len, global_batch, dtype, flops, checks, tracer, limit
+        source,
+        hw,
+        node,
+        gpus,
+        seq_len,
+        global_batch,
+        dtype,
+        flops,
+        checks,
+        tracer,
+        limit,
+        factors=RunFactors.stated(compile=compile),
     )
     lower_bound_states = 16 * sum(p for p in _param_counts(checks))
     searched = 0
@@ -451,7 +519,7 @@ def suggest(
         points=points,
         memory_limit=int(limit),
         best_unfit=best_unfit,
-        assumptions=_assumptions(hw, max_seq, seq_len),
+        assumptions=_assumptions(hw, max_seq, seq_len, ctx.factors),
         why=why,
         equivalents=equivalents,
         slurm=slurm,
@@ -762,7 +830,9 @@ def _slurm(command: str, gpus: int, node: int) -> str | None:
     return slurm_script(train_options(command), nodes=nodes, gpus_per_node=per_node)
 
 
-def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
+def _assumptions(
+    hw: Hardware, max_seq: int | None, seq_len: int, factors: RunFactors | None = None
+) -> list[str]:
     from hyper_parallel.analysis.cost_model import (
         MEMORY_HEADROOM_BYTES,
         MEMORY_HEADROOM_FRACTION,
@@ -807,9 +877,15 @@ def _assumptions(hw: Hardware, max_seq: int | None, seq_len: int) -> list[str]:
         "until then (counted as the gradients' memory).",
         f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank; pp up "
         f"to {MAX_PP}, with 1, 2 and 4 times the run plan's micro-batch count (one per "
-        "stage: pp, or 2 pp for the interleaved schedules); counts the local batch does "
-        "not split into are the run plan's 'num_microbatches' refusals.",
+        "stage: pp, or 2 pp for the interleaved schedules) and the local batch and half "
+        "of it (one or two sequences per micro-batch), each that the local batch splits "
+        "into with at least one micro-batch per pipeline rank.",
     ]
+    if factors is not None and factors.compute != 1.0:
+        notes.append(
+            f"torch.compile: compute times x{factors.compute:g} (STATED_FACTORS: the fit of "
+            "benchmarks/bench_published.py on published runs that compile)."
+        )
     for field_name, source in sorted(hw.sources.items()):
         notes.append(f"{hw.name} {field_name}: {source}")
     if max_seq is not None and seq_len > max_seq:

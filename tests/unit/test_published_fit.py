@@ -1,0 +1,101 @@
+"""The planner ships the published-runs fit: the H100/H200 hardware files and
+``STATED_FACTORS`` hold exactly what ``benchmarks/bench_published.py`` fits on the ``fit``
+rows, and with them the cost model gives the errors the docs publish (section u)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from hyper_parallel.analysis.cost_model import load_hardware
+from hyper_parallel.analysis.published import load_runs
+from hyper_parallel.analysis.suggest import STATED_FACTORS, RunFactors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    name = "bench_published"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[name]
+
+
+def test_run_factors_state_compile_float8_and_async_tp():
+    f = RunFactors.stated(compile=True, float8="tensorwise", async_tp=True)
+    assert f.compute == pytest.approx(
+        STATED_FACTORS["compile"] * STATED_FACTORS["float8_tensorwise"], rel=1e-12
+    )
+    assert f.tp_exposed == STATED_FACTORS["async_tp_exposed"]
+    assert RunFactors.stated() == RunFactors()  # the eager bf16 trainer: no factor
+    mine = {**STATED_FACTORS, "compile": 0.5}
+    assert RunFactors.stated(compile=True, values=mine).compute == 0.5
+    with pytest.raises(ValueError, match="float8='mxfp8'; use one of none, tensorwise"):
+        RunFactors.stated(float8="mxfp8")
+
+
+def test_the_fitted_files_agree_name_the_fit_and_are_what_the_bench_predicts_with(bench):
+    ships = bench.shipped()  # raises when the files disagree
+    assert set(ships) == set(bench.BEFORE)
+    for kind in bench.FITTED_KINDS:
+        hw = load_hardware(kind)
+        for field in (
+            "compute_efficiency.bf16",
+            "attention_efficiency",
+            "intra_node.efficiency",
+            "inter_node.efficiency",
+        ):
+            assert "bench_published.py" in hw.sources[field], (kind, field)
+            assert "fit rows" in hw.sources[field], (kind, field)
+        # The bench's "after" hardware is the shipped file itself.
+        assert bench._hardware(hw, ships) == hw
+
+
+def test_compare_names_each_value_that_is_not_the_fit(bench):
+    ships = bench.shipped()
+    assert bench.compare(dict(ships), ships) == []
+    off = {**ships, "efficiency": ships["efficiency"] + 0.01, "attention": None}
+    lines = bench.compare(off, ships)
+    assert [line.split(":")[0] for line in lines] == ["efficiency", "attention"]
+
+
+def test_the_shipped_values_give_the_published_held_out_errors(bench):
+    """Three held-out rows predicted with what ships give the errors that
+    ``benchmarks/results/latest.json`` (the docs' section u) reports after the fit."""
+    latest = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    data = latest["sections"]["u"]["data"]
+    ships = bench.shipped()
+    assert data["shipped_mismatch"] == []
+    for name, value in data["params_after"].items():
+        assert value == ships[name] or math.isclose(value, ships[name], rel_tol=1e-9), name
+    published = {e["id"]: e for e in data["rows"]}
+    ids = ("tt2412-t1-a", "tt2412-t3-b", "trainy2506-4n")
+    rows = bench.prepare([r for r in load_runs() if r["id"] in ids])
+    assert sorted(r.run["id"] for r in rows if r.scorer is not None) == sorted(ids)
+    for row in rows:
+        assert row.run["split"] == "heldout"
+        got = bench.evaluate(row, ships, {})
+        want = published[row.run["id"]]["after"]
+        assert got["error"] == pytest.approx(want["error"], rel=1e-9, abs=1e-12), row.run["id"]
+        assert got["memory_gib"] == pytest.approx(want["memory_gib"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_the_shipped_values_are_the_fit_of_the_fit_rows(bench):
+    """``bench_published.py --check`` as a test: the fit reads the fit rows only."""
+    fitted = bench.fit_published()
+    assert bench.compare(fitted, bench.shipped()) == []
