@@ -239,6 +239,22 @@ class SavedActivations:
         recomputed = sum({**self.inputs[segment], **self.saved[segment]}.values())
         return sum(self.saved[segment].values()), kept, recomputed
 
+    def held_bytes(self, ac: str = "none") -> int:
+        """Bytes held at the end of the forward when the blocks ``ac`` selects are
+        checkpointed: what a micro-batch keeps while it waits for its backward (under a
+        pipeline schedule, several do), without the working set of a recompute."""
+        return sum(self._kept(ac))
+
+    def _kept(self, ac: str) -> list[int]:
+        chosen = {i + 1 for i in checkpointed_blocks(len(self.blocks), ac)}
+        kept: list[int] = []
+        counted: set[int] = set()
+        for segment, saved in enumerate(self.saved):
+            held = self.inputs[segment] if segment in chosen else saved
+            kept.append(sum(n for k, n in held.items() if k not in counted))
+            counted.update(held)
+        return kept
+
     def peak_bytes(self, ac: str = "none") -> int:
         """Peak bytes held for backward when the blocks ``ac`` selects are checkpointed.
 
@@ -249,12 +265,7 @@ class SavedActivations:
         larger of the end of the forward and the worst such recomputation.
         """
         chosen = {i + 1 for i in checkpointed_blocks(len(self.blocks), ac)}
-        kept: list[int] = []
-        counted: set[int] = set()
-        for segment, saved in enumerate(self.saved):
-            held = self.inputs[segment] if segment in chosen else saved
-            kept.append(sum(n for k, n in held.items() if k not in counted))
-            counted.update(held)
+        kept = self._kept(ac)
         peak = sum(kept)
         for segment in chosen:
             recomputed = {**self.inputs[segment], **self.saved[segment]}

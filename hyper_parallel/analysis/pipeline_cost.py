@@ -441,10 +441,15 @@ def pipeline_report(
             loss_fn=loss_fn,
         )
         # The traced stage's saved activations (its cp part of the sequence, its ac and
-        # dtype), per in-flight micro-batch.
+        # dtype): each micro-batch in flight holds what its forward saved, the one in
+        # its backward reaches the peak (a recompute's working set is needed once).
         costs = [
             dataclasses.replace(
-                c, activations=c.in_flight_microbatches * t["activations_per_microbatch"]
+                c,
+                activations=t["activations_per_microbatch"]
+                + max(c.in_flight_microbatches - 1, 0) * t["activations_held_per_microbatch"]
+                if c.in_flight_microbatches
+                else 0,
             )
             for c, t in zip(costs, traced, strict=True)
         ]
@@ -602,7 +607,7 @@ def stage_collectives(
         key = (has_first, has_last, num_blocks)
         if key not in traces:
             if not (has_first or has_last or num_blocks):
-                traces[key] = _Trace({}, (), 0)
+                traces[key] = _Trace({}, (), 0, 0)
                 return traces[key]
             blocks = [f"{stages.layers}.{i}" for i in range(num_blocks)]
             names = [first] * has_first + blocks + [last] * has_last
@@ -630,11 +635,13 @@ def stage_collectives(
                 _by_key(report.collectives),
                 tuple(report.fsdp_axes),
                 report.per_rank.activations,
+                report.activations_held_by_ac.get(ac, report.per_rank.activations),
             )
         return traces[key]
 
-    def stage_activations(has_first: bool, has_last: bool, num_blocks: int) -> int:
-        """Saved bytes of a stage with ``num_blocks`` blocks, from two traced depths.
+    def stage_activations(has_first: bool, has_last: bool, num_blocks: int) -> tuple[int, int]:
+        """Saved bytes of a stage with ``num_blocks`` blocks, from two traced depths: the
+        peak of one micro-batch and what it holds at the end of its forward.
 
         As the dry run extrapolates a model's depth: 1 and 2 blocks traced, the
         second minus the first is one more block (the first block also saves what
@@ -645,10 +652,15 @@ def stage_collectives(
         """
         low, step = 1, 2 if ac == "selective" and depth >= 3 else 1
         if num_blocks <= low:
-            return trace(has_first, has_last, num_blocks).activations
-        a = trace(has_first, has_last, low).activations
-        b = trace(has_first, has_last, low + step).activations
-        return a + (num_blocks - low) * (b - a) // step
+            t = trace(has_first, has_last, num_blocks)
+            return t.activations, t.held
+        a = trace(has_first, has_last, low)
+        b = trace(has_first, has_last, low + step)
+        n = num_blocks - low
+        return (
+            a.activations + n * (b.activations - a.activations) // step,
+            a.held + n * (b.held - a.held) // step,
+        )
 
     ops = rank_ops(plan.schedule, plan.pp, plan.num_microbatches, plan.stages_per_rank)
     m = plan.num_microbatches
@@ -675,12 +687,14 @@ def stage_collectives(
             _per_step(root_collectives, data, m, {"forward": 1, "backward": 0})
             + _per_step(blocks, data, m, block_weights)
         )
+        peak, held = stage_activations(has_first, has_last, num_blocks)
         out.append(
             {
                 "stage": s,
                 "collectives_per_microbatch": _as_list(per_mb),
                 "collectives": _as_list(total),
-                "activations_per_microbatch": stage_activations(has_first, has_last, num_blocks),
+                "activations_per_microbatch": peak,
+                "activations_held_per_microbatch": held,
             }
         )
     return out
@@ -693,6 +707,7 @@ class _Trace:
     collectives: dict[_Key, dict[str, int]]
     fsdp_axes: tuple[str, ...]
     activations: int
+    held: int
 
 
 def _local_shape(shape: tuple[int, ...], placements: Mapping[Any, Any], layout: Any) -> tuple:

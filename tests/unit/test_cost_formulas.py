@@ -214,6 +214,70 @@ def test_loss_peak_is_in_the_memory():
         assert p.memory["loss"] == 8 * mbs * SEQ * vocab // tp
 
 
+def _stage_dry_run(names: tuple[str, ...], ac: str) -> object:
+    """Stage 0 of the debug Llama (the embedding and its blocks) traced whole, on its own:
+    one sequence, the trainer's mixed precision."""
+    import torch
+
+    from hyper_parallel.analysis import dry_run
+    from hyper_parallel.distributed import MeshLayout
+    from hyper_parallel.models.llama import PIPELINE
+
+    return dry_run(
+        PIPELINE.stage_config(DEBUG.config(), names),
+        MeshLayout.from_sizes({}),
+        batch_size=1,
+        seq_len=SEQ,
+        inputs=[torch.zeros(1, SEQ, dtype=torch.long)],
+        ac=ac,
+        dtype="bf16",
+        param_dtype=torch.float32,
+    )
+
+
+def test_a_pipeline_rank_holds_one_peak_and_the_forward_state_of_the_other_micro_batches():
+    """1F1B at pp=2 with 4 micro-batches of one sequence: rank 0 has 2 in flight. One is
+    in its backward (with full checkpointing: recomputing a block, the peak); the other
+    holds only what its forward kept: the token ids (int64) and each checkpointed
+    block's input (the fp32 residual stream), counted by hand. Charging the peak per
+    micro-batch in flight (this model's earlier error) overstates it 1.8x here (405B at
+    pp=8, 1F1B x 8: 101.6 GiB predicted against 82.5 published)."""
+    from hyper_parallel.analysis.pipeline_cost import pipeline_report
+    from hyper_parallel.distributed import MeshLayout
+    from hyper_parallel.models.llama import PIPELINE
+
+    config = DEBUG.config()
+    report = pipeline_report(
+        MeshLayout.from_sizes({"pp": 2}),
+        PIPELINE,
+        config,
+        schedule="1F1B",
+        num_microbatches=4,
+        microbatch_size=1,
+        element_bytes=4,
+        seq_len=SEQ,
+        sharded_config=config,
+        ac="full",
+        dtype="bf16",
+        param_dtype=None,
+    )
+    names = tuple(report["pipeline"]["stages"][0])
+    assert names == ("tok_embeddings", "layers.0", "layers.1")
+    dim = config.norm.dim
+    held = SEQ * 8 + 2 * SEQ * dim * 4  # token ids + two blocks' fp32 inputs
+    stage = _stage_dry_run(names, "full")
+    assert stage.activations_held_by_ac["full"] == held
+    assert stage.per_rank.activations > 5 * held  # a block recomputed: the peak
+    row = report["stages"][0]
+    assert row["in_flight_microbatches"] == 2
+    assert row["activations"] == stage.per_rank.activations + held
+    # suggest's prediction without checkpointing (rank 0 the heaviest): two micro-batches'
+    # full forward state, each what the stage traced whole saves.
+    c = _c(pp=2, microbatches=4, schedule="1F1B", ac="none")
+    p = predict(DEBUG, c, gpus=2, gpu="h100-80gb", seq_len=SEQ, global_batch_tokens=4 * SEQ)
+    assert p.memory["activations"] == 2 * _stage_dry_run(names, "none").per_rank.activations
+
+
 def test_predict_refuses_a_batch_that_does_not_split_over_dp():
     with pytest.raises(ValueError, match="does not split over dp_replicate x dp_shard = 4"):
         predict(

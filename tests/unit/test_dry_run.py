@@ -398,3 +398,8 @@ def test_extrapolated_activations_equal_a_trace_at_full_depth_for_every_ac(num_l
         assert extrapolated.traced_layers and not whole.traced_layers
         assert extrapolated.per_rank.activations == whole.per_rank.activations, ac
         assert extrapolated.activations_by_ac == whole.activations_by_ac
+        # What a micro-batch holds at the end of its forward (a pipeline stage holds it
+        # for each micro-batch in flight but the one in its backward).
+        assert extrapolated.activations_held_by_ac == whole.activations_held_by_ac
+        assert whole.activations_held_by_ac["none"] == whole.activations_by_ac["none"]
+        assert whole.activations_held_by_ac["full"] < whole.activations_by_ac["full"]

@@ -44,7 +44,13 @@ from hyper_parallel.dmodule.sharding import ShardingConfig
 
 from .._model import TRACE_DEPTHS, default_loss, resolve_target
 from .._world import fake_world
-from ._combine import _assumptions, _combine, _ddp_all_reduce, checkpointed_peak
+from ._combine import (
+    _assumptions,
+    _combine,
+    _ddp_all_reduce,
+    checkpointed_held,
+    checkpointed_peak,
+)
 from ._report import ANALYSIS_AXES, DryRunReport, LossFn, ModuleShards, ParamShard
 from ._trace import (
     _accumulate,
@@ -60,6 +66,7 @@ __all__ = [
     "DryRunReport",
     "ModuleShards",
     "ParamShard",
+    "checkpointed_held",
     "checkpointed_peak",
     "dry_run",
 ]

@@ -25,7 +25,7 @@ from ..memory import ddp_num_buckets, state_bytes
 from ._report import DryRunReport, LossFn, ModuleShards
 from ._trace import _data_axis, _Run, _stat_map
 
-__all__ = ["checkpointed_peak"]
+__all__ = ["checkpointed_held", "checkpointed_peak"]
 
 
 def _combine(
@@ -51,6 +51,7 @@ def _combine(
             num_expert_params=last.expert_numel,
             activations_per_block=last.block_bytes,
             activations_by_ac=dict(last.activations_by_ac),
+            activations_held_by_ac=dict(last.held_by_ac),
             activations_outside_blocks=last.activations_outside_blocks,
         )
     a, b = runs
@@ -120,6 +121,7 @@ def _combine(
         else state_bytes(*(ext(x, y) for x, y in zip(a.expert_bytes, b.expert_bytes))),
         num_expert_params=ext(a.expert_numel, b.expert_numel),
         activations_by_ac=by_ac,
+        activations_held_by_ac=_held_by_ac(a, b, target.num_layers, ext),
         activations_per_block=_block_slopes(a, b),
         activations_outside_blocks=b.activations_outside_blocks,
     )
@@ -170,6 +172,27 @@ def _activations_by_ac(
     return by_ac
 
 
+def _held_by_ac(
+    a: _Run, b: _Run, num_layers: int, ext: Callable[[int, int], int]
+) -> dict[str, int]:
+    """End-of-forward bytes per checkpointing mode at the real depth: linear in the depth
+    for ``none`` and ``full``; ``selective`` composed like its peak
+    (:func:`checkpointed_held`)."""
+    held = {m: ext(a.held_by_ac[m], b.held_by_ac[m]) for m in b.held_by_ac if m != "selective"}
+    slopes = _block_slopes(a, b)
+    if slopes is not None and "selective" in b.held_by_ac and "none" in held:
+        saved, kept, _ = slopes
+        held["selective"] = checkpointed_held(held["none"], num_layers, saved, kept, "selective")
+    return held
+
+
+def checkpointed_held(none: int, blocks: int, saved: int, kept: int, ac: str) -> int:
+    """Bytes held at the end of the forward of ``blocks`` identical blocks when ``ac``
+    checkpoints some (see :func:`checkpointed_peak`): the ``none`` peak less ``saved -
+    kept`` per checkpointed block."""
+    return none - len(checkpointed_blocks(blocks, ac)) * (saved - kept)
+
+
 def checkpointed_peak(
     none: int, blocks: int, saved: int, kept: int, recomputed: int, tail: int, ac: str
 ) -> int:
@@ -196,7 +219,7 @@ def checkpointed_peak(
         ac: ``"none"``, ``"selective"`` or ``"full"``.
     """
     chosen = checkpointed_blocks(blocks, ac)
-    end_of_forward = none - len(chosen) * (saved - kept)
+    end_of_forward = checkpointed_held(none, blocks, saved, kept, ac)
     if not chosen:
         return end_of_forward
     after = blocks - 1 - chosen[-1]

@@ -142,6 +142,10 @@ class DryRunReport:
     """Peak saved bytes under each checkpointing mode, from the same trace (one forward
     records what every mode keeps); ``selective`` extrapolated like the rest (linear in
     the depth from the traced depths)."""
+    activations_held_by_ac: dict[str, int] = field(default_factory=dict)
+    """Saved bytes one micro-batch holds at the end of its forward under each mode: the
+    peak less the working set of a recompute. A pipeline stage holds this for each
+    micro-batch in flight but the one in its backward (which reaches the peak)."""
     activations_outside_blocks: tuple[int, int] = (0, 0)
     """Saved bytes before the first block (embedding) and after the last (final norm,
     output projection, loss) of one micro-batch."""

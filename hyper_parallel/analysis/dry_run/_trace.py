@@ -70,6 +70,7 @@ class _Run:
     expert_numel: int = 0  # global elements of the routed experts
     activation_bytes: int = 0
     activations_by_ac: dict[str, int] = field(default_factory=dict)
+    held_by_ac: dict[str, int] = field(default_factory=dict)
     activations_outside_blocks: tuple[int, int] = (0, 0)
     block_bytes: tuple[int, int, int] | None = None  # the last block's (saved, kept, recomputed)
     unsharded_grad_bytes: int = 0  # the gradients as FSDP2 accumulates them (unsharded)
@@ -165,6 +166,7 @@ def _trace_step(
         plan_axes=tuple(a for a in axes if a in DENSE_AXES),
         activation_bytes=saved.peak_bytes(run.ac),
         activations_by_ac={m: saved.peak_bytes(m) for m in ("none", "selective", "full")},
+        held_by_ac={m: saved.held_bytes(m) for m in ("none", "selective", "full")},
         activations_outside_blocks=saved.outside_blocks(),
         block_bytes=saved.block_bytes(len(saved.blocks) - 1) if saved.blocks else None,
         unsharded_grad_bytes=sum(_unsharded_bytes(g, fsdp_mesh) for g in grads),

@@ -235,7 +235,12 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         dense = (k * block_dense + ends) * dense_ratio / fsdp
         experts = k * block_expert / c.ep / efsdp
         elements = dense + experts
-        acts = trace.activations(k, first, last, c.ac) * mbs * in_flight.get(s, 1)
+        # Each micro-batch in flight holds what its forward saved; the one in its
+        # backward reaches the peak (a recompute's working set is needed once).
+        waiting = max(in_flight.get(s, 1) - 1, 0)
+        acts = mbs * (
+            trace.activations(k, first, last, c.ac) + waiting * trace.held(k, first, last, c.ac)
+        )
         into = per_rank.setdefault(
             rank,
             {

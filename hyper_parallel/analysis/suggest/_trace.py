@@ -33,7 +33,8 @@ class _Trace:
     ``activations_per_block``; ``shared`` per checkpointing mode, what a run of blocks
     holds beyond that (tensors every block reads, such as the rotary tables' slices and
     the mask, held once per stage by its first block): the dry run's peak of the whole
-    model less the same composition of its blocks.
+    model less the same composition of its blocks; ``held_shared`` the same for the
+    bytes held at the end of the forward.
     """
 
     pre: int
@@ -42,6 +43,7 @@ class _Trace:
     block_input: int
     block_recompute: int
     shared: dict[str, int]
+    held_shared: dict[str, int]
     per_layer: list[_Comm]
     rest: list[_Comm]
     dense_local: float
@@ -62,6 +64,16 @@ class _Trace:
             none, blocks, self.block, self.block_input, self.block_recompute, tail, ac
         )
         return peak + (self.shared[ac] if blocks else 0)
+
+    def held(self, blocks: int, first: bool, last: bool, ac: str) -> int:
+        """Saved bytes of one sequence at the end of its forward on such a rank: what
+        a micro-batch keeps while it waits for its backward (the peak less a
+        recompute's working set; equal to it without checkpointing)."""
+        from hyper_parallel.analysis.dry_run import checkpointed_held
+
+        none = first * self.pre + last * self.post + blocks * self.block
+        held = checkpointed_held(none, blocks, self.block, self.block_input, ac)
+        return held + (self.held_shared[ac] if blocks else 0)
 
 
 def _trace_layout(tp: int, cp: int, ep: int, fsdp: bool) -> MeshLayout:
@@ -94,7 +106,7 @@ class _Tracer:
         return self.cache[key]
 
     def _run(self, tp: int, cp: int, sp: bool, ep: int, fsdp: bool) -> _Trace:
-        from hyper_parallel.analysis.dry_run import checkpointed_peak, dry_run
+        from hyper_parallel.analysis.dry_run import checkpointed_held, checkpointed_peak, dry_run
         from hyper_parallel.distributed.axes import apply_model_axes
 
         layout = _trace_layout(tp, cp, ep, fsdp)
@@ -160,6 +172,16 @@ class _Tracer:
                     ),
                 )
                 for ac, peak in report.activations_by_ac.items()
+            },
+            held_shared={
+                ac: max(
+                    0,
+                    held
+                    - checkpointed_held(
+                        pre + post + num_layers * block, num_layers, block, block_input, ac
+                    ),
+                )
+                for ac, held in report.activations_held_by_ac.items()
             },
             per_layer=per_layer,
             rest=rest,
