@@ -379,7 +379,8 @@ def pipeline_report(
             step (:func:`stage_collectives`), traced with ``fsdp``, ``param_dtype``,
             ``ac``, ``dtype`` and ``loss_fn`` (the last stage's), and its activations
             are the traced stage's saved bytes (rank 0's ``seq_len / cp`` tokens under
-            context parallelism) times its in-flight micro-batches; without it, the
+            context parallelism): one micro-batch's peak plus, for each other micro-batch
+            in flight, what its forward keeps; without it, the
             model's per-token estimate (``stages.activation_elements``, no cp).
         split: The stage split (a :class:`~hyper_parallel.distributed.pipeline.PipelineSplit`,
             as the run plan holds it); ``None``: balanced by parameters.

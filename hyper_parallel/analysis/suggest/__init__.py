@@ -9,8 +9,10 @@ runs each.
 
 **Memory** is the dry run's (:func:`~hyper_parallel.analysis.dry_run`), per rank:
 parameters, gradients and AdamW moments (fp32 master weights) sharded as FSDP2
-shards them; the activations one micro-batch saves for backward, times the
-micro-batches a pipeline stage holds at once (from the schedule's own action list);
+shards them; the activations of one micro-batch at its backward's peak (a
+recompute's working set included), plus what its forward keeps (the end-of-forward
+bytes) for each other micro-batch a pipeline stage holds at once (from the schedule's
+own action list);
 and FSDP2's transient buffers (two units gathered in the compute dtype: the one
 running and the one prefetched; one unit's unsharded fp32 gradients before its
 reduce-scatter; under a pipeline, every unit of the stage gathered with its

@@ -843,8 +843,9 @@ def _assumptions(
         f"(allocator fragmentation) less {MEMORY_HEADROOM_BYTES / 1024**3:.0f} GiB (CUDA "
         "context, workspaces, NCCL buffers).",
         "Per-rank memory: the dry run's parameters, gradients and AdamW moments (fp32 "
-        "master weights) sharded by FSDP2, activations per micro-batch times the "
-        "micro-batches a stage holds (schedule's action list), and FSDP2's transient "
+        "master weights) sharded by FSDP2, activations: one micro-batch's peak (its "
+        "backward, a recompute's working set included) plus what its forward keeps for "
+        "each other micro-batch a stage holds (schedule's action list), and FSDP2's transient "
         "buffers (two units gathered + one unit's fp32 gradients; under a pipeline the "
         "whole stage gathered with its unsharded fp32 gradients, reduced at the step's "
         "end).",
