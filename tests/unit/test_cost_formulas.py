@@ -303,6 +303,9 @@ def test_suggest_with_a_fixed_mesh_scores_only_that_mesh():
     for c, _, _ in report.plans:
         assert c.mesh() == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1}
         assert c.ac == "none"
+    # One mesh: its settings (schedule, micro-batches) are the plans, each listed once.
+    settings = [(c.schedule, c.microbatches, c.stages_per_rank) for c, _, _ in report.plans]
+    assert len(settings) > 1 and len(set(settings)) == len(settings)
     with pytest.raises(ValueError, match="has 8 ranks, not --gpus 4"):
         suggest(
             DEBUG,

@@ -135,10 +135,14 @@ def _candidates(
                                 )
 
 
-def _structure(c: Candidate) -> tuple:
+def _structure(c: Candidate, settings: bool = False) -> tuple:
     """What tells two layouts apart beyond how dp splits into dp_replicate x dp_shard
-    (micro-batches, schedule, checkpointing and sp are the plan's settings)."""
-    return (c.pp, c.dp, c.cp, c.tp, c.ep)
+    (micro-batches, schedule, checkpointing and sp are the plan's settings; with
+    ``settings``, as under a fixed ``--mesh``, they tell plans apart too)."""
+    mesh = (c.pp, c.dp, c.cp, c.tp, c.ep)
+    if not settings:
+        return mesh
+    return (*mesh, c.microbatches, c.schedule, c.stages_per_rank, c.ac, c.sp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,22 +194,25 @@ def _order(items: list[Scored], needs: _Needs) -> tuple[list[Scored], int]:
     return band + items[len(band) :], len(band)
 
 
-def _rank(evaluated: list[Scored], top: int) -> tuple[list[Scored], list[str], list[list[str]]]:
+def _rank(
+    evaluated: list[Scored], top: int, settings: bool = False
+) -> tuple[list[Scored], list[str], list[list[str]]]:
     """The top ``top`` distinct structures, each with why it is where it is and the dp
     splits that are its equivalents.
 
     The same layout with dp split otherwise (dp_replicate x dp_shard), whatever its
     micro-batches, schedule, checkpointing and sp, is one plan: the one :func:`_order`
     puts first stands for it, the other splits are listed as equivalent (with their time
-    against it). Plans: fastest first, except that those the model cannot tell apart
-    from the fastest (within :data:`TOLD_APART`) go simplest first.
+    against it). With ``settings`` (a fixed ``--mesh``: one structure) each setting is a
+    plan. Plans: fastest first, except that those the model cannot tell apart from the
+    fastest (within :data:`TOLD_APART`) go simplest first.
     """
     if not evaluated:
         return [], [], []
     needs = _Needs.of([c for c, _ in evaluated])
     groups: dict[tuple, list[Scored]] = {}
     for c, p in evaluated:
-        groups.setdefault(_structure(c), []).append((c, p))
+        groups.setdefault(_structure(c, settings), []).append((c, p))
     heads = {}
     for key, members in groups.items():
         heads[key] = _order(members, needs)[0]
@@ -234,7 +241,7 @@ def _rank(evaluated: list[Scored], top: int) -> tuple[list[Scored], list[str], l
             note = f"{_percent(slower)} vs the fastest: beyond the model's error, by time"
         why.append(note)
         splits: dict[tuple[int, int], Scored] = {}
-        for m, q in heads[_structure(c)]:
+        for m, q in heads[_structure(c, settings)]:
             splits.setdefault((m.dp_replicate, m.dp_shard), (m, q))
         equivalents.append(
             [
@@ -498,7 +505,8 @@ def suggest(
     # batch that does not split) was searched too.
     if fixed is None:
         searched += sum(rejected.values()) - (searched - len(evaluated))
-    ranked, why, equivalents = _rank(evaluated, top)
+    # Under a fixed --mesh the plans are its settings (schedule, micro-batches, ac, sp).
+    ranked, why, equivalents = _rank(evaluated, top, settings=fixed is not None)
     plans = [
         (c, p, _command(source, c, gpus, node, seq_len, global_batch, dtype)) for c, p in ranked
     ]
