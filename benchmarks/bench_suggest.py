@@ -136,6 +136,7 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("tp=4", TUNE),
     Layout("dp_replicate=2,dp_shard=2", TUNE),
     Layout("cp=2,tp=2", TUNE),
+    Layout("dp_replicate=2,tp=2", TUNE),
     Layout("pp=2,dp_shard=2", TUNE, schedule="1F1B"),
     Layout("pp=4", TUNE, schedule="GPipe"),
     Layout("pp=2,dp_shard=2", TUNE, schedule="Interleaved1F1B"),

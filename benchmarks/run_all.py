@@ -25,7 +25,7 @@ p. pipeline parallelism: step time per schedule vs pp=1, measured vs predicted b
 h. Hugging Face checkpoint loading at dp_shard=2 x tp=2: time, bytes read and peak memory
    per rank, ours vs DCP's ``HuggingFaceStorageReader``; the data path's tokens/s
    (``bench_hf_load.py``).
-s. the planner's cost model against reality: 22 layouts on 4 gloo ranks (tuning and
+s. the planner's cost model against reality: 23 layouts on 4 gloo ranks (tuning and
    held-out layouts apart), predicted (with this machine calibrated) vs measured step time
    and peak memory (``bench_suggest.py``).
 o. operation counts per forward: Python calls and dispatcher ops of the fast path vs
