@@ -36,8 +36,10 @@ scale does not change ranks); the median and worst relative error of the step ti
 as predicted and after the fitted scale; the median and worst relative error of the
 peak memory against the live tensor bytes and against the resident set.
 
-Each layout runs in its own process group (its own spawn), one after the other; a
-layout that fails is reported as failed and left out of the statistics.
+Each layout runs in its own process group (its own spawn), one after the other,
+tuning and held-out layouts alternately (:func:`run_order`: a change of the machine's
+load during the run falls on both splits alike); a layout that fails is reported as
+failed and left out of the statistics.
 
 Nothing here is a test: times depend on the machine and its load.
 
@@ -78,6 +80,9 @@ MOE_OVERRIDES = {
     "moe_hidden_dim": 256,
 }
 """``qwen3-moe-debug`` sized to this CPU (8 experts, top-2; the expert-parallel layouts)."""
+
+BATCH, SEQ = 8, 128
+"""Global batch (sequences) and sequence length of every layout (``--batch``, ``--seq``)."""
 
 TUNE, HELD_OUT = "tune", "held_out"
 SPLITS = (TUNE, HELD_OUT)
@@ -181,6 +186,17 @@ def covered_kinds(layouts: Sequence[Layout]) -> set[str]:
         if layout.schedule and "ZeroBubble" in layout.schedule:
             kinds.add("pp:zero-bubble")
     return kinds
+
+
+def run_order(layouts: Sequence[Layout]) -> list[Layout]:
+    """Tuning and held-out layouts alternately, each split in its declared order: the
+    machine's load drifts over a run, and both splits should see the drift alike."""
+    tune = [lay for lay in layouts if lay.split == TUNE]
+    held = [lay for lay in layouts if lay.split != TUNE]
+    order: list[Layout] = []
+    for i in range(max(len(tune), len(held))):
+        order += tune[i : i + 1] + held[i : i + 1]
+    return order
 
 
 def _overrides(model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -539,8 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", nargs="+", default=None, help="measure only the layouts of these names"
     )
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=BATCH, help="global batch (sequences)")
+    parser.add_argument("--seq", type=int, default=SEQ)
     parser.add_argument("--overrides", type=json.loads, default=OVERRIDES)
     parser.add_argument("--moe-overrides", type=json.loads, default=MOE_OVERRIDES)
     parser.add_argument("--reps", type=int, default=4)
@@ -548,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
 
-    layouts = [lay for lay in LAYOUTS if args.only is None or lay.name in args.only]
+    layouts = run_order([lay for lay in LAYOUTS if args.only is None or lay.name in args.only])
     load = os.getloadavg()
     hardware = args.hardware
     calibration_s = 0.0
