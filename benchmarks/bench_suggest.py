@@ -39,7 +39,8 @@ peak memory against the live tensor bytes and against the resident set.
 Each layout runs in its own process group (its own spawn), one after the other,
 tuning and held-out layouts alternately (:func:`run_order`: a change of the machine's
 load during the run falls on both splits alike); a layout that fails is reported as
-failed and left out of the statistics.
+failed and left out of the statistics (after a second attempt: :data:`ATTEMPTS`; a row
+measured on the second says so).
 
 Nothing here is a test: times depend on the machine and its load.
 
@@ -419,14 +420,17 @@ def summarize(
     to its prediction); no held-out measurement reaches ``fit``."""
     fit = fit or fit_time_scale
     tune = [r for r in rows if r["split"] == TUNE]
-    scale = fit(tune)
+    scale = fit(tune) if tune else 1.0  # no tuning row measured: nothing fitted
     for r in rows:
         r["scaled_step_s"] = scale * r["predicted_step_s"]
         r["scaled_step_error"] = r["scaled_step_s"] / r["measured_step_s"] - 1
     out: dict[str, Any] = {
         "fit": {
             "time_scale": scale,
-            "what": "measured / predicted step time, geometric mean over the tune rows",
+            "fitted": bool(tune),
+            "what": "measured / predicted step time, geometric mean over the tune rows"
+            if tune
+            else "not fitted (no tune row measured): 1",
             "fitted_on": [r["layout"] for r in tune],
         }
     }
@@ -549,6 +553,25 @@ def measure_layout(layout: Layout, hardware: str, args: argparse.Namespace) -> d
     }
 
 
+ATTEMPTS = 2
+"""Tries per layout: a rank that crashes (seen: SIGABRT in a pipeline layout that runs
+clean on its own) gets the layout one more spawn; the row says so (``retried_after``)."""
+
+
+def _measure_with_retry(
+    layout: Layout, hardware: str, args: argparse.Namespace
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """``(row or None, the first line of each failed attempt's error)``."""
+    errors: list[str] = []
+    for _ in range(ATTEMPTS):
+        try:
+            return measure_layout(layout, hardware, args), errors
+        except Exception as e:
+            traceback.print_exc()
+            errors.append(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return None, errors
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hardware", help="hardware file (default: calibrate this machine once)")
@@ -579,19 +602,18 @@ def main(argv: list[str] | None = None) -> int:
         calibration_s = time.perf_counter() - started
     rows, failed = [], []
     for layout in layouts:
-        try:
-            row = measure_layout(layout, hardware, args)
-        except Exception as e:  # reported, not hidden: the layout is listed as failed
-            traceback.print_exc()
-            failed.append(
-                {"layout": layout.name, "split": layout.split, "error": str(e).splitlines()[0]}
-            )
-            print(f"  {layout.name}: FAILED", flush=True)
+        row, errors = _measure_with_retry(layout, hardware, args)
+        if row is None:  # reported, not hidden: the layout is listed as failed
+            failed.append({"layout": layout.name, "split": layout.split, "error": errors[-1]})
+            print(f"  {layout.name}: FAILED ({errors[-1]})", flush=True)
             continue
+        if errors:
+            row["retried_after"] = errors[0]
         rows.append(row)
         print(
             f"  {layout.name} [{layout.split}]: predicted {1e3 * row['predicted_step_s']:.1f} ms, "
-            f"measured {1e3 * row['measured_step_s']:.1f} ms ({row['wall_s']:.0f} s)",
+            f"measured {1e3 * row['measured_step_s']:.1f} ms ({row['wall_s']:.0f} s)"
+            + (f", after a failed attempt ({errors[0]})" if errors else ""),
             flush=True,
         )
     summary = summarize(rows)

@@ -982,6 +982,11 @@ def section_suggest(result: dict[str, Any], charts: list[str]) -> str:
             f"{r['scaled_step_error']:+.0%} | {r['predicted_bytes'] / 2**20:.1f} | "
             f"{r['measured_bytes'] / 2**20:.1f} | {r['memory_error']:+.0%} | "
             f"{r['rss_bytes'] / 2**20:.1f} | {r['rss_error']:+.0%} |"
+            + (
+                f" (measured on a second attempt: {r['retried_after']})"
+                if r.get("retried_after")
+                else ""
+            )
         )
     for f in result.get("failed", []):
         lines.append(f"| {f['layout']} | {f['split']} | failed: {f['error']} | | | | | | | | |")

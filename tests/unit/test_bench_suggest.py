@@ -155,3 +155,34 @@ def test_run_order_alternates_the_splits_and_keeps_every_layout(bench):
     splits = [lay.split for lay in order]
     n = min(splits.count(bench.TUNE), splits.count(bench.HELD_OUT))
     assert all(splits[i] != splits[i + 1] for i in range(2 * n - 1))
+
+
+def test_a_crashed_layout_is_retried_once_then_reported_failed(bench, monkeypatch, tmp_path):
+    calls: dict[str, int] = {}
+    first, second = bench.LAYOUTS[0], bench.LAYOUTS[1]
+
+    def measure(layout, hardware, args):
+        calls[layout.name] = calls.get(layout.name, 0) + 1
+        if layout.name == second.name or calls[layout.name] == 1:
+            raise RuntimeError(f"process 0 terminated ({layout.name})")
+        return _row(bench, layout, 1.0, 2.0)
+
+    monkeypatch.setattr(bench, "measure_layout", measure)
+    monkeypatch.setattr(bench, "_calibration", lambda hardware: {})
+    monkeypatch.setattr(bench, "LAYOUTS", tuple(bench.LAYOUTS[:4]))
+    out = tmp_path / "s.json"
+    assert bench.main(["--hardware", "unused.yaml", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert calls[first.name] == 2 and calls[second.name] == bench.ATTEMPTS
+    row = next(r for r in result["rows"] if r["layout"] == first.name)
+    assert row["retried_after"] == f"process 0 terminated ({first.name})"
+    assert [f["layout"] for f in result["failed"]] == [second.name]
+    assert second.name not in [r["layout"] for r in result["rows"]]
+
+
+def test_without_tuning_rows_nothing_is_fitted(bench):
+    held = [lay for lay in bench.LAYOUTS if lay.split == bench.HELD_OUT][:3]
+    rows = [_row(bench, lay, 1.0, 4.0) for lay in held]
+    out = bench.summarize(rows, fit=lambda rows: pytest.fail("fit called without tune rows"))
+    assert out["fit"]["time_scale"] == 1.0 and not out["fit"]["fitted"]
+    assert out["held_out"]["step_error_scaled"]["median"] == pytest.approx(0.75)
