@@ -6,8 +6,9 @@ rendezvous) and measures, all ranks at once (as a training step runs them):
 - **matmul FLOP/s** per dtype (fp32, bf16): square matmuls, ``2 n^3`` FLOPs each, the
   median rank's rate, written as ``peak_flops``; and ``compute_efficiency``: the rate of
   a small training step (forward and backward of an MLP stack at a CPU-sized decoder's
-  width, :data:`_MLP`) over the fp32 matmul rate: small matmuls, elementwise ops and
-  autograd run below the large-matmul peak;
+  width, :data:`_MLP`: width 384, hidden 1,024, 3 blocks, 384 tokens) over the fp32
+  matmul rate: small matmuls, elementwise ops and autograd run below the large-matmul
+  peak;
 - **each collective** (all_gather, reduce_scatter, all_reduce, all_to_all, and
   point-to-point send/recv) at a small and a large size: the latency-bandwidth model
   of :mod:`~hyper_parallel.analysis.cost_model` solved for its two unknowns
@@ -32,6 +33,12 @@ rendezvous) and measures, all ranks at once (as a training step runs them):
   moves data on its own engines (GPUs with NCCL), less where the same cores that
   compute also run the collective (gloo on a CPU);
 - ``memory_bytes``: the machine's RAM over the ranks; ``gpus_per_node``: the ranks.
+
+Every workload has its own sizes (512 x 512 matmuls, the MLP stack above, 8 x 8
+operators, 4 KiB and 8 MiB collectives, a 32 MiB copy), chosen unlike the model sizes
+``benchmarks/bench_suggest.py`` then predicts and measures (a decoder of width 256 and
+FFN 768, a mixture of experts of width 128, 128-token sequences, 8 per step): the
+calibration is an input to the cost model, not a fit of the benchmark.
 
 The network between nodes is not measured (one machine): ``inter_node`` repeats the
 slowest local collective link, and says so.
@@ -166,9 +173,12 @@ def _wire(kind: str, nbytes: float, world: int) -> float:
     return nbytes * factor
 
 
-_MLP = {"dim": 256, "hidden": 768, "layers": 4, "tokens": 256}
+_MLP = {"dim": 384, "hidden": 1024, "layers": 3, "tokens": 384}
 """The reference training step of :func:`_mlp_step_rate`: SwiGLU-free MLP blocks of a
-small decoder's width (what a model sized to a CPU runs)."""
+small decoder's width (what a model sized to a CPU runs). Sized unlike the models that
+``benchmarks/bench_suggest.py`` measures against the cost model (width 256 / FFN 768
+and width 128, 128 to 1,024 tokens per rank), so that what is calibrated is not the
+benchmark's own step."""
 
 
 def _mlp_step(dim: int, hidden: int, layers: int, tokens: int) -> tuple[Any, int, int]:
