@@ -98,6 +98,10 @@ def _candidates(run: dict[str, Any]) -> list[Candidate]:
         microbatches = run.get("grad_accum") or 1
         schedule = None
     modes = [run["ac"]] if run["ac"] else list(AC_MODES)
+    # Accumulation under FSDP2: reduced at the last micro-batch or at each (sources do
+    # not say; torchtitan and NeMo AutoModel reduce each): both are candidates.
+    fsdp = mesh["dp_replicate"] * mesh["dp_shard"] * mesh["cp"] > 1
+    each = (False, True) if mesh["pp"] == 1 and microbatches > 1 and fsdp else (False,)
     return [
         Candidate(
             **mesh,
@@ -106,8 +110,10 @@ def _candidates(run: dict[str, Any]) -> list[Candidate]:
             ac=ac,
             sp=mesh["tp"] > 1,
             stages_per_rank=run.get("stages_per_rank"),
+            reduce_each=e,
         )
         for ac in modes
+        for e in each
     ]
 
 

@@ -461,6 +461,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             num_microbatches=subject.run.num_microbatches
             if subject.run is not None and pipeline is None
             else 1,
+            reduce_each_microbatch=bool(getattr(args, "reduce_each_microbatch", False)),
         )
     except ParallelizeError as e:
         print(

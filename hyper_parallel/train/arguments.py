@@ -178,8 +178,9 @@ RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {
             "type": int,
             "help": "micro-batches per step, with and without pp: each data-parallel rank's "
-            "batch splits into them, run in turn, gradients reduced once per step (gradient "
-            "accumulation at pp=1; default 1, or one per stage under pp: pp x stages per rank)",
+            "batch splits into them, run in turn, gradients reduced once per step unless "
+            "--reduce-each-microbatch (gradient accumulation at pp=1; default 1, or one per "
+            "stage under pp: pp x stages per rank)",
         },
     ),
     (
@@ -200,6 +201,16 @@ RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
             "help": "pipeline stages each pp rank runs: 2 or more for Interleaved1F1B and "
             "InterleavedZeroBubble (default 2), exactly 2 for ZBVZeroBubble, 1 for GPipe "
             "and 1F1B",
+        },
+    ),
+    (
+        "--reduce-each-microbatch",
+        "reduce_each_microbatch",
+        {
+            "action": "store_true",
+            "help": "with gradient accumulation under FSDP2: reduce-scatter each "
+            "micro-batch's gradients (sharded accumulation, as torchtitan; more "
+            "communication) instead of holding them unsharded in fp32 until the last",
         },
     ),
     ("--log-every", "log_every", {"type": int, "help": "log every N steps (0: never)"}),
@@ -278,7 +289,15 @@ RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ),
 )
 
-SWITCHES = ("sp", "schedule", "microbatches", "pipeline_split", "stages_per_rank", "compile")
+SWITCHES = (
+    "sp",
+    "schedule",
+    "microbatches",
+    "pipeline_split",
+    "stages_per_rank",
+    "reduce_each_microbatch",
+    "compile",
+)
 """The options ``plan`` and ``validate`` take too: they change the run those check."""
 
 MODEL_FIELDS = ("model", "model_overrides", "hf_config")

@@ -69,7 +69,7 @@ class TrainConfig:
         microbatches: Micro-batches per step, with and without ``pp``: each
             data-parallel rank's batch splits into that many equal micro-batches, run
             one after the other, gradients reduced once per step (gradient accumulation
-            at ``pp=1``). ``None``: 1 at ``pp=1``, one per stage under ``pp`` (``pp`` x
+            at ``pp=1``; each micro-batch with ``reduce_each_microbatch``). ``None``: 1 at ``pp=1``, one per stage under ``pp`` (``pp`` x
             stages per rank; the run plan's one rule,
             :func:`~hyper_parallel.distributed.run_plan.default_num_microbatches`).
         pipeline_split: The stage split (``{"units_per_stage": n}`` or
@@ -77,6 +77,12 @@ class TrainConfig:
         stages_per_rank: Pipeline stages each pp rank runs: 1 for GPipe / 1F1B, 2 or
             more for Interleaved1F1B and InterleavedZeroBubble, exactly 2 for
             ZBVZeroBubble; ``None``: the schedule's default (1, or 2).
+        reduce_each_microbatch: With gradient accumulation (``pp=1``, several
+            micro-batches) under FSDP2: reduce-scatter each micro-batch's gradients and
+            accumulate the shards (torchtitan's way: gradients stay sharded; one
+            reduction per micro-batch). ``False``: FSDP2 holds each unit's gradients
+            unsharded (fp32) until the last micro-batch's backward reduces their sum
+            once (less communication, the unsharded gradients' memory).
         compile: ``torch.compile`` each transformer block (``fullgraph=True``), after
             the tensor-parallel plan and before FSDP2
             (:mod:`hyper_parallel.distributed.compile`).
@@ -137,6 +143,7 @@ class TrainConfig:
     microbatches: int | None = None
     pipeline_split: dict[str, Any] | None = None
     stages_per_rank: int | None = None
+    reduce_each_microbatch: bool = False
     compile: bool = False
     compile_backend: str = "inductor"
     dtype: str = "fp32"

@@ -452,7 +452,8 @@ class Trainer:
 
         Each micro-batch's mean loss is backpropagated as the run plan scales it
         (``1 / cp``); FSDP2 reduces no gradient but the last micro-batch's (HSDP's
-        all-reduce included), which carries the sum of all of them; the sum is then
+        all-reduce included), which carries the sum of all of them — or, with
+        ``reduce_each_microbatch``, each micro-batch's, accumulating the shards; the sum is then
         divided by the count, once, with the rest of the run plan's finishing
         (:meth:`~hyper_parallel.distributed.run_plan.RunPlan.finish_gradients`: cp
         partial sums, expert gradients). Equal micro-batches: the mean of their mean
@@ -464,7 +465,7 @@ class Trainer:
         steps = self.run.accumulation_steps
         total: torch.Tensor | None = None
         for i, micro in enumerate(batch.split(steps)):
-            if steps > 1:
+            if steps > 1 and not self.cfg.reduce_each_microbatch:
                 set_gradient_sync(self.model, i == steps - 1)
             # bf16: FSDP2's policy casts, or the builder's autocast where there is no FSDP2.
             logits = self.model(micro.inputs, **micro.model_kwargs)

@@ -13,6 +13,8 @@ unreduced in FSDP2's unsharded buffers.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch.distributed as c10d
 
@@ -109,3 +111,21 @@ def test_four_microbatches_match_one_forward_on_one_device(dist, case: str) -> N
     # Reduced once: no reduce-scatter before the last micro-batch's backward, then some.
     *before, after = got["seen"]
     assert before == [0] * MICROBATCHES and after > 0, got["seen"]
+
+
+@pytest.mark.parametrize("case", ["dp_shard_tp", "hsdp_ep"])
+def test_reducing_each_microbatch_matches_one_forward_on_one_device(dist, case: str) -> None:
+    """``--reduce-each-microbatch``: FSDP2 reduce-scatters every micro-batch's gradients
+    (each backward issues the same number) and accumulates the shards; the step's
+    gradients are still the one-device ones."""
+    cfg = dict(CASES[case], microbatches=MICROBATCHES, reduce_each_microbatch=True)
+    got = dist.run(_first_step, cfg)[0]
+    ref = dist.run(_one_device_on_rank0, cfg)[0]
+    assert abs(got["loss"] - ref["loss"]) <= 1e-5
+    check(
+        diffs(got["grads"], ref["grads"]), atol=1e-5, rtol=FP32_RTOL, expect_count=len(ref["grads"])
+    )
+    seen = got["seen"]  # before each micro-batch's loss, then at the end
+    per_backward = [b - a for a, b in itertools.pairwise(seen)]
+    assert seen[0] == 0 and per_backward[0] > 0, seen
+    assert per_backward == [per_backward[0]] * MICROBATCHES, seen

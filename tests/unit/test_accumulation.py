@@ -87,3 +87,13 @@ def test_the_dry_run_counts_one_microbatch_of_activations_and_every_microbatch_o
         once = (c.phase, c.kind, c.axis) == ("backward", "reduce_scatter", "fsdp")
         assert c.count == counts[(c.phase, c.kind, c.axis)] * (1 if once else 4), c
     assert any("Gradient accumulation: 4 micro-batches" in a for a in four.assumptions)
+    # --reduce-each-microbatch: every reduce-scatter repeats, the gradients stay sharded.
+    each = dry_run(
+        config, mesh, batch_size=2, seq_len=64, num_microbatches=4, reduce_each_microbatch=True
+    )
+    assert each.per_rank.grads == one.per_rank.grads
+    for c in each.collectives:
+        assert c.count == counts[(c.phase, c.kind, c.axis)] * (
+            1 if c.phase == "optimizer" else 4
+        ), c
+    assert any("once per micro-batch too" in a for a in each.assumptions)

@@ -278,6 +278,30 @@ def test_a_pipeline_rank_holds_one_peak_and_the_forward_state_of_the_other_micro
     assert p.memory["activations"] == 2 * _stage_dry_run(names, "none").per_rank.activations
 
 
+def test_accumulation_reducing_each_microbatch_keeps_gradients_sharded_and_reduces_each_time():
+    """4 micro-batches on dp_shard=4. Reduced at the last (the trainer's default) FSDP2
+    holds every unit's gradients unsharded in fp32: 4x the sharded bytes. With
+    ``--reduce-each-microbatch`` they stay sharded and the reduce-scatter of the fp32
+    gradients repeats 3 more times: 3 x (5 units x 3 ring steps of latency + 3/4 of
+    the 4-byte gradients over the link), counted by hand (all of it exposed)."""
+    hw = dataclasses.replace(_known_links(), comm_overlap=0.0)
+    scorer = LayoutScorer(DEBUG, gpus=4, gpu=hw, seq_len=SEQ, global_batch_tokens=16 * SEQ)
+    one = scorer.predict(_c(dp_shard=4))
+    last = scorer.predict(_c(dp_shard=4, microbatches=4))
+    each = scorer.predict(_c(dp_shard=4, microbatches=4, reduce_each=True))
+    assert last.memory["grads"] == pytest.approx(4 * one.memory["grads"], rel=1e-6)
+    assert each.memory["grads"] == one.memory["grads"]
+    params = sum(x.numel() for x in DEBUG.config().build().parameters())
+    units, p = 4 + 1, 4  # 4 blocks and the root; dp_shard=4
+    link = hw.intra_node
+    reduce = units * (p - 1) * link.latency_s + (p - 1) / p * 4 * params / (
+        link.bandwidth * link.efficiency
+    )
+    extra = each.time["data_comm_exposed"] - last.time["data_comm_exposed"]
+    assert extra == pytest.approx(3 * reduce, rel=1e-6)
+    assert scorer.predict(_c(dp_shard=4, microbatches=1, reduce_each=True)).step_s == one.step_s
+
+
 def test_predict_refuses_a_batch_that_does_not_split_over_dp():
     with pytest.raises(ValueError, match="does not split over dp_replicate x dp_shard = 4"):
         predict(

@@ -86,6 +86,7 @@ def dry_run(
     ac: str = "none",
     dtype: str = "fp32",
     num_microbatches: int = 1,
+    reduce_each_microbatch: bool = False,
 ) -> DryRunReport:
     """Trace one training step of the sharded model at full scale, in this process.
 
@@ -127,6 +128,9 @@ def dry_run(
             collectives of the forward and backward counted once per micro-batch,
             FSDP2's gradient reductions once per step, and the gradients held as
             FSDP2 accumulates them (unsharded) before the last micro-batch.
+        reduce_each_microbatch: With ``num_microbatches`` > 1, the trainer's
+            ``--reduce-each-microbatch``: FSDP2's reductions once per micro-batch, the
+            gradients sharded.
 
     Returns:
         A :class:`DryRunReport`.
@@ -218,7 +222,7 @@ def dry_run(
     )
     report = _combine(target, runs, layout, settings)
     if num_microbatches > 1:
-        _accumulate(report, runs, target, num_microbatches, use_fsdp)
+        _accumulate(report, runs, target, num_microbatches, use_fsdp, reduce_each_microbatch)
     data_axis, data_size = _data_axis(layout, plan_axes)
     if not use_fsdp and data_size > 1:
         report.collectives.append(_ddp_all_reduce(report.per_rank.grads, data_axis, data_size))
@@ -231,13 +235,19 @@ def dry_run(
             "sequence(s) per step, run one after the other. Activations are one "
             "micro-batch's; forward and backward collectives (FSDP2's all-gathers "
             "included: each micro-batch gathers its units again) count once per "
-            "micro-batch; FSDP2's reduce-scatter and HSDP's all-reduce once per step (the "
-            "trainer's set_requires_gradient_sync(False) before the last micro-batch)"
+            "micro-batch; "
             + (
-                ", so gradients are held unsharded (fp32 accumulators of each FSDP2 unit) "
-                "until the last backward: counted as the gradients' bytes."
-                if use_fsdp
-                else "."
+                "FSDP2's reduce-scatter and HSDP's all-reduce once per micro-batch too "
+                "(--reduce-each-microbatch): the gradients accumulate sharded."
+                if reduce_each_microbatch
+                else "FSDP2's reduce-scatter and HSDP's all-reduce once per step (the "
+                "trainer's set_requires_gradient_sync(False) before the last micro-batch)"
+                + (
+                    ", so gradients are held unsharded (fp32 accumulators of each FSDP2 unit) "
+                    "until the last backward: counted as the gradients' bytes."
+                    if use_fsdp
+                    else "."
+                )
             )
         )
     report.elapsed_s = time.perf_counter() - start

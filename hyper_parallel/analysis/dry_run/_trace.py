@@ -200,11 +200,17 @@ def _unsharded_bytes(grad: torch.Tensor, fsdp_mesh: DeviceMesh | None) -> int:
 
 
 def _accumulate(
-    report: DryRunReport, runs: Sequence[_Run], target: Target, microbatches: int, fsdp: bool
+    report: DryRunReport,
+    runs: Sequence[_Run],
+    target: Target,
+    microbatches: int,
+    fsdp: bool,
+    reduce_each: bool = False,
 ) -> None:
     """A step of ``microbatches`` micro-batches from the trace of one: forward and
     backward collectives repeated, FSDP2's gradient reductions (and the optimizer
-    phase's) once, gradients held unsharded under FSDP2 until the last backward."""
+    phase's) once, gradients held unsharded under FSDP2 until the last backward; with
+    ``reduce_each`` the reductions repeat too and the gradients stay sharded."""
 
     def repeat(stats: list[CollectiveStat] | None) -> list[CollectiveStat] | None:
         if stats is None:
@@ -212,7 +218,9 @@ def _accumulate(
         out = []
         for c in stats:
             once = c.phase == "optimizer" or (
-                c.phase == "backward" and (c.kind, c.axis) in _GRADIENT_REDUCTIONS
+                not reduce_each
+                and c.phase == "backward"
+                and (c.kind, c.axis) in _GRADIENT_REDUCTIONS
             )
             k = 1 if once else microbatches
             out.append(
@@ -224,7 +232,7 @@ def _accumulate(
     report.collectives_per_layer = repeat(report.collectives_per_layer)
     report.comm_debug_counts = {}  # one micro-batch's trace: not the step's
     report.num_microbatches = microbatches
-    if fsdp:
+    if fsdp and not reduce_each:
         a, b = runs[0], runs[-1]
         grads = b.unsharded_grad_bytes
         if len(runs) == 2 and target.num_layers is not None and a.depth is not None:

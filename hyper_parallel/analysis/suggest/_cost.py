@@ -273,7 +273,7 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         # end of a backward every unit of the stage is gathered (compute dtype) and
         # holds its unsharded fp32 gradients.
         transient = (compute_bytes + 4) * heaviest["unsharded"]
-    if accumulation > 1 and fsdp > 1:
+    if accumulation > 1 and fsdp > 1 and not c.reduce_each:
         # FSDP2 reduces only the last micro-batch's backward: until then each unit's
         # gradients are summed unsharded, in fp32 (its reduce dtype).
         heaviest = dict(heaviest, grads=4 * heaviest["unsharded"])
@@ -364,6 +364,7 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         c.schedule,
         c.microbatches,
         c.stages_per_rank,
+        c.reduce_each,
         c.dp_replicate,
         c.dp_shard,
         c.cp,
@@ -464,6 +465,8 @@ def _data_comm(
             gathers_f, gathers_b = 1, 0
         else:  # each micro-batch of gradient accumulation gathers every unit again
             gathers_f, gathers_b = c.microbatches, c.microbatches
+        # Reductions per step: one, or one per micro-batch (--reduce-each-microbatch).
+        reductions = c.microbatches if c.pp == 1 and c.reduce_each else 1
         dense_block = block_dense * dense_ratio
         expert_block = block_expert / c.ep
         root = rest_dense * (first + last) / 2 * dense_ratio
@@ -507,17 +510,17 @@ def _data_comm(
                 gather(root, fsdp_axis, 1, gathers_f if c.pp == 1 else 1) if root else 0.0
             )
             t["gather_backward"] += gather(dense_block, fsdp_axis, k, gathers_b)
-            t["reduce"] += reduce(dense_block * k + root, fsdp_axis, units)
+            t["reduce"] += reductions * reduce(dense_block * k + root, fsdp_axis, units)
             t["first_unit"] = gather(max(dense_block, root), fsdp_axis, 1)
             t["last_unit"] = reduce(max(dense_block, root), fsdp_axis, 1)
         if block_expert and efsdp > 1:
             t["gather_forward"] += gather(expert_block, efsdp_axis, k, gathers_f)
             t["gather_backward"] += gather(expert_block, efsdp_axis, k, gathers_b)
-            t["reduce"] += reduce(expert_block * k, efsdp_axis, k)
+            t["reduce"] += reductions * reduce(expert_block * k, efsdp_axis, k)
         if c.dp_replicate > 1:
-            t["reduce"] += replicas(dense_block * k + root, fsdp, units)
+            t["reduce"] += reductions * replicas(dense_block * k + root, fsdp, units)
             if block_expert:
-                t["reduce"] += replicas(expert_block * k, efsdp, k)
+                t["reduce"] += reductions * replicas(expert_block * k, efsdp, k)
             t["last_unit"] += replicas(max(dense_block, root), fsdp, 1)
         if worst is None or sum(t.values()) > sum(worst.values()):
             worst = t

@@ -30,6 +30,9 @@ class Candidate:
     stages_per_rank: int | None = None
     """Pipeline stages each rank runs (interleaved schedules); ``None``: the schedule's
     default (:func:`~hyper_parallel.distributed.pipeline.stages_per_rank_of`)."""
+    reduce_each: bool = False
+    """Gradient accumulation (pp=1) with FSDP2 reducing each micro-batch's gradients
+    (``--reduce-each-microbatch``: sharded accumulation) rather than only the last's."""
 
     @property
     def layout(self) -> MeshLayout:
@@ -65,7 +68,8 @@ class Candidate:
             per_rank = f", {self.stages_per_rank} stages/rank" if self.stages_per_rank else ""
             extra = [f"{self.schedule} x{self.microbatches}{per_rank}", *extra]
         elif self.microbatches > 1:
-            extra = [f"{self.microbatches} micro-batches", *extra]
+            each = ", reduced each" if self.reduce_each else ""
+            extra = [f"{self.microbatches} micro-batches{each}", *extra]
         return f"{self.mesh_text()} ({', '.join(extra)})"
 
 

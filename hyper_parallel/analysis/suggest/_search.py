@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from collections import Counter
@@ -117,7 +118,12 @@ def _candidates(
                     for ep in eps:
                         pipelines = _pipelines(pp, local, microbatches, stages_per_rank, num_layers)
                         for schedule, m, per_rank in pipelines:
-                            for ac in AC_MODES:
+                            # Accumulation under FSDP2: its gradients held unsharded to
+                            # the last micro-batch, or reduced each (sharded).
+                            sharded = pp == 1 and m > 1 and dp_replicate * dp_shard * cp > 1
+                            for each, ac in itertools.product(
+                                (False, True) if sharded else (False,), AC_MODES
+                            ):
                                 if tp > 1:  # searched, and refused without a trace
                                     rejected[SP_DOMINATES] += 1
                                 yield Candidate(
@@ -132,6 +138,7 @@ def _candidates(
                                     ac,
                                     tp > 1,
                                     per_rank,
+                                    each,
                                 )
 
 
@@ -142,7 +149,7 @@ def _structure(c: Candidate, settings: bool = False) -> tuple:
     mesh = (c.pp, c.dp, c.cp, c.tp, c.ep)
     if not settings:
         return mesh
-    return (*mesh, c.microbatches, c.schedule, c.stages_per_rank, c.ac, c.sp)
+    return (*mesh, c.microbatches, c.schedule, c.stages_per_rank, c.reduce_each, c.ac, c.sp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -804,6 +811,8 @@ def _train_args(
             args += ["--stages-per-rank", str(c.stages_per_rank)]
     elif c.microbatches > 1:  # gradient accumulation
         args += ["--microbatches", str(c.microbatches)]
+        if c.reduce_each:
+            args.append("--reduce-each-microbatch")
     return args
 
 
