@@ -165,14 +165,15 @@ class _Needs:
         return cls(pp=all(c.pp > 1 for c in candidates), cp=all(c.cp > 1 for c in candidates))
 
 
-def _simplicity(c: Candidate, needs: _Needs) -> tuple[int, int, int]:
+def _simplicity(c: Candidate, needs: _Needs) -> tuple[int, int]:
     """How much a layout asks of its user, lower first: pp and cp used where a layout
     without them fits (a schedule and micro-batches to tune, the sequence split), then
-    the mesh axes beyond FSDP (pp, cp, tp, ep, dp_replicate), then checkpointing (none,
-    selective, full). tp stays within a node unless ``--allow-cross-node-tp``."""
+    the mesh axes beyond FSDP (pp, cp, tp, ep, dp_replicate). Checkpointing, micro-batches
+    and sp are flags, not structure: among equally simple layouts the faster goes first.
+    tp stays within a node unless ``--allow-cross-node-tp``."""
     needless = (c.pp > 1 and not needs.pp) + (c.cp > 1 and not needs.cp)
     axes = (c.pp > 1) + (c.cp > 1) + (c.tp > 1) + (c.ep > 1) + (c.dp_replicate > 1)
-    return needless, axes, AC_MODES.index(c.ac)
+    return needless, axes
 
 
 def _simplicity_text(c: Candidate, needs: _Needs) -> str:
@@ -184,7 +185,6 @@ def _simplicity_text(c: Candidate, needs: _Needs) -> str:
     ]
     axes = [a for a in ("pp", "cp", "tp", "ep", "dp_replicate") if getattr(c, a) > 1]
     parts.append(f"axes beyond FSDP: {', '.join(axes)}" if axes else "no axis beyond FSDP")
-    parts.append(f"ac={c.ac}")
     return "; ".join(parts)
 
 
