@@ -94,8 +94,7 @@ def test_within_the_error_fewer_axes_first_beyond_it_by_time():
     assert "no axis beyond FSDP" in why[0] and "ac=" not in why[0].split("ahead")[0]
     assert "ahead of the fastest, dp_shard=2,cp=4" in why[0]
     assert why[1] == (
-        "+1% vs the fastest, not told apart (within 1.5x), so simplest first: "
-        "axes beyond FSDP: tp"
+        "+1% vs the fastest, not told apart (within 1.5x), so simplest first: axes beyond FSDP: tp"
     )
     assert "cp where a layout without it fits" in why[3]
     assert why[4] == "+51% vs the fastest: beyond the model's error, by time"
