@@ -14,6 +14,7 @@ from hyper_parallel.analysis.cost_model import (
     compute_seconds,
     exposed_seconds,
     optimizer_seconds,
+    usable_memory,
 )
 from hyper_parallel.analysis.pipeline_cost import (
     in_flight_microbatches,
@@ -109,6 +110,41 @@ class _Context:
     limit: float
     pipeline_cache: dict[Any, Any] = dataclasses.field(default_factory=dict)
     factors: RunFactors = dataclasses.field(default_factory=RunFactors)
+
+    @classmethod
+    def build(
+        cls,
+        source: ModelSource,
+        hw: Hardware,
+        node: int,
+        gpus: int,
+        seq_len: int,
+        global_batch: int,
+        dtype: str,
+        compile: bool = False,
+        pipeline_split: Any = None,
+    ) -> _Context:
+        """The context of one search or scorer: the model's FLOP counts, its plan
+        checks and traces, the memory limit, and the run's stated factors (compile)."""
+        from hyper_parallel.analysis.suggest._operators import count_flops
+
+        checks = _Checks(
+            source, seq_len, global_batch, dtype, compile=compile, pipeline_split=pipeline_split
+        )
+        return cls(
+            source,
+            hw,
+            node,
+            gpus,
+            seq_len,
+            global_batch,
+            dtype,
+            count_flops(source, seq_len),
+            checks,
+            _Tracer(source, seq_len, dtype),
+            usable_memory(hw),
+            factors=RunFactors.stated(compile=compile),
+        )
 
 
 def _stage_blocks(ctx: _Context, c: Candidate) -> list[tuple[int, bool, bool, int]]:

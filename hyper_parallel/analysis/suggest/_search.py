@@ -17,11 +17,9 @@ from hyper_parallel.analysis._format import human_bytes
 from hyper_parallel.analysis.cost_model import (
     Hardware,
     load_hardware,
-    usable_memory,
 )
 from hyper_parallel.analysis.suggest._checks import _Checks
 from hyper_parallel.analysis.suggest._cost import RunFactors, _Context, _predict
-from hyper_parallel.analysis.suggest._operators import count_flops
 from hyper_parallel.analysis.suggest._report import (
     Candidate,
     DoesNotFit,
@@ -29,7 +27,6 @@ from hyper_parallel.analysis.suggest._report import (
     SuggestReport,
 )
 from hyper_parallel.analysis.suggest._source import ModelSource, _long_enough, _num_experts
-from hyper_parallel.analysis.suggest._trace import _Tracer
 from hyper_parallel.distributed.pipeline import (
     SCHEDULES,
 )
@@ -443,28 +440,12 @@ def suggest(
     num_experts = _num_experts(source, config)
     global_batch = global_batch_tokens // seq_len
     rejected: Counter = Counter()
-    checks = _Checks(
-        source, seq_len, global_batch, dtype, compile=compile, pipeline_split=pipeline_split
-    )
-    tracer = _Tracer(source, seq_len, dtype)
-    flops = count_flops(source, seq_len)
-    limit = usable_memory(hw)
     # What differs from the eager trainer that the run states (compile), at the
     # published-runs fit (STATED_FACTORS).
-    ctx = _Context(
-        source,
-        hw,
-        node,
-        gpus,
-        seq_len,
-        global_batch,
-        dtype,
-        flops,
-        checks,
-        tracer,
-        limit,
-        factors=RunFactors.stated(compile=compile),
+    ctx = _Context.build(
+        source, hw, node, gpus, seq_len, global_batch, dtype, compile, pipeline_split
     )
+    checks, tracer, limit = ctx.checks, ctx.tracer, ctx.limit
     lower_bound_states = 16 * sum(p for p in _param_counts(checks))
     searched = 0
     evaluated: list[tuple[Candidate, Prediction]] = []
@@ -659,19 +640,7 @@ class LayoutScorer:
         _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, 1)
         global_batch = global_batch_tokens // seq_len
         self.hardware = hw
-        self._ctx = _Context(
-            source,
-            hw,
-            node,
-            gpus,
-            seq_len,
-            global_batch,
-            dtype,
-            count_flops(source, seq_len),
-            _Checks(source, seq_len, global_batch, dtype),
-            _Tracer(source, seq_len, dtype),
-            usable_memory(hw),
-        )
+        self._ctx = _Context.build(source, hw, node, gpus, seq_len, global_batch, dtype)
 
     @property
     def memory_limit(self) -> float:
