@@ -53,6 +53,7 @@ from hyper_parallel.analysis.suggest import (
     LayoutScorer,
     RunFactors,
 )
+from hyper_parallel.distributed.pipeline import MULTI_STAGE_SCHEDULES
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
@@ -98,6 +99,12 @@ def _candidates(run: dict[str, Any]) -> list[Candidate]:
         microbatches = run.get("grad_accum") or 1
         schedule = None
     modes = [run["ac"]] if run["ac"] else list(AC_MODES)
+    # Stages per rank of a looped schedule the source does not state: each that suggest
+    # searches (2, and 4 and 8 where the layers allow; the scorer refuses the rest).
+    per_ranks: list[int | None] = [run.get("stages_per_rank")]
+    looped = schedule in MULTI_STAGE_SCHEDULES and schedule != "ZBVZeroBubble"
+    if per_ranks == [None] and looped:
+        per_ranks = [2, 4, 8]
     # Accumulation under FSDP2: reduced at the last micro-batch or at each (sources do
     # not say; torchtitan and NeMo AutoModel reduce each): both are candidates.
     fsdp = mesh["dp_replicate"] * mesh["dp_shard"] * mesh["cp"] > 1
@@ -109,11 +116,12 @@ def _candidates(run: dict[str, Any]) -> list[Candidate]:
             schedule=schedule,
             ac=ac,
             sp=mesh["tp"] > 1,
-            stages_per_rank=run.get("stages_per_rank"),
+            stages_per_rank=per_rank,
             reduce_each=e,
         )
         for ac in modes
         for e in each
+        for per_rank in per_ranks
     ]
 
 
@@ -226,8 +234,9 @@ def compare(fitted: dict[str, Any], ships: dict[str, Any]) -> list[str]:
 
 
 def evaluate(row: Row, p: dict[str, Any], cache: dict[str, Hardware]) -> dict[str, Any]:
-    """The prediction of one run under parameters ``p``: the fastest of its candidate AC
-    modes that fits (one candidate when the source states the mode)."""
+    """The prediction of one run under parameters ``p``: the fastest of its candidates
+    that fits (the AC modes and stages per rank the source does not state; one
+    candidate when it states them)."""
     assert row.scorer is not None
     run = row.run
     key = run["hardware"]

@@ -46,7 +46,9 @@ slowest one the group crosses: the mesh is laid out outermost first as ``pp,
 dp_replicate, dp_shard, cp, tp`` (tp innermost), so an axis whose ranks are
 ``stride`` apart with ``size`` ranks stays inside a node when ``stride * size <=
 gpus_per_node``; otherwise it crosses nodes and runs at the per-GPU network bandwidth
-(a ring through several nodes is limited by its inter-node hops). A calibrated file
+(a ring through several nodes is limited by its inter-node hops) times the group's ranks
+in one node for a ring collective: NCCL runs one ring per NIC, each leaving the node
+through another GPU's NIC (:meth:`Hardware.link`, with NVIDIA's measurements). A calibrated file
 may give links per collective kind (``collectives``) and per kind and group size
 (``collectives_by_group``: measured with every group of that size at once, as a
 mesh axis runs them; on one host the groups share its cores and memory); the most
@@ -115,6 +117,7 @@ __all__ = [
     "Hardware",
     "Link",
     "attention_seconds",
+    "axis_per_node",
     "axis_span",
     "collective_seconds",
     "compute_seconds",
@@ -234,10 +237,28 @@ class Hardware:
         key = "bf16" if dtype in ("bf16", "fp16") else "fp32"
         return self.peak_flops[key] * self.attention_efficiency
 
-    def link(self, kind: str, crosses_nodes: bool, group_size: int | None = None) -> Link:
-        """The link a collective of ``kind`` over ``group_size`` ranks runs at."""
+    def link(
+        self, kind: str, crosses_nodes: bool, group_size: int | None = None, per_node: int = 1
+    ) -> Link:
+        """The link a collective of ``kind`` over ``group_size`` ranks runs at.
+
+        Across nodes, a ring collective (all-gather, reduce-scatter, all-reduce,
+        broadcast) whose group has ``per_node`` ranks in each node runs one ring per
+        NIC, each crossing the node's boundary through a different GPU's NIC (NCCL's
+        channels): the node's share of the traffic leaves through ``per_node`` NICs,
+        so a rank's bytes move at ``per_node`` x the per-GPU network bandwidth, at most
+        the links inside the node they also cross. NVIDIA measures 192 GB/s all-reduce
+        bus bandwidth across DGX A100 nodes with 8 x 200 Gb/s NICs (8 x 25 GB/s;
+        https://github.com/NVIDIA/nccl/issues/812), and twice the bus bandwidth with 8
+        GPUs per node as with 4 (https://github.com/NVIDIA/nccl/issues/1168). An
+        all-to-all and a point-to-point send leave through the rank's own NIC.
+        """
         if crosses_nodes:
-            return self.inter_node
+            if per_node <= 1 or kind not in _RING_KINDS:
+                return self.inter_node
+            net = self.inter_node
+            bandwidth = min(per_node * net.bandwidth, max(net.bandwidth, self.intra_node.bandwidth))
+            return dataclasses.replace(net, bandwidth=bandwidth)
         measured = self.collectives_by_group.get(group_size or 0, {})
         return measured.get(kind) or self.collectives.get(kind, self.intra_node)
 
@@ -428,6 +449,7 @@ def usable_memory(hw: Hardware) -> float:
 # ------------------------------------------------------------------------------ axes
 
 _ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+_RING_KINDS = frozenset({"all_gather", "reduce_scatter", "all_reduce", "broadcast"})
 
 
 def axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
@@ -452,27 +474,51 @@ def _axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
         ...     MeshLayout(dp_shard=4, tp=8), "dp_shard", 8)
         ((8, False), (4, True))
     """
-    size = {a: layout.size(a) for a in _ORDER}
-    inner = {a: math.prod(size[b] for b in _ORDER[i + 1 :]) for i, a in enumerate(_ORDER)}
-    if axis in _ORDER:
-        group, stride = size[axis], inner[axis]
-    elif axis == "fsdp":
-        group, stride = size["dp_shard"] * size["cp"], inner["cp"]
-    elif axis == "ep":
-        group, stride = layout.ep, 1
-    elif axis == "efsdp":
-        group, stride = layout.efsdp, layout.ep
-    elif axis == "batch":
-        group, stride = size["dp_replicate"] * size["dp_shard"], inner["dp_shard"]
-    elif axis == "loss":
-        group, stride = size["dp_replicate"] * size["dp_shard"] * size["cp"], inner["cp"]
-    else:
-        raise ValueError(f"axis_span: unknown axis {axis!r}.")
+    group, stride = _group_stride(layout, axis)
     if group <= 1:
         return 1, False
     # Contiguous blocks of `gpus_per_node` ranks form a node; a group stays inside one
     # when its span (stride x size) tiles the node.
     return group, gpus_per_node % (stride * group) != 0
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def axis_per_node(layout: Any, axis: str, gpus_per_node: int) -> int:
+    """How many of one ``axis`` group's ranks share a node (the NICs a ring over the
+    group drives per node when it crosses nodes; see :meth:`Hardware.link`).
+
+    Example:
+        >>> from hyper_parallel.distributed.layout import MeshLayout
+        >>> [axis_per_node(MeshLayout(dp_shard=64), "dp_shard", 8),
+        ...  axis_per_node(MeshLayout(dp_shard=32, tp=2), "dp_shard", 8),
+        ...  axis_per_node(MeshLayout(dp_shard=8, tp=8), "dp_shard", 8)]
+        [8, 4, 1]
+    """
+    group, stride = _group_stride(layout, axis)
+    if group <= 1:
+        return 1
+    if stride >= gpus_per_node or gpus_per_node % stride:
+        return 1
+    return min(group, gpus_per_node // stride)
+
+
+def _group_stride(layout: Any, axis: str) -> tuple[int, int]:
+    """``(group size, stride)`` of ``axis`` under the mesh's rank order (:func:`_axis_span`)."""
+    size = {a: layout.size(a) for a in _ORDER}
+    inner = {a: math.prod(size[b] for b in _ORDER[i + 1 :]) for i, a in enumerate(_ORDER)}
+    if axis in _ORDER:
+        return size[axis], inner[axis]
+    if axis == "fsdp":
+        return size["dp_shard"] * size["cp"], inner["cp"]
+    if axis == "ep":
+        return layout.ep, 1
+    if axis == "efsdp":
+        return layout.efsdp, layout.ep
+    if axis == "batch":
+        return size["dp_replicate"] * size["dp_shard"], inner["dp_shard"]
+    if axis == "loss":
+        return size["dp_replicate"] * size["dp_shard"] * size["cp"], inner["cp"]
+    raise ValueError(f"axis_span: unknown axis {axis!r}.")
 
 
 # ------------------------------------------------------------------------------ costs
@@ -531,8 +577,12 @@ def collective_seconds(
     count: int,
     group_size: int,
     crosses_nodes: bool,
+    per_node: int = 1,
 ) -> float:
     """Seconds for ``count`` collectives moving ``num_bytes`` (buffer bytes, all together).
+
+    ``per_node``: the group's ranks in one node (:func:`axis_per_node`); across nodes a
+    ring collective drives that many NICs per node (:meth:`Hardware.link`).
 
     ``num_bytes`` is the dry run's per-rank buffer (all-gather: the gathered output;
     reduce-scatter: the full input; all-reduce: the tensor; all-to-all: the input).
@@ -545,7 +595,7 @@ def collective_seconds(
     """
     if group_size <= 1 or count <= 0:
         return 0.0
-    link = hw.link(kind, crosses_nodes, group_size)
+    link = hw.link(kind, crosses_nodes, group_size, per_node)
     wire = num_bytes * _WIRE.get(kind, _WIRE["all_gather"])(group_size)
     transfer = wire / (link.bandwidth * link.efficiency)
     ring_steps = (2 if kind == "all_reduce" else 1) * (group_size - 1)

@@ -99,3 +99,17 @@ def test_the_shipped_values_are_the_fit_of_the_fit_rows(bench):
     """``bench_published.py --check`` as a test: the fit reads the fit rows only."""
     fitted = bench.fit_published()
     assert bench.compare(fitted, bench.shipped()) == []
+
+
+def test_what_a_source_leaves_unstated_is_searched_and_what_it_states_is_kept(bench):
+    """A looped schedule without ``stages_per_rank`` tries 2, 4 and 8 (what ``suggest``
+    searches), with ``ac: null`` every mode; a stated value is the one candidate."""
+    paper = {r["id"]: r for r in load_runs()}["llama3paper-c-128k"]
+    assert paper["ac"] is None and "stages_per_rank" not in paper
+    got = bench._candidates(paper)
+    assert sorted({c.stages_per_rank for c in got}) == [2, 4, 8]
+    assert {c.ac for c in got} == {"none", "selective", "full"}
+    stated = {**paper, "stages_per_rank": 2, "ac": "full"}
+    assert [(c.stages_per_rank, c.ac) for c in bench._candidates(stated)] == [(2, "full")]
+    titan = {r["id"]: r for r in load_runs()}["tt2412-t5-b"]  # torchtitan states 2
+    assert [c.stages_per_rank for c in bench._candidates(titan)] == [2]

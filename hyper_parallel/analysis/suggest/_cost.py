@@ -9,6 +9,7 @@ from typing import Any
 from hyper_parallel.analysis.cost_model import (
     Hardware,
     attention_seconds,
+    axis_per_node,
     axis_span,
     collective_seconds,
     compute_seconds,
@@ -32,10 +33,10 @@ FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 """torchao's float8 training recipes a published run may state (``none``: bf16 linears)."""
 
 STATED_FACTORS: dict[str, float] = {
-    "compile": 0.84,
-    "float8_tensorwise": 0.88,
-    "float8_rowwise": 1.08,
-    "async_tp_exposed": 0.2,
+    "compile": 0.8,
+    "float8_tensorwise": 0.8,
+    "float8_rowwise": 1.06,
+    "async_tp_exposed": 0.4,
 }
 """The values :meth:`RunFactors.stated` uses: the fit of ``benchmarks/bench_published.py``
 on the ``fit`` rows of ``analysis/published/runs.yaml`` only (torchtitan's H100 tables,
@@ -82,7 +83,7 @@ class RunFactors:
 
         Example:
             >>> RunFactors.stated(compile=True).compute
-            0.84
+            0.8
         """
         if float8 not in FLOAT8_RECIPES:
             raise ValueError(
@@ -210,26 +211,25 @@ def _comm_seconds(
     transfer part (wire bytes over bandwidth) are cached per traced list and the spans
     of the axes it uses.
     """
-    spans = tuple(axis_span(layout, a, ctx.node) for a in ("tp", "cp", "ep"))
+    spans = tuple(
+        (*axis_span(layout, a, ctx.node), axis_per_node(layout, a, ctx.node))
+        for a in ("tp", "cp", "ep")
+    )
     tp_exposed = ctx.factors.tp_exposed
     key = ("comm", id(comms), spans, tp_exposed)
     if key not in ctx.pipeline_cache:
         parts: dict[str, list[float]] = {}
         for c in comms:
             group, crosses = axis_span(layout, c.axis, ctx.node)
-            latency = collective_seconds(
-                ctx.hw,
-                c.kind,
-                0.0,
-                count=max(1, round(c.count)),
-                group_size=group,
-                crosses_nodes=crosses,
-            )
+            span = {
+                "group_size": group,
+                "crosses_nodes": crosses,
+                "per_node": axis_per_node(layout, c.axis, ctx.node),
+            }
+            latency = collective_seconds(ctx.hw, c.kind, 0.0, count=max(1, round(c.count)), **span)
             transfer = collective_seconds(
-                ctx.hw, c.kind, c.bytes, count=1, group_size=group, crosses_nodes=crosses
-            ) - collective_seconds(
-                ctx.hw, c.kind, 0.0, count=1, group_size=group, crosses_nodes=crosses
-            )
+                ctx.hw, c.kind, c.bytes, count=1, **span
+            ) - collective_seconds(ctx.hw, c.kind, 0.0, count=1, **span)
             # Async TP hides part of tp's collectives behind the matmuls that use them.
             hidden = tp_exposed if c.axis == "tp" and c.phase != "optimizer" else 1.0
             into = parts.setdefault(c.phase, [0.0, 0.0])
@@ -488,9 +488,10 @@ def _data_comm(
     out = dict.fromkeys(
         ("gather_forward", "gather_backward", "reduce", "first_unit", "last_unit"), 0.0
     )
-    fsdp_axis = axis_span(layout, "fsdp", ctx.node)
-    efsdp_axis = axis_span(layout, "efsdp", ctx.node)
-    rep_axis = axis_span(layout, "dp_replicate", ctx.node)
+    fsdp_axis, efsdp_axis, rep_axis = (
+        (*axis_span(layout, a, ctx.node), axis_per_node(layout, a, ctx.node))
+        for a in ("fsdp", "efsdp", "dp_replicate")
+    )
     worst = None
     for k, first, last, _rank in stages:
         if c.pp > 1:
@@ -508,7 +509,9 @@ def _data_comm(
         root = rest_dense * (first + last) / 2 * dense_ratio
         t = dict.fromkeys(out, 0.0)
 
-        def gather(per_unit: float, axis: tuple[int, bool], units: int, times: int = 1) -> float:
+        def gather(
+            per_unit: float, axis: tuple[int, bool, int], units: int, times: int = 1
+        ) -> float:
             """``units`` units of ``per_unit`` elements each gathered ``times`` times."""
             return collective_seconds(
                 hw,
@@ -517,9 +520,10 @@ def _data_comm(
                 count=units * times,
                 group_size=axis[0],
                 crosses_nodes=axis[1],
+                per_node=axis[2],
             )
 
-        def reduce(elements: float, axis: tuple[int, bool], count: int) -> float:
+        def reduce(elements: float, axis: tuple[int, bool, int], count: int) -> float:
             return collective_seconds(
                 hw,
                 "reduce_scatter",
@@ -527,6 +531,7 @@ def _data_comm(
                 count=count,
                 group_size=axis[0],
                 crosses_nodes=axis[1],
+                per_node=axis[2],
             )
 
         def replicas(elements: float, shards: int, count: int) -> float:
@@ -537,6 +542,7 @@ def _data_comm(
                 count=count,
                 group_size=rep_axis[0],
                 crosses_nodes=rep_axis[1],
+                per_node=rep_axis[2],
             )
 
         units = k + (1 if root else 0)
