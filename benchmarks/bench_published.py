@@ -11,8 +11,9 @@ its stated rule before any fitting and checked on load): the bf16 compute effici
 (one value for every H100/H200 file), the attention kernel's efficiency (its score
 matmuls, which dominate at long sequences), the links' collective efficiency (every
 link of those files), and the stated factors of what differs from our trainer: the
-compute time under ``torch.compile``, under float8 linears (tensorwise, rowwise) and the
-share of tp collectives async TP leaves exposed. "Before" is the datasheet constants
+compute time under ``torch.compile``, under float8 linears (tensorwise, rowwise), on
+Megatron-Core with Transformer Engine (``runtime: megatron-te``) and the share of tp
+collectives async TP leaves exposed. "Before" is the datasheet constants
 with no factor modeled (:data:`BEFORE`: what the planner predicted until the fit was
 written). Held-out rows never enter the fit; their errors are reported apart.
 
@@ -68,6 +69,7 @@ BEFORE = {
     "float8_tensorwise": 1.0,
     "float8_rowwise": 1.0,
     "async_tp_exposed": 1.0,
+    "megatron_te": 1.0,
 }
 GRIDS = {
     "efficiency": [round(0.30 + 0.01 * i, 2) for i in range(61)],
@@ -77,6 +79,7 @@ GRIDS = {
     "float8_tensorwise": [round(0.50 + 0.02 * i, 2) for i in range(31)],
     "float8_rowwise": [round(0.50 + 0.02 * i, 2) for i in range(31)],
     "async_tp_exposed": [round(0.1 * i, 1) for i in range(11)],
+    "megatron_te": [round(0.20 + 0.02 * i, 2) for i in range(51)],
 }
 
 
@@ -194,6 +197,7 @@ def _factors(run: dict[str, Any], p: dict[str, Any]) -> RunFactors:
         compile=bool(run["compile"]),
         float8=run["float8"],
         async_tp=bool(run["async_tp"]),
+        runtime=run.get("runtime", "pytorch"),
         values=p,
     )
 
@@ -312,6 +316,7 @@ def _uses(run: dict[str, Any], name: str) -> bool:
         "float8_tensorwise": run["float8"] == "tensorwise",
         "float8_rowwise": run["float8"] == "rowwise",
         "async_tp_exposed": bool(run["async_tp"]) and run["mesh"].get("tp", 1) > 1,
+        "megatron_te": run.get("runtime") == "megatron-te",
     }.get(name, True)
 
 
@@ -421,6 +426,7 @@ def _layout(run: dict[str, Any]) -> str:
             ("compile", run["compile"]),
             (f"fp8-{run['float8']}", run["float8"] != "none"),
             ("asyncTP", run["async_tp"]),
+            ("Megatron-TE", run.get("runtime") == "megatron-te"),
         )
         if on
     ]

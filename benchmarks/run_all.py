@@ -35,7 +35,8 @@ r. the dry run at scale: CPU time, wall time and peak RSS of ``hyper-parallel pl
 t. the planner at scale: the same for ``hyper-parallel suggest`` on llama3-70b (1,024 GPUs),
    llama3-405b (16,384) and qwen3-30b-a3b (64), with candidates searched and traced
    (``bench_suggest_speed.py``).
-u. the planner against published GPU runs (torchtitan, the Llama 3 paper, NeMo AutoModel):
+u. the planner against published GPU runs (torchtitan, the Llama 3 paper, NeMo AutoModel,
+   Megatron-Bridge):
    the cost model's free parameters fitted on the file's ``fit`` rows only, the error on
    the held-out rows apart, before and after (``bench_published.py``; no GPU needed).
 

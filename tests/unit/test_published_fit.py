@@ -46,6 +46,27 @@ def test_run_factors_state_compile_float8_and_async_tp():
     assert RunFactors.stated(compile=True, values=mine).compute == 0.5
     with pytest.raises(ValueError, match="float8='mxfp8'; use one of none, tensorwise"):
         RunFactors.stated(float8="mxfp8")
+    # another stack: Megatron-Core with Transformer Engine, on top of float8
+    te = RunFactors.stated(float8="tensorwise", runtime="megatron-te")
+    assert te.compute == pytest.approx(
+        STATED_FACTORS["float8_tensorwise"] * STATED_FACTORS["megatron_te"], rel=1e-12
+    )
+    with pytest.raises(ValueError, match="runtime='jax'; use one of pytorch, megatron-te"):
+        RunFactors.stated(runtime="jax")
+
+
+def test_a_run_states_its_stack_or_is_pytorch(monkeypatch):
+    """``runtime`` defaults to ``pytorch``; an unknown one is refused with the run's id."""
+    import hyper_parallel.analysis.published as published
+
+    runs = load_runs()
+    assert {r["runtime"] for r in runs} == {"pytorch", "megatron-te"}
+    assert all(r["runtime"] == "megatron-te" for r in runs if r["source_key"] == "mb2511")
+    raw = published._raw()
+    raw["runs"][0] = {**raw["runs"][0], "runtime": "jax"}
+    monkeypatch.setattr(published, "_raw", lambda: raw)
+    with pytest.raises(ValueError, match=r"tt2412-t1-a.*runtime 'jax'; use one of pytorch"):
+        load_runs()
 
 
 def test_the_fitted_files_agree_name_the_fit_and_are_what_the_bench_predicts_with(bench):

@@ -19,7 +19,12 @@ from typing import Any
 
 import yaml
 
-__all__ = ["REQUIRED", "load_runs", "split_by_rule"]
+__all__ = ["REQUIRED", "RUNTIMES", "load_runs", "split_by_rule"]
+
+RUNTIMES = ("pytorch", "megatron-te")
+"""The training stacks a run may state (``runtime``, default ``pytorch``: eager PyTorch
+with torch's own kernels, as this package's trainer and torchtitan run;
+``megatron-te``: Megatron-Core with Transformer Engine's fused kernels)."""
 
 REQUIRED = (
     "id",
@@ -65,7 +70,13 @@ def load_runs() -> list[dict[str, Any]]:
             raise ValueError(
                 f"published run {run['id']!r}: unknown source_key {run['source_key']!r}."
             )
-        runs.append({**run, "source_url": sources[run["source_key"]]["url"]})
+        runtime = run.get("runtime", "pytorch")
+        if runtime not in RUNTIMES:
+            raise ValueError(
+                f"published run {run['id']!r}: runtime {runtime!r}; use one of "
+                f"{', '.join(RUNTIMES)}."
+            )
+        runs.append({**run, "runtime": runtime, "source_url": sources[run["source_key"]]["url"]})
     expected = split_by_rule(runs)
     wrong = [r["id"] for r in runs if r["split"] != expected[r["id"]]]
     if wrong:

@@ -33,20 +33,24 @@ FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 """torchao's float8 training recipes a published run may state (``none``: bf16 linears)."""
 
 STATED_FACTORS: dict[str, float] = {
-    "compile": 0.8,
+    "compile": 0.78,
     "float8_tensorwise": 0.8,
-    "float8_rowwise": 1.06,
+    "float8_rowwise": 1.02,
     "async_tp_exposed": 0.4,
+    "megatron_te": 0.52,
 }
 """The values :meth:`RunFactors.stated` uses: the fit of ``benchmarks/bench_published.py``
 on the ``fit`` rows of ``analysis/published/runs.yaml`` only (torchtitan's H100 tables,
-Trainy's H200 run, the Llama 3 paper, NeMo AutoModel; 2026-12-04), fitted together with the
-H100/H200 hardware files' efficiencies. ``compile``: compute time under ``torch.compile``
+Trainy's H200 run, the Llama 3 paper, NeMo AutoModel, Megatron-Bridge; 2026-12-04), fitted
+together with the H100/H200 hardware files' efficiencies. ``compile``: compute time under ``torch.compile``
 of each block as a fraction of eager; ``float8_*``: the further fraction under torchao's
 float8 linears of that recipe (rowwise came out slower than bf16: its scaling kernels cost
 more than the float8 matmuls save at these shapes); ``async_tp_exposed``: the share of
-tp's collectives async TP leaves on the critical path. ``bench_published.py --check``
-fails when these differ from its fit."""
+tp's collectives async TP leaves on the critical path; ``megatron_te``: compute time of a
+run on Megatron-Core with Transformer Engine's fused kernels (its attention, norms,
+float8 GEMMs) as a fraction of ours (only to compare with published Megatron runs: this
+package's trainer never applies it). ``bench_published.py --check`` fails when these
+differ from its fit."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,24 +77,33 @@ class RunFactors:
         compile: bool = False,
         float8: str = "none",
         async_tp: bool = False,
+        runtime: str = "pytorch",
         values: dict[str, float] | None = None,
     ) -> RunFactors:
-        """The factors of a run that compiles, uses float8 linears or async TP, from
-        ``values`` (default :data:`STATED_FACTORS`, the published-runs fit).
+        """The factors of a run that compiles, uses float8 linears or async TP, or runs
+        on another stack (``runtime``: ``pytorch`` or ``megatron-te``), from ``values``
+        (default :data:`STATED_FACTORS`, the published-runs fit).
 
         Raises:
-            ValueError: ``float8`` is not one of :data:`FLOAT8_RECIPES`.
+            ValueError: ``float8`` is not one of :data:`FLOAT8_RECIPES`, or ``runtime``
+                not one of ``pytorch``, ``megatron-te``.
 
         Example:
             >>> RunFactors.stated(compile=True).compute
-            0.8
+            0.78
         """
         if float8 not in FLOAT8_RECIPES:
             raise ValueError(
                 f"RunFactors.stated: float8={float8!r}; use one of {', '.join(FLOAT8_RECIPES)}."
             )
+        if runtime not in ("pytorch", "megatron-te"):
+            raise ValueError(
+                f"RunFactors.stated: runtime={runtime!r}; use one of pytorch, megatron-te."
+            )
         v = STATED_FACTORS if values is None else values
         compute = v["compile"] if compile else 1.0
+        if runtime == "megatron-te":
+            compute *= v["megatron_te"]
         if float8 != "none":
             compute *= v[f"float8_{float8}"]
         return cls(compute=compute, tp_exposed=v["async_tp_exposed"] if async_tp else 1.0)
