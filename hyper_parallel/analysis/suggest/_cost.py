@@ -224,10 +224,12 @@ def _comm_seconds(
     transfer part (wire bytes over bandwidth) are cached per traced list and the spans
     of the axes it uses.
     """
-    spans = tuple(
-        (*axis_span(layout, a, ctx.node), axis_per_node(layout, a, ctx.node))
-        for a in ("tp", "cp", "ep")
-    )
+    spans = ctx.pipeline_cache.get(("spans", layout))
+    if spans is None:  # once per layout: the key below shares lists across dp splits
+        spans = ctx.pipeline_cache[("spans", layout)] = tuple(
+            (*axis_span(layout, a, ctx.node), axis_per_node(layout, a, ctx.node))
+            for a in ("tp", "cp", "ep")
+        )
     tp_exposed = ctx.factors.tp_exposed
     key = ("comm", id(comms), spans, tp_exposed)
     if key not in ctx.pipeline_cache:
