@@ -117,6 +117,7 @@ __all__ = [
     "Hardware",
     "Link",
     "attention_seconds",
+    "axis_group",
     "axis_per_node",
     "axis_span",
     "collective_seconds",
@@ -454,35 +455,17 @@ _RING_KINDS = frozenset({"all_gather", "reduce_scatter", "all_reduce", "broadcas
 
 def axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
     """``(group size, crosses nodes)`` of ``axis`` under the mesh's rank order (see
-    :func:`_axis_span`)."""
-    return _axis_span(layout, axis, gpus_per_node)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _axis_span(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool]:
-    """``(group size, crosses nodes)`` of ``axis`` under the mesh's rank order.
-
-    Ranks are laid out outermost first as pp, dp_replicate, dp_shard, cp, tp; an axis'
-    group holds ranks ``stride`` apart, ``stride`` being the product of the sizes inside
-    it. Derived axes: ``fsdp`` = dp_shard x cp (stride tp), ``ep`` borrows the innermost
-    ranks (stride 1), ``efsdp`` the rest of dp_shard x cp x tp (stride ep), ``batch`` =
-    dp_replicate x dp_shard (stride cp x tp), ``loss`` = batch x cp.
+    :func:`axis_group`).
 
     Example:
         >>> from hyper_parallel.distributed.layout import MeshLayout
-        >>> _axis_span(MeshLayout(dp_shard=4, tp=8), "tp", 8), _axis_span(
+        >>> axis_span(MeshLayout(dp_shard=4, tp=8), "tp", 8), axis_span(
         ...     MeshLayout(dp_shard=4, tp=8), "dp_shard", 8)
         ((8, False), (4, True))
     """
-    group, stride = _group_stride(layout, axis)
-    if group <= 1:
-        return 1, False
-    # Contiguous blocks of `gpus_per_node` ranks form a node; a group stays inside one
-    # when its span (stride x size) tiles the node.
-    return group, gpus_per_node % (stride * group) != 0
+    return axis_group(layout, axis, gpus_per_node)[:2]
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def axis_per_node(layout: Any, axis: str, gpus_per_node: int) -> int:
     """How many of one ``axis`` group's ranks share a node (the NICs a ring over the
     group drives per node when it crosses nodes; see :meth:`Hardware.link`).
@@ -494,16 +477,40 @@ def axis_per_node(layout: Any, axis: str, gpus_per_node: int) -> int:
         ...  axis_per_node(MeshLayout(dp_shard=8, tp=8), "dp_shard", 8)]
         [8, 4, 1]
     """
+    return axis_group(layout, axis, gpus_per_node)[2]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def axis_group(layout: Any, axis: str, gpus_per_node: int) -> tuple[int, bool, int]:
+    """``(group size, crosses nodes, ranks per node)`` of ``axis`` under the mesh's rank
+    order: the arguments ``group_size``, ``crosses_nodes`` and ``per_node`` of
+    :func:`collective_seconds`.
+
+    Ranks are laid out outermost first as pp, dp_replicate, dp_shard, cp, tp; an axis'
+    group holds ranks ``stride`` apart, ``stride`` being the product of the sizes inside
+    it. Derived axes: ``fsdp`` = dp_shard x cp (stride tp), ``ep`` borrows the innermost
+    ranks (stride 1), ``efsdp`` the rest of dp_shard x cp x tp (stride ep), ``batch`` =
+    dp_replicate x dp_shard (stride cp x tp), ``loss`` = batch x cp. Contiguous blocks of
+    ``gpus_per_node`` ranks form a node: a group stays inside one when its span (stride x
+    size) tiles the node; otherwise each node holds ``gpus_per_node / stride`` of its
+    ranks (1 when the stride is a node or more).
+
+    Example:
+        >>> from hyper_parallel.distributed.layout import MeshLayout
+        >>> axis_group(MeshLayout(dp_shard=32, tp=2), "dp_shard", 8)
+        (32, True, 4)
+    """
     group, stride = _group_stride(layout, axis)
     if group <= 1:
-        return 1
+        return 1, False, 1
+    crosses = gpus_per_node % (stride * group) != 0
     if stride >= gpus_per_node or gpus_per_node % stride:
-        return 1
-    return min(group, gpus_per_node // stride)
+        return group, crosses, 1
+    return group, crosses, min(group, gpus_per_node // stride)
 
 
 def _group_stride(layout: Any, axis: str) -> tuple[int, int]:
-    """``(group size, stride)`` of ``axis`` under the mesh's rank order (:func:`_axis_span`)."""
+    """``(group size, stride)`` of ``axis`` under the mesh's rank order (:func:`axis_group`)."""
     size = {a: layout.size(a) for a in _ORDER}
     inner = {a: math.prod(size[b] for b in _ORDER[i + 1 :]) for i, a in enumerate(_ORDER)}
     if axis in _ORDER:

@@ -9,7 +9,7 @@ from typing import Any
 from hyper_parallel.analysis.cost_model import (
     Hardware,
     attention_seconds,
-    axis_per_node,
+    axis_group,
     axis_span,
     collective_seconds,
     compute_seconds,
@@ -22,6 +22,7 @@ from hyper_parallel.analysis.pipeline_cost import (
     rank_ops,
     simulate,
 )
+from hyper_parallel.analysis.published import RUNTIMES
 from hyper_parallel.analysis.suggest._checks import _Checks
 from hyper_parallel.analysis.suggest._operators import _Flops
 from hyper_parallel.analysis.suggest._report import Candidate, Prediction
@@ -86,7 +87,7 @@ class RunFactors:
 
         Raises:
             ValueError: ``float8`` is not one of :data:`FLOAT8_RECIPES`, or ``runtime``
-                not one of ``pytorch``, ``megatron-te``.
+                not one of :data:`~hyper_parallel.analysis.published.RUNTIMES`.
 
         Example:
             >>> RunFactors.stated(compile=True).compute
@@ -96,9 +97,9 @@ class RunFactors:
             raise ValueError(
                 f"RunFactors.stated: float8={float8!r}; use one of {', '.join(FLOAT8_RECIPES)}."
             )
-        if runtime not in ("pytorch", "megatron-te"):
+        if runtime not in RUNTIMES:
             raise ValueError(
-                f"RunFactors.stated: runtime={runtime!r}; use one of pytorch, megatron-te."
+                f"RunFactors.stated: runtime={runtime!r}; use one of {', '.join(RUNTIMES)}."
             )
         v = STATED_FACTORS if values is None else values
         compute = v["compile"] if compile else 1.0
@@ -227,20 +228,20 @@ def _comm_seconds(
     spans = ctx.pipeline_cache.get(("spans", layout))
     if spans is None:  # once per layout: the key below shares lists across dp splits
         spans = ctx.pipeline_cache[("spans", layout)] = tuple(
-            (*axis_span(layout, a, ctx.node), axis_per_node(layout, a, ctx.node))
-            for a in ("tp", "cp", "ep")
+            axis_group(layout, a, ctx.node) for a in ("tp", "cp", "ep")
         )
     tp_exposed = ctx.factors.tp_exposed
     key = ("comm", id(comms), spans, tp_exposed)
     if key not in ctx.pipeline_cache:
         parts: dict[str, list[float]] = {}
         for c in comms:
-            group, crosses = axis_span(layout, c.axis, ctx.node)
-            span = {
-                "group_size": group,
-                "crosses_nodes": crosses,
-                "per_node": axis_per_node(layout, c.axis, ctx.node),
-            }
+            span = dict(
+                zip(
+                    ("group_size", "crosses_nodes", "per_node"),
+                    axis_group(layout, c.axis, ctx.node),
+                    strict=True,
+                )
+            )
             latency = collective_seconds(ctx.hw, c.kind, 0.0, count=max(1, round(c.count)), **span)
             transfer = collective_seconds(
                 ctx.hw, c.kind, c.bytes, count=1, **span
@@ -504,8 +505,7 @@ def _data_comm(
         ("gather_forward", "gather_backward", "reduce", "first_unit", "last_unit"), 0.0
     )
     fsdp_axis, efsdp_axis, rep_axis = (
-        (*axis_span(layout, a, ctx.node), axis_per_node(layout, a, ctx.node))
-        for a in ("fsdp", "efsdp", "dp_replicate")
+        axis_group(layout, a, ctx.node) for a in ("fsdp", "efsdp", "dp_replicate")
     )
     worst = None
     for k, first, last, _rank in stages:
