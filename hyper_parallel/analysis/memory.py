@@ -36,8 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_parallel._torch_private import TorchDispatchMode, pytree
 from hyper_parallel.core.dtensor.dtensor import DTensor
-from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
+from hyper_parallel.distributed.activation_checkpoint import OpPolicy, checkpointed_blocks
 
 __all__ = [
     "ADAMW_MOMENT_BYTES",
@@ -159,10 +160,14 @@ class SavedActivations:
         # Segment k + 1 is block k; 0 is before the blocks, num + 1 after them.
         self.saved: list[dict[int, int]] = [{} for _ in range(num + 2)]
         self.inputs: list[dict[int, int]] = [{} for _ in range(num + 2)]
+        # Per block segment: the outputs ``op`` checkpointing keeps (OpPolicy's choice).
+        self.op_kept: list[dict[int, int]] = [{} for _ in range(num + 2)]
+        self._policy = OpPolicy()
         self._segment = 0
         self._seen: set[int] = set()
         self._handles: list[Any] = []
         self._hooks: Any = None
+        self._ops: _KeptOutputs | None = None
         # The storages whose addresses are keys, held until the forward ends: a storage
         # freed meanwhile (a block input nothing saves) could hand its address to a new
         # one, and two tensors would count as one (counts varied from run to run).
@@ -187,9 +192,23 @@ class SavedActivations:
             self.saved[self._segment][key] = nbytes
         return t
 
+    def _keep_output(self, func: Any, out: Any) -> None:
+        """Record ``out`` when ``op`` checkpointing would keep it (inside a block)."""
+        if not 1 <= self._segment <= len(self.blocks) or not self._policy.keeps(func):
+            return
+        states = None
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                key, nbytes = _storage(t)
+                states = self._states() if states is None else states
+                if key not in states:
+                    self._alive.append(_held(t))
+                    self.op_kept[self._segment][key] = nbytes
+
     def _enter(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             self._segment = index + 1
+            self._policy = OpPolicy()  # one per call of a block, as checkpointing makes
             states = self._states()
             for x in (*args, *kwargs.values()):
                 if isinstance(x, torch.Tensor):
@@ -212,9 +231,14 @@ class SavedActivations:
             self._handles.append(block.register_forward_hook(self._leave(i)))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
+        self._ops = _KeptOutputs(self._keep_output)
+        self._ops.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._ops is not None:
+            self._ops.__exit__(*exc)
+            self._ops = None
         self._hooks.__exit__(*exc)
         for h in self._handles:
             h.remove()
@@ -227,17 +251,25 @@ class SavedActivations:
         """Bytes saved before the first block and after the last one (no checkpointing)."""
         return sum(self.saved[0].values()), sum(self.saved[-1].values())
 
-    def block_bytes(self, index: int) -> tuple[int, int, int]:
+    def block_bytes(self, index: int, ac: str = "full") -> tuple[int, int, int]:
         """``(saved, kept, recomputed)`` of block ``index``: what it saves, what it keeps
-        when checkpointed (its inputs not already held before it), and what it holds
-        while backward recomputes it (its inputs and what it saves again)."""
+        when ``ac`` checkpoints it (its inputs not already held before it; under ``op``
+        also the outputs :class:`OpPolicy` keeps), and what it holds while backward
+        recomputes it (that and what it saves again)."""
         segment = index + 1
         earlier: set[int] = set()
         for held in (*self.saved[:segment], *self.inputs[:segment]):
             earlier.update(held)
-        kept = sum(n for k, n in self.inputs[segment].items() if k not in earlier)
-        recomputed = sum({**self.inputs[segment], **self.saved[segment]}.values())
+        keeps = self._checkpoint_keeps(segment, ac)
+        kept = sum(n for k, n in keeps.items() if k not in earlier)
+        recomputed = sum({**keeps, **self.saved[segment]}.values())
         return sum(self.saved[segment].values()), kept, recomputed
+
+    def _checkpoint_keeps(self, segment: int, ac: str) -> dict[int, int]:
+        """What a checkpointed segment keeps for its backward under ``ac``."""
+        if ac == "op":
+            return {**self.inputs[segment], **self.op_kept[segment]}
+        return self.inputs[segment]
 
     def held_bytes(self, ac: str = "none") -> int:
         """Bytes held at the end of the forward when the blocks ``ac`` selects are
@@ -250,7 +282,7 @@ class SavedActivations:
         kept: list[int] = []
         counted: set[int] = set()
         for segment, saved in enumerate(self.saved):
-            held = self.inputs[segment] if segment in chosen else saved
+            held = self._checkpoint_keeps(segment, ac) if segment in chosen else saved
             kept.append(sum(n for k, n in held.items() if k not in counted))
             counted.update(held)
         return kept
@@ -260,14 +292,29 @@ class SavedActivations:
 
         Without checkpointing the peak is at the end of the forward: everything saved.
         A checkpointed block keeps only its inputs (non-reentrant
-        ``torch.utils.checkpoint``) and saves its activations again when backward
-        recomputes it, while the segments before it still hold theirs; the peak is the
-        larger of the end of the forward and the worst such recomputation.
+        ``torch.utils.checkpoint``; under ``op`` also the outputs it keeps) and saves
+        its activations again when backward recomputes it, while the segments before it
+        still hold theirs; the peak is the larger of the end of the forward and the
+        worst such recomputation.
         """
         chosen = {i + 1 for i in checkpointed_blocks(len(self.blocks), ac)}
         kept = self._kept(ac)
         peak = sum(kept)
         for segment in chosen:
-            recomputed = {**self.inputs[segment], **self.saved[segment]}
+            recomputed = {**self._checkpoint_keeps(segment, ac), **self.saved[segment]}
             peak = max(peak, sum(kept[:segment]) + sum(recomputed.values()))
         return peak
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Hands every operator's outputs to ``record(func, out)``: what
+    :class:`SavedActivations` reads to count the outputs ``op`` checkpointing keeps."""
+
+    def __init__(self, record: Callable[[Any, Any], None]) -> None:
+        super().__init__()
+        self.record = record
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.record(func, out)
+        return out

@@ -34,7 +34,11 @@ from torch import nn
 from hyper_parallel.contract import ModelFamily
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.distributed import precision
-from hyper_parallel.distributed.activation_checkpoint import _Checkpointed, checkpointed_blocks
+from hyper_parallel.distributed.activation_checkpoint import (
+    _Checkpointed,
+    checkpointed_blocks,
+    op_context,
+)
 from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.distributed.expert_parallel import shard_experts as shard_experts_over_efsdp
 from hyper_parallel.distributed.fsdp import apply_fsdp, fsdp_units
@@ -60,6 +64,7 @@ def apply_parallelism(
     gradient_divide_factor: float | None = None,
     compile_backend: str | None = None,
     checkpointed: Collection[int] = (),
+    per_op: bool = False,
     blocks_field: str = "layers",
     family: ModelFamily | None = None,
     split_backward: bool = False,
@@ -98,6 +103,8 @@ def apply_parallelism(
             cp convention), or ``None`` for its mean over the mesh.
         compile_backend: A ``torch.compile`` backend, or ``None`` (eager).
         checkpointed: Indices of the blocks to checkpoint.
+        per_op: Checkpoint them per operator (``ac="op"``:
+            :class:`~hyper_parallel.distributed.activation_checkpoint.OpPolicy`).
         blocks_field: The attribute holding the blocks (a ModuleList or ModuleDict; the
             family's :attr:`~hyper_parallel.dmodule.ModelFamily.blocks`).
         family: The model's :class:`~hyper_parallel.dmodule.ModelFamily`: its routed
@@ -147,7 +154,9 @@ def apply_parallelism(
     chosen = set(checkpointed)
     for index, block in blocks:
         if index in chosen:
-            block.forward = _Checkpointed(block.forward)  # type: ignore[method-assign]
+            block.forward = _Checkpointed(  # type: ignore[method-assign]
+                block.forward, op_context if per_op else None
+            )
     paths: list[str] = []
     if fsdp_mesh is not None:
         units = [] if split_backward else fsdp_units(module)
@@ -223,6 +232,7 @@ def apply_run_plan(
         gradient_divide_factor=run.gradient_divide_factor,
         compile_backend=run.compile_backend if run.compile and not trace else None,
         checkpointed=() if trace else checkpointed_blocks(num_blocks, run.ac),
+        per_op=run.ac == "op",
         blocks_field=field,
         family=run.family,
         split_backward=run.split_backward,

@@ -35,6 +35,7 @@ from hyper_parallel.dmodule.findings import Finding, PlanEntry
 
 __all__ = [
     "accumulation_findings",
+    "checkpoint_findings",
     "compile_findings",
     "model_findings",
     "pipeline_plan_findings",
@@ -171,6 +172,35 @@ def compile_findings(
             "every rank would stop).",
             "give each rank one sequence per micro-batch (a global batch of data-parallel "
             "ranks x micro-batches), or leave compile off with cp.",
+        )
+    ]
+
+
+def checkpoint_findings(layout: MeshLayout, *, ac: str, fsdp: bool) -> list[Finding]:
+    """What per-operator checkpointing (``ac="op"``) does not run: routed experts that
+    are an FSDP2 unit of their own inside the block (``ep`` with FSDP2 over data ranks).
+
+    torch's selective checkpointing replays a block's operators in backward and matches
+    each with its forward call by its index among the calls of that operator; FSDP2's
+    hooks on the experts' unit run other operators while backward recomputes the block
+    than in its forward, so every rank stops (``... invocation index 2 encountered
+    during backward but not found in storage``; found by
+    ``tests/distributed/test_train_switches.py`` at dp_shard=2 x ep=2).
+    """
+    if ac != "op" or layout.ep == 1 or not fsdp:
+        return []
+    if layout.efsdp == 1 and layout.dp_replicate * layout.dp_shard * layout.cp == 1:
+        return []
+    return [
+        Finding(
+            "error",
+            "switches",
+            "ac",
+            f"ac='op' with ep={layout.ep} under FSDP2: the routed experts are an FSDP2 unit "
+            "inside each block, and torch's selective checkpointing cannot replay the "
+            "block's operators past FSDP2's hooks on that unit (every rank would stop in "
+            "backward).",
+            "use ac='full' or 'selective' with ep, or drop FSDP2 (fsdp=False).",
         )
     ]
 

@@ -79,6 +79,7 @@ from hyper_parallel.distributed.pipeline import (
 from hyper_parallel.distributed.run_checks import (
     accumulation_findings as accumulation_findings,
 )
+from hyper_parallel.distributed.run_checks import checkpoint_findings as checkpoint_findings
 from hyper_parallel.distributed.run_checks import compile_findings as compile_findings
 from hyper_parallel.distributed.run_checks import (
     model_findings,
@@ -97,6 +98,7 @@ __all__ = [
     "PlanCache",
     "RunPlan",
     "accumulation_findings",
+    "checkpoint_findings",
     "compile_findings",
     "default_num_microbatches",
     "module_entries",
@@ -439,6 +441,7 @@ class RunPlan:
             fsdp=fsdp,
             microbatch_size=None if batch_size is None else batch_size // max(1, num_microbatches),
         )
+        findings += checkpoint_findings(layout, ac=ac, fsdp=fsdp)
         if layout.pp > 1 and (subject is not None or family is not None):
             args = dict(
                 schedule=schedule,

@@ -237,7 +237,8 @@ RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {
             "choices": AC_MODES,
             "help": "activation checkpointing: none, full (every block), selective (every "
-            "second block)",
+            "second block), op (every block keeps its attention and every second matmul's "
+            "outputs and recomputes the rest: torchtitan's per-op selective AC)",
         },
     ),
     ("--no-progress", "progress", {"action": "store_false", "help": "no progress bar"}),

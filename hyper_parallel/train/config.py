@@ -91,8 +91,9 @@ class TrainConfig:
             code generation: what the configuration matrix runs on a small CPU machine).
         dtype: ``"fp32"``, or ``"bf16"`` mixed precision with fp32 master weights
             (:mod:`hyper_parallel.distributed.precision`).
-        ac: Activation checkpointing: ``"none"``, ``"full"`` (every block) or
-            ``"selective"`` (every second block;
+        ac: Activation checkpointing: ``"none"``, ``"full"`` (every block),
+            ``"selective"`` (every second block) or ``"op"`` (per operator in every
+            block: attention and every second matmul kept;
             :mod:`hyper_parallel.distributed.activation_checkpoint`).
         hf_checkpoint: Start from this Hugging Face checkpoint; sets ``model`` (and
             ``model_overrides``) to its config (:mod:`hyper_parallel.train.run_hooks`).

@@ -127,14 +127,24 @@ def _one_process_first_grads_on_rank0(cfg_dict: dict) -> dict | None:
 
 
 @pytest.mark.parametrize(
-    ("model", "mesh"),
-    [("qwen3-moe-debug", {"dp_shard": 2, "ep": 2}), ("llama3-debug", {"cp": 2})],
-    ids=["ep", "cp"],
+    ("model", "mesh", "ac"),
+    [
+        ("qwen3-moe-debug", {"dp_shard": 2, "ep": 2}, "full"),
+        ("llama3-debug", {"cp": 2}, "full"),
+        ("llama3-debug", {"cp": 2}, "op"),
+        ("llama3-debug", {"tp": 2}, "op"),
+        ("llama3-debug", {"dp_shard": 2}, "op"),
+    ],
+    ids=["ep-full", "cp-full", "cp-op", "tp_sp-op", "fsdp-op"],
 )
-def test_full_checkpointing_recomputes_the_all_to_alls_and_kv_gathers_exactly(dist, model, mesh):
-    # The recomputed forward re-runs the experts' all-to-alls (ep) and the k/v gathers
-    # (cp): every first-step gradient equals the one-process run without checkpointing.
-    cfg = dict(SMALL, model=model, mesh=mesh, ac="full")
+def test_checkpointing_recomputes_the_all_to_alls_gathers_and_reductions_exactly(
+    dist, model, mesh, ac
+):
+    # The recomputed forward re-runs the experts' all-to-alls (ep), the k/v gathers
+    # (cp) and the sequence-parallel gathers (tp; under ``op`` the reduce-scatters'
+    # outputs are kept, the rest recomputed): every first-step gradient equals the
+    # one-process run without checkpointing.
+    cfg = dict(SMALL, model=model, mesh=mesh, ac=ac, sp="tp" in mesh)
     grads = dist.run(_first_grads_on_rank0_of, cfg)[0]
     reference = dist.run(_one_process_first_grads_on_rank0, cfg)[0]
     check(diffs(grads, reference), atol=1e-5, rtol=FP32_RTOL)

@@ -58,7 +58,7 @@ SWITCHES: dict[str, tuple[Any, ...]] = {
     "sp": (False, True),
     "ep": (1, 2),
     "dtype": ("fp32", "bf16"),
-    "ac": ("none", "full", "selective"),
+    "ac": ("none", "full", "selective", "op"),
     "compile": (False, True),
 }
 """Every switch of a run and the values the matrix takes of it."""

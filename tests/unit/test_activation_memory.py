@@ -76,6 +76,33 @@ def test_checkpointing_keeps_block_inputs_only():
     assert measured_full <= full  # the prediction adds the recomputation peak
 
 
+def _predicted_held(ac: str) -> int:
+    spec = get_spec("llama3-debug")
+    report = dry_run(
+        spec.config(),
+        {"dp": 1},
+        batch_size=BATCH,
+        seq_len=SEQ,
+        fsdp=False,
+        ac=ac,
+        loss_fn=lambda logits, tokens: cross_entropy_loss(logits, tokens),
+    )
+    return report.activations_held_by_ac[ac]
+
+
+def test_op_checkpointing_holds_what_the_allocator_holds_after_the_forward():
+    # Per-operator checkpointing (torch's selective checkpointing under OpPolicy) keeps
+    # each block's input and the outputs of its attention and every second matmul. The
+    # dry run counts them on fake tensors without checkpointing anything; the allocator
+    # sees what the trainer's build really keeps at the end of the forward.
+    measured = _measured_bytes("op")
+    held = _predicted_held("op")
+    assert abs(held - measured) <= 0.15 * measured, (held, measured)
+    # Between full (inputs only) and none (everything saved), for both.
+    assert _measured_bytes("full") < measured < _measured_bytes("none")
+    assert _predicted("full") < _predicted("op") < _predicted("none")
+
+
 def test_bf16_halves_what_fsdp_mixed_precision_saves():
     spec = get_spec("llama3-debug")
     args = dict(batch_size=BATCH, seq_len=SEQ)

@@ -81,6 +81,37 @@ def test_block_flops_are_counted_by_hand_with_causal_attention():
     assert f.block_bwd == pytest.approx(2 * expected, rel=1e-9)
 
 
+def test_op_checkpointing_recomputes_every_second_matmul_of_a_block_by_hand():
+    """Per-operator checkpointing keeps the attention and the 1st, 3rd, ... matmul of a
+    block (wq, wv, w1, w2 in call order wq, wk, wv, wo, w1, w3, w2); backward recomputes
+    wk, wo and w3: 2 x tokens x their weights, no attention score FLOPs."""
+    block = DEBUG.config().layers[0]
+    att, ffn = block.attention, block.feed_forward
+    recomputed = sum(lin.in_features * lin.out_features for lin in (att.wk, att.wo, ffn.w3))
+    f = count_flops(DEBUG, SEQ)
+    assert f.block_op_recompute == pytest.approx(2 * SEQ * recomputed, rel=1e-9)
+
+
+def test_op_checkpointing_adds_its_recomputed_matmuls_and_elementwise_traffic():
+    """With free links, ``ac=op`` costs one rank what ``ac=none`` does plus the recomputed
+    matmuls at the achieved rate and every block's forward element traffic again (the
+    kept operators answer from their cache); ``full`` adds whole forwards. A planted
+    'op recomputes whole blocks' fails the first comparison."""
+    hw = _free_comm(attention_efficiency=None)
+    kw = dict(gpus=1, gpu=hw, seq_len=SEQ, global_batch_tokens=SEQ)
+    none, op = (predict(DEBUG, _c(ac=ac), **kw) for ac in ("none", "op"))
+    f = count_flops(DEBUG, SEQ)
+    rate = hw.peak_flops["bf16"] * hw.compute_efficiency["bf16"]
+    traffic = 2 * f.num_layers * f.block_fwd_elements / hw.hbm_bandwidth
+    extra = f.num_layers * f.block_op_recompute / rate + traffic
+    got = op.time["pipeline_or_compute"] - none.time["pipeline_or_compute"]
+    assert got == pytest.approx(extra, rel=1e-6)
+    full = predict(DEBUG, _c(ac="full"), **kw)
+    assert full.time["pipeline_or_compute"] > op.time["pipeline_or_compute"]
+    # Memory between the two: inputs and kept outputs, not everything.
+    assert full.memory["activations"] < op.memory["activations"] < none.memory["activations"]
+
+
 # ----------------------------------------------------------------------------- collectives
 
 

@@ -61,11 +61,13 @@ def test_docs_activations_per_checkpointing_mode_are_what_plan_prints(tp8):
     assert printed["per_rank_bytes"]["activations"] == by_ac["none"]
     found = re.search(
         r"llama3-8b at tp=8, seq 8192, batch 1: ([\d.]+) GB with `--ac none`, "
-        r"([\d.]+) GB with `--ac full`, ([\d.]+) GB with `--ac selective`",
+        r"([\d.]+) GB with `--ac full`, ([\d.]+) GB with `--ac selective`, "
+        r"([\d.]+) GB with `--ac op`",
         FLAT,
     )
     assert found, "the docs' --ac sentence changed; update this test with it"
-    assert found.groups() == tuple(_gb(by_ac[m]) for m in ("none", "full", "selective"))
+    modes = ("none", "full", "selective", "op")
+    assert found.groups() == tuple(_gb(by_ac[m]) for m in modes)
 
 
 def test_docs_cp_activations_are_what_plan_prints(tp8):

@@ -392,7 +392,7 @@ def test_extrapolated_activations_equal_a_trace_at_full_depth_for_every_ac(num_l
     config = apply_tp(preset_config("llama3-debug", num_layers=num_layers))
     with torch.device("meta"):
         model = config.build()
-    for ac in ("none", "selective", "full"):
+    for ac in ("none", "selective", "full", "op"):
         extrapolated = dry_run(config, {"tp": 2}, ac=ac, seq_len=64, fsdp=False)
         whole = dry_run(model, {"tp": 2}, ac=ac, seq_len=64, fsdp=False)
         assert extrapolated.traced_layers and not whole.traced_layers

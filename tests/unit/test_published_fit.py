@@ -129,7 +129,7 @@ def test_what_a_source_leaves_unstated_is_searched_and_what_it_states_is_kept(be
     assert paper["ac"] is None and "stages_per_rank" not in paper
     got = bench._candidates(paper)
     assert sorted({c.stages_per_rank for c in got}) == [2, 4, 8]
-    assert {c.ac for c in got} == {"none", "selective", "full"}
+    assert {c.ac for c in got} == {"none", "selective", "full", "op"}
     stated = {**paper, "stages_per_rank": 2, "ac": "full"}
     assert [(c.stages_per_rank, c.ac) for c in bench._candidates(stated)] == [(2, "full")]
     titan = {r["id"]: r for r in load_runs()}["tt2412-t5-b"]  # torchtitan states 2

@@ -46,6 +46,7 @@ def test_bad_switch_values_are_refused_with_the_fix(field, value, words):
 def test_selective_checkpoints_every_second_block():
     assert checkpointed_blocks(5, "selective") == [1, 3]
     assert checkpointed_blocks(3, "full") == [0, 1, 2]
+    assert checkpointed_blocks(3, "op") == [0, 1, 2]
     assert checkpointed_blocks(3, "none") == []
 
 
@@ -140,7 +141,21 @@ def test_compile_with_context_parallel_is_accepted_at_one_sequence_per_rank():
     assert finding.field == "compile" and "one sequence per micro-batch" in finding.fix
 
 
-def test_checkpointing_wraps_the_compiled_blocks_and_changes_nothing():
+def test_op_checkpointing_is_refused_where_the_experts_are_an_fsdp_unit_in_the_block():
+    # torch's selective checkpointing replays a block's operators by call index; FSDP2's
+    # hooks on the experts' own unit run others in the recompute (every rank stopped,
+    # tests/distributed/test_train_switches.py). Without FSDP2 over data ranks it runs.
+    from hyper_parallel.train.trainer import check_config
+
+    moe = dict(model="qwen3-moe-debug", batch_size=4)
+    [finding] = check_config(TrainConfig(mesh={"dp_shard": 2, "ep": 2}, ac="op", **moe), 2)
+    assert finding.field == "ac" and "ep=2" in finding.message and "'full'" in finding.fix
+    assert check_config(TrainConfig(mesh={"dp_shard": 2, "ep": 2}, ac="full", **moe), 2) == []
+    assert check_config(TrainConfig(mesh={"dp_shard": 2}, ac="op", **moe), 2) == []
+
+
+@pytest.mark.parametrize("per_op", [False, True], ids=["full", "op"])
+def test_checkpointing_wraps_the_compiled_blocks_and_changes_nothing(per_op):
     # The builder's order (compile, then checkpointing around the compiled forward):
     # backward recomputes through the compiled graph; the loss and every gradient
     # equal the eager model without checkpointing.
@@ -162,9 +177,11 @@ def test_checkpointing_wraps_the_compiled_blocks_and_changes_nothing():
         fsdp_mesh=None,
         compile_backend="aot_eager",
         checkpointed=range(len(model.layers)),
+        per_op=per_op,
     )
     for block in model.layers:
         assert isinstance(block.forward, _Checkpointed)
+        assert (block.forward.context_fn is not None) == per_op
         assert "Compile" in type(block.forward.forward).__name__ or hasattr(
             block.forward.forward, "_torchdynamo_orig_callable"
         ), block.forward.forward

@@ -50,6 +50,9 @@ def _combine(
             per_rank_experts=None if last.expert_bytes is None else state_bytes(*last.expert_bytes),
             num_expert_params=last.expert_numel,
             activations_per_block=last.block_bytes,
+            activations_per_block_op=None
+            if last.op_block_bytes is None
+            else last.op_block_bytes[1:],
             activations_by_ac=dict(last.activations_by_ac),
             activations_held_by_ac=dict(last.held_by_ac),
             activations_outside_blocks=last.activations_outside_blocks,
@@ -123,6 +126,7 @@ def _combine(
         activations_by_ac=by_ac,
         activations_held_by_ac=_held_by_ac(a, b, target.num_layers, ext),
         activations_per_block=_block_slopes(a, b),
+        activations_per_block_op=_op_block(a, b),
         activations_outside_blocks=b.activations_outside_blocks,
     )
 
@@ -139,13 +143,22 @@ def _block_slopes(a: _Run, b: _Run) -> tuple[int, int, int] | None:
     return saved, full - a.activations_by_ac["full"], b.block_bytes[2]
 
 
+def _op_block(a: _Run, b: _Run) -> tuple[int, int] | None:
+    """``(kept, recomputed)`` of one block under ``op`` checkpointing: the slope of its
+    end-of-forward bytes between the depths, and what the deeper trace's last block
+    holds recomputed."""
+    if b.op_block_bytes is None or "op" not in b.held_by_ac:
+        return None
+    return b.held_by_ac["op"] - a.held_by_ac["op"], b.op_block_bytes[2]
+
+
 def _activations_by_ac(
     a: _Run, b: _Run, num_layers: int, ext: Callable[[int, int], int]
 ) -> dict[str, int]:
     """Peak activation bytes per checkpointing mode at the real depth, from two traces.
 
-    ``none`` and ``full`` treat every block alike, so the traces at depths d and d + 1
-    extrapolate linearly. ``selective`` checkpoints every second block, which two
+    ``none``, ``full`` and ``op`` treat every block alike, so the traces at depths d and
+    d + 1 extrapolate linearly. ``selective`` checkpoints every second block, which two
     consecutive depths cannot show (the added block is checkpointed in one and not the
     other), so it is composed from per-block quantities of the traces, following
     :meth:`~hyper_parallel.analysis.memory.SavedActivations.peak_bytes`: a block saves
@@ -176,7 +189,7 @@ def _held_by_ac(
     a: _Run, b: _Run, num_layers: int, ext: Callable[[int, int], int]
 ) -> dict[str, int]:
     """End-of-forward bytes per checkpointing mode at the real depth: linear in the depth
-    for ``none`` and ``full``; ``selective`` composed like its peak
+    for ``none``, ``full`` and ``op``; ``selective`` composed like its peak
     (:func:`checkpointed_held`)."""
     held = {m: ext(a.held_by_ac[m], b.held_by_ac[m]) for m in b.held_by_ac if m != "selective"}
     slopes = _block_slopes(a, b)
@@ -213,10 +226,11 @@ def checkpointed_peak(
         none: The peak without checkpointing.
         blocks: Number of blocks.
         saved: Bytes one block saves.
-        kept: Bytes one checkpointed block keeps (its input).
+        kept: Bytes one checkpointed block keeps (its input; under ``op`` also the
+            operator outputs it keeps).
         recomputed: Bytes one block holds while backward recomputes it.
         tail: Bytes saved after the last block (0 on a pipeline stage without it).
-        ac: ``"none"``, ``"selective"`` or ``"full"``.
+        ac: ``"none"``, ``"selective"``, ``"full"`` or ``"op"``.
     """
     chosen = checkpointed_blocks(blocks, ac)
     end_of_forward = checkpointed_held(none, blocks, saved, kept, ac)

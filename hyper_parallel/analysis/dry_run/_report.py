@@ -155,6 +155,10 @@ class DryRunReport:
     keeps), the slopes between the two traced depths (a model traced whole: its last
     block's); and what it holds while backward recomputes it (its input and what it
     saves again). ``None`` for a model without blocks."""
+    activations_per_block_op: tuple[int, int] | None = None
+    """``(kept, recomputed)`` of one block under ``op`` checkpointing: its input and
+    the operator outputs it keeps (the slope of the ``op`` end-of-forward bytes between
+    the traced depths), and what it holds while backward recomputes the rest."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form (the CLI's ``--format json``)."""

@@ -16,6 +16,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from hyper_parallel._torch_private import FakeTensorMode
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed.activation_checkpoint import AC_MODES
 from hyper_parallel.distributed.axes import (
     declared_axes,
 )
@@ -73,6 +74,7 @@ class _Run:
     held_by_ac: dict[str, int] = field(default_factory=dict)
     activations_outside_blocks: tuple[int, int] = (0, 0)
     block_bytes: tuple[int, int, int] | None = None  # the last block's (saved, kept, recomputed)
+    op_block_bytes: tuple[int, int, int] | None = None  # the same under ``op`` checkpointing
     unsharded_grad_bytes: int = 0  # the gradients as FSDP2 accumulates them (unsharded)
 
 
@@ -165,10 +167,11 @@ def _trace_step(
         expert_numel=expert_numel,
         plan_axes=tuple(a for a in axes if a in DENSE_AXES),
         activation_bytes=saved.peak_bytes(run.ac),
-        activations_by_ac={m: saved.peak_bytes(m) for m in ("none", "selective", "full")},
-        held_by_ac={m: saved.held_bytes(m) for m in ("none", "selective", "full")},
+        activations_by_ac={m: saved.peak_bytes(m) for m in AC_MODES},
+        held_by_ac={m: saved.held_bytes(m) for m in AC_MODES},
         activations_outside_blocks=saved.outside_blocks(),
         block_bytes=saved.block_bytes(len(saved.blocks) - 1) if saved.blocks else None,
+        op_block_bytes=saved.block_bytes(len(saved.blocks) - 1, "op") if saved.blocks else None,
         unsharded_grad_bytes=sum(_unsharded_bytes(g, fsdp_mesh) for g in grads),
     )
 

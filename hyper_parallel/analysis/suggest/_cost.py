@@ -34,11 +34,11 @@ FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 """torchao's float8 training recipes a published run may state (``none``: bf16 linears)."""
 
 STATED_FACTORS: dict[str, float] = {
-    "compile": 0.78,
-    "float8_tensorwise": 0.8,
-    "float8_rowwise": 1.02,
+    "compile": 0.8,
+    "float8_tensorwise": 0.78,
+    "float8_rowwise": 1.04,
     "async_tp_exposed": 0.4,
-    "megatron_te": 0.52,
+    "megatron_te": 0.54,
 }
 """The values :meth:`RunFactors.stated` uses: the fit of ``benchmarks/bench_published.py``
 on the ``fit`` rows of ``analysis/published/runs.yaml`` only (torchtitan's H100 tables,
@@ -91,7 +91,7 @@ class RunFactors:
 
         Example:
             >>> RunFactors.stated(compile=True).compute
-            0.78
+            0.8
         """
         if float8 not in FLOAT8_RECIPES:
             raise ValueError(
@@ -336,16 +336,24 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
     # --- compute per micro-batch per stage
     share = 1.0 / (c.tp * c.cp)
     f = ctx.flops
-    recompute_blocks = {"none": 0.0, "full": 1.0, "selective": 0.5}[c.ac]
+    # Blocks' forwards backward repeats: none, all, every second; ``op`` repeats every
+    # operator (the kept ones answer from their cache), the FLOPs of the matmuls it
+    # does not keep, and the forward collectives but the reduce-scatters.
+    recompute_blocks = {"none": 0.0, "full": 1.0, "selective": 0.5, "op": 1.0}[c.ac]
+    per_op = c.ac == "op"
     t_f, t_b, t_w = [], [], []
     comm_f_all, comm_b_all = [], []
     for k, _first, last, _ in stages:
         fwd = mbs * share * (k * f.block_fwd + last * f.rest_fwd)
         bwd = mbs * share * (k * f.block_bwd + last * f.rest_bwd)
-        recompute = mbs * share * recompute_blocks * k * f.block_fwd
+        recompute = (
+            mbs * share * k * (f.block_op_recompute if per_op else recompute_blocks * f.block_fwd)
+        )
         # Attention's score matmuls run at the attention kernel's rate.
         attn_f = mbs * share * k * f.block_score_fwd
-        attn_b = mbs * share * k * f.block_score_bwd + recompute_blocks * attn_f
+        attn_b = (
+            mbs * share * k * f.block_score_bwd + (0.0 if per_op else recompute_blocks) * attn_f
+        )
         # A fixed cost per operator, whatever its size (hardware's op_overhead_s).
         ops_f = k * f.block_fwd_ops + last * f.rest_fwd_ops
         ops_b = k * f.block_bwd_ops + last * f.rest_bwd_ops + recompute_blocks * k * f.block_fwd_ops
@@ -353,7 +361,11 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         comm_rest = _comm_seconds(ctx, layout, trace.rest, mbs) if last else {}
         comm_f = comm_layer.get("forward", 0.0) + comm_rest.get("forward", 0.0)
         comm_b = comm_layer.get("backward", 0.0) + comm_rest.get("backward", 0.0)
-        comm_b += recompute_blocks * comm_layer.get("forward", 0.0)
+        if per_op:
+            again = _comm_seconds(ctx, layout, trace.per_layer_op_recompute, mbs, k)
+            comm_b += again.get("forward", 0.0)
+        else:
+            comm_b += recompute_blocks * comm_layer.get("forward", 0.0)
         overhead_f, overhead_b = hw.op_overhead_s * ops_f, hw.op_overhead_s * ops_b
         # Operators without a FLOP formula (elementwise, norms, softmax, copies) move
         # their elements through memory: compute-dtype bytes at the memory bandwidth.

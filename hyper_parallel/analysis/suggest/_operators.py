@@ -47,6 +47,10 @@ class _Flops:
     block_score_bwd: float = 0.0
     """Of ``block_fwd`` / ``block_bwd``: attention's score matmuls (causal share), which
     the attention kernel runs (``Hardware.attention_efficiency``)."""
+    block_op_recompute: float = 0.0
+    """Of ``block_fwd``: what ``op`` checkpointing recomputes in backward — the FLOPs of
+    the matmuls whose outputs :class:`~hyper_parallel.distributed.activation_checkpoint.OpPolicy`
+    does not keep (every second one); attention's are kept."""
 
     @property
     def total(self) -> float:
@@ -197,6 +201,53 @@ class _ScoreFlops(TorchDispatchMode):
         return out
 
 
+class _OpRecomputeFlops(TorchDispatchMode):
+    """FLOPs of the operators inside ``blocks`` whose outputs ``op`` checkpointing does
+    not keep (:class:`~hyper_parallel.distributed.activation_checkpoint.OpPolicy`, one
+    per call of a block), less attention's score matmuls (an ``[..., S, S]`` tensor: the
+    meta device runs torch's math path; a fused attention kernel's outputs are kept)."""
+
+    def __init__(self, blocks: Any, scores: int, mapping: dict[Any, Any] | None = None) -> None:
+        from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+        from hyper_parallel.distributed.activation_checkpoint import OpPolicy
+
+        super().__init__()
+        self.scores = scores
+        self.formulas = dict(flop_registry)
+        self.formulas.update({k: shape_wrapper(v) for k, v in (mapping or {}).items()})
+        if isinstance(blocks, torch.nn.ModuleDict):
+            blocks = list(blocks.values())
+        self.flops = 0
+        self.policy: OpPolicy | None = None
+        self.handles = []
+        for block in blocks:
+            self.handles.append(
+                block.register_forward_pre_hook(lambda *_: setattr(self, "policy", OpPolicy()))
+            )
+            self.handles.append(
+                block.register_forward_hook(lambda *_: setattr(self, "policy", None))
+            )
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
+            h.remove()
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.policy is None or self.policy.keeps(func):
+            return out
+        formula = self.formulas.get(getattr(func, "overloadpacket", None))
+        scores = any(
+            isinstance(t, torch.Tensor) and t.dim() >= 3 and t.shape[-2:] == (self.scores,) * 2
+            for t in pytree.tree_leaves((args, out))
+        )
+        if formula is not None and not scores:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+        return out
+
+
 CAUSAL_SHARE = 0.5
 """Share of the score matrix a causal attention kernel computes: query ``i`` attends to
 keys ``0..i``, about half of ``S x S`` (flash attention skips the masked blocks; torch's
@@ -224,6 +275,7 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
     from torch.utils.flop_counter import FlopCounterMode
 
     counts = []
+    op_recompute = 0.0
     mapping = {}
     if hasattr(torch.ops.aten, "_grouped_mm"):
         mapping[torch.ops.aten._grouped_mm] = _grouped_mm_flops
@@ -239,9 +291,11 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
             FlopCounterMode(display=False, custom_mapping=mapping) as fwd,
             count_operators(seq_len) as fo,
             _ScoreFlops(seq_len) as fs,
+            _OpRecomputeFlops(getattr(model, blocks), seq_len, mapping) as fr,
         ):
             out = model(tokens)
             loss = loss_fn(out, tokens) if loss_fn is not None else out.float().sum()
+        op_recompute = fr.flops / depth  # identical blocks
         with (
             FlopCounterMode(display=False, custom_mapping=mapping) as bwd,
             count_operators(seq_len) as bo,
@@ -285,4 +339,5 @@ def count_flops(source: ModelSource, seq_len: int) -> _Flops:
         optimizer_grad_reads=grad_reads,
         block_score_fwd=a2 - a1,
         block_score_bwd=ab2 - ab1,
+        block_op_recompute=op_recompute,
     )

@@ -33,7 +33,7 @@ from hyper_parallel.distributed.pipeline import (
 from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.train.launch import node_command, slurm_script, train_options
 
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "full", "op")
 MODEL_AXES = ("tp", "cp", "ep")
 SP_DOMINATES = (
     "sp off: dominated by the same layout with sp (equal bytes on the wire: all-gather + "
@@ -404,7 +404,7 @@ def suggest(
         allow_cross_node_ep: Also search ep groups that span nodes.
         mesh: Fix the mesh: ``{"dp_shard": 8, "tp": 8}`` (``dp`` is ``dp_shard``).
         schedule: Fix the pipeline schedule (pp > 1).
-        ac: Fix activation checkpointing (``none``, ``selective``, ``full``).
+        ac: Fix activation checkpointing (``none``, ``selective``, ``full``, ``op``).
         microbatches: Fix the pipeline's micro-batches (pp > 1).
         sp: Fix sequence parallelism (``None``: searched).
         compile: The run compiles its blocks (the run plan's compile findings).

@@ -34,7 +34,12 @@ class _Trace:
     holds beyond that (tensors every block reads, such as the rotary tables' slices and
     the mask, held once per stage by its first block): the dry run's peak of the whole
     model less the same composition of its blocks; ``held_shared`` the same for the
-    bytes held at the end of the forward.
+    bytes held at the end of the forward. ``block_op_kept`` / ``block_op_recompute``:
+    ``block_input`` / ``block_recompute`` under ``op`` checkpointing (the input and the
+    operator outputs a block keeps: the dry run's ``activations_per_block_op``).
+    ``per_layer_op_recompute``: the forward collectives of one block that ``op``
+    checkpointing repeats in backward (all but the reduce-scatters, whose outputs it
+    keeps).
     """
 
     pre: int
@@ -50,6 +55,15 @@ class _Trace:
     expert_local: float
     dense_total: int
     expert_total: int
+    block_op_kept: int = 0
+    block_op_recompute: int = 0
+    per_layer_op_recompute: list[_Comm] = dataclasses.field(default_factory=list)
+
+    def _kept(self, ac: str) -> tuple[int, int]:
+        """What a checkpointed block keeps and holds recomputed under ``ac``."""
+        if ac == "op":
+            return self.block_op_kept, self.block_op_recompute
+        return self.block_input, self.block_recompute
 
     def activations(self, blocks: int, first: bool, last: bool, ac: str) -> int:
         """Peak saved bytes of one sequence on a rank holding ``blocks`` blocks (+ the
@@ -60,9 +74,8 @@ class _Trace:
         ends = first * self.pre + last * self.post
         none = ends + blocks * self.block
         tail = last * self.post
-        peak = checkpointed_peak(
-            none, blocks, self.block, self.block_input, self.block_recompute, tail, ac
-        )
+        kept, recompute = self._kept(ac)
+        peak = checkpointed_peak(none, blocks, self.block, kept, recompute, tail, ac)
         return peak + (self.shared[ac] if blocks else 0)
 
     def held(self, blocks: int, first: bool, last: bool, ac: str) -> int:
@@ -72,7 +85,7 @@ class _Trace:
         from hyper_parallel.analysis.dry_run import checkpointed_held
 
         none = first * self.pre + last * self.post + blocks * self.block
-        held = checkpointed_held(none, blocks, self.block, self.block_input, ac)
+        held = checkpointed_held(none, blocks, self.block, self._kept(ac)[0], ac)
         return held + (self.held_shared[ac] if blocks else 0)
 
 
@@ -125,6 +138,12 @@ class _Tracer:
         pre, post = report.activations_outside_blocks
         assert report.activations_per_block is not None  # traced at two depths
         block, block_input, block_recompute = report.activations_per_block
+        assert report.activations_per_block_op is not None
+        op_kept, op_recompute = report.activations_per_block_op
+
+        def kept(ac: str) -> tuple[int, int]:
+            return (op_kept, op_recompute) if ac == "op" else (block_input, block_recompute)
+
         model_axes = {"tp", "cp", "ep"}
         total = [
             _Comm(c.kind, c.axis, c.phase, c.count, c.bytes)
@@ -162,13 +181,7 @@ class _Tracer:
                     0,
                     peak
                     - checkpointed_peak(
-                        pre + post + num_layers * block,
-                        num_layers,
-                        block,
-                        block_input,
-                        block_recompute,
-                        post,
-                        ac,
+                        pre + post + num_layers * block, num_layers, block, *kept(ac), post, ac
                     ),
                 )
                 for ac, peak in report.activations_by_ac.items()
@@ -178,13 +191,18 @@ class _Tracer:
                     0,
                     held
                     - checkpointed_held(
-                        pre + post + num_layers * block, num_layers, block, block_input, ac
+                        pre + post + num_layers * block, num_layers, block, kept(ac)[0], ac
                     ),
                 )
                 for ac, held in report.activations_held_by_ac.items()
             },
             per_layer=per_layer,
             rest=rest,
+            block_op_kept=round(op_kept),
+            block_op_recompute=op_recompute,
+            per_layer_op_recompute=[
+                c for c in per_layer if c.phase == "forward" and c.kind != "reduce_scatter"
+            ],
             dense_local=(report.per_rank.params - expert_params) / element * fsdp_size,
             expert_local=expert_params / element * efsdp,
             dense_total=report.num_params - expert_total,
