@@ -176,33 +176,62 @@ def compile_findings(
     ]
 
 
-def checkpoint_findings(layout: MeshLayout, *, ac: str, fsdp: bool) -> list[Finding]:
-    """What per-operator checkpointing (``ac="op"``) does not run: routed experts that
-    are an FSDP2 unit of their own inside the block (``ep`` with FSDP2 over data ranks).
+def checkpoint_findings(
+    layout: MeshLayout, *, ac: str, fsdp: bool, schedule: str | None = None
+) -> list[Finding]:
+    """What per-operator checkpointing (``ac="op"``) does not run.
 
-    torch's selective checkpointing replays a block's operators in backward and matches
-    each with its forward call by its index among the calls of that operator; FSDP2's
-    hooks on the experts' unit run other operators while backward recomputes the block
-    than in its forward, so every rank stops (``... invocation index 2 encountered
-    during backward but not found in storage``; found by
-    ``tests/distributed/test_train_switches.py`` at dp_shard=2 x ep=2).
+    torch's selective checkpointing keeps each kept operator output for one backward of
+    the block and matches each recomputed operator with its forward call by its index
+    among the calls of that operator. Two things break that, and every rank stops:
+
+    - routed experts that are an FSDP2 unit of their own inside the block (``ep`` with
+      FSDP2 over data ranks): FSDP2's hooks on that unit run other operators while
+      backward recomputes the block than in its forward (``... invocation index 2
+      encountered during backward but not found in storage``; found by
+      ``tests/distributed/test_train_switches.py`` at dp_shard=2 x ep=2);
+    - a schedule that splits the backward (``InterleavedZeroBubble``, ``ZBVZeroBubble``):
+      the weight-gradient step reads the block's saved activations after the
+      input-gradient step consumed them (found by the configuration matrix at pp=2 x
+      cp=2, InterleavedZeroBubble).
     """
-    if ac != "op" or layout.ep == 1 or not fsdp:
+    if ac != "op":
         return []
-    if layout.efsdp == 1 and layout.dp_replicate * layout.dp_shard * layout.cp == 1:
-        return []
-    return [
-        Finding(
-            "error",
-            "switches",
-            "ac",
-            f"ac='op' with ep={layout.ep} under FSDP2: the routed experts are an FSDP2 unit "
-            "inside each block, and torch's selective checkpointing cannot replay the "
-            "block's operators past FSDP2's hooks on that unit (every rank would stop in "
-            "backward).",
-            "use ac='full' or 'selective' with ep, or drop FSDP2 (fsdp=False).",
+    out: list[Finding] = []
+    experts_unit = layout.ep > 1 and fsdp
+    if (
+        experts_unit
+        and layout.efsdp == 1
+        and layout.dp_replicate * layout.dp_shard * layout.cp == 1
+    ):
+        experts_unit = False
+    if experts_unit:
+        out.append(
+            Finding(
+                "error",
+                "switches",
+                "ac",
+                f"ac='op' with ep={layout.ep} under FSDP2: the routed experts are an FSDP2 "
+                "unit inside each block, and torch's selective checkpointing cannot replay "
+                "the block's operators past FSDP2's hooks on that unit (every rank would "
+                "stop in backward).",
+                "use ac='full' or 'selective' with ep, or drop FSDP2 (fsdp=False).",
+            )
         )
-    ]
+    if layout.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+        out.append(
+            Finding(
+                "error",
+                "switches",
+                "ac",
+                f"ac='op' with the {schedule} schedule: it splits each backward into an "
+                "input-gradient and a weight-gradient step, and the second reads what torch's "
+                "selective checkpointing handed to the first once (every rank would stop).",
+                "use ac='full' or 'selective' with a zero-bubble schedule, or a schedule "
+                "without a split backward (1F1B, Interleaved1F1B, GPipe).",
+            )
+        )
+    return out
 
 
 def raise_findings(findings: Iterable[Finding], where: str) -> None:

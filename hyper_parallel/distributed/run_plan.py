@@ -441,7 +441,7 @@ class RunPlan:
             fsdp=fsdp,
             microbatch_size=None if batch_size is None else batch_size // max(1, num_microbatches),
         )
-        findings += checkpoint_findings(layout, ac=ac, fsdp=fsdp)
+        findings += checkpoint_findings(layout, ac=ac, fsdp=fsdp, schedule=schedule)
         if layout.pp > 1 and (subject is not None or family is not None):
             args = dict(
                 schedule=schedule,

@@ -231,6 +231,7 @@ def train_vs_one_device(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     Returns:
         On rank 0: losses of both, and the first-step gradient diffs; ``None`` elsewhere.
     """
+    import torch
     import torch.distributed as c10d
 
     from hyper_parallel.train import TrainConfig, Trainer
@@ -238,6 +239,9 @@ def train_vs_one_device(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     cfg = TrainConfig.from_dict(cfg_dict)
     pp = cfg.mesh.get("pp", 1)
     grads: dict[str, Any] = {}
+    # Each configuration is a job of its own (one torchrun each), though the ranks'
+    # processes are reused: nothing dynamo compiled for an earlier one is kept.
+    torch._dynamo.reset()
     trainer = Trainer(cfg, device="cpu", grad_callback=_keep_first(grads, pp))
     # Blocks held by each of this rank's model parts (pipeline stages).
     blocks = [len(getattr(part, "layers", ())) for part in trainer.model_parts]

@@ -141,7 +141,7 @@ def test_compile_with_context_parallel_is_accepted_at_one_sequence_per_rank():
     assert finding.field == "compile" and "one sequence per micro-batch" in finding.fix
 
 
-def test_op_checkpointing_is_refused_where_the_experts_are_an_fsdp_unit_in_the_block():
+def test_op_checkpointing_is_refused_where_torch_cannot_replay_the_block():
     # torch's selective checkpointing replays a block's operators by call index; FSDP2's
     # hooks on the experts' own unit run others in the recompute (every rank stopped,
     # tests/distributed/test_train_switches.py). Without FSDP2 over data ranks it runs.
@@ -152,6 +152,12 @@ def test_op_checkpointing_is_refused_where_the_experts_are_an_fsdp_unit_in_the_b
     assert finding.field == "ac" and "ep=2" in finding.message and "'full'" in finding.fix
     assert check_config(TrainConfig(mesh={"dp_shard": 2, "ep": 2}, ac="full", **moe), 2) == []
     assert check_config(TrainConfig(mesh={"dp_shard": 2}, ac="op", **moe), 2) == []
+    # A split backward reads the saved activations twice (found by the matrix).
+    zb = dict(mesh={"pp": 2, "cp": 2}, batch_size=8, ac="op")
+    [finding] = check_config(TrainConfig(schedule="InterleavedZeroBubble", **zb), 4)
+    assert finding.field == "ac" and "InterleavedZeroBubble" in finding.message
+    assert "1F1B" in finding.fix
+    assert check_config(TrainConfig(schedule="Interleaved1F1B", **zb), 4) == []
 
 
 @pytest.mark.parametrize("per_op", [False, True], ids=["full", "op"])
