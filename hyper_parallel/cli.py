@@ -377,7 +377,7 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
     else:
         batch = args.batch if args.batch is not None or microbatches == 1 else microbatches
         seq_len = args.seq
-        switches = {}
+        switches = {"ac": args.ac}  # what the gate refuses of it (ac='op' with ep, ...)
     return RunPlan.for_model(
         args.model,
         layout,

@@ -335,7 +335,7 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
         required=("mesh",),
     ),
     "validate": CommandOptions(
-        fields=(*MODEL_FIELDS, "mesh", *SWITCHES),
+        fields=(*MODEL_FIELDS, "mesh", *SWITCHES, "ac"),
         defaults={"model": None, "mesh": None},
         required=("mesh",),
     ),

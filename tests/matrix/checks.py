@@ -57,6 +57,8 @@ def validate_argv(cfg: dict[str, Any]) -> list[str]:
         argv += ["--microbatches", str(cfg["microbatches"])]
     if cfg.get("compile"):
         argv.append("--compile")
+    if cfg.get("ac", "none") != "none":
+        argv += ["--ac", cfg["ac"]]
     if cfg.get("pipeline_split") is not None:
         argv += ["--pipeline-split", json.dumps(cfg["pipeline_split"])]
     if cfg.get("stages_per_rank") is not None:
