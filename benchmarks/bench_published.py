@@ -45,7 +45,12 @@ import sys
 import time
 from typing import Any
 
-from hyper_parallel.analysis.cost_model import Hardware, Link, load_hardware
+from hyper_parallel.analysis.cost_model import (
+    MEMORY_HEADROOM_FRACTION,
+    Hardware,
+    Link,
+    load_hardware,
+)
 from hyper_parallel.analysis.published import load_runs
 from hyper_parallel.analysis.suggest import (
     AC_MODES,
@@ -70,6 +75,7 @@ BEFORE = {
     "float8_rowwise": 1.0,
     "async_tp_exposed": 1.0,
     "megatron_te": 1.0,
+    "allocator_share": 0.0,  # a reserved figure compared with the live peak as is
 }
 GRIDS = {
     "efficiency": [round(0.30 + 0.01 * i, 2) for i in range(61)],
@@ -81,6 +87,8 @@ GRIDS = {
     "async_tp_exposed": [round(0.1 * i, 1) for i in range(11)],
     "megatron_te": [round(0.20 + 0.02 * i, 2) for i in range(51)],
 }
+MEMORY_GRIDS = {"allocator_share": [round(0.01 * i, 2) for i in range(31)]}
+"""Fitted on the memory of the fit rows alone (the step time does not read it)."""
 
 
 @dataclasses.dataclass
@@ -223,7 +231,11 @@ def shipped() -> dict[str, Any]:
         }
     if any(seen[k] != seen[FITTED_KINDS[0]] for k in FITTED_KINDS):
         raise ValueError(f"hardware files disagree on the fitted values: {seen}.")
-    return {**seen[FITTED_KINDS[0]], **STATED_FACTORS}
+    return {
+        **seen[FITTED_KINDS[0]],
+        **STATED_FACTORS,
+        "allocator_share": MEMORY_HEADROOM_FRACTION,
+    }
 
 
 def compare(fitted: dict[str, Any], ships: dict[str, Any]) -> list[str]:
@@ -272,12 +284,31 @@ def evaluate(row: Row, p: dict[str, Any], cache: dict[str, Hardware]) -> dict[st
         "unit": unit,
         "error": predicted / published - 1,
         "ac": c.ac,
-        "memory_gib": pred.memory_bytes_per_gpu / 2**30,
+        "memory_gib": _memory_gib(run, pred.memory_bytes_per_gpu, p),
         "memory_error": None,
     }
     if "memory_gib" in measured:
         out["memory_error"] = out["memory_gib"] / measured["memory_gib"] - 1
     return out
+
+
+def _memory_gib(run: dict[str, Any], live: float, p: dict[str, Any]) -> float:
+    """The planner's peak of live bytes as the run's source measures memory: a
+    ``reserved`` figure holds the allocator's share besides (``allocator_share`` of the
+    reserved bytes: the cost model's ``MEMORY_HEADROOM_FRACTION``)."""
+    if run.get("memory_metric") == "reserved":
+        live = live / (1 - p["allocator_share"])
+    return live / 2**30
+
+
+def _memory_loss(rows: list[Row], p: dict[str, Any], cache: dict[str, Hardware]) -> float:
+    """Mean absolute log error of the published memory of the fit rows."""
+    errors = []
+    for r in rows:
+        if "memory_gib" in r.run["measured"]:
+            e = evaluate(r, p, cache)["memory_error"]
+            errors.append(abs(math.log1p(e)))
+    return statistics.fmean(errors) if errors else 0.0
 
 
 def _loss(rows: list[Row], p: dict[str, Any], cache: dict[str, Hardware]) -> float:
@@ -307,6 +338,8 @@ def fit(rows: list[Row], start: dict[str, Any], cache: dict[str, Hardware]) -> d
                     best, p, improved = loss, trial, True
         if not improved:
             break
+    for name, grid in MEMORY_GRIDS.items():
+        p[name] = min(grid, key=lambda v: (_memory_loss(rows, {**p, name: v}, cache), v))
     return p
 
 

@@ -69,6 +69,26 @@ def test_a_run_states_its_stack_or_is_pytorch(monkeypatch):
         load_runs()
 
 
+def test_a_published_memory_figure_says_what_it_measures(monkeypatch, bench):
+    """A run with ``memory_gib`` needs a source stating ``memory: reserved|allocated``;
+    a reserved figure is the live peak over ``1 - allocator_share``, an allocated one the
+    live peak itself."""
+    import hyper_parallel.analysis.published as published
+
+    runs = load_runs()
+    with_memory = [r for r in runs if "memory_gib" in r["measured"]]
+    assert with_memory and {r["memory_metric"] for r in with_memory} == {"reserved"}
+    live = 100 * 2**30
+    p = {"allocator_share": 0.2}
+    assert bench._memory_gib(with_memory[0], live, p) == pytest.approx(125.0, rel=1e-12)
+    assert bench._memory_gib({"memory_metric": "allocated"}, live, p) == 100.0
+    raw = published._raw()
+    raw["sources"]["tt2412"] = {k: v for k, v in raw["sources"]["tt2412"].items() if k != "memory"}
+    monkeypatch.setattr(published, "_raw", lambda: raw)
+    with pytest.raises(ValueError, match=r"tt2412-t1-a.*memory_gib given.*reserved, allocated"):
+        load_runs()
+
+
 def test_the_fitted_files_agree_name_the_fit_and_are_what_the_bench_predicts_with(bench):
     ships = bench.shipped()  # raises when the files disagree
     assert set(ships) == set(bench.BEFORE)

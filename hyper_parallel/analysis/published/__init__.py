@@ -19,12 +19,17 @@ from typing import Any
 
 import yaml
 
-__all__ = ["REQUIRED", "RUNTIMES", "load_runs", "split_by_rule"]
+__all__ = ["MEMORY_METRICS", "REQUIRED", "RUNTIMES", "load_runs", "split_by_rule"]
 
 RUNTIMES = ("pytorch", "megatron-te")
 """The training stacks a run may state (``runtime``, default ``pytorch``: eager PyTorch
 with torch's own kernels, as this package's trainer and torchtitan run;
 ``megatron-te``: Megatron-Core with Transformer Engine's fused kernels)."""
+
+MEMORY_METRICS = ("reserved", "allocated")
+"""What a source's memory figure measures (its ``memory``): the caching allocator's peak
+``reserved`` bytes (what torchtitan logs), or the peak ``allocated`` to live tensors
+(what the planner counts)."""
 
 REQUIRED = (
     "id",
@@ -76,7 +81,21 @@ def load_runs() -> list[dict[str, Any]]:
                 f"published run {run['id']!r}: runtime {runtime!r}; use one of "
                 f"{', '.join(RUNTIMES)}."
             )
-        runs.append({**run, "runtime": runtime, "source_url": sources[run["source_key"]]["url"]})
+        metric = sources[run["source_key"]].get("memory")
+        if "memory_gib" in run["measured"] and metric not in MEMORY_METRICS:
+            raise ValueError(
+                f"published run {run['id']!r}: memory_gib given, but its source "
+                f"{run['source_key']!r} says memory: {metric!r}; say which of "
+                f"{', '.join(MEMORY_METRICS)} the figure measures."
+            )
+        runs.append(
+            {
+                **run,
+                "runtime": runtime,
+                "memory_metric": metric,
+                "source_url": sources[run["source_key"]]["url"],
+            }
+        )
     expected = split_by_rule(runs)
     wrong = [r["id"] for r in runs if r["split"] != expected[r["id"]]]
     if wrong:
