@@ -206,6 +206,7 @@ def _factors(run: dict[str, Any], p: dict[str, Any]) -> RunFactors:
         float8=run["float8"],
         async_tp=bool(run["async_tp"]),
         runtime=run.get("runtime", "pytorch"),
+        compiled_loss=bool(run.get("compile_loss")),
         values=p,
     )
 

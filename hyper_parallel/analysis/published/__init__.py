@@ -81,6 +81,11 @@ def load_runs() -> list[dict[str, Any]]:
                 f"published run {run['id']!r}: runtime {runtime!r}; use one of "
                 f"{', '.join(RUNTIMES)}."
             )
+        if not isinstance(run.get("compile_loss", False), bool):
+            raise ValueError(
+                f"published run {run['id']!r}: compile_loss {run['compile_loss']!r}; use "
+                "true or false."
+            )
         metric = sources[run["source_key"]].get("memory")
         if "memory_gib" in run["measured"] and metric not in MEMORY_METRICS:
             raise ValueError(

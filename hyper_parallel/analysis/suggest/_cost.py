@@ -66,10 +66,15 @@ class RunFactors:
         tp_exposed: Share of the tensor-parallel collectives left on the critical path
             (async TP overlaps the all-gather / reduce-scatter with the matmuls that use
             them; 1.0: all exposed, as eager TP runs them).
+        compiled_loss: The loss runs under ``torch.compile`` (torchtitan compiles its
+            cross-entropy with ``--training.compile`` from 2025): it holds
+            :data:`COMPILED_LOSS_BYTES_PER_LOGIT` instead of
+            :data:`LOSS_PEAK_BYTES_PER_LOGIT` (this package's trainer runs it eagerly).
     """
 
     compute: float = 1.0
     tp_exposed: float = 1.0
+    compiled_loss: bool = False
 
     @classmethod
     def stated(
@@ -79,6 +84,7 @@ class RunFactors:
         float8: str = "none",
         async_tp: bool = False,
         runtime: str = "pytorch",
+        compiled_loss: bool = False,
         values: dict[str, float] | None = None,
     ) -> RunFactors:
         """The factors of a run that compiles, uses float8 linears or async TP, or runs
@@ -107,7 +113,11 @@ class RunFactors:
             compute *= v["megatron_te"]
         if float8 != "none":
             compute *= v[f"float8_{float8}"]
-        return cls(compute=compute, tp_exposed=v["async_tp_exposed"] if async_tp else 1.0)
+        return cls(
+            compute=compute,
+            tp_exposed=v["async_tp_exposed"] if async_tp else 1.0,
+            compiled_loss=compiled_loss,
+        )
 
 
 @dataclasses.dataclass
@@ -603,14 +613,28 @@ together (4 + 4 bytes), next to the saved fp32 log-probabilities (in the dry run
 activations); the forward's extra (the bf16 logits and their fp32 copy, 2 + 4) is smaller."""
 
 
+COMPILED_LOSS_BYTES_PER_LOGIT = 0
+"""The same under a compiled loss, relative to what the dry run counts of the eager one.
+Inductor fuses the fp32 cast, log-softmax and the loss into one kernel and AOTAutograd's
+min-cut partitioner saves its input (the bf16 logits, 2 bytes) and a logsumexp per
+token, not the fp32 log-probabilities (4 bytes, in the dry run's activations); backward
+writes the gradient of the bf16 logits (2 bytes) in one kernel. So 2 bytes alive at its
+peak, less the 2 the dry run counts beyond what it saves: 0 per logit (8 fewer than
+eager's peak)."""
+
+
 def _loss_peak(ctx: _Context, c: Candidate, mbs: int) -> float:
-    """The loss's transient peak on the last stage: :data:`LOSS_PEAK_BYTES_PER_LOGIT` x
-    the micro-batch's local logits (tokens / cp, vocabulary / tp: the output projection
-    is column-parallel and the loss vocab-parallel)."""
+    """The loss's transient peak on the last stage: :data:`LOSS_PEAK_BYTES_PER_LOGIT`
+    (:data:`COMPILED_LOSS_BYTES_PER_LOGIT` under a compiled loss) x the micro-batch's
+    local logits (tokens / cp, vocabulary / tp: the output projection is column-parallel
+    and the loss vocab-parallel)."""
     vocab = _vocab(ctx)
     if not vocab:
         return 0.0
-    return LOSS_PEAK_BYTES_PER_LOGIT * mbs * (ctx.seq_len // c.cp) * vocab / c.tp
+    per_logit = (
+        COMPILED_LOSS_BYTES_PER_LOGIT if ctx.factors.compiled_loss else LOSS_PEAK_BYTES_PER_LOGIT
+    )
+    return per_logit * mbs * (ctx.seq_len // c.cp) * vocab / c.tp
 
 
 def _vocab(ctx: _Context) -> int:
