@@ -8,6 +8,7 @@ one forward (what autograd holds for backward), read from PyTorch's profiler.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -35,10 +36,10 @@ def _measured_bytes(ac: str) -> int:
     return held - loss.untyped_storage().nbytes()
 
 
-def _predicted(ac: str, dtype: str = "fp32") -> int:
-    spec = get_spec("llama3-debug")
-    report = dry_run(
-        spec.config(),
+def _report(ac: str, dtype: str = "fp32") -> Any:
+    """The dry run of the one-device build ``_measured_bytes`` measures."""
+    return dry_run(
+        get_spec("llama3-debug").config(),
         {"dp": 1},
         batch_size=BATCH,
         seq_len=SEQ,
@@ -47,7 +48,11 @@ def _predicted(ac: str, dtype: str = "fp32") -> int:
         dtype=dtype,
         loss_fn=lambda logits, tokens: cross_entropy_loss(logits, tokens),
     )
-    return report.per_rank.activations
+
+
+def _predicted(ac: str, dtype: str = "fp32") -> int:
+    """Peak activation bytes under ``ac`` (with the recompute's working set)."""
+    return _report(ac, dtype).per_rank.activations
 
 
 def test_prediction_on_fake_tensors_matches_the_allocator_within_15_percent():
@@ -77,17 +82,8 @@ def test_checkpointing_keeps_block_inputs_only():
 
 
 def _predicted_held(ac: str) -> int:
-    spec = get_spec("llama3-debug")
-    report = dry_run(
-        spec.config(),
-        {"dp": 1},
-        batch_size=BATCH,
-        seq_len=SEQ,
-        fsdp=False,
-        ac=ac,
-        loss_fn=lambda logits, tokens: cross_entropy_loss(logits, tokens),
-    )
-    return report.activations_held_by_ac[ac]
+    """Bytes held at the end of the forward under ``ac``."""
+    return _report(ac).activations_held_by_ac[ac]
 
 
 def test_op_checkpointing_holds_what_the_allocator_holds_after_the_forward():
