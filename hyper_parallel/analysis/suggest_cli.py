@@ -230,7 +230,7 @@ def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | N
         return None
     if getattr(args, "model", None) is None:
         raise ValueError("--gpu/--hardware predict registered models only; give --model.")
-    from hyper_parallel.analysis.suggest import Candidate, LayoutScorer
+    from hyper_parallel.analysis.suggest import Candidate, LayoutScorer, ModelSource
     from hyper_parallel.distributed.run_plan import default_num_microbatches
 
     schedule = args.schedule if layout.pp > 1 else None
@@ -241,14 +241,18 @@ def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | N
     seq = args.seq or 2048
     global_batch = args.batch * microbatches * dp
     dtype = args.dtype
+    # The model as traced: --model-overrides and --hf-config (resolved into both).
+    overrides = tuple(sorted((getattr(args, "model_overrides", None) or {}).items()))
     scorer = LayoutScorer(
-        args.model,
+        ModelSource(args.model, overrides),
         gpus=layout.world_size,
         gpu=gpu,
         seq_len=seq,
         global_batch_tokens=global_batch * seq,
         gpus_per_node=args.gpus_per_node,
         dtype=dtype,
+        compile=bool(getattr(args, "compile", False)),
+        pipeline_split=getattr(args, "pipeline_split", None),
     )
     c = Candidate(
         pp=layout.pp,
@@ -262,6 +266,7 @@ def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | N
         ac=args.ac,
         sp=bool(args.sp),
         stages_per_rank=per_rank,
+        reduce_each=bool(getattr(args, "reduce_each_microbatch", False)),
     )
     p = scorer.predict(c)
     return {

@@ -174,6 +174,40 @@ def test_hf_config_and_overrides_mean_one_model_in_every_command(tmp_path, capsy
     assert json.loads(out)["num_params"] == expected
 
 
+def test_plan_predicts_the_model_it_traces(tmp_path, capsys) -> None:
+    # plan --gpu once scored the registered model without --model-overrides /
+    # --hf-config (llama3-8b cut to 8 layers was predicted at 32 layers: 203 GiB beside
+    # the dry run's 63) and eagerly under --compile.
+    config = _tiny_llama31(tmp_path)
+    predicted = {}
+    for layers in (2, 3):
+        code, out, err = _run(
+            capsys, "plan", "--hf-config", config, "--model-overrides",
+            json.dumps({"num_layers": layers}), "--mesh", "dp=2", "--seq", "128",
+            "--gpu", "h100-80gb", "--format", "json",
+        )  # fmt: skip
+        assert code == 0, err
+        report = json.loads(out)
+        # The states the cost model counts are the traced model's, byte for byte.
+        assert report["predicted"]["memory"]["params"] == report["per_rank_bytes"]["params"]
+        predicted[layers] = report["predicted"]
+    assert predicted[3]["memory"]["params"] > predicted[2]["memory"]["params"]
+    assert predicted[3]["step_s"] > predicted[2]["step_s"]
+    # Compiled: the same memory, the compute at the stated compile factor (below 1) —
+    # at a size where compute is most of the step.
+    for extra in ((), ("--compile",)):
+        code, out, err = _run(
+            capsys, "plan", "--model", "llama3-8b", "--model-overrides", '{"num_layers": 2}',
+            "--mesh", "dp=1", "--dtype", "bf16", "--seq", "1024", "--gpu", "h100-80gb",
+            "--format", "json", *extra,
+        )  # fmt: skip
+        assert code == 0, err
+        predicted[extra] = json.loads(out)["predicted"]
+    eager, compiled = predicted[()], predicted[("--compile",)]
+    assert compiled["memory"]["params"] == eager["memory"]["params"]
+    assert compiled["step_s"] < 0.95 * eager["step_s"], (compiled, eager)
+
+
 def test_a_file_sized_model_without_its_file_is_refused(capsys) -> None:
     # Once it planned the 131K-parameter debug preset in its place.
     for command in ("plan", "validate"):

@@ -632,6 +632,8 @@ class LayoutScorer:
         global_batch_tokens: int,
         gpus_per_node: int | None = None,
         dtype: str = "bf16",
+        compile: bool = False,
+        pipeline_split: Mapping[str, Any] | None = None,
     ) -> None:
         source = model if isinstance(model, ModelSource) else ModelSource(model)
         source, _ = _long_enough(source, seq_len)
@@ -640,7 +642,10 @@ class LayoutScorer:
         _check_arguments(gpus, node, seq_len, global_batch_tokens, dtype, 1)
         global_batch = global_batch_tokens // seq_len
         self.hardware = hw
-        self._ctx = _Context.build(source, hw, node, gpus, seq_len, global_batch, dtype)
+        # A compiled run is scored at the stated compile factor (as `suggest --compile`).
+        self._ctx = _Context.build(
+            source, hw, node, gpus, seq_len, global_batch, dtype, compile, pipeline_split
+        )
 
     @property
     def memory_limit(self) -> float:
