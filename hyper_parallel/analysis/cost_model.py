@@ -226,22 +226,32 @@ class Hardware:
     comm_overlap: float = 1.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
     attention_efficiency: float | None = None
-    """Achieved fraction of peak in the attention kernel's score matmuls (flash
-    attention's ``Q K^T`` and ``P V``, forward and backward), which run below the
-    dense matmuls' rate (FlashAttention-2 reports 50-73 % of A100 peak forward and
-    less backward: Dao 2023, section 4.1); ``None``: as ``compute_efficiency``."""
+    """Achieved fraction of peak in the attention kernel's score matmuls (``Q K^T`` and
+    ``P V`` at the causal half, forward and backward) as this package's trainer calls it
+    (``scaled_dot_product_attention(..., is_causal=True)``: torch picks the kernel;
+    FlashAttention-2 reports 50-73 % of A100 peak forward and less backward: Dao 2023,
+    section 4.1); ``None``: as ``compute_efficiency``."""
+    chunked_attention_efficiency: float | None = None
+    """The same for the trainer's context-parallel attention, which runs torch's
+    memory-efficient kernel per pair of sequence chunks
+    (:mod:`hyper_parallel.models.common.chunked_attention`: the kernel that returns the
+    log-sum-exp the chunks merge by); ``None``: as ``attention_efficiency``."""
 
     def flops(self, dtype: str) -> float:
         """Achieved FLOP/s in ``dtype``: peak times efficiency."""
         key = "bf16" if dtype in ("bf16", "fp16") else "fp32"
         return self.peak_flops[key] * self.compute_efficiency[key]
 
-    def attention_flops(self, dtype: str) -> float:
-        """Achieved FLOP/s of the attention kernel in ``dtype``."""
-        if self.attention_efficiency is None:
+    def attention_flops(self, dtype: str, chunked: bool = False) -> float:
+        """Achieved FLOP/s of the attention kernel in ``dtype`` (``chunked``: the
+        context-parallel kernel, :attr:`chunked_attention_efficiency`)."""
+        efficiency = self.attention_efficiency
+        if chunked and self.chunked_attention_efficiency is not None:
+            efficiency = self.chunked_attention_efficiency
+        if efficiency is None:
             return self.flops(dtype)
         key = "bf16" if dtype in ("bf16", "fp16") else "fp32"
-        return self.peak_flops[key] * self.attention_efficiency
+        return self.peak_flops[key] * efficiency
 
     def link(
         self, kind: str, crosses_nodes: bool, group_size: int | None = None, per_node: int = 1
@@ -289,6 +299,7 @@ class Hardware:
             "dtensor_op_overhead_s": self.dtensor_op_overhead_s,
             "comm_overlap": self.comm_overlap,
             "attention_efficiency": self.attention_efficiency,
+            "chunked_attention_efficiency": self.chunked_attention_efficiency,
             "sources": dict(self.sources),
         }
 
@@ -438,6 +449,11 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
             if "attention_efficiency" in raw
             else None
         ),
+        chunked_attention_efficiency=(
+            optional("chunked_attention_efficiency", 0.0, high=1.0) or None
+            if "chunked_attention_efficiency" in raw
+            else None
+        ),
     )
 
 
@@ -541,9 +557,10 @@ def compute_seconds(hw: Hardware, flops: float, dtype: str) -> float:
     return flops / hw.flops(dtype)
 
 
-def attention_seconds(hw: Hardware, flops: float, dtype: str) -> float:
-    """Seconds for ``flops`` of attention's score matmuls at the attention kernel's rate."""
-    return flops / hw.attention_flops(dtype)
+def attention_seconds(hw: Hardware, flops: float, dtype: str, chunked: bool = False) -> float:
+    """Seconds for ``flops`` of attention's score matmuls at the attention kernel's rate
+    (``chunked``: context parallelism's)."""
+    return flops / hw.attention_flops(dtype, chunked)
 
 
 def exposed_seconds(hw: Hardware, comm: float, compute: float) -> float:

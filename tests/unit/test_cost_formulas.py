@@ -274,6 +274,37 @@ def test_attention_scores_run_at_the_attention_kernels_own_rate():
     assert got == pytest.approx(extra, rel=1e-6)
 
 
+def test_context_parallel_attention_runs_at_the_chunked_kernels_rate():
+    """Under cp the trainer's attention runs the memory-efficient kernel per chunk pair
+    (``chunked_attention_efficiency``): each rank's share of the score FLOPs (1 / cp, by
+    hand) at that rate instead of the one-sequence kernel's; without cp the chunked rate
+    is never read. A published run's stated attention rate replaces both. Planted
+    'cp attention at the one-sequence rate' fails the first comparison."""
+    whole, chunked = 0.5, 0.125
+    hw = _free_comm(attention_efficiency=whole, chunked_attention_efficiency=chunked)
+    same = _free_comm(attention_efficiency=whole, chunked_attention_efficiency=whole)
+    cp = 2
+    kw = dict(gpus=cp, seq_len=SEQ, global_batch_tokens=SEQ)
+    c = _c(cp=cp)
+    att = DEBUG.config().layers[0].attention
+    heads = att.wq.out_features // att.head_dim
+    scores = 3 * 2 * heads * SEQ * SEQ * att.head_dim * len(DEBUG.config().layers) / cp
+    peak = hw.peak_flops["bf16"]
+    extra = scores / (peak * chunked) - scores / (peak * whole)
+    got = predict(DEBUG, c, gpu=hw, **kw).time["pipeline_or_compute"]
+    base = predict(DEBUG, c, gpu=same, **kw).time["pipeline_or_compute"]
+    assert got - base == pytest.approx(extra, rel=1e-6)
+    one = dict(gpus=1, seq_len=SEQ, global_batch_tokens=SEQ)
+    assert (
+        predict(DEBUG, _c(), gpu=hw, **one).step_s == predict(DEBUG, _c(), gpu=same, **one).step_s
+    )
+    # A published run's kernels: one stated rate for both paths.
+    stated = RunFactors(attention_efficiency=whole)
+    assert predict(DEBUG, c, gpu=hw, factors=stated, **kw).time["pipeline_or_compute"] == (
+        pytest.approx(base, rel=1e-12)
+    )
+
+
 # ----------------------------------------------------------------------------- pipeline
 
 

@@ -39,6 +39,7 @@ STATED_FACTORS: dict[str, float] = {
     "float8_rowwise": 1.04,
     "async_tp_exposed": 0.4,
     "megatron_te": 0.54,
+    "attention": 0.12,
 }
 """The values :meth:`RunFactors.stated` uses: the fit of ``benchmarks/bench_published.py``
 on the ``fit`` rows of ``analysis/published/runs.yaml`` only (torchtitan's H100 tables,
@@ -50,8 +51,13 @@ more than the float8 matmuls save at these shapes); ``async_tp_exposed``: the sh
 tp's collectives async TP leaves on the critical path; ``megatron_te``: compute time of a
 run on Megatron-Core with Transformer Engine's fused kernels (its attention, norms,
 float8 GEMMs) as a fraction of ours (only to compare with published Megatron runs: this
-package's trainer never applies it). ``bench_published.py --check`` fails when these
-differ from its fit."""
+package's trainer never applies it); ``attention``: the attention kernel's achieved
+fraction of peak in the published runs (:attr:`RunFactors.attention_efficiency`; their
+kernels — FlashAttention-2 in torchtitan's, which an H200 runs at 0.29-0.34 of peak
+(``benchmarks/results/gpu_h200.md``) — and what the model leaves out of their
+long-sequence context-parallel runs; this package's trainer's kernels are measured, in
+the hardware files; ``RunFactors.stated`` does not apply it). ``bench_published.py
+--check`` fails when these differ from its fit."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +76,16 @@ class RunFactors:
             cross-entropy with ``--training.compile`` from 2025): it holds
             :data:`COMPILED_LOSS_BYTES_PER_LOGIT` instead of
             :data:`LOSS_PEAK_BYTES_PER_LOGIT` (this package's trainer runs it eagerly).
+        attention_efficiency: The attention kernel's achieved fraction of peak in a run
+            that does not run this package's kernels (a published run's, fitted:
+            ``STATED_FACTORS["attention"]``); it replaces both of the hardware file's
+            attention rates, which are this package's trainer's (``None``: those).
     """
 
     compute: float = 1.0
     tp_exposed: float = 1.0
     compiled_loss: bool = False
+    attention_efficiency: float | None = None
 
     @classmethod
     def stated(
@@ -351,6 +362,15 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
     # does not keep, and the forward collectives but the reduce-scatters.
     recompute_blocks = {"none": 0.0, "full": 1.0, "selective": 0.5, "op": 1.0}[c.ac]
     per_op = c.ac == "op"
+    # Attention at the trainer's kernels (the hardware file: one kernel per sequence,
+    # another per chunk pair under cp), or at a published run's stated rate.
+    chunked = c.cp > 1
+    hw_attn = hw
+    if ctx.factors.attention_efficiency is not None:
+        rate = ctx.factors.attention_efficiency
+        hw_attn = dataclasses.replace(
+            hw, attention_efficiency=rate, chunked_attention_efficiency=rate
+        )
     t_f, t_b, t_w = [], [], []
     comm_f_all, comm_b_all = [], []
     for k, _first, last, _ in stages:
@@ -389,16 +409,16 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         cf = ctx.factors.compute  # compile / float8, stated per run (1.0: eager bf16)
         traffic_f, traffic_b = cf * traffic_f, cf * traffic_b
         flops_f = compute_seconds(hw, fwd - attn_f, ctx.dtype) + attention_seconds(
-            hw, attn_f, ctx.dtype
+            hw_attn, attn_f, ctx.dtype, chunked
         )
         flops_b = compute_seconds(hw, bwd + recompute - attn_b, ctx.dtype) + attention_seconds(
-            hw, attn_b, ctx.dtype
+            hw_attn, attn_b, ctx.dtype, chunked
         )
         t_f.append(cf * flops_f + overhead_f + traffic_f + comm_f)
         t_b.append(cf * flops_b + overhead_b + traffic_b + comm_b)
         attn_w = mbs * share * k * f.block_score_bwd
         flops_w = compute_seconds(hw, bwd - attn_w, ctx.dtype) + attention_seconds(
-            hw, attn_w, ctx.dtype
+            hw_attn, attn_w, ctx.dtype, chunked
         )
         t_w.append((cf * flops_w + overhead_b + traffic_b) / 2)
         comm_f_all.append(comm_f)
