@@ -17,7 +17,12 @@ Two halves, run on two machines:
     ``--seq`` tokens per step, each ``--ac`` mode: median step seconds over the timed
     steps (``train_step`` returns the loss as a float: the step is finished), CUDA's peak
     allocated and reserved bytes, the bytes held after the build (states). Each run is
-    a process of its own (fresh allocator statistics).
+    a process of its own (fresh allocator statistics); then one more step with the
+    allocator read at the end of each phase (forward, loss, backward, optimizer).
+  - **chunked** (``--parts chunked``): the trainer's context-parallel attention as one
+    cp rank runs it, forward + backward, at cp = 2, 4, 8 (its first run, torch 2.11 on an
+    H200, stopped with an illegal memory access in the memory-efficient kernel's
+    backward: see ``hyper_parallel/models/common/chunked_attention.py``).
 
 - no ``--measure`` (here, no GPU needed): reads the measurement (default
   ``benchmarks/results/gpu_h200.json``) and sets beside each trainer run the planner's
@@ -174,6 +179,61 @@ def measure_attention(reps: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _torch_compat() -> None:
+    """torch < 2.13 (a GPU image's own torch): nothing measured here calls FSDP2, whose
+    mesh-dims type the package imports; a placeholder lets the package import."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    if not hasattr(torch_fsdp, "DataParallelMeshDims"):
+        torch_fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+
+
+def measure_chunked(reps: int) -> list[dict[str, Any]]:
+    """The trainer's context-parallel attention as one cp rank runs it
+    (``chunked_causal_attention``: its two query chunks against every gathered key
+    chunk, block by block on the memory-efficient kernel, merged by log-sum-exp), forward
+    + backward; FLOPs: the rank's equal share (1 / cp) of the causal scores."""
+    import torch
+
+    _torch_compat()
+    from hyper_parallel.distributed.context_parallel import chunk_order
+    from hyper_parallel.models.common.chunked_attention import (
+        CausalChunks,
+        chunked_causal_attention,
+    )
+
+    rows = []
+    for seq in (8192, 32768, 131072):
+        for cp in (2, 4, 8):
+            chunks = CausalChunks(queries=(0, 2 * cp - 1), keys=tuple(chunk_order(cp)))
+            q = torch.randn(1, HEADS, seq // cp, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, KV_HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            q.requires_grad_()
+            k.requires_grad_()
+            v.requires_grad_()
+
+            def fwd_bwd(q=q, k=k, v=v, chunks=chunks) -> None:
+                out = chunked_causal_attention(q, k, v, chunks)
+                out.backward(torch.ones_like(out))
+                q.grad = k.grad = v.grad = None
+
+            fwd, bwd = attention_flops(seq)
+            n = reps if seq <= 32768 else max(2, reps // 3)
+            s = statistics.median(_time_cuda(fwd_bwd, n))
+            row = {
+                "seq": seq,
+                "cp": cp,
+                "fwd_bwd_s": s,
+                "fwd_bwd_tflops": (fwd + bwd) / cp / s / 1e12,
+            }
+            print(f"chunked seq {seq:6d} cp={cp}: {row['fwd_bwd_tflops']:.0f} TFLOP/s", flush=True)
+            rows.append(row)
+            del q, k, v
+            torch.cuda.empty_cache()
+    return rows
+
+
 def trainer_configs(layers: int, seq: int) -> list[dict[str, Any]]:
     base = {
         "model": "llama3-8b",
@@ -190,12 +250,8 @@ def trainer_configs(layers: int, seq: int) -> list[dict[str, Any]]:
 def measure_one(cfg_json: str, steps: int, warmup: int) -> dict[str, Any]:
     """One trainer run in this process (called in a child process)."""
     import torch
-    import torch.distributed.fsdp as torch_fsdp
 
-    if not hasattr(torch_fsdp, "DataParallelMeshDims"):
-        # torch < 2.13 (a GPU image's own torch): the one-device build never calls FSDP2,
-        # whose mesh-dims type the package imports; a placeholder lets it import.
-        torch_fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+    _torch_compat()
     from hyper_parallel.train import TrainConfig, Trainer
 
     fields = json.loads(cfg_json)
@@ -312,6 +368,9 @@ def measure(path: Path, args: argparse.Namespace) -> int:
             runs.append(r)
             out["trainer"] = runs
             save()
+    if "chunked" in args.parts:
+        out["chunked"] = measure_chunked(args.reps)
+        save()
     if "kernels" in args.parts:
         out["matmuls"] = measure_matmuls(args.reps)
         save()

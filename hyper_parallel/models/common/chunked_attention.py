@@ -113,6 +113,13 @@ def _check_device(t: torch.Tensor) -> None:
         )
 
 
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(B, H, S, D)`` with its memory in ``(B, S, H, D)`` order (a copy unless it is)."""
+    return (
+        t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
+    )
+
+
 def _block_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -132,6 +139,11 @@ def _block_backward(
     _check_device(q)
     heads = q.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
+    # The kernel reads ``out`` and ``dout`` in the layout its forward writes, (B, S, H, D)
+    # in memory (stride order 3, 1, 2, 0; torch's compiler forces the same for it:
+    # pytorch/pytorch#138879); a merged output laid out otherwise read out of bounds (an
+    # illegal memory access on an H200 at 2,048-token chunks: benchmarks/bench_gpu.py).
+    dout, out = _kernel_layout(dout), _kernel_layout(out)
     # The kernel reads lse padded to a multiple of 32 rows, as its forward wrote it.
     padded = -(-q.shape[2] // 32) * 32
     lse_in = torch.nn.functional.pad(lse, (0, padded - q.shape[2]))
