@@ -114,7 +114,12 @@ def _check_device(t: torch.Tensor) -> None:
 
 
 def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ``(B, H, S, D)`` with its memory in ``(B, S, H, D)`` order (a copy unless it is)."""
+    """``t`` ``(B, H, S, D)`` as the CUDA block backward reads it: its memory in
+    ``(B, S, H, D)`` order, the layout the memory-efficient
+    kernel's forward writes and its backward reads ``out`` and ``dout`` in (stride order
+    3, 1, 2, 0; torch's compiler forces the same for it: pytorch/pytorch#138879) — a
+    merged output laid out otherwise read out of bounds (an illegal memory access on an
+    H200 at 2,048-token chunks: ``benchmarks/bench_gpu.py``). A copy unless it is so."""
     return (
         t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
     )
@@ -139,11 +144,7 @@ def _block_backward(
     _check_device(q)
     heads = q.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
-    # The kernel reads ``out`` and ``dout`` in the layout its forward writes, (B, S, H, D)
-    # in memory (stride order 3, 1, 2, 0; torch's compiler forces the same for it:
-    # pytorch/pytorch#138879); a merged output laid out otherwise read out of bounds (an
-    # illegal memory access on an H200 at 2,048-token chunks: benchmarks/bench_gpu.py).
-    dout, out = _kernel_layout(dout), _kernel_layout(out)
+    # ``dout`` and ``out`` come in the kernel's layout (``_kernel_layout``, once per chunk).
     # The kernel reads lse padded to a multiple of 32 rows, as its forward wrote it.
     padded = -(-q.shape[2] // 32) * 32
     lse_in = torch.nn.functional.pad(lse, (0, padded - q.shape[2]))
@@ -223,8 +224,12 @@ class ChunkedCausalAttention(torch.autograd.Function):
         chunks: CausalChunks = ctx.chunks
         q_parts, k_parts, v_parts = _split(q, k, v, chunks)
         n = len(chunks.queries)
-        dout_parts = dout.contiguous().chunk(n, dim=2)
-        out_parts, lse_parts = out.chunk(n, dim=2), lse.chunk(n, dim=2)
+        # Each query chunk's output and gradient laid out for the kernel once, not per block
+        # (the CPU kernel takes them dense).
+        layout = _kernel_layout if q.device.type == "cuda" else torch.Tensor.contiguous
+        dout_parts = [layout(t) for t in dout.chunk(n, dim=2)]
+        out_parts = [layout(t) for t in out.chunk(n, dim=2)]
+        lse_parts = [t.contiguous() for t in lse.chunk(n, dim=2)]
         acc = torch.promote_types(q.dtype, torch.float32)  # gradients summed over blocks
         dq = [torch.zeros(p.shape, dtype=acc, device=q.device) for p in q_parts]
         dk = [torch.zeros(p.shape, dtype=acc, device=k.device) for p in k_parts]
@@ -235,8 +240,8 @@ class ChunkedCausalAttention(torch.autograd.Function):
                 q_parts[i],
                 k_parts[j],
                 v_parts[j],
-                out_parts[i].contiguous(),
-                lse_parts[i].contiguous(),
+                out_parts[i],
+                lse_parts[i],
                 causal,
                 ctx.scale,
             )
