@@ -201,9 +201,16 @@ def _hardware(base: Hardware, p: dict[str, Any]) -> Hardware:
     )
 
 
-def _factors(run: dict[str, Any], p: dict[str, Any]) -> RunFactors:
-    # The published runs' attention kernels are theirs, not the trainer's (the hardware
-    # files hold those, measured): a fitted rate of their own.
+def _factors(run: dict[str, Any], p: dict[str, Any], hw: Hardware) -> RunFactors:
+    """The run's stated factors; its attention rate by its ``attention``: ``fitted``, the
+    published runs' fitted rate (torch's SDPA as those runs ran it); ``measured``, the
+    hardware file's measured one-sequence kernel (cuDNN), at every cp degree (the run's
+    kernel is that one, or its cp calls it once per query chunk).
+
+    Raises:
+        ValueError: The run's attention is ``measured`` and its hardware file measures no
+            attention kernel.
+    """
     stated = RunFactors.stated(
         compile=bool(run["compile"]),
         float8=run["float8"],
@@ -212,7 +219,18 @@ def _factors(run: dict[str, Any], p: dict[str, Any]) -> RunFactors:
         compiled_loss=bool(run.get("compile_loss")),
         values=p,
     )
-    attention = p["attention"] if p["attention"] is not None else p["efficiency"]
+    if p["attention"] is None:  # before: attention at the matmuls' rate, every run
+        attention = p["efficiency"]
+    elif run.get("attention", "fitted") == "measured":
+        if hw.attention_efficiency is None:
+            raise ValueError(
+                f"published run {run['id']!r}: attention: measured, but hardware "
+                f"{run['hardware']!r} has no attention_efficiency; measure it "
+                "(benchmarks/bench_gpu.py) or state attention: fitted."
+            )
+        attention = hw.attention_efficiency
+    else:
+        attention = p["attention"]
     return dataclasses.replace(stated, attention_efficiency=attention)
 
 
@@ -266,7 +284,7 @@ def evaluate(row: Row, p: dict[str, Any], cache: dict[str, Hardware]) -> dict[st
     hw = _hardware(cache[key], p)
     best = None
     for c in row.candidates:
-        pred = row.scorer.predict(c, hardware=hw, factors=_factors(run, p))
+        pred = row.scorer.predict(c, hardware=hw, factors=_factors(run, p, hw))
         fits = pred.memory_bytes_per_gpu <= row.scorer.memory_limit
         rank = (not fits, pred.step_s)
         if best is None or rank < best[0]:
@@ -355,6 +373,7 @@ def _uses(run: dict[str, Any], name: str) -> bool:
         "float8_rowwise": run["float8"] == "rowwise",
         "async_tp_exposed": bool(run["async_tp"]) and run["mesh"].get("tp", 1) > 1,
         "megatron_te": run.get("runtime") == "megatron-te",
+        "attention": run.get("attention", "fitted") == "fitted",
     }.get(name, True)
 
 

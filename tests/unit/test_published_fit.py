@@ -154,3 +154,34 @@ def test_what_a_source_leaves_unstated_is_searched_and_what_it_states_is_kept(be
     assert [(c.stages_per_rank, c.ac) for c in bench._candidates(stated)] == [(2, "full")]
     titan = {r["id"]: r for r in load_runs()}["tt2412-t5-b"]  # torchtitan states 2
     assert [c.stages_per_rank for c in bench._candidates(titan)] == [2]
+
+
+def test_a_run_says_where_its_attention_rate_comes_from(monkeypatch, bench):
+    """``attention: fitted`` (the default) takes the published fit's rate and tunes it;
+    ``measured`` (a row's, else its source's) takes the hardware file's one-sequence
+    kernel at every cp degree and tunes nothing; "before" models no attention rate; an
+    unknown value, or ``measured`` on hardware that measured none, is refused."""
+    import dataclasses
+
+    import hyper_parallel.analysis.published as published
+
+    runs = {r["id"]: r for r in load_runs()}
+    titan, paper = runs["tt2412-t2-c"], runs["llama3paper-c-128k"]
+    assert titan["attention"] == "fitted" and titan["mesh"]["cp"] == 4
+    assert paper["attention"] == "measured" and paper["mesh"]["cp"] == 16  # its source's
+    assert runs["automodel-llama3-70b"]["attention"] == "fitted"  # torch's SDPA
+    assert runs["automodel-qwen3-moe-30b"]["attention"] == "measured"  # the row's: TE
+    ships = bench.shipped()
+    h80, h96 = load_hardware("h100-80gb"), load_hardware("h100-96gb")
+    assert h80.attention_efficiency != ships["attention"]
+    assert bench._factors(paper, ships, h80).attention_efficiency == h80.attention_efficiency
+    assert bench._factors(titan, ships, h96).attention_efficiency == ships["attention"]
+    assert bench._factors(paper, bench.BEFORE, h80).attention_efficiency == 0.55
+    assert bench._uses(titan, "attention") and not bench._uses(paper, "attention")
+    with pytest.raises(ValueError, match=r"llama3paper-c-128k.*attention: measured.*h100-80gb"):
+        bench._factors(paper, ships, dataclasses.replace(h80, attention_efficiency=None))
+    raw = published._raw()
+    raw["runs"][0] = {**raw["runs"][0], "attention": "flash3"}
+    monkeypatch.setattr(published, "_raw", lambda: raw)
+    with pytest.raises(ValueError, match=r"tt2412-t1-a.*attention 'flash3'; use one of fitted"):
+        load_runs()

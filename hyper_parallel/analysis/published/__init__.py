@@ -19,12 +19,28 @@ from typing import Any
 
 import yaml
 
-__all__ = ["MEMORY_METRICS", "REQUIRED", "RUNTIMES", "load_runs", "split_by_rule"]
+__all__ = [
+    "ATTENTION_RATES",
+    "MEMORY_METRICS",
+    "REQUIRED",
+    "RUNTIMES",
+    "load_runs",
+    "split_by_rule",
+]
 
 RUNTIMES = ("pytorch", "megatron-te")
 """The training stacks a run may state (``runtime``, default ``pytorch``: eager PyTorch
 with torch's own kernels, as this package's trainer and torchtitan run;
 ``megatron-te``: Megatron-Core with Transformer Engine's fused kernels)."""
+
+ATTENTION_RATES = ("fitted", "measured")
+"""Where a run's attention rate comes from (its ``attention``, default its source's, else
+``fitted``): ``fitted``, the published runs' fitted factor (``STATED_FACTORS["attention"]``:
+torch's SDPA as torchtitan and AutoModel ran it, context-parallel ring included);
+``measured``, the hardware file's measured fused-attention kernel (cuDNN) at every
+context-parallel degree: a run whose kernel is that one (Transformer Engine's fused
+attention) or whose attention is one kernel call per query chunk (all-gather context
+parallelism)."""
 
 MEMORY_METRICS = ("reserved", "allocated")
 """What a source's memory figure measures (its ``memory``): the caching allocator's peak
@@ -86,6 +102,12 @@ def load_runs() -> list[dict[str, Any]]:
                 f"published run {run['id']!r}: compile_loss {run['compile_loss']!r}; use "
                 "true or false."
             )
+        attention = run.get("attention", sources[run["source_key"]].get("attention", "fitted"))
+        if attention not in ATTENTION_RATES:
+            raise ValueError(
+                f"published run {run['id']!r}: attention {attention!r}; use one of "
+                f"{', '.join(ATTENTION_RATES)}."
+            )
         metric = sources[run["source_key"]].get("memory")
         if "memory_gib" in run["measured"] and metric not in MEMORY_METRICS:
             raise ValueError(
@@ -97,6 +119,7 @@ def load_runs() -> list[dict[str, Any]]:
             {
                 **run,
                 "runtime": runtime,
+                "attention": attention,
                 "memory_metric": metric,
                 "source_url": sources[run["source_key"]]["url"],
             }
