@@ -274,6 +274,30 @@ def test_attention_scores_run_at_the_attention_kernels_own_rate():
     assert got == pytest.approx(extra, rel=1e-6)
 
 
+def test_float8_speeds_the_matmuls_alone():
+    """float8 linears (``RunFactors.matmul``) shorten the matmuls only: the step loses
+    ``(1 - m)`` of the non-attention matmul FLOPs' time (every matmul weight, forward and
+    backward, by hand), not attention's score matmuls nor the elementwise traffic. Planted
+    'float8 scales all of compute' fails here."""
+    m = 0.5
+    hw = _free_comm(attention_efficiency=0.25)
+    kw = dict(gpus=1, seq_len=SEQ, global_batch_tokens=SEQ)
+    fast = predict(DEBUG, _c(), gpu=hw, factors=RunFactors(matmul=m), **kw)
+    bf16 = predict(DEBUG, _c(), gpu=hw, **kw)
+    cfg = DEBUG.config()
+    block = cfg.layers[0]
+    att, ffn = block.attention, block.feed_forward
+    weights = len(cfg.layers) * sum(
+        lin.in_features * lin.out_features
+        for lin in (att.wq, att.wk, att.wv, att.wo, ffn.w1, ffn.w2, ffn.w3)
+    )
+    weights += cfg.output.in_features * cfg.output.out_features  # the output projection
+    matmul_s = 3 * 2 * SEQ * weights / (hw.peak_flops["bf16"] * hw.compute_efficiency["bf16"])
+    saved = bf16.time["pipeline_or_compute"] - fast.time["pipeline_or_compute"]
+    assert saved == pytest.approx((1 - m) * matmul_s, rel=1e-6)
+    assert RunFactors.stated(float8="tensorwise").compute == 1.0
+
+
 def test_context_parallel_attention_runs_at_the_chunked_kernels_rate():
     """Under cp the trainer's attention runs the memory-efficient kernel per chunk pair
     (``chunked_attention_efficiency``): each rank's share of the score FLOPs (1 / cp, by

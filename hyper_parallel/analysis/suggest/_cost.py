@@ -34,20 +34,22 @@ FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 """torchao's float8 training recipes a published run may state (``none``: bf16 linears)."""
 
 STATED_FACTORS: dict[str, float] = {
-    "compile": 0.8,
-    "float8_tensorwise": 0.78,
-    "float8_rowwise": 1.0,
-    "async_tp_exposed": 0.4,
-    "megatron_te": 0.74,
-    "attention": 0.12,
+    "compile": 0.86,
+    "float8_tensorwise": 0.56,
+    "float8_rowwise": 0.98,
+    "async_tp_exposed": 0.7,
+    "megatron_te": 0.78,
+    "attention": 0.16,
 }
 """The values :meth:`RunFactors.stated` uses: the fit of ``benchmarks/bench_published.py``
 on the ``fit`` rows of ``analysis/published/runs.yaml`` only (torchtitan's H100 tables,
 Trainy's H200 run, the Llama 3 paper, NeMo AutoModel, Megatron-Bridge; 2026-12-04), fitted
 together with the H100/H200 hardware files' efficiencies. ``compile``: compute time under ``torch.compile``
-of each block as a fraction of eager; ``float8_*``: the further fraction under torchao's
-float8 linears of that recipe (rowwise came out no faster than bf16: its scaling kernels
-cost what the float8 matmuls save at these shapes); ``async_tp_exposed``: the share of
+of each block as a fraction of eager; ``float8_*``: the time of the matmuls under
+torchao's float8 linears of that recipe as a fraction of bf16 (only the matmuls: float8
+converts the linear layers, not attention or the elementwise work; rowwise came out no
+faster than bf16: its scaling kernels cost what the float8 matmuls save at these
+shapes); ``async_tp_exposed``: the share of
 tp's collectives async TP leaves on the critical path; ``megatron_te``: compute time of a
 run on Megatron-Core with Transformer Engine's fused kernels (its norms, float8 GEMMs;
 its fused attention runs at the hardware file's measured cuDNN rate besides) as a
@@ -71,8 +73,10 @@ class RunFactors:
 
     Attributes:
         compute: Multiplies every compute time (FLOPs and memory traffic): e.g. the
-            speed-up of ``torch.compile`` or of float8 linears, as a fraction of the eager
-            bf16 time.
+            speed-up of ``torch.compile`` or of another stack's kernels, as a fraction of
+            the eager time.
+        matmul: Multiplies the matmuls' time alone (not attention's score matmuls, not
+            the memory traffic): float8 linears, as a fraction of bf16.
         tp_exposed: Share of the tensor-parallel collectives left on the critical path
             (async TP overlaps the all-gather / reduce-scatter with the matmuls that use
             them; 1.0: all exposed, as eager TP runs them).
@@ -87,6 +91,7 @@ class RunFactors:
     """
 
     compute: float = 1.0
+    matmul: float = 1.0
     tp_exposed: float = 1.0
     compiled_loss: bool = False
     attention_efficiency: float | None = None
@@ -112,7 +117,9 @@ class RunFactors:
 
         Example:
             >>> RunFactors.stated(compile=True).compute
-            0.8
+            0.86
+            >>> RunFactors.stated(float8="tensorwise").matmul
+            0.56
         """
         if float8 not in FLOAT8_RECIPES:
             raise ValueError(
@@ -126,10 +133,9 @@ class RunFactors:
         compute = v["compile"] if compile else 1.0
         if runtime == "megatron-te":
             compute *= v["megatron_te"]
-        if float8 != "none":
-            compute *= v[f"float8_{float8}"]
         return cls(
             compute=compute,
+            matmul=v[f"float8_{float8}"] if float8 != "none" else 1.0,
             tp_exposed=v["async_tp_exposed"] if async_tp else 1.0,
             compiled_loss=compiled_loss,
         )
@@ -412,16 +418,17 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         )
         cf = ctx.factors.compute  # compile / float8, stated per run (1.0: eager bf16)
         traffic_f, traffic_b = cf * traffic_f, cf * traffic_b
-        flops_f = compute_seconds(hw, fwd - attn_f, ctx.dtype) + attention_seconds(
+        cm = ctx.factors.matmul  # float8 linears: the matmuls alone
+        flops_f = cm * compute_seconds(hw, fwd - attn_f, ctx.dtype) + attention_seconds(
             hw_attn, attn_f, ctx.dtype, chunked
         )
-        flops_b = compute_seconds(hw, bwd + recompute - attn_b, ctx.dtype) + attention_seconds(
+        flops_b = cm * compute_seconds(hw, bwd + recompute - attn_b, ctx.dtype) + attention_seconds(
             hw_attn, attn_b, ctx.dtype, chunked
         )
         t_f.append(cf * flops_f + overhead_f + traffic_f + comm_f)
         t_b.append(cf * flops_b + overhead_b + traffic_b + comm_b)
         attn_w = mbs * share * k * f.block_score_bwd
-        flops_w = compute_seconds(hw, bwd - attn_w, ctx.dtype) + attention_seconds(
+        flops_w = cm * compute_seconds(hw, bwd - attn_w, ctx.dtype) + attention_seconds(
             hw_attn, attn_w, ctx.dtype, chunked
         )
         t_w.append((cf * flops_w + overhead_b + traffic_b) / 2)
