@@ -221,7 +221,7 @@ def _factors(run: dict[str, Any], p: dict[str, Any], hw: Hardware) -> RunFactors
     )
     if p["attention"] is None:  # before: attention at the matmuls' rate, every run
         attention = p["efficiency"]
-    elif run.get("attention", "fitted") == "measured":
+    elif run["attention"] == "measured":
         if hw.attention_efficiency is None:
             raise ValueError(
                 f"published run {run['id']!r}: attention: measured, but hardware "
@@ -373,7 +373,7 @@ def _uses(run: dict[str, Any], name: str) -> bool:
         "float8_rowwise": run["float8"] == "rowwise",
         "async_tp_exposed": bool(run["async_tp"]) and run["mesh"].get("tp", 1) > 1,
         "megatron_te": run.get("runtime") == "megatron-te",
-        "attention": run.get("attention", "fitted") == "fitted",
+        "attention": run["attention"] == "fitted",
     }.get(name, True)
 
 

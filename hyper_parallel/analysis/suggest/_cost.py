@@ -416,7 +416,7 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
             + last * f.rest_bwd_elements
             + recompute_blocks * k * f.block_fwd_elements
         )
-        cf = ctx.factors.compute  # compile / float8, stated per run (1.0: eager bf16)
+        cf = ctx.factors.compute  # compile / another stack, stated per run (1.0: eager)
         traffic_f, traffic_b = cf * traffic_f, cf * traffic_b
         cm = ctx.factors.matmul  # float8 linears: the matmuls alone
         flops_f = cm * compute_seconds(hw, fwd - attn_f, ctx.dtype) + attention_seconds(
