@@ -19,10 +19,14 @@ Two halves, run on two machines:
     allocated and reserved bytes, the bytes held after the build (states). Each run is
     a process of its own (fresh allocator statistics); then one more step with the
     allocator read at the end of each phase (forward, loss, backward, optimizer).
-  - **chunked** (``--parts chunked``): the trainer's context-parallel attention as one
-    cp rank runs it, forward + backward, at cp = 2, 4, 8 (its first run, torch 2.11 on an
-    H200, stopped with an illegal memory access in the memory-efficient kernel's
-    backward: see ``hyper_parallel/models/common/chunked_attention.py``).
+  - **chunked** (``--parts chunked``): the trainer's context-parallel attention on each
+    CUDA kernel it runs (FlashAttention-2 where torch's flash kernel takes the inputs,
+    else the memory-efficient kernel): first every cp rank together against one causal
+    attention in fp32 (output and gradients, beside torch's own bf16 SDPA's error), then
+    one cp rank's forward + backward at cp = 2, 4, 8 (its first run, torch 2.11 on an
+    H200, before the trainer called the flash kernel, stopped with an illegal memory
+    access in the memory-efficient kernel's backward: see
+    ``hyper_parallel/models/common/chunked_attention.py``).
 
 - no ``--measure`` (here, no GPU needed): reads the measurement (default
   ``benchmarks/results/gpu_h200.json``) and sets beside each trainer run the planner's
@@ -188,12 +192,79 @@ def _torch_compat() -> None:
         torch_fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
 
 
+CHUNKED_KERNELS = ("flash", "efficient")  # the trainer's choice where flash takes the inputs
+_BACKEND = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+def _chunked_check(kernel: str, seq: int, cp: int) -> dict[str, Any]:
+    """Every cp rank's ``chunked_causal_attention`` on ``kernel`` together against one
+    causal attention of the whole sequence, from the same bf16 inputs: the largest
+    |error| of the output and of each gradient against an fp32 reference (math kernel),
+    beside torch's own bf16 SDPA's (its choice of kernel) against the same reference."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hyper_parallel.distributed import context_parallel as cpm
+    from hyper_parallel.models.common.chunked_attention import (
+        CausalChunks,
+        chunked_causal_attention,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(seq + cp)
+    shape_q, shape_kv = (1, HEADS, seq, HEAD_DIM), (1, KV_HEADS, seq, HEAD_DIM)
+    q, k, v, g = (
+        torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for s in (shape_q, shape_kv, shape_kv, shape_q)
+    )
+
+    def grads(fn: Any, *inputs: torch.Tensor) -> list[torch.Tensor]:
+        xs = [x.detach().requires_grad_() for x in inputs]
+        out = fn(*xs)
+        return [out.detach(), *torch.autograd.grad(out, xs, g.to(out.dtype))]
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        ref = grads(sdpa, q.float(), k.float(), v.float())
+    torch_bf16 = grads(sdpa, q, k, v)
+
+    def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys = torch.cat([cpm.shard_sequence(k, r, cp, dim=2) for r in range(cp)], dim=2)
+        vals = torch.cat([cpm.shard_sequence(v, r, cp, dim=2) for r in range(cp)], dim=2)
+        outs, order = [], []
+        for r in range(cp):
+            pos = torch.as_tensor(cpm.positions(seq, r, cp), device=q.device)
+            chunks = CausalChunks(queries=(r, 2 * cp - 1 - r), keys=tuple(cpm.chunk_order(cp)))
+            outs.append(chunked_causal_attention(q[:, :, pos], keys, vals, chunks))
+            order.append(pos)
+        return torch.cat(outs, dim=2)[:, :, torch.argsort(torch.cat(order))]
+
+    with sdpa_kernel([getattr(SDPBackend, _BACKEND[kernel])]):
+        ours = grads(chunked, q, k, v)
+
+    def err(xs: list[torch.Tensor]) -> list[float]:
+        return [float((x.float() - r).abs().max()) for x, r in zip(xs, ref)]
+
+    return {
+        "kernel": kernel,
+        "seq": seq,
+        "cp": cp,
+        "max_error": err(ours),
+        "torch_sdpa_max_error": err(torch_bf16),
+    }
+
+
 def measure_chunked(reps: int) -> list[dict[str, Any]]:
     """The trainer's context-parallel attention as one cp rank runs it
     (``chunked_causal_attention``: its two query chunks against every gathered key
-    chunk, block by block on the memory-efficient kernel, merged by log-sum-exp), forward
-    + backward; FLOPs: the rank's equal share (1 / cp) of the causal scores."""
+    chunk, block by block, merged by log-sum-exp) on each CUDA kernel it can run
+    (``torch.nn.attention.sdpa_kernel`` picks), forward + backward; FLOPs: the rank's
+    equal share (1 / cp) of the causal scores. First each kernel's numbers (every rank
+    together against one causal attention: :func:`_chunked_check`)."""
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     _torch_compat()
     from hyper_parallel.distributed.context_parallel import chunk_order
@@ -202,35 +273,56 @@ def measure_chunked(reps: int) -> list[dict[str, Any]]:
         chunked_causal_attention,
     )
 
-    rows = []
-    for seq in (8192, 32768, 131072):
-        for cp in (2, 4, 8):
-            chunks = CausalChunks(queries=(0, 2 * cp - 1), keys=tuple(chunk_order(cp)))
-            q = torch.randn(1, HEADS, seq // cp, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(1, KV_HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            q.requires_grad_()
-            k.requires_grad_()
-            v.requires_grad_()
-
-            def fwd_bwd(q=q, k=k, v=v, chunks=chunks) -> None:
-                out = chunked_causal_attention(q, k, v, chunks)
-                out.backward(torch.ones_like(out))
-                q.grad = k.grad = v.grad = None
-
-            fwd, bwd = attention_flops(seq)
-            n = reps if seq <= 32768 else max(2, reps // 3)
-            s = statistics.median(_time_cuda(fwd_bwd, n))
-            row = {
-                "seq": seq,
-                "cp": cp,
-                "fwd_bwd_s": s,
-                "fwd_bwd_tflops": (fwd + bwd) / cp / s / 1e12,
-            }
-            print(f"chunked seq {seq:6d} cp={cp}: {row['fwd_bwd_tflops']:.0f} TFLOP/s", flush=True)
+    rows: list[dict[str, Any]] = []
+    for kernel in CHUNKED_KERNELS:
+        for seq, cp in ((4096, 2), (4096, 4), (8192, 2)):
+            row = _chunked_check(kernel, seq, cp)
+            print(
+                f"chunked {kernel:9s} check seq {seq} cp={cp}: max |error| out/dq/dk/dv "
+                + "/".join(f"{e:.1e}" for e in row["max_error"])
+                + " (torch's bf16 SDPA: "
+                + "/".join(f"{e:.1e}" for e in row["torch_sdpa_max_error"])
+                + ")",
+                flush=True,
+            )
             rows.append(row)
-            del q, k, v
             torch.cuda.empty_cache()
+    for kernel in CHUNKED_KERNELS:
+        backend = getattr(SDPBackend, _BACKEND[kernel])
+        for seq in (8192, 32768, 131072):
+            for cp in (2, 4, 8):
+                chunks = CausalChunks(queries=(0, 2 * cp - 1), keys=tuple(chunk_order(cp)))
+                q = torch.randn(1, HEADS, seq // cp, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(1, KV_HEADS, seq, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn_like(k)
+                q.requires_grad_()
+                k.requires_grad_()
+                v.requires_grad_()
+
+                def fwd_bwd(q=q, k=k, v=v, chunks=chunks) -> None:
+                    out = chunked_causal_attention(q, k, v, chunks)
+                    out.backward(torch.ones_like(out))
+                    q.grad = k.grad = v.grad = None
+
+                fwd, bwd = attention_flops(seq)
+                n = reps if seq <= 32768 else max(2, reps // 3)
+                with sdpa_kernel([backend]):
+                    s = statistics.median(_time_cuda(fwd_bwd, n))
+                row = {
+                    "kernel": kernel,
+                    "seq": seq,
+                    "cp": cp,
+                    "fwd_bwd_s": s,
+                    "fwd_bwd_tflops": (fwd + bwd) / cp / s / 1e12,
+                }
+                print(
+                    f"chunked {kernel:9s} seq {seq:6d} cp={cp}: "
+                    f"{row['fwd_bwd_tflops']:.0f} TFLOP/s",
+                    flush=True,
+                )
+                rows.append(row)
+                del q, k, v
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -521,8 +613,9 @@ def format_report(result: dict[str, Any], predicted: list[dict[str, Any]], hw: A
         f"The hardware file's matmul efficiency is {hw.compute_efficiency['bf16']:g} (fitted "
         "on published runs); its attention efficiencies are these measurements: "
         f"{hw.attention_efficiency:g} (torch's choice, forward + backward) and "
-        f"{hw.chunked_attention_efficiency:g} under context parallelism (the "
-        "memory-efficient kernel, keys and values expanded).",
+        f"{hw.chunked_attention_efficiency:g} under context parallelism (FlashAttention-2 "
+        "over the whole sequence, the kernel the trainer's chunk pairs run where torch "
+        "allows it; the chunk pairs themselves: the last section).",
         "",
         "| matmul (tokens x in x out) | TFLOP/s | share of peak |",
         "|---|---|---|",
@@ -562,19 +655,38 @@ def format_report(result: dict[str, Any], predicted: list[dict[str, Any]], hw: A
         lines.append(f"| {seq:,} | " + " | ".join(cells) + " |")
     lines += ["", "## Context-parallel attention (the trainer's chunked blocks)", ""]
     if result.get("chunked"):
+        checks = [r for r in result["chunked"] if "max_error" in r]
+        timed = [r for r in result["chunked"] if "fwd_bwd_tflops" in r]
         lines += [
+            "Every cp rank's `chunked_causal_attention` together (bf16) against one causal "
+            "attention in fp32 (the math kernel), beside torch's bf16 SDPA against the same "
+            "reference: the largest |error| of the output and of each gradient.",
+            "",
+            "| kernel | seq | cp | out / dq / dk / dv | torch's bf16 SDPA |",
+            "|---|---|---|---|---|",
+        ]
+        for r in checks:
+            lines.append(
+                f"| {r['kernel']} | {r['seq']:,} | {r['cp']} | "
+                + " / ".join(f"{e:.1e}" for e in r["max_error"])
+                + " | "
+                + " / ".join(f"{e:.1e}" for e in r["torch_sdpa_max_error"])
+                + " |"
+            )
+        lines += [
+            "",
             "One cp rank's `chunked_causal_attention` (its two query chunks against every "
-            "gathered key chunk on the memory-efficient kernel, merged by log-sum-exp), "
-            "forward + backward, FLOPs the rank's 1 / cp of the causal scores; the file: "
+            "gathered key chunk, merged by log-sum-exp) on each kernel, forward + backward, "
+            "FLOPs the rank's 1 / cp of the causal scores; the file: "
             f"{hw.chunked_attention_efficiency:g} of peak.",
             "",
-            "| seq | cp | TFLOP/s | share of peak |",
-            "|---|---|---|---|",
+            "| kernel | seq | cp | TFLOP/s | share of peak |",
+            "|---|---|---|---|---|",
         ]
-        for r in result["chunked"]:
+        for r in timed:
             lines.append(
-                f"| {r['seq']:,} | {r['cp']} | {r['fwd_bwd_tflops']:.0f} | "
-                f"{r['fwd_bwd_tflops'] * 1e12 / peak:.2f} |"
+                f"| {r.get('kernel', 'efficient')} | {r['seq']:,} | {r['cp']} | "
+                f"{r['fwd_bwd_tflops']:.0f} | {r['fwd_bwd_tflops'] * 1e12 / peak:.2f} |"
             )
     else:
         lines.append(

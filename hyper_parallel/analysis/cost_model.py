@@ -233,8 +233,8 @@ class Hardware:
     section 4.1); ``None``: as ``compute_efficiency``."""
     chunked_attention_efficiency: float | None = None
     """The same for the trainer's context-parallel attention, which runs torch's
-    memory-efficient kernel per pair of sequence chunks
-    (:mod:`hyper_parallel.models.common.chunked_attention`: the kernel that returns the
+    FlashAttention-2 kernel (else the memory-efficient one) per pair of sequence chunks
+    (:mod:`hyper_parallel.models.common.chunked_attention`: the kernels that return the
     log-sum-exp the chunks merge by); ``None``: as ``attention_efficiency``."""
 
     def flops(self, dtype: str) -> float:

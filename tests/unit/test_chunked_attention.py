@@ -102,3 +102,93 @@ def test_the_cuda_backward_gets_outputs_in_the_kernels_memory_order():
     assert torch.equal(u, t) and u.shape == t.shape
     assert u.transpose(1, 2).is_contiguous() and not t.transpose(1, 2).is_contiguous()
     assert _kernel_layout(u) is u
+
+
+# --------------------------------------------------------------------------- CUDA kernels
+# This machine has no GPU. Meta tensors run torch's shape functions of the CUDA kernels, so
+# the first test checks what the blocks pass each kernel (arguments, the forward's returns
+# its backward takes, head groups) and what comes back, not the kernels' numbers
+# (``benchmarks/bench_gpu.py --parts chunked`` checks those on a GPU); the second asks
+# the choice of kernel of fake CUDA tensors.
+
+
+def _fake_cuda(num_kv_heads: int):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        q = torch.empty(1, 4, 64, 32, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(1, num_kv_heads, 64, 32, device="cuda", dtype=torch.bfloat16)
+    return mode, q, k
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+@pytest.mark.parametrize("num_kv_heads", [1, 4])
+def test_each_cuda_kernel_gets_what_it_takes(monkeypatch, kernel, num_kv_heads):
+    from hyper_parallel.models.common import chunked_attention as ca
+
+    monkeypatch.setattr(ca, "_kernel", lambda q, k: kernel)
+    calls = []
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+    ):
+        op = getattr(torch.ops.aten, name)
+
+        def spy(*a, _op=op, _name=name, **kw):
+            key = a[2] if _name.endswith("backward") else a[1]  # after dout, q in backward
+            calls.append((_name, key.shape[1]))  # the key heads it was given
+            return _op(*a, **kw)
+
+        monkeypatch.setattr(torch.ops.aten, name, spy, raising=False)
+    meta = {"device": "meta", "dtype": torch.bfloat16, "requires_grad": True}
+    q = torch.empty(1, 4, 64, 32, **meta)
+    k, v = (torch.empty(1, num_kv_heads, 128, 32, **meta) for _ in range(2))
+    out = chunked_causal_attention(q, k, v, _rank_chunks(0, 2))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dk.dtype == dv.dtype == torch.bfloat16
+    # Rank 0 of cp=2: two forward blocks (chunk 0 causal; chunk 3 against 0, 3, 1 in
+    # full and itself causally: 1 + 4 blocks), each again in backward.
+    want = "_scaled_dot_product_" + ("flash" if kernel == "flash" else "efficient") + "_attention"
+    assert [c[0] for c in calls] == [want] * 5 + [want + "_backward"] * 5
+    # flash takes the key/value head groups as they are; the memory-efficient kernel
+    # gets them expanded to the query heads.
+    assert {c[1] for c in calls} == {num_kv_heads if kernel == "flash" else 4}
+
+
+def test_the_cuda_kernel_is_flash_where_torch_allows_it_else_memory_efficient(monkeypatch):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hyper_parallel.models.common.chunked_attention import _kernel
+
+    mode, q, k = _fake_cuda(2)
+    seen = []
+
+    def can_use_flash(params, debug):
+        seen.append((params.query.shape[1], params.key.shape[1], params.enable_gqa))
+        return flash_ok
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", can_use_flash)
+    with mode:
+        flash_ok = True
+        assert _kernel(q, k) == "flash"
+        assert seen == [(4, 2, True)]  # asked with the groups as they are
+        flash_ok = False  # e.g. fp32 inputs or a GPU before Ampere
+        assert _kernel(q, k) == "efficient"
+        flash_ok = True
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            assert _kernel(q, k) == "efficient"
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            assert _kernel(q, k) == "flash"
+            flash_ok = False
+            with pytest.raises(
+                ValueError, match="needs a fused CUDA kernel that returns the log-sum-exp"
+            ):
+                _kernel(q, k)
+        with sdpa_kernel([SDPBackend.MATH]), pytest.raises(ValueError, match="sdpa_kernel"):
+            _kernel(q, k)
+    assert _kernel(torch.empty(1, 2, 4, 8), torch.empty(1, 2, 4, 8)) == "cpu"

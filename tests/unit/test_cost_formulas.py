@@ -299,7 +299,7 @@ def test_float8_speeds_the_matmuls_alone():
 
 
 def test_context_parallel_attention_runs_at_the_chunked_kernels_rate():
-    """Under cp the trainer's attention runs the memory-efficient kernel per chunk pair
+    """Under cp the trainer's attention runs its chunked kernel per chunk pair
     (``chunked_attention_efficiency``): each rank's share of the score FLOPs (1 / cp, by
     hand) at that rate instead of the one-sequence kernel's; without cp the chunked rate
     is never read. A published run's stated attention rate replaces both. Planted

@@ -319,7 +319,7 @@ def _assumptions(
         f"Loss: {getattr(loss_fn, '__qualname__', repr(loss_fn))}; collectives of a different "
         "loss (e.g. loss-parallel cross entropy) differ.",
         "Attention's activations are what the fused kernels keep (FlashAttention, "
-        "memory-efficient SDPA): queries, keys, values, the output and the log-sum-exp per "
+        "memory-efficient SDPA; the chunks under cp too): queries, keys, values, the output and the log-sum-exp per "
         "query row, never the seq x seq probabilities. The trace's fake tensors are on the CPU, "
         "where scaled_dot_product_attention takes torch's fused CPU kernel, which keeps the same.",
     ]

@@ -19,12 +19,16 @@ are its exact share, summed over blocks. :class:`ChunkedCausalAttention` saves t
 inputs, the merged output and ``lse`` (what a fused kernel keeps: no probabilities) and
 recomputes the blocks in backward.
 
-A block runs on the fused kernel that returns ``lse``: on CPU
-``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward); on CUDA the
-memory-efficient kernel ``aten._scaled_dot_product_efficient_attention`` (other devices
-are refused, naming the alternative). Grouped-query attention (fewer key/value heads)
-is passed to the CPU kernel as it is and expanded per block on CUDA; nothing expanded
-is saved.
+A block runs on a fused kernel that returns ``lse``: on CPU
+``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward); on CUDA torch's
+FlashAttention-2 kernel ``aten._scaled_dot_product_flash_attention`` where torch says it
+takes the inputs (``torch.backends.cuda.can_use_flash_attention``: half precision, head
+size, GPU generation) and it is enabled, else the memory-efficient kernel
+``aten._scaled_dot_product_efficient_attention`` — the two kernels torch's own context
+parallelism runs per block, chosen as ``torch.nn.attention.sdpa_kernel`` allows (other
+devices are refused, naming the alternative). Grouped-query attention (fewer key/value
+heads) is passed to the CPU and the flash kernels as it is and expanded per block for the
+memory-efficient one; nothing expanded is saved.
 """
 
 from __future__ import annotations
@@ -84,39 +88,66 @@ def _fold(t: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def _block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of queries ``q`` ``(B, H, Sq, D)`` against ``k``, ``v``; ``lse`` in the
-    kernel's dtype (fp32 for half-precision inputs), which its backward reads back."""
-    if q.device.type in _CPU_KERNEL:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, kernel: str
+) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]:
+    """``(out, lse, rest)`` of queries ``q`` ``(B, H, Sq, D)`` against ``k``, ``v`` on
+    ``kernel`` (:func:`_kernel`); ``lse`` in the kernel's dtype (fp32 for half-precision
+    inputs), which its backward reads back; ``rest``: what else the flash kernel's backward
+    takes from its forward (empty for the others)."""
+    if kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
-        return out, lse
-    _check_device(q)
+        return out, lse, ()
+    if kernel == "flash":
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = (
+            torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, False, scale=scale
+            )
+        )
+        return out, lse, (cum_q, cum_k, seed, offset)
     heads = q.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
     out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale
     )
-    return out, lse[..., : q.shape[2]]
+    return out, lse[..., : q.shape[2]], ()
 
 
 _CPU_KERNEL = ("cpu", "meta")  # the CPU kernel has a meta implementation: shapes for the dry run
 
 
-def _check_device(t: torch.Tensor) -> None:
-    if t.device.type != "cuda":
+def _kernel(q: torch.Tensor, k: torch.Tensor) -> str:
+    """The kernel the blocks of ``q`` against chunks of ``k`` run on: ``"cpu"`` (CPU and
+    meta tensors), ``"flash"`` or ``"efficient"`` (CUDA), as :mod:`torch.nn.attention`'s
+    backend switches allow; the same for every block of one call, forward and backward."""
+    if q.device.type in _CPU_KERNEL:
+        return "cpu"
+    if q.device.type != "cuda":
         raise ValueError(
             f"chunked causal attention (context parallelism) runs on cpu and cuda tensors; got "
-            f"{t.device.type}. Run without cp on this device (put those ranks on dp_shard)."
+            f"{q.device.type}. Run without cp on this device (put those ranks on dp_shard)."
         )
+    if torch.backends.cuda.flash_sdp_enabled():
+        params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, True, k.shape[1] != q.shape[1])
+        if torch.backends.cuda.can_use_flash_attention(params, False):
+            return "flash"
+    if torch.backends.cuda.mem_efficient_sdp_enabled():
+        return "efficient"
+    raise ValueError(
+        "chunked causal attention (context parallelism) needs a fused CUDA kernel that "
+        "returns the log-sum-exp: FlashAttention-2 (which does not take these inputs or is "
+        "disabled) or the memory-efficient kernel (disabled). Enable one, e.g. "
+        "torch.nn.attention.sdpa_kernel([SDPBackend.FLASH_ATTENTION, "
+        "SDPBackend.EFFICIENT_ATTENTION])."
+    )
 
 
 def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
     """``t`` ``(B, H, S, D)`` as the CUDA block backward reads it: its memory in
-    ``(B, S, H, D)`` order, the layout the memory-efficient
-    kernel's forward writes and its backward reads ``out`` and ``dout`` in (stride order
+    ``(B, S, H, D)`` order, the layout the fused kernels' forwards write (the flash
+    kernel's backward takes it without a copy); the memory-efficient
+    kernel's backward reads ``out`` and ``dout`` in it (stride order
     3, 1, 2, 0; torch's compiler forces the same for it: pytorch/pytorch#138879) — a
     merged output laid out otherwise read out of bounds (an illegal memory access on an
     H200 at 2,048-token chunks: ``benchmarks/bench_gpu.py``). A copy unless it is so."""
@@ -134,14 +165,40 @@ def _block_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    kernel: str,
+    rest: tuple[Any, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's share of ``(dq, dk, dv)``, from the merged ``out`` and ``lse`` of its rows."""
-    num_kv_heads = k.shape[1]
-    if q.device.type in _CPU_KERNEL:
+    """One block's share of ``(dq, dk, dv)``, from the merged ``out`` and ``lse`` of its rows
+    (``rest``: the flash kernel's, from :func:`_block_forward`)."""
+    if kernel == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
-    _check_device(q)
+    if kernel == "flash":
+        # As torch's ring attention calls it: the merged out and lse of the block's rows,
+        # and what a forward of this shape returned (no dropout, no packed batch: the
+        # kernel reads neither the lengths' offsets nor the random state); the kernel sums
+        # the key/value gradients of each head group itself.
+        cum_q, cum_k, seed, offset = rest
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cum_q,
+            cum_k,
+            q.shape[2],
+            k.shape[2],
+            0.0,
+            causal,
+            seed,
+            offset,
+            scale=scale,
+        )
+        return dq, dk, dv
+    num_kv_heads = k.shape[1]
     heads = q.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
     # ``dout`` and ``out`` come in the kernel's layout (``_kernel_layout``, once per chunk).
@@ -189,13 +246,14 @@ class ChunkedCausalAttention(torch.autograd.Function):
         scale: float,
     ) -> torch.Tensor:
         q_parts, k_parts, v_parts = _split(q, k, v, chunks)
+        kernel = _kernel(q_parts[0], k_parts[0])
         outs, lses = [], []
         for i, q_part in enumerate(q_parts):
             out: torch.Tensor | None = None
             lse: torch.Tensor | None = None
             for j in (j for qi, j, _ in chunks.blocks() if qi == i):
                 causal = chunks.keys[j] == chunks.queries[i]
-                o, s = _block_forward(q_part, k_parts[j], v_parts[j], causal, scale)
+                o, s, rest = _block_forward(q_part, k_parts[j], v_parts[j], causal, scale, kernel)
                 lse_dtype = s.dtype
                 # Merged in fp32 at least (fp64 inputs stay fp64).
                 o, s = o.to(torch.promote_types(o.dtype, torch.float32)), s.to(o.dtype)
@@ -215,7 +273,7 @@ class ChunkedCausalAttention(torch.autograd.Function):
         out = torch.cat([o.transpose(1, 2) for o in outs], dim=1).transpose(1, 2)
         lse = torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.chunks, ctx.scale = chunks, scale
+        ctx.chunks, ctx.scale, ctx.kernel, ctx.rest = chunks, scale, kernel, rest
         return out
 
     @staticmethod
@@ -226,7 +284,7 @@ class ChunkedCausalAttention(torch.autograd.Function):
         n = len(chunks.queries)
         # Each query chunk's output and gradient laid out for the kernel once, not per block
         # (the CPU kernel takes them dense).
-        layout = _kernel_layout if q.device.type == "cuda" else torch.Tensor.contiguous
+        layout = torch.Tensor.contiguous if ctx.kernel == "cpu" else _kernel_layout
         dout_parts = [layout(t) for t in dout.chunk(n, dim=2)]
         out_parts = [layout(t) for t in out.chunk(n, dim=2)]
         lse_parts = [t.contiguous() for t in lse.chunk(n, dim=2)]
@@ -244,6 +302,8 @@ class ChunkedCausalAttention(torch.autograd.Function):
                 lse_parts[i],
                 causal,
                 ctx.scale,
+                ctx.kernel,
+                ctx.rest,
             )
             dq[i] += g[0]
             dk[j] += g[1]
