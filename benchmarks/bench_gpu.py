@@ -192,8 +192,8 @@ def _torch_compat() -> None:
         torch_fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
 
 
-CHUNKED_KERNELS = ("flash", "efficient")  # the trainer's choice where flash takes the inputs
-_BACKEND = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+# The chunk pairs' CUDA kernels, the trainer's choice first, by their SDPBackend names.
+CHUNKED_KERNELS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
 
 
 def _chunked_check(kernel: str, seq: int, cp: int) -> dict[str, Any]:
@@ -241,7 +241,7 @@ def _chunked_check(kernel: str, seq: int, cp: int) -> dict[str, Any]:
             order.append(pos)
         return torch.cat(outs, dim=2)[:, :, torch.argsort(torch.cat(order))]
 
-    with sdpa_kernel([getattr(SDPBackend, _BACKEND[kernel])]):
+    with sdpa_kernel([getattr(SDPBackend, CHUNKED_KERNELS[kernel])]):
         ours = grads(chunked, q, k, v)
 
     def err(xs: list[torch.Tensor]) -> list[float]:
@@ -288,7 +288,7 @@ def measure_chunked(reps: int) -> list[dict[str, Any]]:
             rows.append(row)
             torch.cuda.empty_cache()
     for kernel in CHUNKED_KERNELS:
-        backend = getattr(SDPBackend, _BACKEND[kernel])
+        backend = getattr(SDPBackend, CHUNKED_KERNELS[kernel])
         for seq in (8192, 32768, 131072):
             for cp in (2, 4, 8):
                 chunks = CausalChunks(queries=(0, 2 * cp - 1), keys=tuple(chunk_order(cp)))
