@@ -72,7 +72,7 @@ def write_checkpoint(path: str, size_mb: int) -> dict[str, Any]:
     import torch
 
     from hyper_parallel.checkpoint_hf import hf_config_from_model, save_hf
-    from hyper_parallel.checkpoint_hf.specs import llama_hf_config
+    from hyper_parallel.models.llama import llama_hf_config
 
     dims = _dims(size_mb)
     config = llama_hf_config(**dims)
