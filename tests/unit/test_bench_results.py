@@ -68,7 +68,8 @@ def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_p
         "moe: <!-- bench:dry-run-moe -->~30 s<!-- /bench:dry-run-moe -->; "
         "hf: <!-- bench:hf-load -->1.24 s<!-- /bench:hf-load -->; "
         "suggest: <!-- bench:suggest-speed -->60 s<!-- /bench:suggest-speed -->; "
-        "s: <!-- bench:suggest-fidelity -->0.83<!-- /bench:suggest-fidelity -->\n"
+        "s: <!-- bench:suggest-fidelity -->0.83<!-- /bench:suggest-fidelity -->; "
+        "v: <!-- bench:published-settings -->5 of 11<!-- /bench:published-settings -->\n"
     )
     pages = [page, other]
     rows = [
@@ -89,6 +90,7 @@ def test_figures_render_from_data_and_say_not_measured_without_it(run_all, tmp_p
     assert got["hf-load"] == run_all.not_measured("h")
     assert got["suggest-speed"] == run_all.not_measured("t")
     assert got["suggest-fidelity"] == run_all.not_measured("s")
+    assert got["published-settings"] == run_all.not_measured("v")
     assert "old" not in page.read_text() and "table" in page.read_text()
     assert "~30 s" not in other.read_text() and "253 MiB" not in page.read_text()
     # Section r without the MoE case: that figure is not measured, the other is.
@@ -194,3 +196,22 @@ def test_repeats_pool_times_and_take_the_median_of_figures(run_all):
     }
     nested = run_all.pool_runs([{"layer": [{"step_ms": [1.0]}]}, {"layer": [{"step_ms": [2.0]}]}])
     assert nested == {"layer": [{"step_ms": [1.0, 2.0]}]}
+
+
+def test_settings_figure_counts_published_layouts_near_the_fastest(run_all):
+    def row(name, published, fastest, top):
+        plan = {"step_s": published} if published else None
+        return {"ids": [name], "published": plan, "fastest_s": fastest, "top": {"step_s": top}}
+
+    data = {
+        "rows": [
+            row("a", 10.5, 10.0, 10.5),  # +5 %: near the fastest and the top plan
+            row("b", 13.0, 10.0, 12.5),  # +30 % of the fastest, +4 % of the top plan
+            row("c", None, 10.0, 10.0),  # does not fit: counted among the settings only
+        ]
+    }
+    figs = run_all.figures({"v": {"stamp": {}, "data": data}})
+    assert figs["published-settings"] == (
+        "in 1 of 3 published settings the published layout is predicted within 10 % of the "
+        "fastest layout that fits, in 2 within 10 % of the top plan; the widest gap +30 % (b)"
+    )

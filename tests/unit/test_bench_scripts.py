@@ -116,3 +116,35 @@ def test_hf_load_bench_sizes_its_checkpoint_and_section_h_renders(monkeypatch):
     assert row + "| **1.00** | 150.0 | 150.0 | 5.5 | 5.5 | True |" in text, text
     assert "**1,000x**" in text
     assert "requested 100.0 MB, mapped 150.0 MB" in bench.report(result)
+
+
+def test_settings_bench_sets_the_published_layout_beside_the_fastest_that_fits():
+    bench = _load("bench_settings")
+    from hyper_parallel.analysis.published import load_runs
+
+    chosen = bench.settings(load_runs())
+    assert all(e["run"]["float8"] == "none" for e in chosen)
+    ids = [e["ids"] for e in chosen]
+    assert ["tt2506-70b-bf16-async", "tt2506-70b-bf16-vanilla"] in ids  # one setting, two rows
+    assert not any("mb2511-h100-llama3-8b" in i for i in ids)  # float8 rows are not settings
+    run = {
+        "id": "tiny",
+        "model": "llama3-debug",
+        "gpus": 4,
+        "hardware": "h100-80gb",
+        "seq": 128,
+        "global_batch": 8,
+        "mesh": {"dp_shard": 2, "tp": 2},
+        "compile": False,
+        "float8": "none",
+        "ac": "none",
+    }
+    row = bench.measure({"ids": ["tiny"], "run": run})
+    published, top = row["published"], row["top"]
+    assert published["mesh"] == "dp_shard=2,tp=2"
+    # The fastest is the minimum over every layout that fits: the published one and the
+    # top plan are among them.
+    assert row["fastest_s"] <= published["step_s"] and row["fastest_s"] <= top["step_s"]
+    assert row["top_tp_in_node"] and set(row["needs"]) == {"pp", "cp"}
+    text = bench.format_result([row])
+    assert "llama3-debug" in text and "dp_shard=2,tp=2" in text
