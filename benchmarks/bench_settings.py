@@ -117,8 +117,35 @@ def measure(entry: dict[str, Any]) -> dict[str, Any]:
     except DoesNotFit as e:
         out["published"] = None
         out["published_error"] = str(e)
+    out["published_own_ac"] = _own_ac(run, common, out["published"])
     out["elapsed_s"] = time.perf_counter() - started
     return out
+
+
+def _own_ac(
+    run: dict[str, Any], common: dict[str, Any], best: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The published layout with the checkpointing its run used, where that is one of
+    ours and not the one our best plan of the layout took: its fastest step time and its
+    memory, and whether that fits (the limit is the report's)."""
+    ac = run.get("ac")
+    if ac is None or (best is not None and best["ac"] == ac):
+        return None
+    try:
+        report = suggest(run["model"], mesh=run["mesh"], ac=ac, **common)
+    except DoesNotFit as e:
+        report = e.report
+    fits = [(step, mem) for step, mem, fit in report.points if fit]
+    step, mem = min(fits) if fits else min((step, mem) for step, mem, _ in report.points)
+    if not fits and report.best_unfit is not None:
+        mem = report.best_unfit[1]  # the least memory any setting of it needs
+    return {
+        "ac": ac,
+        "fits": bool(fits),
+        "step_s": step,
+        "memory_gib": mem / 2**30,
+        "limit_gib": report.memory_limit / 2**30,
+    }
 
 
 def _needs(report: dict[str, Any]) -> dict[str, bool]:
@@ -127,6 +154,21 @@ def _needs(report: dict[str, Any]) -> dict[str, bool]:
     the fastest plan's)."""
     why = report["plans"][0]["why"].split("; ahead of the fastest")[0]
     return {axis: f"{axis} where a layout without it fits" in why for axis in ("pp", "cp")}
+
+
+def _own_text(own: dict[str, Any], fastest_s: float) -> str:
+    """The published layout at its own checkpointing, in words."""
+    if own["fits"]:
+        return (
+            f"with its own ac={own['ac']}: {own['step_s']:.2f}s "
+            f"({100 * (own['step_s'] / fastest_s - 1):+.1f}% vs fastest), "
+            f"{own['memory_gib']:.1f} GiB"
+        )
+    return (
+        f"with its own ac={own['ac']}: does not fit on our trainer, needs "
+        f"{own['memory_gib']:.1f} GiB of {own['limit_gib']:.1f} (it would take "
+        f"{own['step_s']:.2f}s, {100 * (own['step_s'] / fastest_s - 1):+.1f}% vs fastest)"
+    )
 
 
 def format_result(rows: list[dict[str, Any]]) -> str:
@@ -157,6 +199,9 @@ def format_result(rows: list[dict[str, Any]]) -> str:
             f" ({'; '.join(flags)})" if flags else " (practical)"
         )
         lines.append(f"  {setting:<44} {pub:<44} {vf:>10} {vt:>7}  {top}")
+        own = r.get("published_own_ac")
+        if own is not None:
+            lines.append(f"  {'':<44} {_own_text(own, r['fastest_s'])}")
     within = [
         r for r in rows if r["published"] and r["published"]["step_s"] <= 1.1 * r["fastest_s"]
     ]

@@ -1169,12 +1169,14 @@ def section_settings(data: dict[str, Any], charts: list[str]) -> str:
         "`--mesh` (its best schedule, micro-batches, checkpointing and sp on our trainer). "
         "*vs fastest*: the published layout's predicted step time against the fastest "
         "layout that fits; *vs top*: against the plan `suggest` prints first (the simplest "
-        "of those within 1.5x of the fastest). Top plan: tp within a node, pp and cp only "
-        "where no layout without them fits.",
+        "of those within 1.5x of the fastest). *At the run's own ac*: the published layout "
+        "with the checkpointing the run used, where ours took another (predicted time, and "
+        "the memory our trainer needs for it against the limit). Top plan: tp within a "
+        "node, pp and cp only where no layout without them fits.",
         "",
         "| rows | setting | published layout on our trainer | step s | vs fastest | vs top "
-        "| top plan | step s | practical |",
-        "| --- | --- | --- | ---: | ---: | ---: | --- | ---: | --- |",
+        "| at the run's own ac | top plan | step s | practical |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- | --- | ---: | --- |",
     ]
     for r in data["rows"]:
         setting = f"{r['model']}, {r['gpus']} x {r['hardware']}, {r['seq']:,} x {r['global_batch']}"
@@ -1189,8 +1191,21 @@ def section_settings(data: dict[str, Any], charts: list[str]) -> str:
             vt = f"{100 * (p['step_s'] / t['step_s'] - 1):+.0f}%"
         flags = [] if r["top_tp_in_node"] else ["tp across nodes"]
         flags += [f"{a} not needed" for a, needless in r["needs"].items() if needless]
+        own = r.get("published_own_ac")
+        if own is None:
+            own_text = "(the same)"
+        else:
+            own_text = (
+                f"ac={own['ac']}: {own['step_s']:.2f} s "
+                f"({100 * (own['step_s'] / r['fastest_s'] - 1):+.0f}% vs fastest), "
+                + (
+                    f"{own['memory_gib']:.1f} GiB"
+                    if own["fits"]
+                    else f"does not fit: {own['memory_gib']:.0f} of {own['limit_gib']:.0f} GiB"
+                )
+            )
         lines.append(
-            f"| {', '.join(r['ids'])} | {setting} | {pub} | {step} | {vf} | {vt} | "
+            f"| {', '.join(r['ids'])} | {setting} | {pub} | {step} | {vf} | {vt} | {own_text} | "
             f"{t['mesh']} (ac={t['ac']}) | {t['step_s']:.2f} | {'; '.join(flags) or 'yes'} |"
         )
     rows = [r for r in data["rows"] if r["published"]]
