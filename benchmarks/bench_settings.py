@@ -90,7 +90,10 @@ def measure(entry: dict[str, Any]) -> dict[str, Any]:
         "top": 5,
     }
     started = time.perf_counter()
-    free = suggest(run["model"], **common)
+    try:
+        free = suggest(run["model"], **common)
+    except DoesNotFit as e:  # no layout at all: nothing to compare the published one with
+        raise SystemExit(f"setting of {', '.join(entry['ids'])}: {e}") from e
     out: dict[str, Any] = {
         "ids": entry["ids"],
         "model": run["model"],
