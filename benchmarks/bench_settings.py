@@ -168,7 +168,7 @@ def _own_text(own: dict[str, Any], fastest_s: float) -> str:
             f"{own['memory_gib']:.1f} GiB"
         )
     return (
-        f"with its own ac={own['ac']}: does not fit on our trainer, needs "
+        f"with its own ac={own['ac']}: does not fit on our trainer, needs at least "
         f"{own['memory_gib']:.1f} GiB of {own['limit_gib']:.1f} (it would take "
         f"{own['step_s']:.2f}s, {100 * (own['step_s'] / fastest_s - 1):+.1f}% vs fastest)"
     )

@@ -1171,7 +1171,7 @@ def section_settings(data: dict[str, Any], charts: list[str]) -> str:
         "layout that fits; *vs top*: against the plan `suggest` prints first (the simplest "
         "of those within 1.5x of the fastest). *At the run's own ac*: the published layout "
         "with the checkpointing the run used, where ours took another (predicted time, and "
-        "the memory our trainer needs for it against the limit). Top plan: tp within a "
+        "the least memory our trainer needs for it against the limit). Top plan: tp within a "
         "node, pp and cp only where no layout without them fits.",
         "",
         "| rows | setting | published layout on our trainer | step s | vs fastest | vs top "
@@ -1201,7 +1201,7 @@ def section_settings(data: dict[str, Any], charts: list[str]) -> str:
                 + (
                     f"{own['memory_gib']:.1f} GiB"
                     if own["fits"]
-                    else f"does not fit: {own['memory_gib']:.0f} of {own['limit_gib']:.0f} GiB"
+                    else f"does not fit: needs {own['memory_gib']:.0f} of {own['limit_gib']:.0f} GiB"
                 )
             )
         lines.append(
