@@ -152,11 +152,10 @@ def _own_ac(
 
 
 def _needs(report: dict[str, Any]) -> dict[str, bool]:
-    """Whether the top plan uses pp or cp where a fitting layout without it exists (its
-    ``why`` names each such axis, "pp where a layout without it fits", before it names
-    the fastest plan's)."""
-    why = report["plans"][0]["why"].split("; ahead of the fastest")[0]
-    return {axis: f"{axis} where a layout without it fits" in why for axis in ("pp", "cp")}
+    """Whether the top plan uses pp or cp where a layout without it fits (the report's
+    ``needs``: whether every layout that fits uses the axis)."""
+    sizes = report["plans"][0]["mesh"]
+    return {axis: sizes.get(axis, 1) > 1 and not report["needs"][axis] for axis in ("pp", "cp")}
 
 
 def _own_text(own: dict[str, Any], fastest_s: float) -> str:

@@ -146,6 +146,8 @@ def test_settings_bench_sets_the_published_layout_beside_the_fastest_that_fits()
     # top plan are among them.
     assert row["fastest_s"] <= published["step_s"] and row["fastest_s"] <= top["step_s"]
     assert row["top_tp_in_node"] and set(row["needs"]) == {"pp", "cp"}
+    # A tiny model fits without pp and cp: the top plan uses neither where none is needed.
+    assert row["needs"] == {"pp": False, "cp": False}
     own = row["published_own_ac"]  # the run's own checkpointing, unless ours chose it
     assert own is None if published["ac"] == "none" else own["ac"] == "none"
     if own is not None and own["fits"]:

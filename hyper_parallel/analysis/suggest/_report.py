@@ -132,6 +132,9 @@ class SuggestReport:
     """Per plan: the same layout with dp split otherwise (predicted no faster)."""
     slurm: str | None = None
     """The SLURM batch script of plan 1 when it needs more than one node."""
+    needs: dict[str, bool] = dataclasses.field(default_factory=dict)
+    """``{"pp": ..., "cp": ...}``: whether every layout that fits uses the axis (the states
+    or the sequence need it); empty when nothing fits."""
 
     @property
     def nodes(self) -> int:
@@ -170,6 +173,7 @@ class SuggestReport:
             "assumptions": list(self.assumptions),
             "nodes": self.nodes,
             "slurm": self.slurm,
+            "needs": dict(self.needs),
         }
 
     def to_table(self) -> str:

@@ -199,7 +199,7 @@ def _order(items: list[Scored], needs: _Needs) -> tuple[list[Scored], int]:
 
 
 def _rank(
-    evaluated: list[Scored], top: int, settings: bool = False
+    evaluated: list[Scored], top: int, settings: bool = False, needs: _Needs | None = None
 ) -> tuple[list[Scored], list[str], list[list[str]]]:
     """The top ``top`` distinct structures, each with why it is where it is and the dp
     splits that are its equivalents.
@@ -209,11 +209,12 @@ def _rank(
     puts first stands for it, the other splits are listed as equivalent (with their time
     against it). With ``settings`` (a fixed ``--mesh``: one structure) each setting is a
     plan. Plans: fastest first, except that those the model cannot tell apart from the
-    fastest (within :data:`TOLD_APART`) go simplest first.
+    fastest (within :data:`TOLD_APART`) go simplest first. ``needs``: what
+    :meth:`_Needs.of` says of ``evaluated`` (computed when not given).
     """
     if not evaluated:
         return [], [], []
-    needs = _Needs.of([c for c, _ in evaluated])
+    needs = needs or _Needs.of([c for c, _ in evaluated])
     groups: dict[tuple, list[Scored]] = {}
     for c, p in evaluated:
         groups.setdefault(_structure(c, settings), []).append((c, p))
@@ -494,7 +495,8 @@ def suggest(
     if fixed is None:
         searched += sum(rejected.values()) - (searched - len(evaluated))
     # Under a fixed --mesh the plans are its settings (schedule, micro-batches, ac, sp).
-    ranked, why, equivalents = _rank(evaluated, top, settings=fixed is not None)
+    needs = _Needs.of([c for c, _ in evaluated]) if evaluated else None
+    ranked, why, equivalents = _rank(evaluated, top, settings=fixed is not None, needs=needs)
     plans = [
         (c, p, _command(source, c, gpus, node, seq_len, global_batch, dtype)) for c, p in ranked
     ]
@@ -519,6 +521,7 @@ def suggest(
         why=why,
         equivalents=equivalents,
         slurm=slurm,
+        needs={} if needs is None else {"pp": needs.pp, "cp": needs.cp},
     )
     if not plans and fixed is not None:
         _refuse_fixed(checks, fixed, schedule, ac, microbatches, sp, stages_per_rank)
