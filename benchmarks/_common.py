@@ -133,6 +133,7 @@ def _rank_main(
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(result, f)
+        dist.barrier()  # no rank tears the group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 

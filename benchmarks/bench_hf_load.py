@@ -246,6 +246,7 @@ def _rank(
     state_bytes = sum(local(p).numel() * 4 for p in params.values())
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"rank": rank, "state_bytes": state_bytes, "same_values": same, **results}, f)
+    dist.barrier()  # no rank tears the group down while a peer still talks to it
     dist.destroy_process_group()
 
 

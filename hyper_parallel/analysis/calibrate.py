@@ -359,6 +359,7 @@ def _worker(rank: int, world: int, init: str, threads: int, quick: bool, out: st
         dist.all_gather_object(gathered, result)
         if rank == 0:
             Path(out).write_text(yaml.safe_dump(gathered), encoding="utf-8")
+        dist.barrier()  # no rank tears the group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 

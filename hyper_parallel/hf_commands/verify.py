@@ -241,6 +241,9 @@ def _worker(args: argparse.Namespace) -> int:
         logits, _ = mesh_logits(args.dir, json.loads(args.mesh_json), tokens, args.sp)
         if logits is not None:
             torch.save(logits, args.out)
+        # Every rank done before any tears its groups down: a gloo group destroyed while
+        # a peer's send to it is still in flight aborts the process.
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
