@@ -31,8 +31,8 @@ layout, a sequence not divisible by the axis size, a keyword it does not know).
 Scope: configs whose non-``Replicate`` placements are all on one mesh axis (so every
 1-D mesh, and N-D meshes where the other axes are replicated); ``nn.Linear`` and
 ``nn.Embedding`` whose sharded dims divide evenly; ``nn.LayerNorm`` and ``nn.RMSNorm``
-(and subclasses that keep torch's forward), which normalize the trailing
-``normalized_shape``. Everything else — other norms whatever their class name, 2-D
+(and subclasses that keep torch's forward or declare theirs token-wise with
+:func:`tokenwise_norm`), which normalize the trailing ``normalized_shape``. Everything else — other norms whatever their class name, 2-D
 placements, uneven shards, other module types, transposed (Conv1D) weights, gathered
 column outputs — runs on DTensor.
 
@@ -1016,15 +1016,30 @@ def _select_embedding(module: nn.Embedding, view: _ConfigView) -> FastPath:
     return _VocabEmbedding(module, view)
 
 
+_TOKENWISE_NORM_FORWARDS: set[Callable[..., Any]] = {nn.LayerNorm.forward, nn.RMSNorm.forward}
+
+
+def tokenwise_norm(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare a norm's ``forward`` token-wise, as torch's ``nn.RMSNorm.forward`` is.
+
+    For a subclass of ``nn.LayerNorm`` / ``nn.RMSNorm`` whose forward computes the same
+    function another way (e.g. saving less for backward): it normalizes each token over
+    the trailing ``normalized_shape`` only, so the fast path may run it on sequence shards.
+    """
+    _TOKENWISE_NORM_FORWARDS.add(forward)
+    return forward
+
+
 def _num_norm_dims(module: nn.Module) -> int | None:
     """Trailing dims a norm normalizes over, if ``module`` is known to be token-wise.
 
     Known by contract only: torch's ``nn.LayerNorm`` / ``nn.RMSNorm`` forward, which
-    normalizes the trailing ``normalized_shape``. A module that merely looks like a
-    norm (a class name, 1-D states) may normalize another dim (channels-first norms
-    normalize dim 1), so it keeps the DTensor path.
+    normalizes the trailing ``normalized_shape``, or a forward declared the same with
+    :func:`tokenwise_norm`. A module that merely looks like a norm (a class name, 1-D
+    states) may normalize another dim (channels-first norms normalize dim 1), so it keeps
+    the DTensor path.
     """
-    if type(module).forward in (nn.LayerNorm.forward, nn.RMSNorm.forward):
+    if type(module).forward in _TOKENWISE_NORM_FORWARDS:
         return len(module.normalized_shape)  # type: ignore[arg-type]
     return None
 

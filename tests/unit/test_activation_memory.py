@@ -104,8 +104,8 @@ def test_bf16_halves_what_fsdp_mixed_precision_saves():
     args = dict(batch_size=BATCH, seq_len=SEQ)
     fp32 = dry_run(spec.config(), {"dp": 2}, dtype="fp32", **args).per_rank.activations
     bf16 = dry_run(spec.config(), {"dp": 2}, dtype="bf16", **args).per_rank.activations
-    # Every matmul input and output halves; torch's nn.RMSNorm (the Llama's norms)
-    # computes a bf16 input in fp32 and saves that, so the whole is a bit over half.
+    # Every matmul input and output halves, and the norms' saved input; their rstd and
+    # the loss's fp32 logits do not, so the whole is a bit over half.
     assert 0.5 * fp32 <= bf16 < 0.7 * fp32
 
 

@@ -22,7 +22,9 @@ attention core computes block by block, merging by log-sum-exp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,7 @@ from hyper_parallel._torch_private import is_fake
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed.context_parallel import chunk_order
 from hyper_parallel.distributed.context_parallel import positions as cp_positions
+from hyper_parallel.dmodule._fast import tokenwise_norm
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.models.common.chunked_attention import CausalChunks, chunked_causal_attention
 
@@ -47,17 +50,111 @@ __all__ = [
     "apply_rotary_emb",
     "causal_mask",
     "repeat_heads",
+    "rms_norm",
+    "swiglu",
 ]
 
 Linear = Module.from_nn_module(nn.Linear)
 Embedding = Module.from_nn_module(nn.Embedding)
 
 
+def _opmath(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype torch computes it in: fp32 for bf16/fp16, else its own."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``x * rsqrt(mean(x^2) + eps) * weight``, keeping only ``x`` and ``rstd``.
+
+    The values of torch's composite ``rms_norm`` (the same operations forward: fp32 for
+    bf16/fp16 inputs, the result cast to the input's dtype); what it keeps for backward is
+    what CUDA's fused kernel (``aten::_fused_rms_norm``) keeps: the input in its own dtype
+    and one fp32 ``rstd`` per token. The composite, which CPU and a weight of another dtype
+    take, keeps two fp32 copies of the activation (the upcast input and the normalized
+    one): 8 bytes per element where this keeps 2 in bf16, 4 in fp32. Backward normalizes
+    again (one elementwise pass).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, dims: tuple[int, ...], eps: float
+    ) -> torch.Tensor:
+        upcast = _opmath(x)
+        rstd = torch.rsqrt(upcast.pow(2).mean(dims, keepdim=True) + eps)
+        y = upcast * rstd
+        ctx.dims = dims
+        ctx.save_for_backward(x, weight, rstd)
+        return (y if weight is None else y * weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, rstd = ctx.saved_tensors
+        normalized = _opmath(x) * rstd
+        g = grad.to(normalized.dtype)
+        grad_weight = None
+        if weight is not None:
+            if ctx.needs_input_grad[1]:
+                lead = tuple(range(g.ndim - weight.ndim))
+                grad_weight = (g * normalized).sum(lead).to(weight.dtype)
+            g = g * weight
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            mean = (g * normalized).mean(ctx.dims, keepdim=True)
+            grad_x = (rstd * (g - normalized * mean)).to(x.dtype)
+        return grad_x, grad_weight, None, None
+
+
+def rms_norm(
+    x: torch.Tensor, normalized_shape: Sequence[int], weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """torch's ``rms_norm`` (given ``eps``) that keeps ``x`` and ``rstd`` for backward.
+
+    See :class:`_RMSNormFunction`. Plain tensors and DTensors alike (every operation is
+    token-wise or a reduction over the normalized trailing dims).
+    """
+    dims = tuple(range(-len(normalized_shape), 0))
+    return _RMSNormFunction.apply(x, weight, dims, eps)
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """``silu(a) * b`` keeping ``a`` and ``b`` for backward, not ``silu(a)`` too.
+
+    Autograd through ``F.silu(a) * b`` keeps ``a`` (silu's input), ``silu(a)`` and ``b``
+    (the product's): three tensors of the feed-forward width. Backward here computes
+    ``silu(a)`` again and then the very kernels autograd would (``aten.silu_backward``
+    and the product's two multiplies), so the gradients are bit for bit the same.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, b = ctx.saved_tensors
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = torch.ops.aten.silu_backward(grad * b, a)
+        if ctx.needs_input_grad[1]:
+            grad_b = grad * F.silu(a)
+        return grad_a, grad_b
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b``, keeping two of the feed-forward's wide tensors for backward, not
+    three (:class:`_SwiGLUFunction`)."""
+    return _SwiGLUFunction.apply(a, b)
+
+
 class RMSNorm(nn.RMSNorm, Module):
     """Root-mean-square norm (Zhang & Sennrich, 2019) with a learned per-feature scale.
 
-    torch's ``nn.RMSNorm`` over the last dim (its forward, unchanged), so the fast
-    path knows by type that it is token-wise.
+    torch's ``nn.RMSNorm`` over the last dim, computed by :func:`rms_norm`: the same
+    values, and backward keeps what CUDA's fused kernel keeps (the input and one fp32
+    scale per token), on every device. Its forward is declared token-wise
+    (:func:`~hyper_parallel.dmodule._fast.tokenwise_norm`), so the fast path runs it on
+    sequence shards as it runs ``nn.RMSNorm``.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -67,6 +164,11 @@ class RMSNorm(nn.RMSNorm, Module):
 
     def __init__(self, config: RMSNorm.Config) -> None:
         nn.RMSNorm.__init__(self, config.dim, eps=config.eps)
+
+    @tokenwise_norm
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return rms_norm(x, self.normalized_shape, self.weight, eps)
 
 
 class RotaryEmbedding(Module):
@@ -323,7 +425,8 @@ def repeat_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class FeedForward(Module):
-    """SwiGLU feed-forward (Shazeer, 2020): ``w2(silu(w1 x) * w3 x)``."""
+    """SwiGLU feed-forward (Shazeer, 2020): ``w2(silu(w1 x) * w3 x)``, the gate by
+    :func:`swiglu`."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -336,4 +439,4 @@ class FeedForward(Module):
         self.w1, self.w2, self.w3 = (c.build() for c in (config.w1, config.w2, config.w3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))

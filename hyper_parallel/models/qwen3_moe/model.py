@@ -35,6 +35,7 @@ from hyper_parallel.models.common.layers import (
     RMSNorm,
     RotaryEmbedding,
     ScaledDotProductAttention,
+    swiglu,
 )
 
 __all__ = [
@@ -174,7 +175,7 @@ def _swiglu_blocks(
         # (the loop's FLOPs, its outputs and the same saved storages, in 3 ops, not 3 per
         # expert: the dry run of 128 local experts is ~4x faster).
         xe = x.view(num_experts, -1, x.shape[-1])
-        h = F.silu(torch.bmm(xe, w1.transpose(-2, -1))) * torch.bmm(xe, w3.transpose(-2, -1))
+        h = swiglu(torch.bmm(xe, w1.transpose(-2, -1)), torch.bmm(xe, w3.transpose(-2, -1)))
         return torch.bmm(h, w2.transpose(-2, -1)).reshape(x.shape[0], -1)
     offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
     counts: list[int] | None = None
@@ -182,7 +183,7 @@ def _swiglu_blocks(
         counts = even_split(x.shape[0], num_tokens_per_expert.shape[0])
     elif mode == "loop":
         counts = num_tokens_per_expert.tolist()
-    h = F.silu(_grouped_linear(x, w1, counts, offsets)) * _grouped_linear(x, w3, counts, offsets)
+    h = swiglu(_grouped_linear(x, w1, counts, offsets), _grouped_linear(x, w3, counts, offsets))
     return _grouped_linear(h, w2, counts, offsets)
 
 
