@@ -20,7 +20,7 @@ from torch import nn
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor, distribute_tensor, local_map
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
-from hyper_parallel.dmodule import _fast
+from hyper_parallel.dmodule import _fast, _regather
 from hyper_parallel.dmodule._checks import (
     BOUNDARY_ATTR,
     Finding,
@@ -227,17 +227,24 @@ class Boundary:
     # ------------------------------------------------------------------ per call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self._adapt_inputs(args, kwargs)
-        if self._local_map_grads is not None:
-            out = self._run_local_map(args, kwargs)
-        elif self._token_wise and len(args) == 1 and not kwargs:
-            out = _tokens_first(self.original_forward, args[0])
-        else:
-            out = self.original_forward(*args, **kwargs)
+        gathered: list[_regather.Gathered] | None = (
+            [] if self._local_map_grads is None and _regather.applies() else None
+        )
+        args, kwargs = self._adapt_inputs(args, kwargs, gathered)
+        with _regather.in_backward(gathered):
+            if self._local_map_grads is not None:
+                out = self._run_local_map(args, kwargs)
+            elif self._token_wise and len(args) == 1 and not kwargs:
+                out = _tokens_first(self.original_forward, args[0])
+            else:
+                out = self.original_forward(*args, **kwargs)
         return self._adapt_outputs(out)
 
     def _adapt_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        gathered: list[_regather.Gathered] | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self._inputs:
             if args:
@@ -247,21 +254,29 @@ class Boundary:
                 for i, x in enumerate(args):
                     spec = positional[i] if i < num_positional else self._var_positional
                     if spec is not None:
-                        new_args[i] = self._adapt_input(x, spec)
+                        new_args[i] = self._adapt_input(x, spec, gathered)
                 args = tuple(new_args)
             if kwargs:
                 kwargs = {
-                    k: self._adapt_input(v, spec) if (spec := self._by_keyword.get(k)) else v
+                    k: self._adapt_input(v, spec, gathered)
+                    if (spec := self._by_keyword.get(k))
+                    else v
                     for k, v in kwargs.items()
                 }
         return args, kwargs
 
-    def _adapt_input(self, x: Any, spec: _InputSpec) -> Any:
+    def _adapt_input(
+        self, x: Any, spec: _InputSpec, gathered: list[_regather.Gathered] | None = None
+    ) -> Any:
+        """``x`` in its declared layout; an all-gather among the redistributions is
+        recorded in ``gathered`` (see :mod:`._regather`)."""
         if isinstance(x, DTensor):
             if spec.dst is not None:
                 dst = spec.dst.for_ndim(x.ndim)
                 if x.placements != dst:
-                    x = _redistribute(x, dst)
+                    shard, x = x, _redistribute(x, dst)
+                    if gathered is not None and _regather.is_gather(shard.placements, dst):
+                        gathered.append((shard, x.to_local(), _regather.redistribute_to(dst)))
             return x
         if isinstance(x, torch.Tensor):
             src = spec.src.for_ndim(x.ndim)  # type: ignore[union-attr]  # src falls back to dst
@@ -269,7 +284,9 @@ class Boundary:
             if spec.dst is not None:
                 dst = spec.dst.for_ndim(x.ndim)
                 if dst != src:
-                    x = x.redistribute(self.mesh, dst)
+                    shard, x = x, x.redistribute(self.mesh, dst)
+                    if gathered is not None and _regather.is_gather(src, dst):
+                        gathered.append((shard, x.to_local(), _regather.redistribute_to(dst)))
         return x
 
     def _adapt_outputs(self, out: Any) -> Any:

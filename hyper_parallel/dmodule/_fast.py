@@ -49,6 +49,7 @@ Choose the path with :func:`set_fast_path`, the :func:`fast_path` context manage
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -70,6 +71,7 @@ from hyper_parallel._torch_private import (
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
+from hyper_parallel.dmodule import _regather
 from hyper_parallel.dmodule._placements import ArgumentBinder, has_dtensor, normalize_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
@@ -580,7 +582,16 @@ class _ColwiseLinear(_LinearPath):
         if layout is not None and as_dtensor and x.shape[layout] % self.size:
             return _FALLBACK  # uneven sequence shards: DTensor gathers them correctly
         local = _entry_to_replicate(self, x, layout, as_dtensor)
-        return self._output(F.linear(local, *params), ndim - 1)
+        gathered = None
+        if layout is not None and _needs_grad(local) and _regather.applies():
+            # Keep the shard for the weight gradient, gathered again in backward (as the
+            # DTensor path does: dmodule/_regather.py).
+            shard = x.to_local() if as_dtensor else x
+            gather = functools.partial(_all_gather, dim=layout, group=self.comm, size=self.size)
+            gathered = [(shard, local, gather)]
+        with _regather.in_backward(gathered):
+            y = F.linear(local, *params)
+        return self._output(y, ndim - 1)
 
 
 class _RowwiseLinear(_LinearPath):

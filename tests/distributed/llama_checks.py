@@ -57,7 +57,10 @@ def expected_collectives(layout: str, num_layers: int) -> dict[str, dict[str, in
     sequence-sharded residual stream and "f" an all-gather out of it (their
     backwards swap): 2 all-gathers and 2 reduce-scatters per layer each way; the
     embedding's reduction is a reduce-scatter (backward all-gather), the output
-    projection's input an all-gather (backward reduce-scatter).
+    projection's input an all-gather (backward reduce-scatter). As in Megatron-LM, each
+    block and the output projection keep their input's shard for the weight gradients,
+    not the gathered input, and all-gather it again in backward: 2 more all-gathers per
+    layer there, and 1 at the end.
 
     The vocab-parallel loss (``loss_parallel``) adds three all-reduces of one value
     per token in forward (max, sum of exponentials, target logit) and none in
@@ -71,7 +74,7 @@ def expected_collectives(layout: str, num_layers: int) -> dict[str, dict[str, in
         backward = {"all_reduce": per_layer + ends}
     else:
         forward = {"all_gather": per_layer + ends, "reduce_scatter": per_layer + ends}
-        backward = {"all_gather": per_layer + ends, "reduce_scatter": per_layer + ends}
+        backward = {"all_gather": 2 * (per_layer + ends), "reduce_scatter": per_layer + ends}
     return {"forward": forward, "loss": {"all_reduce": 3}, "backward": backward}
 
 
@@ -170,4 +173,48 @@ def loss_on_other_placements() -> dict[str, Any]:
         "sharded_diff": abs(sharded.full_tensor().item() - expected.item()),
         "replicated_diff": abs(replicated.item() - expected.item()),
         "error": error,
+    }
+
+
+def held_after_forward(keep_shards: bool, local_fast_path: bool, seq_len: int) -> dict[str, int]:
+    """Bytes autograd keeps for backward after forward + loss of the tp_sp Llama, with
+    gathered inputs kept as shards or not (every storage a saved tensor holds, counted
+    once, parameters left out), and the model's shape."""
+    from unittest import mock
+
+    from hyper_parallel.dmodule import _regather
+
+    world = c10d.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    config = preset_config("llama3-debug")
+    with torch.device("meta"):
+        model = apply_tp_sp(config, tp_size=world).build()
+    with fast_path(local_fast_path):
+        model.parallelize(mesh)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_states()
+    tokens = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(1))
+
+    def storage(t: torch.Tensor) -> torch.UntypedStorage:
+        return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+
+    states = {storage(p)._cdata for p in model.parameters()}
+    kept: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = storage(t)
+        if s._cdata not in states:
+            kept[s._cdata] = s  # held: an address is not reused while it is a key
+        return t
+
+    applies = _regather.applies if keep_shards else (lambda: False)
+    with mock.patch.object(_regather, "applies", applies):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()  # the shards gathered again (every rank, the same order)
+    return {
+        "held": sum(s.nbytes() for s in kept.values()),
+        "layers": len(model.layers),
+        "dim": config.layers[0].attention.wq.in_features,
     }

@@ -544,12 +544,14 @@ def test_sequence_parallel_block(dist, local):
             "mlp.down": "rowwise_sequence_parallel",
         }
         # The vocab-parallel embedding's weight gradient keeps the weight's Shard(0) on
-        # the fast path, where DTensor computes it replicated (same values).
+        # the fast path, where DTensor computes it replicated (same values). Backward:
+        # the embedding's all-gather, and mlp.up's input gathered again for its weight
+        # gradient (the shard kept, not the gathered input) before its reduce-scatter.
         _check(
             runs,
             kinds,
             {"reduce_scatter": 2, "all_gather": 1},
-            {"all_gather": 2, "reduce_scatter": 1},
+            {"all_gather": 3, "reduce_scatter": 1},
             same_grad_layouts=False,
         )
         fast, dtensor = runs["fast"]["grad_layouts"], runs["dtensor"]["grad_layouts"]

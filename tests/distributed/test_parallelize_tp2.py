@@ -330,16 +330,18 @@ def test_colwise_rowwise_mlp(dist):
 def test_sequence_parallel_norm(dist):
     """RMSNorm and LayerNorm on sequence shards: no collective inside the norm.
 
-    The following column-parallel projection gathers the sequence once (all-gather
-    forward, reduce-scatter backward). The norm's replicated weight gets a
-    ``Partial`` gradient: DTensor defers that sum, ``full_tensor()`` performs it.
+    The following column-parallel projection gathers the sequence (all-gather forward,
+    reduce-scatter backward) and keeps the shard for its weight gradient, gathered
+    again in backward (Megatron-LM's sequence parallelism). The norm's replicated
+    weight gets a ``Partial`` gradient: DTensor defers that sum, ``full_tensor()``
+    performs it.
     """
     for path, res in _results(dist, _sequence_parallel_runs):
         for norm in ("rms", "layer"):
             result = res[norm]
             assert_numerics(result, path)
             assert result["fwd"] == {"all_gather_into_tensor": 1}
-            assert result["bwd"] == {"reduce_scatter_tensor": 1}
+            assert result["bwd"] == {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}
             assert result["out_placements"] == [(Shard(2),)]
             assert result["grad_placements"]["norm.weight"] == (Partial(),)
             if path == "fast":
