@@ -483,6 +483,16 @@ def measure(path: Path, args: argparse.Namespace) -> int:
 
 
 PARTS = ("trainer", "kernels", "chunked")
+TRAINER_CHANGES = (
+    (
+        "2026-12-04 23:00 UTC",
+        "the models' RMSNorm keeps only its bf16 input and one fp32 rstd per token for "
+        "backward, and SwiGLU two of its three wide tensors; the trainer measured kept the "
+        "norms' two fp32 copies (autocast) and silu's output too",
+    ),
+)
+"""Changes to what the trainer keeps for backward, with the time they landed: a
+measurement older than one was of a trainer that kept more than the one predicted."""
 
 
 def main() -> int:
@@ -566,6 +576,17 @@ def format_report(result: dict[str, Any], predicted: list[dict[str, Any]], hw: A
         "| peak GiB allocated (reserved) | predicted | error |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    measured = min(
+        (v for k, v in result["when"].items() if k.startswith("trainer")), default=None
+    )
+    for when, what in TRAINER_CHANGES:
+        if measured is not None and measured < when:
+            lines[-2:-2] = [
+                f"**Measured before a change to the trainer** ({when}: {what}). The memory "
+                "predicted is the current trainer's, so the memory errors below are not a "
+                "check of it until `bench_gpu.py --measure` runs again.",
+                "",
+            ]
     for run, p in zip(result["trainer"], predicted):
         cfg = run["config"]
         if "error" in run:

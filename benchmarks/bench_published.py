@@ -152,14 +152,23 @@ def prepare(runs: list[dict[str, Any]]) -> list[Row]:
     scorers: dict[tuple, LayoutScorer] = {}
     for run in runs:
         try:
-            key = (run["model"], run["gpus"], run["hardware"], run["seq"], run["global_batch"])
+            key = (
+                run["model"],
+                run["gpus"],
+                run["hardware"],
+                run["seq"],
+                run["global_batch"],
+                bool(run["compile"]),
+            )
             if key not in scorers:
+                # Compiled: traced as our trainer compiles (blocks keep gathered inputs).
                 scorers[key] = LayoutScorer(
                     run["model"],
                     gpus=run["gpus"],
                     gpu=run["hardware"],
                     seq_len=run["seq"],
                     global_batch_tokens=run["global_batch"] * run["seq"],
+                    compile=bool(run["compile"]),
                 )
             scorer = scorers[key]
             candidates = _candidates(run)

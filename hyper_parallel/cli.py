@@ -430,6 +430,17 @@ def _hf_subject(args: argparse.Namespace, layout: Any, plan: Any) -> _Subject:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from hyper_parallel.dmodule._regather import keep_gathered
+
+    # A compiled block keeps its gathered inputs (sequence parallelism's shard-keeping
+    # hook runs in eager code only): the dry run traces what that run keeps.
+    with keep_gathered() if getattr(args, "compile", False) else contextlib.nullcontext():
+        return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
     import torch
 
     from hyper_parallel.analysis import dry_run

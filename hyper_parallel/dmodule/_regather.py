@@ -26,7 +26,7 @@ the gathered tensor.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,13 +34,36 @@ import torch
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement
 
-__all__ = ["Gather", "Gathered", "applies", "in_backward", "is_gather", "redistribute_to"]
+__all__ = [
+    "Gather",
+    "Gathered",
+    "applies",
+    "in_backward",
+    "is_gather",
+    "keep_gathered",
+    "redistribute_to",
+]
+
+_keep_gathered = 0
+
+
+@contextlib.contextmanager
+def keep_gathered() -> Iterator[None]:
+    """Forwards run inside keep their gathered inputs, as compiled modules do: what the
+    dry run traces for a run that compiles (``plan --compile``, ``suggest --compile``)."""
+    global _keep_gathered
+    _keep_gathered += 1
+    try:
+        yield
+    finally:
+        _keep_gathered -= 1
 
 
 def applies() -> bool:
     """Whether a forward run now may keep shards (grad on, eager, hooks allowed)."""
     return (
-        torch.is_grad_enabled()
+        not _keep_gathered
+        and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
         and torch._C._autograd._saved_tensors_hooks_is_enabled()
     )

@@ -35,3 +35,15 @@ def test_the_committed_gpu_page_is_what_the_bench_renders_today():
     # Every trainer run measured is one the planner predicts (none failed, none skipped).
     assert len(predicted) == len(result["trainer"]) == 8
     assert all("error" not in run for run in result["trainer"])
+
+
+def test_a_measurement_older_than_a_trainer_change_is_marked_not_a_memory_check():
+    from hyper_parallel.analysis.cost_model import load_hardware
+
+    bench = _bench()
+    result = json.loads((RESULTS / "gpu_h200.json").read_text())
+    predicted = bench.predictions(result, "h200-141gb")
+    hw = load_hardware("h200-141gb")
+    assert "Measured before a change to the trainer" in bench.format_report(result, predicted, hw)
+    newer = dict(result, when={k: "2099-01-01 00:00 UTC" for k in result["when"]})
+    assert "Measured before" not in bench.format_report(newer, predicted, hw)

@@ -171,12 +171,28 @@ def test_tp_sp_collectives_per_layer():
         ("all_gather", "tp"): (2, 2 * activation),
         ("reduce_scatter", "tp"): (2, 2 * activation),
     }
+    # Backward: each block's input gathered again for its weight gradients (the shard
+    # kept, not the gathered input: Megatron-LM's sequence parallelism), then the
+    # reduce-scatters' gradients all-gathered.
     assert stats([c for c in report.collectives_per_layer if c.axis == "tp"], "backward") == {
-        ("all_gather", "tp"): (2, 2 * activation),
+        ("all_gather", "tp"): (4, 4 * activation),
         ("reduce_scatter", "tp"): (2, 2 * activation),
         ("all_reduce", "tp"): (2, 2 * D * FP32),  # the two norm weights' gradients
     }
     assert per_layer  # the tp collectives are per layer
+
+
+def test_tp_sp_saves_each_blocks_input_as_its_shard():
+    from unittest import mock
+
+    from hyper_parallel.dmodule import _regather
+
+    kept = run(num_layers=3, sharding="tp_sp", mesh={"dp": 2, "tp": 2}).per_rank.activations
+    with mock.patch.object(_regather, "applies", lambda: False):
+        whole = run(num_layers=3, sharding="tp_sp", mesh={"dp": 2, "tp": 2}).per_rank.activations
+    # 2 gathered inputs per layer and the output projection's: each (batch 2, seq 16,
+    # D) fp32, kept as its half on tp=2.
+    assert whole - kept == (2 * 3 + 1) * (2 * 16 * D * FP32) // 2
 
 
 @pytest.mark.parametrize("num_layers", [2, 5])
@@ -403,3 +419,19 @@ def test_extrapolated_activations_equal_a_trace_at_full_depth_for_every_ac(num_l
         assert extrapolated.activations_held_by_ac == whole.activations_held_by_ac
         assert whole.activations_held_by_ac["none"] == whole.activations_by_ac["none"]
         assert whole.activations_held_by_ac["full"] < whole.activations_by_ac["full"]
+
+
+def test_plan_of_a_compiled_run_keeps_the_gathered_inputs(capsys):
+    """Compiled blocks keep their gathered inputs (the shard-keeping hook runs in eager
+    code only): ``plan --compile`` traces that, the eager plan the shards."""
+    import json
+
+    from hyper_parallel.cli import main
+
+    sizes = {}
+    for extra in ([], ["--compile"]):
+        args = ["plan", "--model", "llama3-debug", "--mesh", "tp=2", "--sp", "--seq", "16"]
+        assert main([*args, "--batch", "2", "--format", "json", *extra]) == 0
+        sizes[bool(extra)] = json.loads(capsys.readouterr().out)["per_rank_bytes"]["activations"]
+    layers = len(DEBUG.config().layers)
+    assert sizes[True] - sizes[False] == (2 * layers + 1) * (2 * 16 * D * FP32) // 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -9,6 +10,7 @@ import torch
 
 from hyper_parallel.analysis.suggest._source import ModelSource
 from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.dmodule._regather import keep_gathered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +103,13 @@ def _trace_layout(tp: int, cp: int, ep: int, fsdp: bool) -> MeshLayout:
 class _Tracer:
     """Dry runs per local structure, cached; counts how many ran."""
 
-    def __init__(self, source: ModelSource, seq_len: int, dtype: str) -> None:
+    def __init__(
+        self, source: ModelSource, seq_len: int, dtype: str, compile: bool = False
+    ) -> None:
         self.source = source
         self.seq_len = seq_len
         self.dtype = dtype
+        self.compile = compile  # compiled blocks keep their gathered inputs (dmodule/_regather)
         self.cache: dict[tuple[int, int, bool, int, bool], _Trace] = {}
         self.num_layers = source.spec.family.num_layers(source.config())
 
@@ -125,15 +130,16 @@ class _Tracer:
         layout = _trace_layout(tp, cp, ep, fsdp)
         spec = self.source.spec
         config = apply_model_axes(spec, self.source.config(), layout, sequence_parallel=sp)
-        report = dry_run(
-            config,
-            layout,
-            batch_size=1,
-            seq_len=self.seq_len,
-            param_dtype=torch.float32,
-            loss_fn=spec.family.loss_fn,
-            dtype=self.dtype,
-        )
+        with keep_gathered() if self.compile else contextlib.nullcontext():
+            report = dry_run(
+                config,
+                layout,
+                batch_size=1,
+                seq_len=self.seq_len,
+                param_dtype=torch.float32,
+                loss_fn=spec.family.loss_fn,
+                dtype=self.dtype,
+            )
         num_layers = report.num_layers or self.num_layers
         pre, post = report.activations_outside_blocks
         assert report.activations_per_block is not None  # traced at two depths
