@@ -576,9 +576,7 @@ def format_report(result: dict[str, Any], predicted: list[dict[str, Any]], hw: A
         "| peak GiB allocated (reserved) | predicted | error |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    measured = min(
-        (v for k, v in result["when"].items() if k.startswith("trainer")), default=None
-    )
+    measured = min((v for k, v in result["when"].items() if k.startswith("trainer")), default=None)
     for when, what in TRAINER_CHANGES:
         if measured is not None and measured < when:
             lines[-2:-2] = [

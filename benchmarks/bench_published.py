@@ -38,6 +38,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -61,6 +62,7 @@ from hyper_parallel.analysis.suggest import (
     RunFactors,
 )
 from hyper_parallel.distributed.pipeline import MULTI_STAGE_SCHEDULES
+from hyper_parallel.dmodule import keep_gathered
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
@@ -137,6 +139,15 @@ def _candidates(run: dict[str, Any]) -> list[Candidate]:
     ]
 
 
+def _as_run(run: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """Traced as the run kept its activations: a compiled run's blocks keep their
+    gathered inputs (``keep_gathered``, as our trainer compiled does; the scorer's traces
+    are per run's key, so they hold it). Not the scorer's ``compile``: its run-plan gate
+    would refuse what our trainer cannot compile (e.g. cp next to dp_shard) while the
+    published run ran it."""
+    return keep_gathered() if run["compile"] else contextlib.nullcontext()
+
+
 def _accumulates(scorer: LayoutScorer, c: Candidate) -> bool:
     """Whether the cost model runs ``microbatches`` passes at pp=1 (gradient
     accumulation): the compute of ``k`` micro-batches of ``b/k`` against one of ``b``."""
@@ -161,14 +172,12 @@ def prepare(runs: list[dict[str, Any]]) -> list[Row]:
                 bool(run["compile"]),
             )
             if key not in scorers:
-                # Compiled: traced as our trainer compiles (blocks keep gathered inputs).
                 scorers[key] = LayoutScorer(
                     run["model"],
                     gpus=run["gpus"],
                     gpu=run["hardware"],
                     seq_len=run["seq"],
                     global_batch_tokens=run["global_batch"] * run["seq"],
-                    compile=bool(run["compile"]),
                 )
             scorer = scorers[key]
             candidates = _candidates(run)
@@ -176,14 +185,17 @@ def prepare(runs: list[dict[str, Any]]) -> list[Row]:
             reasons = []
             for c in candidates:
                 try:
-                    scorer.predict(c)
+                    with _as_run(run):
+                        scorer.predict(c)
                     ok.append(c)
                 except ValueError as e:
                     reasons.append(str(e))
             if not ok:
                 rows.append(Row(run, None, [], skipped=reasons[0][:160]))
                 continue
-            if ok[0].pp == 1 and ok[0].microbatches > 1 and not _accumulates(scorer, ok[0]):
+            with _as_run(run):
+                accumulates = _accumulates(scorer, ok[0])
+            if ok[0].pp == 1 and ok[0].microbatches > 1 and not accumulates:
                 rows.append(
                     Row(run, None, [], "gradient accumulation at pp=1: not in the cost model")
                 )
@@ -293,7 +305,8 @@ def evaluate(row: Row, p: dict[str, Any], cache: dict[str, Hardware]) -> dict[st
     hw = _hardware(cache[key], p)
     best = None
     for c in row.candidates:
-        pred = row.scorer.predict(c, hardware=hw, factors=_factors(run, p, hw))
+        with _as_run(run):
+            pred = row.scorer.predict(c, hardware=hw, factors=_factors(run, p, hw))
         fits = pred.memory_bytes_per_gpu <= row.scorer.memory_limit
         rank = (not fits, pred.step_s)
         if best is None or rank < best[0]:

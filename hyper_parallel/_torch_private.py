@@ -54,6 +54,8 @@ __all__ = [
     "missing",
     "pytree",
     "resolve_process_group",
+    "saved_tensors_hooks_enabled",
+    "top_saved_tensors_hooks",
     "unbox_process_group",
 ]
 
@@ -89,6 +91,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "torch.ops": ("_c10d_functional",),
     "torch": ("_grouped_mm",),
     "torch._C._distributed_c10d.ProcessGroup": ("unbox",),
+    "torch._C._autograd": ("_saved_tensors_hooks_is_enabled", "_top_saved_tensors_default_hooks"),
 }
 """Private attributes read on torch objects (hot paths read them directly)."""
 
@@ -100,6 +103,16 @@ c10d_functional = torch.ops._c10d_functional
 def unbox_process_group(boxed: Any) -> Any:
     """The ``ProcessGroup`` behind a boxed script object (an op's group argument)."""
     return torch._C._distributed_c10d.ProcessGroup.unbox(boxed)
+
+
+def saved_tensors_hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be pushed now (torch disables them in some regions)."""
+    return torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The ``(pack, unpack)`` saved-tensor hooks in force now (the innermost), if any."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def dynamo_config() -> Any:

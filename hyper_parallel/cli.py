@@ -432,7 +432,7 @@ def _hf_subject(args: argparse.Namespace, layout: Any, plan: Any) -> _Subject:
 def _cmd_plan(args: argparse.Namespace) -> int:
     import contextlib
 
-    from hyper_parallel.dmodule._regather import keep_gathered
+    from hyper_parallel.dmodule import keep_gathered
 
     # A compiled block keeps its gathered inputs (sequence parallelism's shard-keeping
     # hook runs in eager code only): the dry run traces what that run keeps.

@@ -2,6 +2,8 @@
 
 from hyper_parallel.dmodule._fast import fast_path as fast_path
 from hyper_parallel.dmodule._fast import set_fast_path as set_fast_path
+from hyper_parallel.dmodule._fast import tokenwise_norm as tokenwise_norm
+from hyper_parallel.dmodule._regather import keep_gathered as keep_gathered
 from hyper_parallel.dmodule.findings import Finding as Finding
 from hyper_parallel.dmodule.findings import ParallelizeError as ParallelizeError
 from hyper_parallel.dmodule.findings import PlanEntry as PlanEntry
@@ -53,6 +55,7 @@ __all__ = [
     "family_of",
     "fast_path",
     "get_spec",
+    "keep_gathered",
     "list_specs",
     "load_plan",
     "parallelize_module",
@@ -63,5 +66,6 @@ __all__ = [
     "rowwise",
     "sequence_parallel_norm",
     "set_fast_path",
+    "tokenwise_norm",
     "vocab_parallel_embedding",
 ]

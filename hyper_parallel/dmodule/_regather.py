@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hyper_parallel._torch_private import saved_tensors_hooks_enabled, top_saved_tensors_hooks
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Placement
 
@@ -65,7 +66,7 @@ def applies() -> bool:
         not _keep_gathered
         and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
-        and torch._C._autograd._saved_tensors_hooks_is_enabled()
+        and saved_tensors_hooks_enabled()
     )
 
 
@@ -144,7 +145,7 @@ def in_backward(gathered: Sequence[Gathered] | None) -> contextlib.AbstractConte
     any tensor saved from the gathered storage; a no-op when there is none."""
     if not gathered:
         return contextlib.nullcontext()
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = top_saved_tensors_hooks()
     outer_pack, outer_unpack = top if top is not None else (None, None)
     shards: dict[int, tuple[torch.Tensor, Gather]] = {}
     for shard, local, gather in gathered:

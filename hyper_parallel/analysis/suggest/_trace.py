@@ -10,7 +10,7 @@ import torch
 
 from hyper_parallel.analysis.suggest._source import ModelSource
 from hyper_parallel.distributed.layout import MeshLayout
-from hyper_parallel.dmodule._regather import keep_gathered
+from hyper_parallel.dmodule import keep_gathered
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ from hyper_parallel._torch_private import is_fake
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed.context_parallel import chunk_order
 from hyper_parallel.distributed.context_parallel import positions as cp_positions
-from hyper_parallel.dmodule._fast import tokenwise_norm
+from hyper_parallel.dmodule import tokenwise_norm
 from hyper_parallel.dmodule.module import Module
 from hyper_parallel.models.common.chunked_attention import CausalChunks, chunked_causal_attention
 
