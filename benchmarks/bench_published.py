@@ -193,9 +193,12 @@ def prepare(runs: list[dict[str, Any]]) -> list[Row]:
             if not ok:
                 rows.append(Row(run, None, [], skipped=reasons[0][:160]))
                 continue
-            with _as_run(run):
-                accumulates = _accumulates(scorer, ok[0])
-            if ok[0].pp == 1 and ok[0].microbatches > 1 and not accumulates:
+            if ok[0].pp == 1 and ok[0].microbatches > 1:
+                with _as_run(run):
+                    accumulates = _accumulates(scorer, ok[0])
+            else:
+                accumulates = True
+            if not accumulates:
                 rows.append(
                     Row(run, None, [], "gradient accumulation at pp=1: not in the cost model")
                 )

@@ -83,7 +83,7 @@ MODULES: dict[str, tuple[str, ...]] = {
 ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "torch.distributed.tensor.DTensor": ("_local_tensor", "_spec"),
     "torch.distributed.device_mesh.DeviceMesh": ("_flatten",),
-    "torch.Tensor": ("_is_view",),
+    "torch.Tensor": ("_is_view", "_version"),
     "torch.distributed.pipelining.schedules._PipelineScheduleRuntime": (
         "_prepare_schedule_with_comms",
         "_validate_and_set_stage_mapping",

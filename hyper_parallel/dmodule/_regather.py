@@ -92,23 +92,46 @@ def redistribute_to(placements: Sequence[Placement]) -> Gather:
     return lambda shard: shard.redistribute(shard.device_mesh, dst).to_local()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local shard (``t`` itself unless a DTensor): what in-place ops bump."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 class _Whole:
     """One gathered input: its shard, and the gathered tensor while backward needs it."""
 
-    __slots__ = ("gather", "pending", "shard", "tensor")
+    __slots__ = ("gather", "pending", "shard", "tensor", "version", "versioned")
 
-    def __init__(self, shard: Any, gather: Gather) -> None:
+    def __init__(self, shard: Any, gather: Gather, versioned: torch.Tensor | None) -> None:
         self.shard = shard  # what the outer hook returned for the shard (or the shard)
         self.gather = gather
+        # The shard's local tensor as the forward had it (a detached DTensor has a
+        # version counter of its own), when this hook holds the shard itself.
+        self.versioned = versioned
+        self.version = None if versioned is None else versioned._version
         self.pending = 0
         self.tensor: torch.Tensor | None = None
 
     def local(self, unpack: Callable[[Any], Any] | None) -> torch.Tensor:
         """The gathered local tensor, gathered again at the first call; dropped after the
-        last saved tensor that needs it is unpacked."""
+        last saved tensor that needs it is unpacked.
+
+        Raises:
+            RuntimeError: The shard was modified in place after the forward saved it (as
+                autograd raises for a saved tensor so modified).
+        """
         whole = self.tensor
         if whole is None:
             shard = self.shard if unpack is None else unpack(self.shard)
+            if self.versioned is not None and self.versioned._version != self.version:
+                raise RuntimeError(
+                    "a sequence-parallel input kept as its shard for backward was modified "
+                    f"in place after the forward saved it (version {self.version}, now "
+                    f"{self.versioned._version}): its gradient would be computed from other "
+                    "values. "
+                    "Do not modify a module's gathered input in place before backward, or "
+                    "run that forward inside keep_gathered()."
+                )
             with torch.no_grad():
                 whole = self.gather(shard).contiguous()
         self.pending -= 1
@@ -165,7 +188,11 @@ def in_backward(gathered: Sequence[Gathered] | None) -> contextlib.AbstractConte
         if whole is None:
             shard, gather = found
             kept = shard.detach()
-            whole = wholes[key] = _Whole(kept if outer_pack is None else outer_pack(kept), gather)
+            if outer_pack is None:
+                whole = _Whole(kept, gather, _local(shard))
+            else:
+                whole = _Whole(outer_pack(kept), gather, None)
+            wholes[key] = whole
         whole.pending += 1
         return _Saved(whole, local, t._spec if isinstance(t, DTensor) else None)
 
