@@ -227,18 +227,19 @@ class Boundary:
     # ------------------------------------------------------------------ per call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        gathered: list[_regather.Gathered] | None = (
-            [] if self._local_map_grads is None and _regather.applies() else None
-        )
+        gathered: list[_regather.Gathered] | None = [] if self._local_map_grads is None else None
         args, kwargs = self._adapt_inputs(args, kwargs, gathered)
-        with _regather.in_backward(gathered):
-            if self._local_map_grads is not None:
-                out = self._run_local_map(args, kwargs)
-            elif self._token_wise and len(args) == 1 and not kwargs:
-                out = _tokens_first(self.original_forward, args[0])
-            else:
-                out = self.original_forward(*args, **kwargs)
-        return self._adapt_outputs(out)
+        if gathered:  # inputs all-gathered on the way in: kept as shards for backward
+            with _regather.in_backward(gathered):
+                return self._adapt_outputs(self._run(args, kwargs))
+        return self._adapt_outputs(self._run(args, kwargs))
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._local_map_grads is not None:
+            return self._run_local_map(args, kwargs)
+        if self._token_wise and len(args) == 1 and not kwargs:
+            return _tokens_first(self.original_forward, args[0])
+        return self.original_forward(*args, **kwargs)
 
     def _adapt_inputs(
         self,
@@ -275,7 +276,7 @@ class Boundary:
                 dst = spec.dst.for_ndim(x.ndim)
                 if x.placements != dst:
                     shard, x = x, _redistribute(x, dst)
-                    if gathered is not None and _regather.is_gather(shard.placements, dst):
+                    if gathered is not None and _regather.kept(shard.placements, dst):
                         gathered.append((shard, x.to_local(), _regather.redistribute_to(dst)))
             return x
         if isinstance(x, torch.Tensor):
@@ -285,7 +286,7 @@ class Boundary:
                 dst = spec.dst.for_ndim(x.ndim)
                 if dst != src:
                     shard, x = x, x.redistribute(self.mesh, dst)
-                    if gathered is not None and _regather.is_gather(src, dst):
+                    if gathered is not None and _regather.kept(src, dst):
                         gathered.append((shard, x.to_local(), _regather.redistribute_to(dst)))
         return x
 

@@ -582,14 +582,14 @@ class _ColwiseLinear(_LinearPath):
         if layout is not None and as_dtensor and x.shape[layout] % self.size:
             return _FALLBACK  # uneven sequence shards: DTensor gathers them correctly
         local = _entry_to_replicate(self, x, layout, as_dtensor)
-        gathered = None
         if layout is not None and _needs_grad(local) and _regather.applies():
             # Keep the shard for the weight gradient, gathered again in backward (as the
             # DTensor path does: dmodule/_regather.py).
             shard = x.to_local() if as_dtensor else x
             gather = functools.partial(_all_gather, dim=layout, group=self.comm, size=self.size)
-            gathered = [(shard, local, gather)]
-        with _regather.in_backward(gathered):
+            with _regather.in_backward([(shard, local, gather)]):
+                y = F.linear(local, *params)
+        else:
             y = F.linear(local, *params)
         return self._output(y, ndim - 1)
 

@@ -9,8 +9,11 @@ backward (Korthikanti et al., "Reducing Activation Recomputation in Large Transf
 Models", 2022, section 4.2.2); so does the boundary. While the module's forward runs, a
 saved-tensor hook stores each tensor saved from the gathered storage as the shard (with
 the view's size, stride and offset); in backward the first of them to be unpacked gathers
-the shard again — the same collective as the forward, DTensor's ``redistribute``, so the
-same values bit for bit — and the others share that tensor until the last is unpacked.
+the shard again — the same collective as the forward (DTensor's ``redistribute`` at a
+boundary, the fast path's own all-gather in a column-parallel projection), so the same
+values bit for bit — and the others share that tensor until the last is unpacked. A
+shard modified in place before backward is refused, as autograd refuses a saved tensor
+so modified.
 
 Cost: one more all-gather per such input per backward (the dry run runs backward, so the
 planner counts it). Memory: the shard, where the gathered tensor was.
@@ -42,6 +45,7 @@ __all__ = [
     "in_backward",
     "is_gather",
     "keep_gathered",
+    "kept",
     "redistribute_to",
 ]
 
@@ -68,6 +72,11 @@ def applies() -> bool:
         and not torch.compiler.is_compiling()
         and saved_tensors_hooks_enabled()
     )
+
+
+def kept(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    """Whether ``src -> dst``, run now, is an all-gather whose shard is kept (:func:`applies`)."""
+    return is_gather(src, dst) and applies()
 
 
 def is_gather(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
