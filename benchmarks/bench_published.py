@@ -145,7 +145,7 @@ def _as_run(run: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
     are per run's key, so they hold it). Not the scorer's ``compile``: its run-plan gate
     would refuse what our trainer cannot compile (e.g. cp next to dp_shard) while the
     published run ran it."""
-    return keep_gathered() if run["compile"] else contextlib.nullcontext()
+    return keep_gathered(bool(run["compile"]))
 
 
 def _accumulates(scorer: LayoutScorer, c: Candidate) -> bool:

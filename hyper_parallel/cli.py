@@ -430,13 +430,11 @@ def _hf_subject(args: argparse.Namespace, layout: Any, plan: Any) -> _Subject:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import contextlib
-
     from hyper_parallel.dmodule import keep_gathered
 
     # A compiled block keeps its gathered inputs (sequence parallelism's shard-keeping
     # hook runs in eager code only): the dry run traces what that run keeps.
-    with keep_gathered() if getattr(args, "compile", False) else contextlib.nullcontext():
+    with keep_gathered(bool(getattr(args, "compile", False))):
         return _plan(args)
 
 

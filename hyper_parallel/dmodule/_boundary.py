@@ -186,6 +186,9 @@ class Boundary:
                 if isinstance(src, tuple)
                 else list(src.placements)  # type: ignore[union-attr]  # checked: out_* set
             )
+        # Inputs gathered at this boundary are kept as shards for backward (_regather);
+        # not inside a local_map region, nor where no input is adapted.
+        self._keeps_shards = bool(self._inputs) and self._local_map_grads is None
         self.wraps_forward = bool(
             self._inputs
             or out_src is not None
@@ -227,7 +230,7 @@ class Boundary:
     # ------------------------------------------------------------------ per call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        gathered: list[_regather.Gathered] | None = [] if self._local_map_grads is None else None
+        gathered: list[_regather.Gathered] | None = [] if self._keeps_shards else None
         args, kwargs = self._adapt_inputs(args, kwargs, gathered)
         if gathered:  # inputs all-gathered on the way in: kept as shards for backward
             with _regather.in_backward(gathered):
@@ -277,7 +280,7 @@ class Boundary:
                 if x.placements != dst:
                     shard, x = x, _redistribute(x, dst)
                     if gathered is not None and _regather.kept(shard.placements, dst):
-                        gathered.append((shard, x.to_local(), _regather.redistribute_to(dst)))
+                        gathered.append((shard, x._local_tensor, _regather.redistribute_to(dst)))
             return x
         if isinstance(x, torch.Tensor):
             src = spec.src.for_ndim(x.ndim)  # type: ignore[union-attr]  # src falls back to dst
@@ -287,7 +290,7 @@ class Boundary:
                 if dst != src:
                     shard, x = x, x.redistribute(self.mesh, dst)
                     if gathered is not None and _regather.kept(src, dst):
-                        gathered.append((shard, x.to_local(), _regather.redistribute_to(dst)))
+                        gathered.append((shard, x._local_tensor, _regather.redistribute_to(dst)))
         return x
 
     def _adapt_outputs(self, out: Any) -> Any:

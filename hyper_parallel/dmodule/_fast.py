@@ -32,8 +32,8 @@ Scope: configs whose non-``Replicate`` placements are all on one mesh axis (so e
 1-D mesh, and N-D meshes where the other axes are replicated); ``nn.Linear`` and
 ``nn.Embedding`` whose sharded dims divide evenly; ``nn.LayerNorm`` and ``nn.RMSNorm``
 (and subclasses that keep torch's forward or declare theirs token-wise with
-:func:`tokenwise_norm`), which normalize the trailing ``normalized_shape``. Everything else — other norms whatever their class name, 2-D
-placements, uneven shards, other module types, transposed (Conv1D) weights, gathered
+:func:`tokenwise_norm`), which normalize the trailing ``normalized_shape``. Everything
+else — other norms whatever their class name, 2-D placements, uneven shards, other module types, transposed (Conv1D) weights, gathered
 column outputs — runs on DTensor.
 
 Under ``torch.compile`` (per block or whole model, ``fullgraph=True``) the same
@@ -585,7 +585,7 @@ class _ColwiseLinear(_LinearPath):
         if layout is not None and _needs_grad(local) and _regather.applies():
             # Keep the shard for the weight gradient, gathered again in backward (as the
             # DTensor path does: dmodule/_regather.py).
-            shard = x.to_local() if as_dtensor else x
+            shard = x._local_tensor if as_dtensor else x  # _entry_to_replicate's input
             gather = functools.partial(_all_gather, dim=layout, group=self.comm, size=self.size)
             with _regather.in_backward([(shard, local, gather)]):
                 y = F.linear(local, *params)

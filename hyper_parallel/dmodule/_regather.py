@@ -53,15 +53,16 @@ _keep_gathered = 0
 
 
 @contextlib.contextmanager
-def keep_gathered() -> Iterator[None]:
+def keep_gathered(enabled: bool = True) -> Iterator[None]:
     """Forwards run inside keep their gathered inputs, as compiled modules do: what the
-    dry run traces for a run that compiles (``plan --compile``, ``suggest --compile``)."""
+    dry run traces for a run that compiles (``plan --compile``, ``suggest --compile``).
+    ``enabled=False`` changes nothing (``with keep_gathered(compile):``)."""
     global _keep_gathered
-    _keep_gathered += 1
+    _keep_gathered += enabled
     try:
         yield
     finally:
-        _keep_gathered -= 1
+        _keep_gathered -= enabled
 
 
 def applies() -> bool:

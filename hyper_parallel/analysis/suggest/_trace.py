@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
@@ -130,7 +129,7 @@ class _Tracer:
         layout = _trace_layout(tp, cp, ep, fsdp)
         spec = self.source.spec
         config = apply_model_axes(spec, self.source.config(), layout, sequence_parallel=sp)
-        with keep_gathered() if self.compile else contextlib.nullcontext():
+        with keep_gathered(self.compile):
             report = dry_run(
                 config,
                 layout,
