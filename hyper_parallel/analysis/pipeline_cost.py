@@ -613,10 +613,12 @@ def stage_collectives(
             blocks = [f"{stages.layers}.{i}" for i in range(num_blocks)]
             names = [first] * has_first + blocks + [last] * has_last
             stage_config = stages.stage_config(config, names)
+            # The dry run reads only the shape and dtype: no storage (a stage's input at
+            # a large micro-batch would not fit in this machine's memory).
             example = (
-                torch.zeros(tokens, dtype=torch.long)
+                torch.empty(tokens, dtype=torch.long, device="meta")
                 if has_first
-                else torch.zeros(hidden, dtype=param_dtype or torch.float32)
+                else torch.empty(hidden, dtype=param_dtype or torch.float32, device="meta")
             )
             report = dry_run(
                 stage_config,

@@ -153,3 +153,16 @@ def test_cp_stages_extrapolate_to_tracing_the_whole_stage():
         assert direct[("all_gather", "cp", "forward")][0] == 2 * 3
         assert direct[("reduce_scatter", "cp", "backward")][0] == 2 * 3
         assert context_parallel.positions(32, 0, 2).numel() == local
+
+
+def test_a_stage_input_larger_than_this_machine_is_traced_without_storage(sharded, plan):
+    """The dry run reads only a stage input's shape and dtype, so a micro-batch whose
+    residual stream no machine holds (here 2**30 sequences x 512 tokens of the debug
+    Llama's width: petabytes) is traced, not allocated; its bytes scale exactly with
+    the micro-batch size."""
+    big, small = 1 << 30, 1
+    seq = 512
+    large = stage_collectives(plan, PIPELINE, sharded, LAYOUT, microbatch_size=big, seq_len=seq)
+    one = stage_collectives(plan, PIPELINE, sharded, LAYOUT, microbatch_size=small, seq_len=seq)
+    for a, b in zip(large, one):
+        assert a["activations_per_microbatch"] == big * b["activations_per_microbatch"]
