@@ -18,6 +18,16 @@ where no layout without it fits, pp only where no layout without it fits. Rows o
 setting (e.g. torchtitan's vanilla and async-TP rows) share it; Megatron-Bridge rows
 all use float8 and are not settings here.
 
+Beside each setting, what the record itself says: the other rows of ``runs.yaml`` of the
+same model on the same GPU kind and sequence, with the same compile switch and without
+float8, whose layout has another structure (the axes other than dp differ; the fastest
+row of each). Each is printed with its published tokens/s/GPU against the setting's (its
+best row without async TP, which our trainer does not do), and the same ratio predicted:
+our best plan of that row's layout on its own GPUs and batch against our best plan of
+the setting's layout. Where a row of the record ran faster per GPU than the setting's
+published layout, the goal "the published layout within 10 % of the predicted best"
+asks a correct model to rank first a layout the record itself shows slower.
+
 Nothing here is fitted or tuned: it reads the shipped hardware files and factors.
 
 Run::
@@ -37,6 +47,7 @@ from hyper_parallel.analysis.published import load_runs
 from hyper_parallel.analysis.suggest import DoesNotFit, suggest
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+DP_AXES = ("dp_replicate", "dp_shard")
 
 
 def settings(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -78,8 +89,9 @@ def _plan(plan: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def measure(entry: dict[str, Any]) -> dict[str, Any]:
-    """``suggest`` free and at the published mesh for one setting."""
+def measure(entry: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``suggest`` free and at the published mesh for one setting; with ``runs`` (the
+    record), also the record's other structures in it (:func:`alternatives`)."""
     run = entry["run"]
     common = {
         "gpus": run["gpus"],
@@ -121,7 +133,89 @@ def measure(entry: dict[str, Any]) -> dict[str, Any]:
         out["published"] = None
         out["published_error"] = str(e)
     out["published_own_ac"] = _own_ac(run, common, out["published"])
+    out["record"] = _record(entry, runs or [], common, out["published"])
     out["elapsed_s"] = time.perf_counter() - started
+    return out
+
+
+def _structure(mesh: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """A layout's axes other than data parallelism: what stays when dp fills the GPUs."""
+    return tuple((a, mesh[a]) for a in AXES if a not in DP_AXES and mesh.get(a, 1) > 1)
+
+
+def alternatives(entry: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of the record that ran the setting's model, GPU kind and sequence, with its
+    compile switch and without float8 or another runtime, in another structure (axes
+    other than dp), each with tokens/s/GPU measured: per structure, the row
+    :func:`_best_tps` picks."""
+    run = entry["run"]
+    mine = _structure(run["mesh"])
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in runs:
+        if (
+            r.get("measured", {}).get("tokens_per_s_per_gpu") is None
+            or r["model"] != run["model"]
+            or r["hardware"] != run["hardware"]
+            or r["seq"] != run["seq"]
+            or bool(r.get("compile")) != bool(run.get("compile"))
+            or r.get("float8", "none") != "none"
+            or r.get("runtime") != run.get("runtime")
+            or _structure(r["mesh"]) == mine
+        ):
+            continue
+        groups.setdefault(_structure(r["mesh"]), []).append(r)
+    return [_best_tps(rows) for rows in groups.values()]
+
+
+def _best_tps(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of rows with tokens/s/GPU measured, the fastest as our trainer would run it: the
+    best without async TP (which our trainer does not do), else the best."""
+    plain = [r for r in rows if not r.get("async_tp")] or rows
+    return max(plain, key=lambda r: r["measured"]["tokens_per_s_per_gpu"])
+
+
+def _published_tps(entry: dict[str, Any], runs: list[dict[str, Any]]) -> float | None:
+    """The setting's published tokens/s/GPU (:func:`_best_tps` of its rows)."""
+    by_id = {r["id"]: r for r in runs}
+    rows = [by_id[i] for i in entry["ids"] if i in by_id]
+    rows = [r for r in rows if r.get("measured", {}).get("tokens_per_s_per_gpu") is not None]
+    return _best_tps(rows)["measured"]["tokens_per_s_per_gpu"] if rows else None
+
+
+def _record(
+    entry: dict[str, Any],
+    runs: list[dict[str, Any]],
+    common: dict[str, Any],
+    published: dict[str, Any] | None,
+) -> list[dict[str, Any]]:
+    """The record's other structures beside this setting's layout: the published ratio
+    of tokens/s/GPU against ours, each row predicted in its own setting (its GPUs, mesh
+    and batch: our best plan of its layout, as for the setting's own layout)."""
+    mine = _published_tps(entry, runs)
+    if mine is None or published is None:
+        return []
+    run = entry["run"]
+    ours = common["global_batch_tokens"] / published["step_s"] / run["gpus"]
+    out = []
+    for row in alternatives(entry, runs):
+        tokens = row["global_batch"] * row["seq"]
+        own = {**common, "gpus": row["gpus"], "global_batch_tokens": tokens}
+        try:
+            points = suggest(row["model"], mesh=row["mesh"], **own).points
+            predicted = tokens / min(s for s, _, fit in points if fit) / row["gpus"] / ours
+            why = None
+        except DoesNotFit:
+            predicted, why = None, "does not fit on our trainer"
+        out.append(
+            {
+                "id": row["id"],
+                "mesh": _mesh_text(row["mesh"]),
+                "gpus": row["gpus"],
+                "published_ratio": row["measured"]["tokens_per_s_per_gpu"] / mine,
+                "predicted_ratio": predicted,
+                "why": why,
+            }
+        )
     return out
 
 
@@ -204,6 +298,8 @@ def format_result(rows: list[dict[str, Any]]) -> str:
         own = r.get("published_own_ac")
         if own is not None:
             lines.append(f"  {'':<44} {_own_text(own, r['fastest_s'])}")
+        for alt in r.get("record", []):
+            lines.append(f"  {'':<44} {record_text(alt)}")
     within = [
         r for r in rows if r["published"] and r["published"]["step_s"] <= 1.1 * r["fastest_s"]
     ]
@@ -214,9 +310,23 @@ def format_result(rows: list[dict[str, Any]]) -> str:
     lines.append(
         f"  published within 10% of the fastest: {len(within)} of {len(rows)}; of the top "
         f"plan: {len(within_top)} of {len(rows)}; top plan practical: {len(practical)} of "
-        f"{len(rows)}"
+        f"{len(rows)}; the record holds a faster structure: {len(outrun(rows))} of {len(rows)}"
     )
     return "\n".join(lines)
+
+
+def record_text(alt: dict[str, Any]) -> str:
+    """One of the record's other structures, in words."""
+    ours = f"{alt['predicted_ratio']:.2f}x" if alt["why"] is None else alt["why"]
+    return (
+        f"the record: {alt['mesh']} on {alt['gpus']} ({alt['id']}) ran "
+        f"{alt['published_ratio']:.2f}x the tokens/s/GPU of this layout; ours: {ours}"
+    )
+
+
+def outrun(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Settings where a row of the record ran faster per GPU than the published layout."""
+    return [r for r in rows if any(a["published_ratio"] > 1 for a in r.get("record", []))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,12 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", help="settings whose row ids include these")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
-    chosen = settings(load_runs())
+    runs = load_runs()
+    chosen = settings(runs)
     if args.only:
         chosen = [e for e in chosen if set(e["ids"]) & set(args.only)]
     rows = []
     for entry in chosen:
-        rows.append(measure(entry))
+        rows.append(measure(entry, runs))
         r = rows[-1]
         print(f"  {', '.join(r['ids'])}: {r['elapsed_s']:.0f} s", file=sys.stderr, flush=True)
     print(format_result(rows))

@@ -14,6 +14,7 @@ either: only shapes, placements and the collectives issued are real.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 
@@ -90,6 +91,10 @@ def fake_world(mesh: MeshLayout | Mapping[str, int]) -> Iterator[ParallelMesh]:
                 "init_process_group (or in a separate process)."
             )
     else:
+        # init_process_group wraps sys.excepthook to prefix "[rank0]: " to every line of
+        # an uncaught traceback, a wrapper per call: restored on exit, so a process that
+        # traces many layouts (suggest, the benches) prints its errors once, unprefixed.
+        hook = sys.excepthook
         dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
         created = True
     try:
@@ -99,6 +104,7 @@ def fake_world(mesh: MeshLayout | Mapping[str, int]) -> Iterator[ParallelMesh]:
     finally:
         if created:
             dist.destroy_process_group()
+            sys.excepthook = hook
 
 
 def _quiet_known_warnings() -> None:

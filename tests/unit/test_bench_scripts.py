@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 
 from hyper_parallel.dmodule import get_spec
@@ -154,3 +155,53 @@ def test_settings_bench_sets_the_published_layout_beside_the_fastest_that_fits()
         assert own["step_s"] >= row["fastest_s"]
     text = bench.format_result([row])
     assert "llama3-debug" in text and "dp_shard=2,tp=2" in text
+
+
+def test_settings_bench_sets_the_records_other_structures_beside_a_setting():
+    """The record's rows of the same model, GPU kind, sequence and compile switch in
+    another structure: float8 rows, other GPU kinds and the setting's own structure
+    (any dp) are left out; per structure the fastest row without async TP; each
+    predicted on its own GPUs and batch."""
+    bench = _load("bench_settings")
+    from hyper_parallel.analysis.published import load_runs
+
+    runs = load_runs()
+    (tp8,) = [e for e in bench.settings(runs) if "tt2506-8b-bf16-vanilla" in e["ids"]]
+    alts = bench.alternatives(tp8, runs)
+    # torchtitan's FSDP-only rows of Llama 3 8B, compiled, bf16, on the same H100s: the
+    # faster of 8 GPUs (6,667) and 128 GPUs (6,514) tokens/s/GPU.
+    assert [a["id"] for a in alts] == ["tt2412-t1-b"]
+    assert bench._published_tps(tp8, runs) == 4378.0  # the vanilla row, not async TP's
+    (fsdp,) = [e for e in bench.settings(runs) if "tt2412-t1-b" in e["ids"]]
+    # The other way round: the tp=8 rows; of async TP and vanilla, the vanilla one.
+    assert [a["id"] for a in bench.alternatives(fsdp, runs)] == ["tt2506-8b-bf16-vanilla"]
+
+    def row(id_, mesh, gpus, tps, **kw):
+        return {
+            "id": id_, "model": "llama3-debug", "gpus": gpus, "hardware": "h100-80gb",
+            "seq": 128, "global_batch": 8, "mesh": mesh, "compile": False, "float8": "none",
+            "ac": "none", "measured": {"tokens_per_s_per_gpu": tps}, **kw,
+        }  # fmt: skip
+
+    runs = [
+        row("mine", {"dp_shard": 2, "tp": 2}, 4, 100.0),
+        row("same-structure", {"dp_shard": 4, "tp": 2}, 8, 500.0),
+        row("fsdp", {"dp_shard": 2}, 2, 150.0),
+        row("fsdp-f8", {"dp_shard": 2}, 2, 900.0, float8="tensorwise"),
+        row("fsdp-a100", {"dp_shard": 2}, 2, 900.0, hardware="a100-80gb"),
+    ]
+    setting = {"ids": ["mine"], "run": runs[0]}
+    assert [a["id"] for a in bench.alternatives(setting, runs)] == ["fsdp"]
+    measured = bench.measure(setting, runs)
+    (alt,) = measured["record"]
+    assert alt["published_ratio"] == 1.5 and alt["gpus"] == 2 and alt["why"] is None
+    # Ours: the fsdp row's best plan on its 2 GPUs and 8 sequences against the
+    # setting's best plan of dp_shard=2,tp=2 on 4, as tokens/s/GPU.
+    fsdp = bench.suggest(
+        "llama3-debug", mesh={"dp_shard": 2}, gpus=2, gpu="h100-80gb", seq_len=128,
+        global_batch_tokens=8 * 128, compile=False, top=5,
+    )  # fmt: skip
+    step = min(s for s, _, fit in fsdp.points if fit)
+    ours = 8 * 128 / measured["published"]["step_s"] / 4
+    assert alt["predicted_ratio"] == pytest.approx(8 * 128 / step / 2 / ours, rel=1e-12)
+    assert "the record: dp_shard=2 on 2 (fsdp) ran 1.50x" in bench.format_result([measured])

@@ -29,3 +29,20 @@ def test_a_second_model_on_an_equal_mesh_builds_under_context_parallel():
         second = _build("llama3-debug", mesh)
         again = _build("llama3-debug", mesh)
     assert first and second == again and second
+
+
+def test_fake_worlds_one_after_another_leave_the_excepthook_as_it_was():
+    """torch's init_process_group wraps sys.excepthook (a "[rank0]: " prefix per line,
+    one wrapper per call): after any number of traced layouts, and after one that
+    raised, an uncaught error prints as it would have without them."""
+    import sys
+
+    import pytest
+
+    before = sys.excepthook
+    for _ in range(3):
+        with fake_world(MESH):
+            assert sys.excepthook is not before  # torch's wrapper, while the world is up
+    with pytest.raises(RuntimeError, match="in the world"), fake_world(MESH):
+        raise RuntimeError("in the world")
+    assert sys.excepthook is before
