@@ -371,7 +371,9 @@ def pipeline_report(
         schedule, num_microbatches: The pipeline schedule and its micro-batches.
         microbatch_size: Sequences per micro-batch on one data-parallel rank.
         seq_len: Tokens per sequence.
-        element_bytes: Bytes of a parameter, gradient and activation element; the
+        element_bytes: Bytes of an activation element (the compute dtype's), and of a
+            parameter and its gradient unless ``param_dtype`` is given (the trainer's
+            fp32 master weights under either precision: their dtype's bytes); the
             optimizer keeps two fp32 states per parameter (AdamW).
         sequence_parallel: Activations between and inside blocks split over tp.
         sharded_config: The config with its sharding as the trainer applies it; when
@@ -417,12 +419,15 @@ def pipeline_report(
             if sequence_parallel:
                 replicated //= layout.tp
             acts[u.name] = (replicated + split // layout.tp) * tokens * element_bytes
+    # Parameters and their gradients in the parameters' dtype (FSDP2 reduce-scatters into
+    # the fp32 shards under bf16 compute), as the flat dry run counts them.
+    state_bytes = param_dtype.itemsize if param_dtype is not None else element_bytes
     costs = stage_costs(
         plan,
         units,
         shard_ways=layout.tp * layout.fsdp,
-        param_bytes=element_bytes,
-        grad_bytes=element_bytes,
+        param_bytes=state_bytes,
+        grad_bytes=state_bytes,
         optimizer_bytes=8,
         activation_bytes_per_microbatch=acts,
     )

@@ -212,6 +212,43 @@ def test_plan_with_pp_reports_stages_and_the_bubble(capsys):
     assert code == 1 and "cannot place" in err
 
 
+def test_plan_with_pp_counts_fp32_master_states_and_prints_the_heaviest_rank(capsys):
+    """Under bf16 the trainer keeps fp32 parameters, gradients and AdamW moments (FSDP2
+    gathers bf16 copies for compute): a stage's states are those of fp32 whatever
+    --dtype says (only its activations change), AdamW's two moments twice the
+    parameters. The table's memory is the heaviest pp rank's, as the JSON's
+    per_rank_bytes, and says what the whole-model tables above it are."""
+    from hyper_parallel.analysis._format import human_bytes
+
+    argv = ["plan", "--model", "llama3-debug", "--mesh", "pp=2,dp_shard=2,tp=2", "--seq", "64"]
+    argv += ["--schedule", "Interleaved1F1B", "--microbatches", "4"]
+    reports = {}
+    for dtype in ("fp32", "bf16"):
+        code, out, _ = _run(capsys, [*argv, "--dtype", dtype, "--format", "json"])
+        assert code == 0
+        reports[dtype] = json.loads(out)
+    for fp32, bf16 in zip(reports["fp32"]["stages"], reports["bf16"]["stages"], strict=True):
+        assert bf16["params"] == fp32["params"] == bf16["grads"] > 0
+        assert bf16["optimizer"] == 2 * bf16["params"]
+        assert bf16["activations"] <= fp32["activations"]  # bf16 compute: 2-byte tensors
+    assert sum(s["activations"] for s in reports["bf16"]["stages"]) < sum(
+        s["activations"] for s in reports["fp32"]["stages"]
+    )  # (the embedding's stage saves only its int64 token ids either way)
+    report = reports["bf16"]
+    totals: dict[int, int] = {}
+    for stage in report["stages"]:
+        totals[stage["rank"]] = totals.get(stage["rank"], 0) + stage["total"]
+    assert report["per_rank_bytes"]["total"] == max(totals.values())
+    code, out, _ = _run(capsys, [*argv, "--dtype", "bf16"])
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[1].startswith("pp=2 (8 ranks): parameters and collectives below are the whole")
+    heaviest = max(totals, key=lambda r: (totals[r], -r))
+    assert f"Memory per rank (pp rank {heaviest}, the heaviest" in out
+    total = [line for line in lines if line.startswith("total ")]
+    assert total == [f"total {human_bytes(max(totals.values())):>{len(total[0]) - 6}}"]
+
+
 def test_unknown_mesh_axis_is_named_with_the_nearest(capsys):
     err = _usage_exit(capsys, ["validate", "--model", "llama3-debug", "--mesh", "dp=2,dp_shrad=2"])
     assert "'dp_shrad' is not a mesh axis. Did you mean 'dp_shard'?" in err
