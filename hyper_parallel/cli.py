@@ -621,7 +621,7 @@ def _pipeline_table(pipeline: dict[str, Any]) -> str:
         f"pipeline: {pipeline['pipeline']['schedule']}, "
         f"{pipeline['pipeline']['num_microbatches']} micro-batches, bubble "
         f"{pipeline['bubble_fraction']:.3f}",
-        "stage  rank  units                          params/rank  in-flight  total bytes/rank"
+        "stage  rank  units                          param bytes/rank  in-flight  total bytes/rank"
         "  collective bytes/step",
     ]
     for s in pipeline["stages"]:
@@ -629,7 +629,7 @@ def _pipeline_table(pipeline: dict[str, Any]) -> str:
         label = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
         moved = sum(c["bytes"] for c in s.get("collectives", ()))
         lines.append(
-            f"{s['stage']:>5}  {s['rank']:>4}  {label:<30} {s['params']:>11,}  "
+            f"{s['stage']:>5}  {s['rank']:>4}  {label:<30} {s['params']:>16,}  "
             f"{s['in_flight_microbatches']:>9}  {s['total']:>16,}  {moved:>21,}"
         )
     return "\n".join(lines)
