@@ -215,3 +215,15 @@ def test_settings_figure_counts_published_layouts_near_the_fastest(run_all):
         "in 1 of 3 published settings the published layout is predicted within 10 % of the "
         "fastest layout that fits, in 2 within 10 % of the top plan; the widest gap +30 % (b)"
     )
+    # The record's own faster structure, where a setting has one (the fastest is named).
+    alt = {"mesh": "dp_shard=8", "gpus": 8, "id": "r1", "why": None}
+    data["rows"][1]["record"] = [
+        {**alt, "published_ratio": 1.5, "predicted_ratio": 1.4},
+        {**alt, "id": "r2", "published_ratio": 0.9, "predicted_ratio": 0.8},
+    ]
+    data["rows"][0]["record"] = [{**alt, "id": "r3", "published_ratio": 1.2, "why": "refused"}]
+    figs = run_all.figures({"v": {"stamp": {}, "data": data}})
+    assert figs["published-settings"].endswith(
+        "(b); in 2 the record itself ran another structure faster per GPU (b: dp_shard=8 on 8 "
+        "GPUs, r1, ran 1.50x its tokens/s/GPU; predicted 1.40x)"
+    )
