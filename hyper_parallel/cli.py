@@ -579,6 +579,7 @@ def _pipeline_plan_table(report: Any, layout: Any, pipeline: dict[str, Any]) -> 
     """The dry run's table under ``pp``: the parameters and collectives of the whole model
     traced on one pipeline's group, said so; memory per rank is the heaviest pp rank's
     (its stages' states and activations in flight), as ``per_rank_bytes`` in the JSON."""
+    from hyper_parallel.analysis._format import human_bytes
     from hyper_parallel.analysis.memory import StateBytes
 
     heaviest = pipeline["per_rank_bytes"]
@@ -608,9 +609,19 @@ def _pipeline_plan_table(report: Any, layout: Any, pipeline: dict[str, Any]) -> 
         elif line.startswith("Collectives per training step (per rank):"):
             line = "Collectives per training step (per rank, the whole model on one pipeline's group; each stage's own at the end):"
         elif line.startswith("Summary:"):
+            calls = sum(c.count for c in report.collectives)
+            moved = sum(c.bytes for c in report.collectives)
+            params = (
+                f"{report.num_params / 1e9:,.2f}B"
+                if report.num_params >= 1e9
+                else (f"{report.num_params:,}")
+            )
             line = (
-                "Summary (memory: the heaviest pp rank; collectives: the whole model on one group):"
-                + line[len("Summary:") :]
+                f"Summary: {params} parameters on {layout.world_size:,} ranks (pp={layout.pp} "
+                f"x {report.world_size:,}): the heaviest pp rank holds {human_bytes(per_rank.total)} "
+                f"with activations; the whole model on one pipeline's group: {calls:,} "
+                f"collectives per step over {human_bytes(moved)} of buffers per rank "
+                f"({report.elapsed_s:.1f} s)."
             )
         out.append(line)
     return "\n".join(out)

@@ -247,6 +247,16 @@ def test_plan_with_pp_counts_fp32_master_states_and_prints_the_heaviest_rank(cap
     assert f"Memory per rank (pp rank {heaviest}, the heaviest" in out
     total = [line for line in lines if line.startswith("total ")]
     assert total == [f"total {human_bytes(max(totals.values())):>{len(total[0]) - 6}}"]
+    summary = (
+        lines[-1]
+        if lines[-1].startswith("Summary")
+        else next(line for line in lines if line.startswith("Summary:"))
+    )
+    assert (
+        summary.startswith("Summary: ")
+        and " on 8 ranks (pp=2 x 4): the heaviest pp rank " in summary
+    )
+    assert f"holds {human_bytes(max(totals.values()))} with activations" in summary
 
 
 def test_unknown_mesh_axis_is_named_with_the_nearest(capsys):
