@@ -100,6 +100,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 from collections.abc import Mapping
@@ -330,9 +331,14 @@ def load_hardware(kind_or_path: str | Path) -> Hardware:
     else:
         kinds = list_hardware()
         if text not in kinds:
+            # 'h200' -> 'h200-141gb': the kinds that start with it, else the closest names.
+            near = [k for k in kinds if k.startswith(text.lower())] or difflib.get_close_matches(
+                text.lower(), kinds, n=2
+            )
+            hint = f" (did you mean {' or '.join(repr(k) for k in near)}?)" if near else ""
             raise ValueError(
-                f"unknown GPU kind {text!r}; known kinds: {', '.join(kinds)}. Give one of "
-                "them with --gpu, or your own file with --hardware FILE.yaml "
+                f"unknown GPU kind {text!r}{hint}; known kinds: {', '.join(kinds)}. Give one "
+                "of them with --gpu, or your own file with --hardware FILE.yaml "
                 "(hyper-parallel calibrate --out FILE.yaml writes one for this machine)."
             )
         files = resources.files("hyper_parallel.analysis").joinpath("hardware")

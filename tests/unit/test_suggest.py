@@ -100,6 +100,13 @@ def test_user_hardware_file_plain_numbers(tmp_path) -> None:
         load_hardware(bad)
     with pytest.raises(ValueError, match=r"unknown GPU kind 'h100'.*h100-80gb"):
         load_hardware("h100")
+    # The kinds a short or misspelt name stands for are named first.
+    with pytest.raises(ValueError, match=r"'h200' \(did you mean 'h200-141gb'\?\)"):
+        load_hardware("h200")
+    with pytest.raises(ValueError, match=r"'h100' \(did you mean 'h100-80gb' or 'h100-96gb'\?\)"):
+        load_hardware("h100")
+    with pytest.raises(ValueError, match=r"'a100-80' \(did you mean 'a100-80gb'\?\)"):
+        load_hardware("a100-80")
 
 
 def test_overhead_and_overlap_fields(tmp_path) -> None:
