@@ -104,6 +104,18 @@ def test_the_fitted_files_agree_name_the_fit_and_are_what_the_bench_predicts_wit
         assert bench._hardware(hw, ships) == hw
 
 
+def test_the_models_stated_error_lies_between_its_held_out_median_and_worst():
+    """suggest's ``MODEL_ERROR`` (its band for telling step times apart) is what section u
+    measures on the held-out rows: no narrower than the median |error|, no wider than the
+    worst."""
+    from hyper_parallel.analysis.suggest._search import MODEL_ERROR
+
+    latest = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    held = latest["sections"]["u"]["data"]["summary"]["after_heldout"]
+    assert held["n"] >= 10
+    assert held["median"] <= MODEL_ERROR <= held["worst"]
+
+
 def test_compare_names_each_value_that_is_not_the_fit(bench):
     ships = bench.shipped()
     assert bench.compare(dict(ships), ships) == []
