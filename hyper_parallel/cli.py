@@ -580,6 +580,7 @@ def _pipeline_plan_table(report: Any, layout: Any, pipeline: dict[str, Any]) -> 
     traced on one pipeline's group, said so; memory per rank is the heaviest pp rank's
     (its stages' states and activations in flight), as ``per_rank_bytes`` in the JSON."""
     from hyper_parallel.analysis._format import human_bytes
+    from hyper_parallel.analysis.dry_run._report import _count
     from hyper_parallel.analysis.memory import StateBytes
 
     heaviest = pipeline["per_rank_bytes"]
@@ -602,28 +603,22 @@ def _pipeline_plan_table(report: Any, layout: Any, pipeline: dict[str, Any]) -> 
         f"(stage{'s' if len(ranks[rank]) > 1 else ''} {stages}: states and the activations "
         "of its micro-batches in flight); each stage's at the end."
     )
+    calls = sum(c.count for c in report.collectives)
+    moved = sum(c.bytes for c in report.collectives)
+    relabel = {
+        "Memory per rank (": f"Memory per rank (pp rank {rank}, the heaviest: training states, "
+        "plus the activations of its micro-batches in flight):",
+        "Collectives per training step (per rank):": "Collectives per training step (per "
+        "rank, the whole model on one pipeline's group; each stage's own at the end):",
+        "Summary:": f"Summary: {_count(report.num_params)} parameters on "
+        f"{layout.world_size:,} ranks (pp={layout.pp} x {report.world_size:,}): the heaviest "
+        f"pp rank holds {human_bytes(per_rank.total)} with activations; the whole model on "
+        f"one pipeline's group: {calls:,} collectives per step over {human_bytes(moved)} of "
+        f"buffers per rank ({report.elapsed_s:.1f} s).",
+    }
     out = [lines[0], scope]
     for line in lines[1:]:
-        if line.startswith("Memory per rank ("):
-            line = f"Memory per rank (pp rank {rank}, the heaviest: training states, plus the activations of its micro-batches in flight):"
-        elif line.startswith("Collectives per training step (per rank):"):
-            line = "Collectives per training step (per rank, the whole model on one pipeline's group; each stage's own at the end):"
-        elif line.startswith("Summary:"):
-            calls = sum(c.count for c in report.collectives)
-            moved = sum(c.bytes for c in report.collectives)
-            params = (
-                f"{report.num_params / 1e9:,.2f}B"
-                if report.num_params >= 1e9
-                else (f"{report.num_params:,}")
-            )
-            line = (
-                f"Summary: {params} parameters on {layout.world_size:,} ranks (pp={layout.pp} "
-                f"x {report.world_size:,}): the heaviest pp rank holds {human_bytes(per_rank.total)} "
-                f"with activations; the whole model on one pipeline's group: {calls:,} "
-                f"collectives per step over {human_bytes(moved)} of buffers per rank "
-                f"({report.elapsed_s:.1f} s)."
-            )
-        out.append(line)
+        out.append(next((new for old, new in relabel.items() if line.startswith(old)), line))
     return "\n".join(out)
 
 

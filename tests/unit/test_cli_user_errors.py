@@ -245,6 +245,7 @@ def test_plan_with_pp_counts_fp32_master_states_and_prints_the_heaviest_rank(cap
     assert lines[1].startswith("pp=2 (8 ranks): parameters and collectives below are the whole")
     heaviest = max(totals, key=lambda r: (totals[r], -r))
     assert f"Memory per rank (pp rank {heaviest}, the heaviest" in out
+    assert "Collectives per training step (per rank, the whole model on one pipeline's" in out
     total = [line for line in lines if line.startswith("total ")]
     assert total == [f"total {human_bytes(max(totals.values())):>{len(total[0]) - 6}}"]
     summary = (
