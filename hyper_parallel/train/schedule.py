@@ -59,6 +59,10 @@ def lr_at(
         return lr * (step + 1) / warmup_steps
     if schedule == "constant":
         return lr
+    if step >= total_steps:
+        # Past the schedule's end: its final rate. (The formulas below give it too, but
+        # not when the warm-up fills the schedule: their decay would start at the peak.)
+        return min_lr
     if schedule == "wsd":
         decay = max(1, round(WSD_DECAY_FRACTION * total_steps))
         start = max(warmup_steps, total_steps - decay)

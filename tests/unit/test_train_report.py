@@ -42,6 +42,18 @@ def test_each_schedule_warms_up_then_decays_to_min_lr_and_stays_there():
     assert lr_at(start + 1, schedule="wsd", **kw) < 1.0
 
 
+def test_a_schedule_the_warm_up_fills_runs_at_min_lr_past_its_end():
+    """warmup_steps >= total_steps leaves no decay: the steps past the end (a resumed
+    run's) run at the final rate, not at the peak and then the final rate."""
+    for warmup, total in ((3, 3), (4, 3)):
+        kw = {"lr": 1.0, "warmup_steps": warmup, "total_steps": total, "min_lr": 0.1}
+        for name in ("cosine", "linear", "wsd"):
+            lrs = [lr_at(s, schedule=name, **kw) for s in range(8)]
+            assert lrs[:warmup] == pytest.approx([(s + 1) / warmup for s in range(warmup)])
+            assert lrs[warmup:] == pytest.approx([0.1] * (8 - warmup)), (name, warmup, total)
+        assert lr_at(warmup, schedule="constant", **kw) == 1.0
+
+
 def test_default_schedule_is_cosine_to_a_tenth_as_before():
     cfg = TrainConfig(steps=10, warmup_steps=2, lr=1e-3)
     for step in range(12):
