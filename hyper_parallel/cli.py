@@ -505,7 +505,7 @@ def _plan(args: argparse.Namespace) -> int:
         if args.format == "json":
             print(json.dumps(out, indent=1))
         else:
-            print(_pipeline_plan_table(report, layout, pipeline))
+            print(report.to_pipeline_table(layout, pipeline))
             print(_pipeline_table(pipeline))
             if predicted is not None:
                 print(prediction_text(predicted))
@@ -573,53 +573,6 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
         )
     except PipelineError as e:
         raise _PlanError(str(e), e.findings) from None
-
-
-def _pipeline_plan_table(report: Any, layout: Any, pipeline: dict[str, Any]) -> str:
-    """The dry run's table under ``pp``: the parameters and collectives of the whole model
-    traced on one pipeline's group, said so; memory per rank is the heaviest pp rank's
-    (its stages' states and activations in flight), as ``per_rank_bytes`` in the JSON."""
-    from hyper_parallel.analysis._format import human_bytes
-    from hyper_parallel.analysis.dry_run._report import _count
-    from hyper_parallel.analysis.memory import StateBytes
-
-    heaviest = pipeline["per_rank_bytes"]
-    ranks: dict[int, list[int]] = {}
-    totals: dict[int, int] = {}
-    for s in pipeline["stages"]:
-        ranks.setdefault(s["rank"], []).append(s["stage"])
-        totals[s["rank"]] = totals.get(s["rank"], 0) + s["total"]
-    rank = min(r for r in totals if totals[r] == max(totals.values()))
-    stages = ", ".join(map(str, ranks[rank]))
-    per_rank = StateBytes(
-        heaviest["params"], heaviest["grads"], heaviest["optimizer"], heaviest["activations"]
-    )
-    lines = dataclasses.replace(report, per_rank=per_rank, per_rank_experts=None).to_table()
-    lines = lines.split("\n")
-    scope = (
-        f"pp={layout.pp} ({layout.world_size:,} ranks): parameters and collectives below are "
-        f"the whole model traced on one pipeline's group of {report.world_size:,} ranks, every "
-        f"stage's units at once; memory per rank is the heaviest pp rank's, rank {rank} "
-        f"(stage{'s' if len(ranks[rank]) > 1 else ''} {stages}: states and the activations "
-        "of its micro-batches in flight); each stage's at the end."
-    )
-    calls = sum(c.count for c in report.collectives)
-    moved = sum(c.bytes for c in report.collectives)
-    relabel = {
-        "Memory per rank (": f"Memory per rank (pp rank {rank}, the heaviest: training states, "
-        "plus the activations of its micro-batches in flight):",
-        "Collectives per training step (per rank):": "Collectives per training step (per "
-        "rank, the whole model on one pipeline's group; each stage's own at the end):",
-        "Summary:": f"Summary: {_count(report.num_params)} parameters on "
-        f"{layout.world_size:,} ranks (pp={layout.pp} x {report.world_size:,}): the heaviest "
-        f"pp rank holds {human_bytes(per_rank.total)} with activations; the whole model on "
-        f"one pipeline's group: {calls:,} collectives per step over {human_bytes(moved)} of "
-        f"buffers per rank ({report.elapsed_s:.1f} s).",
-    }
-    out = [lines[0], scope]
-    for line in lines[1:]:
-        out.append(next((new for old, new in relabel.items() if line.startswith(old)), line))
-    return "\n".join(out)
 
 
 def _pipeline_table(pipeline: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -281,6 +282,50 @@ class DryRunReport:
             f"{human_bytes(m.total)} per rank with activations; {num_calls:,} collectives per "
             f"step over {human_bytes(moved)} of buffers per rank ({self.elapsed_s:.1f} s).",
         ]
+        return "\n".join(out)
+
+    def to_pipeline_table(self, layout: Any, pipeline: dict[str, Any]) -> str:
+        """:meth:`to_table` of a pipeline's trace: this report is the whole model traced on
+        one pipeline's group (the mesh without pp), which the table says; its memory is
+        the heaviest pp rank's (its stages' states and activations in flight: the
+        ``per_rank_bytes`` of ``pipeline``, the pipeline part of ``plan``'s report), and
+        the summary counts every rank of ``layout``."""
+        heaviest = pipeline["per_rank_bytes"]
+        ranks: dict[int, list[int]] = {}
+        totals: dict[int, int] = {}
+        for s in pipeline["stages"]:
+            ranks.setdefault(s["rank"], []).append(s["stage"])
+            totals[s["rank"]] = totals.get(s["rank"], 0) + s["total"]
+        rank = min(r for r in totals if totals[r] == max(totals.values()))
+        per_rank = StateBytes(
+            heaviest["params"], heaviest["grads"], heaviest["optimizer"], heaviest["activations"]
+        )
+        lines = dataclasses.replace(self, per_rank=per_rank, per_rank_experts=None)
+        lines = lines.to_table().split("\n")
+        stages = ", ".join(map(str, ranks[rank]))
+        scope = (
+            f"pp={layout.pp} ({layout.world_size:,} ranks): parameters and collectives below "
+            f"are the whole model traced on one pipeline's group of {self.world_size:,} "
+            f"ranks, every stage's units at once; memory per rank is the heaviest pp rank's, "
+            f"rank {rank} (stage{'s' if len(ranks[rank]) > 1 else ''} {stages}: states and "
+            "the activations of its micro-batches in flight); each stage's at the end."
+        )
+        calls = sum(c.count for c in self.collectives)
+        moved = sum(c.bytes for c in self.collectives)
+        relabel = {
+            "Memory per rank (": f"Memory per rank (pp rank {rank}, the heaviest: training "
+            "states, plus the activations of its micro-batches in flight):",
+            "Collectives per training step (per rank):": "Collectives per training step (per "
+            "rank, the whole model on one pipeline's group; each stage's own at the end):",
+            "Summary:": f"Summary: {_count(self.num_params)} parameters on "
+            f"{layout.world_size:,} ranks (pp={layout.pp} x {self.world_size:,}): the "
+            f"heaviest pp rank holds {human_bytes(per_rank.total)} with activations; the "
+            f"whole model on one pipeline's group: {calls:,} collectives per step over "
+            f"{human_bytes(moved)} of buffers per rank ({self.elapsed_s:.1f} s).",
+        }
+        out = [lines[0], scope]
+        for line in lines[1:]:
+            out.append(next((new for old, new in relabel.items() if line.startswith(old)), line))
         return "\n".join(out)
 
     def __str__(self) -> str:
