@@ -402,7 +402,15 @@ def validate(
         findings += [
             f for f in check_entries(experts, ("ep",), {"ep": layout.ep}) if f not in findings
         ]
-    findings += _coverage(model, entries, plan_axes or tuple(layout.active()) or ("tp",))
+    # A parameter no config names is replicated over the axes a plan shards parameters on:
+    # tp (and cp where the plan declares it). The data axes are data parallelism's (FSDP2
+    # shards over them in training, a replica per rank is DP's design), so a mesh without
+    # such an axis (dp only, dp x ep) has nothing to report: hundreds of false warnings.
+    model_axes = tuple(
+        a for a in ("cp", "tp") if layout.size(a) > 1 and (a == "tp" or a in plan_axes)
+    )
+    if model_axes:
+        findings += _coverage(model, entries, model_axes)
     if trace and pipeline_errors:
         report.notes.append("boundary analysis skipped: the pipeline plan has errors.")
     elif trace:
@@ -496,7 +504,7 @@ def _coverage(
                         path,
                         "",
                         f"parameter {where!r} {size} is covered by no sharding config: it stays "
-                        "a plain tensor, replicated in full on every rank.",
+                        f"a plain tensor, a full copy on every rank of {' x '.join(axes)}.",
                         f"add a config for {path or '<root>'!r} (state_shardings={{{name!r}: "
                         "...}), or keep it replicated knowingly.",
                     )

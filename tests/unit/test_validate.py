@@ -381,3 +381,24 @@ def test_state_sharded_on_a_dim_of_size_1_is_an_error():
     texts = _findings(report, "error", "0")
     assert len(texts) == 2  # weight (1, DIM) and bias (1,)
     assert "axis 'tp' shards dim 0 of 'weight', which has size 1" in texts[0]
+
+
+@pytest.mark.parametrize(
+    ("model", "mesh"),
+    [("llama3-debug", {"dp_shard": 4}), ("qwen3-moe-debug", {"dp_shard": 2, "ep": 2})],
+)
+def test_a_mesh_without_tp_reports_no_parameter_as_uncovered(model, mesh):
+    """Without tp no dense plan shards a parameter: data parallelism holds the dense ones
+    (FSDP2 shards them over its axes in training), so nothing is "covered by no sharding
+    config" (a dp x ep Qwen3-30B-A3B layout drew 435 such warnings, one per dense weight).
+    With tp the uncovered ones are named, as the axes they are copied over."""
+    from hyper_parallel.distributed.axes import apply_model_axes
+
+    spec = get_spec(model)
+    config = apply_model_axes(spec, spec.config(), MeshLayout.from_sizes(mesh))  # as the CLI
+    report = validate(config, mesh, trace=False)
+    assert not [f for f in report.findings if "covered by no sharding config" in f.message]
+    assert report.ok
+    uncovered = validate(toy(), {"dp": 2, "tp": 4}, {"head": colwise(bias=False)}, trace=False)
+    norms = [f for f in uncovered.findings if "covered by no sharding config" in f.message]
+    assert norms and all("a full copy on every rank of tp" in f.message for f in norms)
