@@ -414,7 +414,25 @@ def test_cluster_too_small_does_not_fit(capsys) -> None:
     )
     assert code == 1
     err = capsys.readouterr().err
-    assert re.search(r"does not fit: needs >= [\d.]+ GB per GPU at best \(layout ", err), err
+    # 405B's states alone exceed 8 GPUs whatever the layout: said as such, with their size
+    # (16 bytes a parameter, counted here on the meta device), not as one layout's need.
+    import torch
+
+    from hyper_parallel.analysis._format import human_bytes
+    from hyper_parallel.dmodule import get_spec
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in get_spec("llama3-405b").build().parameters())
+    assert re.search(
+        r"does not fit: needs >= [\d.]+ GB per GPU at best \(the training states ", err
+    )
+    assert f"spread over all 8 GPUs: {human_bytes(16 * params / 8)} per rank" in err, err
+    assert "a shorter sequence does not help" in err
+    # Where the states fit and a traced layout does not, that layout is named.
+    argv = ["suggest", "--model", "llama3-8b", "--gpus", "2", "--gpu", "h100-80gb"]
+    assert main([*argv, "--seq", "8192", "--global-batch-tokens", str(2 * 8192)]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"does not fit: needs >= [\d.]+ GB per GPU at best \(layout tp=2 ", err), err
     assert issubclass(DoesNotFit, ValueError)
 
 

@@ -460,6 +460,7 @@ def suggest(
     evaluated: list[tuple[Candidate, Prediction]] = []
     points: list[tuple[float, int, bool]] = []
     best_unfit: tuple[Candidate, int] | None = None
+    unfit_states_only = False  # best_unfit's need is the states' lower bound, not a trace
     for c in _candidates(
         gpus=gpus,
         gpus_per_node=node,
@@ -487,7 +488,7 @@ def suggest(
         if floor > limit:
             rejected["does not fit in memory"] += 1
             if best_unfit is None or floor < best_unfit[1]:
-                best_unfit = (c, int(floor))
+                best_unfit, unfit_states_only = (c, int(floor)), True
             continue
         prediction = _predict(ctx, c)
         fits = prediction.memory_bytes_per_gpu <= limit
@@ -495,7 +496,7 @@ def suggest(
         if not fits:
             rejected["does not fit in memory"] += 1
             if best_unfit is None or prediction.memory_bytes_per_gpu < best_unfit[1]:
-                best_unfit = (c, prediction.memory_bytes_per_gpu)
+                best_unfit, unfit_states_only = (c, prediction.memory_bytes_per_gpu), False
             continue
         evaluated.append((c, prediction))
     # What the enumeration refused without yielding (sp off, tp or ep across nodes, a
@@ -542,11 +543,21 @@ def suggest(
             )
         c, need = best_unfit
         device_need = _device_memory_needed(need)
+        if unfit_states_only:
+            # No layout got as far as a trace: even spread over every GPU, the states
+            # alone exceed the device, whatever the activations and checkpointing.
+            where = (
+                f"the training states alone (fp32 weights, gradients and AdamW moments, 16 "
+                f"bytes a parameter) spread over all {gpus // c.dp_replicate} GPUs: "
+                f"{human_bytes(need)} per rank plus the headroom, before any activation"
+            )
+            fix = "Use more GPUs or a GPU with more memory (a shorter sequence does not help)."
+        else:
+            where = f"layout {c.describe()}: {human_bytes(need)} per rank plus the headroom"
+            fix = "Use more GPUs, a GPU with more memory, or a shorter sequence / smaller batch."
         raise DoesNotFit(
-            f"does not fit: needs >= {device_need / 1e9:.1f} GB per GPU at best (layout "
-            f"{c.describe()}: {human_bytes(need)} per rank plus the headroom); "
-            f"{hw.name} has {hw.memory_bytes / 1e9:.0f} GB. Use more GPUs, a GPU with more "
-            "memory, or a shorter sequence / smaller batch.",
+            f"does not fit: needs >= {device_need / 1e9:.1f} GB per GPU at best ({where}); "
+            f"{hw.name} has {hw.memory_bytes / 1e9:.0f} GB. {fix}",
             report,
         )
     return report
