@@ -14,6 +14,7 @@ either: only shapes, placements and the collectives issued are real.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
@@ -97,11 +98,17 @@ def fake_world(mesh: MeshLayout | Mapping[str, int]) -> Iterator[ParallelMesh]:
         hook = sys.excepthook
         dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
         created = True
+    # DTensor logs (once per mesh) that a reduction over two mesh dims takes two
+    # collectives; the trace counts them, and a traced layout is not the user's run.
+    redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute.level
+    redistribute.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             _quiet_known_warnings()
             yield layout.build("cpu")
     finally:
+        redistribute.setLevel(level)
         if created:
             dist.destroy_process_group()
             sys.excepthook = hook

@@ -46,3 +46,16 @@ def test_fake_worlds_one_after_another_leave_the_excepthook_as_it_was():
     with pytest.raises(RuntimeError, match="in the world"), fake_world(MESH):
         raise RuntimeError("in the world")
     assert sys.excepthook is before
+
+
+def test_a_fake_world_quiets_dtensors_two_collectives_note_and_restores_it():
+    """DTensor logs a warning (once per mesh) when a reduction over two mesh dims takes two
+    collectives; under a traced layout it reached suggest's output as a '[rank0]:W...'
+    line. Quiet inside the world, as it was after."""
+    import logging
+
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    assert log.isEnabledFor(logging.WARNING)
+    with fake_world(MESH):
+        assert not log.isEnabledFor(logging.WARNING)
+    assert log.isEnabledFor(logging.WARNING)
