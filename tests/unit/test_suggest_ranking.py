@@ -183,3 +183,25 @@ def test_a_pipeline_plan_takes_the_micro_batches_that_shrink_its_bubble():
         _c(pp=2, dp_shard=2, schedule="1F1B", microbatches=2)
     )
     assert predicted.bubble_fraction < default.bubble_fraction / 2
+
+
+def test_equal_step_times_go_fewest_flags_first_then_least_memory():
+    """A model so small that its step is latency predicts every setting of a layout at the
+    same time: the plain run (no checkpointing, one micro-batch) goes first, not the one
+    that needs least memory (llama3-debug on 4 GPUs was offered ac=full, 2 micro-batches);
+    among equal flags, least memory; a faster setting still wins whatever its flags."""
+    mesh = {"dp_replicate": 4}
+    plain = _c(**mesh)
+    full = _c(**mesh, ac="full")
+    full_mb = _c(**mesh, ac="full", microbatches=2)
+    ranked, _, _ = _rank(
+        [(full_mb, _p(1.0, memory=1)), (full, _p(1.0, memory=2)), (plain, _p(1.0, memory=3))],
+        top=3,
+        settings=True,
+    )
+    assert [(c.ac, c.microbatches) for c, _ in ranked] == [("none", 1), ("full", 1), ("full", 2)]
+    op_small, op_large = _c(**mesh, ac="op"), _c(**mesh, ac="full")
+    ranked, _, _ = _rank([(op_large, _p(1.0, 9)), (op_small, _p(1.0, 5))], top=2, settings=True)
+    assert [c.ac for c, _ in ranked] == ["op", "full"]  # equal flags: least memory first
+    ranked, _, _ = _rank([(plain, _p(1.0)), (full_mb, _p(0.999))], top=2, settings=True)
+    assert ranked[0][0] is full_mb  # faster, if only just

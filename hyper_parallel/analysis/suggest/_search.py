@@ -196,10 +196,18 @@ def _simplicity_text(c: Candidate, needs: _Needs) -> str:
 Scored = tuple[Candidate, Prediction]
 
 
+def _flags(c: Candidate) -> int:
+    """How many of a plan's settings differ from the plain run: checkpointing, micro-batches
+    beyond one per stage's need (pp's schedule sets its own), sequence parallelism."""
+    return (c.ac != "none") + (c.pp == 1 and c.microbatches > 1) + bool(c.sp)
+
+
 def _order(items: list[Scored], needs: _Needs) -> tuple[list[Scored], int]:
     """``items`` fastest first, except that those within :data:`TOLD_APART` of the
-    fastest go simplest first (:func:`_simplicity`, then time); and how many that is."""
-    items = sorted(items, key=lambda cp: (cp[1].step_s, cp[1].memory_bytes_per_gpu))
+    fastest go simplest first (:func:`_simplicity`, then time); and how many that is.
+    Equal times (a model so small that its step is latency) go fewest flags first
+    (:func:`_flags`: no checkpointing, one micro-batch, no sp), then least memory."""
+    items = sorted(items, key=lambda cp: (cp[1].step_s, _flags(cp[0]), cp[1].memory_bytes_per_gpu))
     fastest = items[0][1].step_s
     band = [x for x in items if x[1].step_s <= fastest * TOLD_APART]
     band.sort(key=lambda cp: (_simplicity(cp[0], needs), cp[1].step_s))
