@@ -390,6 +390,7 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
         pipeline_split=args.pipeline_split,
         stages_per_rank=args.stages_per_rank,
         compile=args.compile,
+        reduce_each_microbatch=bool(getattr(args, "reduce_each_microbatch", False)),
         **switches,
     )
 
@@ -618,8 +619,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         raise _UsageError(str(e)) from None
     report.model = subject.name
-    if subject.run is not None:  # the run plan's errors are the gate: every one reported
-        report.findings += [f for f in subject.run.errors if f not in report.findings]
+    if subject.run is not None:  # the run plan's findings (its errors are the gate): every one
+        report.findings += [f for f in subject.run.findings if f not in report.findings]
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=1))
     else:

@@ -2,7 +2,8 @@
 
 :class:`~hyper_parallel.distributed.run_plan.RunPlan` asks these once per run (the
 trainer's gate, ``validate``, ``plan``, ``suggest``): the switches against the mesh
-(:func:`switch_findings`, :func:`compile_findings`, :func:`accumulation_findings`),
+(:func:`switch_findings`, :func:`compile_findings`, :func:`accumulation_findings`;
+warnings for switches the run would not use: :func:`unused_switch_findings`),
 the model's sharding against the mesh (:func:`model_findings`), the sequence against
 the model's positions (:func:`position_findings`) and the pipeline plan
 (:func:`pipeline_plan_findings`, :func:`schedule_findings`). :func:`raise_findings` turns
@@ -44,6 +45,7 @@ __all__ = [
     "schedule_findings",
     "sharded_subject",
     "switch_findings",
+    "unused_switch_findings",
 ]
 
 
@@ -93,6 +95,87 @@ def accumulation_findings(
             f"that is a multiple of {dp * num_microbatches} (dp x micro-batches).",
         )
     ]
+
+
+def unused_switch_findings(
+    layout: MeshLayout,
+    *,
+    schedule: str = "1F1B",
+    stages_per_rank: int | None = None,
+    pipeline_split: Any = None,
+    num_microbatches: int = 1,
+    reduce_each_microbatch: bool = False,
+) -> list[Finding]:
+    """Switches this run would not use: warnings (the run starts; nothing is changed).
+
+    A flag should mean one thing; one that means nothing here is said, not silently
+    dropped: pipeline switches without a ``pp`` axis (``schedule`` other than torch's
+    default 1F1B, ``stages_per_rank``, ``pipeline_split``), and
+    ``reduce_each_microbatch`` where no micro-batch's gradients are reduced apart — under
+    ``pp`` (torch's schedule reduces every stage's gradients once per step), with one
+    micro-batch, or with no data axis to reduce over (dp_replicate x dp_shard x cp = 1).
+
+    Example:
+        >>> from hyper_parallel.distributed import MeshLayout
+        >>> [f.field for f in unused_switch_findings(MeshLayout(tp=2), schedule="GPipe")]
+        ['schedule']
+    """
+    out: list[Finding] = []
+    if layout.pp == 1:
+        given = [
+            ("schedule", f"schedule={schedule!r}", "--schedule", schedule != "1F1B"),
+            (
+                "stages_per_rank",
+                f"stages_per_rank={stages_per_rank}",
+                "--stages-per-rank",
+                stages_per_rank is not None,
+            ),
+            ("pipeline_split", "a pipeline_split", "--pipeline-split", pipeline_split is not None),
+        ]
+        for field, what, flag, on in given:
+            if on:
+                out.append(
+                    Finding(
+                        "warning",
+                        "switches",
+                        field,
+                        f"{what} shapes a pipeline, but the mesh has no pp axis (pp=1): the "
+                        "run has no pipeline and does not use it.",
+                        f"drop {flag}, or add a pp axis to the mesh (e.g. pp=2).",
+                    )
+                )
+    if not reduce_each_microbatch:
+        return out
+    if layout.pp > 1:
+        why = (
+            "applies to gradient accumulation at pp=1; under pp the schedule runs the "
+            "micro-batches and reduces each stage's gradients once per step"
+        )
+        fix = "drop --reduce-each-microbatch (the pipeline reduces once per step)."
+    elif num_microbatches == 1:
+        why = "reduces each accumulated micro-batch's gradients, but the step has one micro-batch"
+        fix = (
+            "accumulate with --microbatches N (N > 1, dividing each data-parallel rank's "
+            "batch), or drop --reduce-each-microbatch."
+        )
+    elif layout.size("loss") == 1:
+        why = (
+            "reduces each micro-batch's gradients over the data axes, but the mesh has none "
+            "(dp_replicate x dp_shard x cp = 1)"
+        )
+        fix = "drop --reduce-each-microbatch, or add a data axis (dp_shard, dp_replicate or cp)."
+    else:
+        return out
+    out.append(
+        Finding(
+            "warning",
+            "switches",
+            "reduce_each_microbatch",
+            f"reduce_each_microbatch {why}, so the run does not use it.",
+            fix,
+        )
+    )
+    return out
 
 
 def switch_findings(

@@ -86,6 +86,7 @@ from hyper_parallel.distributed.run_checks import (
     pipeline_plan_findings,
     position_findings,
     sharded_subject,
+    unused_switch_findings,
 )
 from hyper_parallel.distributed.run_checks import raise_findings as raise_findings
 from hyper_parallel.distributed.run_checks import schedule_findings as schedule_findings
@@ -256,7 +257,8 @@ class RunPlan:
                 ``dtype``, ``fsdp``, ``schedule``, ``num_microbatches``,
                 ``batch_size`` (sequences per data-parallel rank), ``seq_len``,
                 ``global_batch_size`` (sequences per step over all data ranks),
-                ``pipeline_split`` (a split or its dict form), ``stages_per_rank``.
+                ``pipeline_split`` (a split or its dict form), ``stages_per_rank``,
+                ``reduce_each_microbatch`` (a warning where the run would not use it).
 
         Raises:
             ValueError: A switch with a bad value (a choice error); problems of the run
@@ -377,6 +379,7 @@ class RunPlan:
         pipeline_split: PipelineSplit | Mapping[str, Any] | None = None,
         stages_per_rank: int | None = None,
         global_batch_size: int | None = None,
+        reduce_each_microbatch: bool = False,
     ) -> RunPlan:
         check_ac_mode(ac)
         precision.check_dtype(dtype)
@@ -476,6 +479,14 @@ class RunPlan:
             findings += found
         elif layout.pp == 1:
             findings += accumulation_findings(num_microbatches, batch_size, layout)
+        findings += unused_switch_findings(
+            layout,
+            schedule=schedule,
+            stages_per_rank=stages_per_rank,
+            pipeline_split=pipeline_split,
+            num_microbatches=num_microbatches,
+            reduce_each_microbatch=reduce_each_microbatch,
+        )
         num_blocks = None
         field = _blocks_field(family, pipeline_layout)
         if model is not None and field is not None:

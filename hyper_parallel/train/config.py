@@ -334,6 +334,7 @@ def run_plan(
         seq_len=cfg.seq_len,
         pipeline_split=cfg.pipeline_split,
         stages_per_rank=cfg.stages_per_rank,
+        reduce_each_microbatch=cfg.reduce_each_microbatch,
     )
 
 

@@ -169,6 +169,33 @@ def batches_per_epoch(data: Any) -> int:
     return max(1, (len(data.tokens) - 1) // data.span)
 
 
+def step_line(cfg: Any, run: Any) -> str | None:
+    """How a step runs its batch, when it is more than one forward and backward: the
+    pipeline schedule and its stages, or gradient accumulation and when gradients are
+    reduced. ``None`` for one forward of each data-parallel rank's batch."""
+    layout = run.layout
+    microbatches = run.num_microbatches
+    per_rank = cfg.batch_size // layout.size("batch")
+    size = per_rank // max(1, microbatches)
+    each = f"{microbatches} micro-batches of {size} sequence(s) per data-parallel rank"
+    if layout.pp > 1 and run.pipeline is not None:
+        stages = len(run.pipeline.stages)
+        reduced = "reduced once per step" if layout.size("loss") > 1 else "summed over them"
+        return (
+            f"step: {run.schedule} pipeline over pp={layout.pp}, {stages} stages "
+            f"({stages // layout.pp} per rank), {each}; gradients {reduced}"
+        )
+    if microbatches == 1:
+        return None
+    if layout.size("loss") == 1:
+        when = "gradients summed over them"
+    elif cfg.reduce_each_microbatch:
+        when = "gradients reduced after each (--reduce-each-microbatch), accumulated sharded"
+    else:
+        when = "gradients reduced once, after the last"
+    return f"step: gradient accumulation, {each}, run in turn; {when}"
+
+
 def lr_line(cfg: Any, done: int) -> str:
     """The start summary's ``lr:`` line: the rates the run's steps get.
 
@@ -209,6 +236,8 @@ class RunReport:
         self.epoch = trainer.data.epoch
         self.eval_data: Any = None
         self.held_out = 0
+        # What the run plan warns of (switches the run does not use): said at the start.
+        self.notes += [f"note: {f}" for f in trainer.run.findings if f.severity == "warning"]
         if cfg.eval_data:
             self.eval_data = _eval_stream(cfg, trainer)
         elif cfg.eval_split:
@@ -289,6 +318,8 @@ class RunReport:
             extras.append(f"ac {cfg.ac}")
         if cfg.sp:
             extras.append("sp")
+        if cfg.compile:
+            extras.append(f"compiled ({cfg.compile_backend})")
         lines.append(
             f"mesh: {cfg.layout.describe()} ({ranks} rank(s) on {t.device.type}), "
             + ", ".join(extras)
@@ -310,6 +341,9 @@ class RunReport:
             f"sequences x {cfg.seq_len} tokens = {remaining * data.span:,} tokens, "
             f"{passes:.2f} pass(es) over the data{wrap}"
         )
+        step = step_line(cfg, t.run)
+        if step:
+            lines.append(step)
         lines.append(lr_line(cfg, t.step))
         if cfg.checkpoint_dir:
             every = f"every {cfg.checkpoint_every} steps and " if cfg.checkpoint_every else ""

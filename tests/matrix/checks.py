@@ -55,6 +55,8 @@ def validate_argv(cfg: dict[str, Any]) -> list[str]:
         argv += ["--schedule", cfg["schedule"]]
     if cfg.get("microbatches") is not None:
         argv += ["--microbatches", str(cfg["microbatches"])]
+    if cfg.get("reduce_each_microbatch"):
+        argv.append("--reduce-each-microbatch")
     if cfg.get("compile"):
         argv.append("--compile")
     if cfg.get("ac", "none") != "none":
@@ -68,7 +70,8 @@ def validate_argv(cfg: dict[str, Any]) -> list[str]:
 
 def plan_argv(cfg: dict[str, Any]) -> list[str] | None:
     """``hyper-parallel plan`` arguments for ``cfg`` (its ``--batch`` is one micro-batch's
-    sequences); ``None`` when the trainer's batch is not a whole number of them."""
+    sequences, with and without pp); ``None`` when the trainer's batch is not a whole
+    number of them."""
     from hyper_parallel.distributed.run_plan import default_num_microbatches
 
     argv = validate_argv(cfg)
@@ -79,10 +82,9 @@ def plan_argv(cfg: dict[str, Any]) -> list[str] | None:
     )
     at = argv.index("--batch") + 1
     per_rank = int(argv[at])
-    if pp > 1:
-        if per_rank % microbatches:
-            return None
-        per_rank //= microbatches
+    if per_rank % microbatches:
+        return None
+    per_rank //= microbatches
     argv[at] = str(per_rank)
     return [*argv, "--dtype", cfg.get("dtype", "fp32"), "--ac", cfg.get("ac", "none")]
 
@@ -108,6 +110,8 @@ def suggest_argv(cfg: dict[str, Any], world_size: int) -> list[str]:
     argv += ["--schedule", schedule, "--microbatches", str(microbatches)]
     if cfg.get("sp"):
         argv.append("--sp")
+    if cfg.get("reduce_each_microbatch"):
+        argv.append("--reduce-each-microbatch")
     if cfg.get("compile"):
         argv.append("--compile")
     if cfg.get("pipeline_split") is not None:

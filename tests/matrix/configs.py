@@ -1,17 +1,20 @@
 """The run configurations of the matrix: every switch, reduced by a pairwise covering array.
 
 Switches (:data:`SWITCHES`): the model family, the pipeline (``pp=1``, or ``pp=2`` with
-each of the five schedules), micro-batches, stages per rank, dp_replicate, dp_shard,
-cp, tp, sequence parallelism, ep, dtype, activation checkpointing and compile. The
+each of the five schedules), micro-batches (the pipeline's under ``pp=2``, gradient
+accumulation at ``pp=1``), reducing each accumulated micro-batch's gradients, stages per
+rank, dp_replicate, dp_shard, cp, tp, sequence parallelism, ep, dtype, activation
+checkpointing and compile. The
 schedule is one switch with ``pp`` (a schedule only means something at ``pp=2``), so
 "every schedule with every data axis" is a pair the covering array holds.
 
 Constraints (:func:`allowed`) keep rows that are *runs someone would ask for*, not
 rows a one-line rule already refuses: 4 ranks exactly (pp x dp_replicate x dp_shard
 x cp x tp), ``sp`` only with ``tp=2``, ``ep=2`` only for the mixture of experts and
-with ranks to borrow (dp_shard x cp x tp >= 2), stages per rank and micro-batches
-other than the default only with ``pp=2``, one stage per rank for GPipe and 1F1B and
-two for the others. Each rule left out this way has a probe in :data:`PROBES`. Whatever
+with ranks to borrow (dp_shard x cp x tp >= 2), stages per rank other than the default
+only with ``pp=2``, one stage per rank for GPipe and 1F1B and two for the others,
+``reduce_each`` only where it means something (accumulation at ``pp=1`` over a data
+axis FSDP2 reduces on). Each rule left out this way has a probe in :data:`PROBES`. Whatever
 the run plan then refuses among them (a schedule against a stage count, ep with a
 split backward, ...) is a refusal the matrix checks is given before any rank builds.
 :data:`EIGHT_RANKS` adds a few 8-rank runs.
@@ -50,6 +53,7 @@ SWITCHES: dict[str, tuple[Any, ...]] = {
     "family": ("llama3-debug", "qwen3-debug", "qwen3-moe-debug"),
     "pipeline": PIPELINES,
     "microbatches": ("default", 2, 4),
+    "reduce_each": (False, True),
     "stages_per_rank": ("default", 1, 2),
     "dp_replicate": (1, 2),
     "dp_shard": (1, 2),
@@ -89,11 +93,17 @@ def allowed(row: Mapping[str, Any]) -> bool:
     if row.get("ep") == 2 and row.get("dp_shard", 2) * row.get("cp", 2) * row.get("tp", 2) < 2:
         return False  # ep borrows ranks from dp_shard x cp x tp
     pipeline, spr = row.get("pipeline"), row.get("stages_per_rank", "default")
-    if pipeline == "pp1":
-        if spr != "default":
+    if row.get("reduce_each") is True:
+        # Reducing each micro-batch means something for accumulation at pp=1, over a
+        # data axis FSDP2 reduces on (pp's schedule reduces once per step itself).
+        if pipeline not in (None, "pp1") or row.get("microbatches") == "default":
             return False
-        if row.get("microbatches", "default") != "default":
+        if all(a in row for a in ("dp_replicate", "dp_shard", "cp")) and (
+            row["dp_replicate"] * row["dp_shard"] * row["cp"] == 1
+        ):
             return False
+    if pipeline == "pp1" and spr != "default":
+        return False
     # A stage count the schedule runs: one stage per rank for GPipe and 1F1B, several
     # for the interleaved and V schedules.
     if pipeline in ("GPipe", "1F1B") and spr == 2:
@@ -154,6 +164,8 @@ class Config:
                 out["stages_per_rank"] = s["stages_per_rank"]
         if s["microbatches"] != "default":
             out["microbatches"] = s["microbatches"]
+        if s.get("reduce_each"):
+            out["reduce_each_microbatch"] = True
         if s["family"] == "qwen3-moe-debug":
             # The balance loss on, so its gradients through every axis are compared too.
             out["model_overrides"] = {"aux_loss_coef": 0.1}
@@ -169,6 +181,8 @@ class Config:
             parts.append(f"spr={s['stages_per_rank']}")
         elif s["microbatches"] != "default":
             parts.append(f"mb={s['microbatches']}")
+            if s.get("reduce_each"):
+                parts.append("reduce-each")
         parts += [
             s["dtype"],
             f"ac={s['ac']}",
@@ -185,6 +199,7 @@ def covering(seed: int = SEED) -> Covering:
 
 _EIGHT_BASE = dict(
     microbatches="default",
+    reduce_each=False,
     stages_per_rank="default",
     sp=False,
     ep=1,

@@ -240,3 +240,47 @@ def test_the_cp_and_ep_gradient_convention_is_decided_once() -> None:
     assert cp.loss_divisor == 2 and cp.gradient_divide_factor == 4.0
     plain = RunPlan.for_model(LLAMA, MeshLayout.parse("dp_shard=2,tp=2"))
     assert plain.loss_divisor == 1 and plain.gradient_divide_factor is None
+
+
+UNUSED = (
+    # (mesh, switches, the fields warned of): switches this run would not use.
+    ("dp_shard=2", {"schedule": "GPipe"}, ["schedule"]),
+    ("dp_shard=2", {"stages_per_rank": 2, "pipeline_split": {"units_per_stage": 2}},
+     ["stages_per_rank", "pipeline_split"]),
+    ("pp=2,dp_shard=2", {"reduce_each_microbatch": True}, ["reduce_each_microbatch"]),
+    ("dp_shard=2", {"reduce_each_microbatch": True}, ["reduce_each_microbatch"]),
+    ("tp=2", {"reduce_each_microbatch": True, "num_microbatches": 2}, ["reduce_each_microbatch"]),
+    # Where they mean something: nothing to say.
+    ("pp=2,dp_shard=2", {"schedule": "GPipe", "stages_per_rank": 1}, []),
+    ("dp_shard=2", {"reduce_each_microbatch": True, "num_microbatches": 2}, []),
+    ("dp_replicate=2,cp=2", {"reduce_each_microbatch": True, "num_microbatches": 2}, []),
+    ("dp_shard=2", {"schedule": "1F1B"}, []),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(("mesh", "switches", "fields"), UNUSED)
+def test_a_switch_the_run_does_not_use_is_a_warning_every_gate_gives(
+    mesh: str, switches: dict, fields: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flag means one thing: where the run would not use it, the run plan says so (a
+    warning: the run starts) — the trainer's start summary and ``validate`` alike."""
+    layout = MeshLayout.parse(mesh)
+    run = RunPlan.for_model(LLAMA, layout, batch_size=4, **switches)
+    assert run.ok
+    assert [f.field for f in run.findings if f.severity == "warning"] == fields
+    argv = ["validate", "--model", LLAMA, "--mesh", mesh, "--batch", "4", "--format", "json"]
+    flags = {"schedule": "--schedule", "stages_per_rank": "--stages-per-rank",
+             "num_microbatches": "--microbatches"}  # fmt: skip
+    for key, value in switches.items():
+        if key == "reduce_each_microbatch":
+            argv.append("--reduce-each-microbatch")
+        elif key == "pipeline_split":
+            argv += ["--pipeline-split", json.dumps(value)]
+        else:
+            argv += [flags[key], str(value)]
+    assert main(argv) == 0
+    reported = json.loads(capsys.readouterr().out)["findings"]
+    warned = [
+        f["field"] for f in reported if f["severity"] == "warning" and f["path"] == "switches"
+    ]
+    assert warned == fields

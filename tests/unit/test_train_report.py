@@ -263,3 +263,51 @@ def test_eval_split_holds_out_the_last_share_of_the_data(tmp_path, capsys):
         Trainer(cfg.replace(eval_split=0.99), device="cpu")
     with pytest.raises(ValueError, match=r"--eval-split 1.5 must be between 0 and 1"):
         cfg.replace(eval_split=1.5)
+
+
+# ---------------------------------------------------------------------- how a step runs
+
+
+def test_the_summary_says_how_a_step_runs_its_batch_and_what_it_does_not_use(capsys):
+    cfg = TrainConfig(steps=1, microbatches=2, schedule="GPipe", **{**TINY, "batch_size": 4})
+    Trainer(cfg, device="cpu").fit()
+    out = capsys.readouterr().out
+    assert (
+        "step: gradient accumulation, 2 micro-batches of 2 sequence(s) per data-parallel rank, "
+        "run in turn; gradients summed over them" in out
+    )
+    assert (
+        "note: switches: schedule: schedule='GPipe' shapes a pipeline, but the mesh has no pp "
+        "axis (pp=1): the run has no pipeline and does not use it." in out
+    )
+    # One forward of the batch: no step line, no note.
+    Trainer(TrainConfig(steps=1, **TINY), device="cpu").fit()
+    out = capsys.readouterr().out
+    assert "step:" not in out.replace("step    ", "") and "note:" not in out
+
+
+def test_the_step_line_of_a_pipeline_and_of_accumulation_over_data_ranks():
+    from hyper_parallel.train.config import run_plan
+    from hyper_parallel.train.report import step_line
+
+    cfg = TrainConfig(mesh={"pp": 2, "dp_shard": 2}, schedule="Interleaved1F1B", batch_size=8)
+    # Two stages per rank (the schedule's default): 4 stages, 4 micro-batches of 4 / 4.
+    assert step_line(cfg, run_plan(cfg)) == (
+        "step: Interleaved1F1B pipeline over pp=2, 4 stages (2 per rank), 4 micro-batches of "
+        "1 sequence(s) per data-parallel rank; gradients reduced once per step"
+    )
+    cfg = TrainConfig(mesh={"dp_shard": 2}, microbatches=2, batch_size=8)
+    assert step_line(cfg, run_plan(cfg)) == (
+        "step: gradient accumulation, 2 micro-batches of 2 sequence(s) per data-parallel rank, "
+        "run in turn; gradients reduced once, after the last"
+    )
+    cfg = cfg.replace(reduce_each_microbatch=True)
+    assert step_line(cfg, run_plan(cfg)).endswith(
+        "gradients reduced after each (--reduce-each-microbatch), accumulated sharded"
+    )
+    assert step_line(cfg.replace(microbatches=1), run_plan(cfg.replace(microbatches=1))) is None
+    cfg = TrainConfig(mesh={"pp": 2}, batch_size=8)  # no data axis: nothing is reduced
+    assert step_line(cfg, run_plan(cfg)) == (
+        "step: 1F1B pipeline over pp=2, 2 stages (1 per rank), 2 micro-batches of 4 "
+        "sequence(s) per data-parallel rank; gradients summed over them"
+    )
