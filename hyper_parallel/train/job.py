@@ -82,6 +82,16 @@ def _convert(where: str, key: str, value: Any, kwargs: dict[str, Any]) -> Any:
         if not ok:
             raise ValueError(f"{where}: {key} = {value!r}: expected a number ({kind.__name__}).")
         value = kind(value)
+    elif kind is None and not isinstance(value, str):
+        # A name or a path: a table here is most often a torchtitan-style [section].
+        flat = (
+            " A job file is flat: options at the top level, not in [sections]."
+            if isinstance(value, dict)
+            else ""
+        )
+        raise ValueError(
+            f'{where}: {key} = {value!r}: expected a string (e.g. {key} = "...").{flat}'
+        )
     elif kind is not None and isinstance(value, str):
         try:
             value = kind(value)
@@ -133,9 +143,16 @@ def load_job_file(path: str, options: Options) -> dict[str, Any]:
             close = [RENAMED[key]] if key in RENAMED else []
             close = close or difflib.get_close_matches(key, names, n=1)
             hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        sections = [k for k in unknown if isinstance(raw[k], dict)]
+        flat = (
+            f" [{sections[0]}] is a section: a job file is flat, its options at the top level "
+            f"(e.g. {next(iter(raw[sections[0]]), 'steps')} = ... before any [section])."
+            if sections
+            else ""
+        )
         raise ValueError(
             f"{where}: unknown option(s) {', '.join(hints)}; keys are the long option names "
-            "without dashes (python -m hyper_parallel.train.run --help lists them)."
+            f"without dashes (python -m hyper_parallel.train.run --help lists them).{flat}"
         )
     return values
 

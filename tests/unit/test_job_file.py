@@ -50,6 +50,12 @@ def test_a_job_file_holds_the_run_options_and_flags_override_it(tmp_path):
         ('lr-schedule = "cosin"\n', r"lr-schedule = 'cosin': choose one of cosine, linear"),
         ("sp = 1\n", r"sp = 1: expected true or false"),
         ("steps = \n", r"not valid TOML"),
+        # Names and paths are strings (these raised a TypeError from deep in the trainer).
+        ("checkpoint-dir = 5\n", r"checkpoint-dir = 5: expected a string"),
+        ('model = ["llama3-8b"]\n', r"model = \['llama3-8b'\]: expected a string"),
+        # torchtitan-style sections: said to be sections, the file flat.
+        ('[model]\nname = "llama3"\n', r"model = \{'name': 'llama3'\}: expected a string.* flat"),
+        ("steps = 1\n[training]\nlr = 0.1\n", r"'training'.*\[training\] is a section.*lr = "),
     ],
 )
 def test_bad_job_files_name_the_key_and_the_fix(tmp_path, text, message):
