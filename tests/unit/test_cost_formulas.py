@@ -522,6 +522,16 @@ def test_suggest_with_a_fixed_mesh_scores_only_that_mesh():
             global_batch_tokens=8 * SEQ,
             mesh={"dp_shard": 8},
         )
+    # The mesh as the command line gives it (every axis): named by its axes of size > 1.
+    with pytest.raises(ValueError, match=r"--mesh tp=8 has 8 ranks, not --gpus 4;"):
+        suggest(
+            DEBUG,
+            gpus=4,
+            gpu="h100-80gb",
+            seq_len=SEQ,
+            global_batch_tokens=8 * SEQ,
+            mesh={"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 8, "ep": 1},
+        )
 
 
 # ----------------------------------------------------------------------------- published

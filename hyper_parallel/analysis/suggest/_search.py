@@ -352,7 +352,8 @@ def _fixed_mesh(mesh: Mapping[str, int] | None, gpus: int) -> dict[str, int] | N
     world = out["pp"] * out["dp_replicate"] * out["dp_shard"] * out["cp"] * out["tp"]
     if world != gpus:
         raise ValueError(
-            f"suggest: --mesh {','.join(f'{a}={v}' for a, v in named.items())} has {world} "
+            f"suggest: --mesh {','.join(f'{a}={v}' for a, v in named.items() if v > 1) or 'dp=1'} "
+            f"has {world} "
             f"ranks, not --gpus {gpus}; make pp x dp_replicate x dp_shard x cp x tp = {gpus}."
         )
     return out
