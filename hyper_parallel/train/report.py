@@ -169,6 +169,23 @@ def batches_per_epoch(data: Any) -> int:
     return max(1, (len(data.tokens) - 1) // data.span)
 
 
+def _rate_runs(rates: list[tuple[int, float]]) -> str:
+    """``"step 3 runs at 3.00e-03, steps 4-5 at 3.00e-04"``: consecutive steps of the
+    same rate (as printed) said once."""
+    runs: list[list[Any]] = []
+    for step, rate in rates:
+        text = f"{rate:.2e}"
+        if runs and runs[-1][2] == text:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step, text])
+    parts = [f"step {a}" if a == b else f"steps {a}-{b}" for a, b, _ in runs]
+    verbs = ["runs at" if a == b else "run at" for a, b, _ in runs]
+    said = [f"{parts[0]} {verbs[0]} {runs[0][2]}"]
+    said += [f"{p} at {r[2]}" for p, r in zip(parts[1:], runs[1:], strict=True)]
+    return ", ".join(said)
+
+
 def step_line(cfg: Any, run: Any) -> str | None:
     """How a step runs its batch, when it is more than one forward and backward: the
     pipeline schedule and its stages, or gradient accumulation and when gradients are
@@ -287,12 +304,11 @@ class RunReport:
         saved = int(saved)
         if saved != cfg.steps:
             t.cfg = dataclasses.replace(cfg, lr_schedule_steps=saved)
-            # Step k (1-based) runs at lr_at(k - 1): past the schedule's end, at min_lr.
-            rate = t.cfg.lr_at(saved)
-            if cfg.steps > saved + 1:
-                tail = f"; steps {saved + 1}-{cfg.steps}, past its end, run at {rate:.2e}"
-            elif cfg.steps == saved + 1:
-                tail = f"; step {cfg.steps}, past its end, runs at {rate:.2e}"
+            # Step k (1-based) runs at lr_at(k - 1): past the schedule's end, at min_lr
+            # (after the warm-up, where the warm-up is longer than the schedule).
+            if cfg.steps > saved:
+                rates = [(k, t.cfg.lr_at(k - 1)) for k in range(saved + 1, cfg.steps + 1)]
+                tail = f"; past its end, {_rate_runs(rates)}"
             else:
                 tail = f"; step {cfg.steps} runs at {t.cfg.lr_at(cfg.steps - 1):.2e}"
             self.notes.append(

@@ -130,12 +130,46 @@ def test_the_lr_line_names_the_rates_the_optimizer_steps_at(tmp_path, capsys, sc
     resumed.fit()
     out = capsys.readouterr().out
     note = next(x for x in out.splitlines() if "keeps the" in x)
-    rate = float(re.search(r"steps 7-8, past its end, run at (\S+?)[; (]", note).group(1))
+    rate = float(re.search(r"past its end, steps 7-8 run at (\S+?)[; (]", note).group(1))
     assert rate == pytest.approx(got[7], rel=5e-3) and got[7] == got[8], (note, got)
     for step, said_rate in _rates_said(
         next(x for x in out.splitlines() if x.startswith("lr: "))
     ).items():
         assert said_rate == pytest.approx(got[step], rel=5e-3)
+
+
+def _note_rates(note):
+    """``{step: rate}`` of every "step K runs at R" / "steps K-L at R" in a resume note."""
+    out = {}
+    for a, b, rate in re.findall(
+        r"steps? (\d+)(?:-(\d+))? (?:runs? )?at (\d\.\d\de[-+]\d\d)", note
+    ):
+        for k in range(int(a), int(b or a) + 1):
+            out[k] = float(rate)
+    return out
+
+
+@pytest.mark.parametrize(("steps", "warmup", "more"), [(2, 3, 4), (3, 3, 5), (6, 1, 8)])
+def test_a_resume_note_names_each_steps_rate_past_the_schedule(
+    tmp_path, capsys, steps, warmup, more
+):
+    """A warm-up longer than the schedule goes on warming past its end: the note says the
+    rate every resumed step gets (it said 'steps 3-4, past its end, run at 3.00e-03' where
+    step 4 ran at 3.00e-04)."""
+    cfg = TrainConfig(steps=steps, warmup_steps=warmup, checkpoint_dir=str(tmp_path), **TINY)
+    Trainer(cfg, device="cpu").fit()
+    capsys.readouterr()
+    resumed = Trainer(cfg.replace(steps=more, resume=True), device="cpu")
+    got = {}
+    resumed.step_callback = lambda step, loss: got.setdefault(
+        step, resumed.optimizer.param_groups[0]["lr"]
+    )
+    resumed.fit()
+    note = next(x for x in capsys.readouterr().out.splitlines() if "keeps the" in x)
+    said = _note_rates(note.split("past its end, ")[1])
+    assert set(said) == set(range(steps + 1, more + 1)) == set(got), note
+    for step, rate in said.items():
+        assert rate == pytest.approx(got[step], rel=5e-3), (note, got)
 
 
 # ---------------------------------------------------------------------- summary and events
