@@ -20,6 +20,7 @@ checked as ``train`` checks them, the mesh against nodes x GPUs per node).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -169,8 +170,11 @@ def build_parser(prog: str = "hyper-parallel launch") -> argparse.ArgumentParser
     return parser
 
 
-def _check_train_options(train_args: list[str], world_size: int) -> str | None:
-    """What is wrong with the train options on ``world_size`` ranks, or ``None``."""
+def _check_train_options(
+    train_args: list[str], world_size: int, gpus_per_node: int = 1
+) -> str | None:
+    """What is wrong with the train options on ``world_size`` ranks, or ``None``; a mesh
+    of another size is told the nodes it needs (``--nodes``), not a one-node torchrun."""
     import contextlib
     import io
 
@@ -192,6 +196,20 @@ def _check_train_options(train_args: list[str], world_size: int) -> str | None:
     except ValueError as e:
         return str(e)
     problems = check_config(cfg, world_size)
+    needed = cfg.layout.world_size
+    if needed != world_size:
+        nodes = f"--nodes {needed // gpus_per_node}" if needed % gpus_per_node == 0 else None
+        launch = (
+            f"{needed} ranks: {nodes} --gpus-per-node {gpus_per_node}."
+            if nodes
+            else f"{needed} ranks on nodes of a size that divides it."
+        )
+        problems = [
+            dataclasses.replace(f, fix=f"{f.fix.split(', or launch ')[0]}, or launch {launch}")
+            if "but the world has" in f.message
+            else f
+            for f in problems
+        ]
     if problems:
         lines = "\n".join(f"  {f}" for f in problems)
         return f"{len(problems)} problem(s) on {world_size} ranks:\n{lines}"
@@ -208,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, train_args = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     world_size = args.nodes * args.gpus_per_node
-    problem = _check_train_options(train_args, world_size)
+    problem = _check_train_options(train_args, world_size, args.gpus_per_node)
     if problem is not None:
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2

@@ -144,6 +144,8 @@ def test_launch_carries_a_job_file_and_checks_it(capsys, tmp_path) -> None:
     )
     assert code == 2 and out == ""
     assert "dp_shard=2,tp=4" in err and "8 ranks" in err and "the world has 4" in err
+    # The fix is in nodes (not a one-node 'torchrun --nproc-per-node 8').
+    assert "launch 8 ranks: --nodes 4 --gpus-per-node 2." in err and "nproc" not in err
     # A misspelt train option: the trainer's error, once.
     code, out, err = _run(capsys, "launch", "--nodes", "2", "--gpus-per-node", "2", "--stepz", "3")
     assert code == 2 and out == ""
