@@ -157,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--chart",
         metavar="PNG",
+        type=_chart_path,
         help="also draw per-rank memory (per stage with pp) and, with pp, the schedule's "
         "timeline per rank to this PNG file",
     )
@@ -523,6 +524,12 @@ def _plan(args: argparse.Namespace) -> int:
             print(prediction_text(predicted))
     _plan_chart(args, report.to_dict())
     return 0
+
+
+def _chart_path(text: str) -> str:
+    from hyper_parallel.analysis.charts import chart_path
+
+    return chart_path(text)
 
 
 def _plan_chart(args: argparse.Namespace, out: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plan_chart", "suggest_chart"]
+__all__ = ["chart_path", "plan_chart", "suggest_chart"]
 
 _MEMORY_PARTS = (
     ("params", "parameters", "#4c72b0"),
@@ -32,6 +32,38 @@ _MEMORY_PARTS = (
 _OP_COLORS = {"F": "#4c72b0", "B": "#c44e52", "I": "#dd8452", "W": "#55a868"}
 _OP_NAMES = {"F": "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
 _GIB = 1024**3
+
+
+def chart_path(text: str) -> str:
+    """``argparse`` type of ``--chart``: a path matplotlib can write, checked before any
+    work (a missing matplotlib or an unknown extension was a traceback after the dry
+    run). Its folder is made when the chart is written.
+
+    Raises:
+        argparse.ArgumentTypeError: matplotlib is not installed, or the extension is
+            not a format it writes.
+    """
+    import argparse
+
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise argparse.ArgumentTypeError(
+            "charts need matplotlib: pip install matplotlib (or the 'demo' extra)"
+        ) from None
+    suffix = Path(text).suffix.lower().removeprefix(".")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: matplotlib does not write .{suffix} files; use .png (or one of "
+            f"{', '.join(sorted(formats))})"
+        )
+    return text
+
+
+def _save(fig: Any, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def _pyplot() -> Any:
@@ -90,7 +122,7 @@ def plan_chart(plan: Mapping[str, Any], path: str | Path) -> None:
     if pipeline:
         _timeline(axes[1][0], pipeline, plan.get("bubble_fraction"))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -224,5 +256,5 @@ def suggest_chart(report: Any, path: str | Path) -> None:
     )
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _save(fig, path)
     plt.close(fig)

@@ -69,7 +69,12 @@ def add_suggest_parser(sub: Any) -> None:
         help="with --write-config: the plan to write, by its number (default 1)",
     )
     p.add_argument("--format", choices=("table", "json"), default="table")
-    p.add_argument("--chart", metavar="PNG", help="draw step time vs memory of the candidates")
+    p.add_argument(
+        "--chart",
+        metavar="PNG",
+        type=_chart_path,
+        help="draw step time vs memory of the candidates",
+    )
     p.add_argument(
         "--allow-cross-node-tp", action="store_true", help="also search tp spanning nodes"
     )
@@ -285,6 +290,12 @@ def prediction_text(pred: dict[str, Any]) -> str:
         f"{pred['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * pred['mfu']:.1f}%, "
         f"memory {pred['memory_bytes_per_gpu'] / 2**30:.1f} GiB per GPU"
     )
+
+
+def _chart_path(text: str) -> str:
+    from hyper_parallel.analysis.charts import chart_path
+
+    return chart_path(text)
 
 
 def _chart(args: argparse.Namespace, report: Any) -> None:

@@ -460,6 +460,33 @@ def test_charts_are_written(tmp_path) -> None:
         ]
     )
     assert code == 0 and (tmp_path / "p.png").stat().st_size > 10_000
+    # Into a folder that is not there yet: it is made.
+    assert main(["plan", "--model", "llama3-debug", "--mesh", "dp=2", "--seq", "64",
+                 "--chart", str(tmp_path / "new" / "dir" / "p.png")]) == 0  # fmt: skip
+    assert (tmp_path / "new" / "dir" / "p.png").stat().st_size > 10_000
+
+
+def test_a_chart_matplotlib_cannot_write_is_refused_before_any_work(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """An unknown extension, or no matplotlib: argparse's error, exit 2, nothing written
+    (both were a traceback after the dry run or the search)."""
+    base = ["--model", "llama3-debug", "--seq", "64"]
+    for argv in (
+        ["plan", *base, "--mesh", "dp=2", "--chart", str(tmp_path / "p.txt")],
+        ["suggest", *base, "--gpus", "2", "--gpu", "h100-80gb", "--global-batch-tokens", "128",
+         "--chart", str(tmp_path / "s.doc")],
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --chart:" in err and "matplotlib does not write ." in err, err
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib.backend_bases", None)
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *base, "--mesh", "dp=2", "--chart", str(tmp_path / "p.png")])
+    assert e.value.code == 2 and "charts need matplotlib" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------- states are exact
