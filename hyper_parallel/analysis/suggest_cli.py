@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from typing import Any
@@ -63,6 +64,11 @@ def add_suggest_parser(sub: Any) -> None:
         "top plan (or --pick N's)",
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with --write-config: replace a file that is there (refused otherwise)",
+    )
+    p.add_argument(
         "--pick",
         type=positive_int,
         default=1,
@@ -88,6 +94,23 @@ def run_suggest(args: argparse.Namespace) -> int:
     """Run ``suggest``; returns the exit status."""
     from hyper_parallel.analysis.suggest import DoesNotFit, suggest
 
+    target = args.write_config
+    if target is not None and os.path.exists(target) and not args.overwrite:
+        # Before the search: a job file written by hand is not replaced unasked.
+        kind = "a folder" if os.path.isdir(target) else "a file"
+        print(
+            f"hyper-parallel suggest: error: --write-config {target}: {kind} is there already; "
+            "give another path, or --overwrite to replace it.",
+            file=sys.stderr,
+        )
+        return 2
+    if target is not None and os.path.isdir(target):
+        print(
+            f"hyper-parallel suggest: error: --write-config {target} is a folder; give a file "
+            "path (e.g. job.toml).",
+            file=sys.stderr,
+        )
+        return 2
     try:
         source = _source(args)
         report = suggest(
@@ -150,6 +173,7 @@ def _write_config(args: argparse.Namespace, report: Any) -> int:
         f"{shlex.quote(args.write_config)}"
     )
     text = job_file(train_options(command), comment)
+    os.makedirs(os.path.dirname(args.write_config) or ".", exist_ok=True)
     with open(args.write_config, "w", encoding="utf-8") as f:
         f.write(text)
     print(f"job file of plan {args.pick} written to {args.write_config}", file=sys.stderr)

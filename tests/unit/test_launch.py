@@ -286,6 +286,18 @@ def test_suggest_write_config_writes_the_picked_plans_job_file(capsys, tiny_hf, 
     )  # fmt: skip
     assert code == 2 and "--pick 3: there are 1 plan(s)" in err
     assert not (tmp_path / "x.toml").exists()
+    # A file that is there is not replaced unasked (refused before the search); with
+    # --overwrite it is. A folder that is not there is made.
+    job = tmp_path / "job1.toml"
+    job.write_text("# mine\n")
+    base = ["--gpus", "2", "--top", "1", "--write-config"]
+    code, report, err = _suggest(capsys, ["--hf-config", tiny_hf], *base, str(job))
+    assert code == 2 and report == {} and "a file is there already" in err and "--overwrite" in err
+    assert job.read_text() == "# mine\n"
+    code, _, err = _suggest(capsys, ["--hf-config", tiny_hf], *base, str(job), "--overwrite")
+    assert code == 0 and _train_config(job).hf_checkpoint == tiny_hf
+    code, _, err = _suggest(capsys, ["--hf-config", tiny_hf], *base, str(tmp_path / "a/b.toml"))
+    assert code == 0 and _train_config(tmp_path / "a" / "b.toml").hf_checkpoint == tiny_hf
 
 
 def test_validate_config_takes_the_job_files_mesh_and_flags_override_it(capsys, tmp_path) -> None:
