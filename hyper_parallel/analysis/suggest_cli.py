@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from typing import Any
@@ -94,23 +93,15 @@ def run_suggest(args: argparse.Namespace) -> int:
     """Run ``suggest``; returns the exit status."""
     from hyper_parallel.analysis.suggest import DoesNotFit, suggest
 
-    target = args.write_config
-    if target is not None and os.path.exists(target) and not args.overwrite:
+    if args.write_config is not None:
         # Before the search: a job file written by hand is not replaced unasked.
-        kind = "a folder" if os.path.isdir(target) else "a file"
-        print(
-            f"hyper-parallel suggest: error: --write-config {target}: {kind} is there already; "
-            "give another path, or --overwrite to replace it.",
-            file=sys.stderr,
-        )
-        return 2
-    if target is not None and os.path.isdir(target):
-        print(
-            f"hyper-parallel suggest: error: --write-config {target} is a folder; give a file "
-            "path (e.g. job.toml).",
-            file=sys.stderr,
-        )
-        return 2
+        from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output_file
+
+        try:
+            check_output_file(args.write_config, overwrite=args.overwrite, what="--write-config")
+        except OutputError as e:
+            print(f"hyper-parallel suggest: error: {e}", file=sys.stderr)
+            return 2
     try:
         source = _source(args)
         report = suggest(
@@ -173,7 +164,6 @@ def _write_config(args: argparse.Namespace, report: Any) -> int:
         f"{shlex.quote(args.write_config)}"
     )
     text = job_file(train_options(command), comment)
-    os.makedirs(os.path.dirname(args.write_config) or ".", exist_ok=True)
     with open(args.write_config, "w", encoding="utf-8") as f:
         f.write(text)
     print(f"job file of plan {args.pick} written to {args.write_config}", file=sys.stderr)
@@ -345,15 +335,22 @@ def add_calibrate_parser(sub: Any) -> None:
         "--threads", type=positive_int, default=1, help="torch threads per rank (default 1)"
     )
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--overwrite", action="store_true", help="replace a file --out names")
     p.set_defaults(func=run_calibrate)
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Run ``calibrate``; returns the exit status."""
     from hyper_parallel.analysis.calibrate import calibrate
+    from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output_file
 
     if not args.out.endswith((".yaml", ".yml")):
         print("hyper-parallel calibrate: error: --out must end in .yaml", file=sys.stderr)
+        return 2
+    try:  # before the measurement (minutes): a hardware file is not replaced unasked
+        check_output_file(args.out, overwrite=args.overwrite, what="calibrate --out")
+    except OutputError as e:
+        print(f"hyper-parallel calibrate: error: {e}", file=sys.stderr)
         return 2
     result = calibrate(args.out, ranks=args.ranks, threads=args.threads, quick=args.quick)
     print(result)

@@ -12,6 +12,9 @@ Every writer of the package (``--save-hf`` / :func:`~hyper_parallel.checkpoint_h
 - with ``overwrite`` the old target is moved aside and deleted after the rename, so
   nothing of it is left next to the new files (no stale shard of a larger model).
 
+Single-file outputs (``tokenize --out``, ``calibrate --out``, ``suggest --write-config``)
+go through :func:`check_output_file`: never an input, kept unless ``overwrite``.
+
 The directories must be on a file system every rank sees (as DCP already requires).
 
 Example::
@@ -29,7 +32,7 @@ from collections.abc import Iterable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["OutputError", "check_output", "partial_path", "staged_output"]
+__all__ = ["OutputError", "check_output", "check_output_file", "partial_path", "staged_output"]
 
 
 class OutputError(ValueError):
@@ -92,6 +95,44 @@ def check_output(
             f"{what} {os.fspath(path)}: the directory is not empty ({len(names)} entries: "
             f"{shown}); choose a new directory, or pass --overwrite to replace its contents."
         )
+
+
+def check_output_file(
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    inputs: Iterable[str | os.PathLike[str] | None] = (),
+    what: str = "output",
+) -> None:
+    """Refuse ``path`` as an output file before any work, when it must not be written;
+    make its folder otherwise.
+
+    Args:
+        path: The file to write.
+        overwrite: Replace a file that is there.
+        inputs: Files the command reads; ``path`` may not be one of them, even with
+            ``overwrite``.
+        what: How the user named ``path`` (``tokenize --out``), for the message.
+
+    Raises:
+        OutputError: ``path`` is an input or a folder, or a file is there without
+            ``overwrite``.
+    """
+    target = os.path.realpath(os.fspath(path))
+    for given in inputs:
+        if given and os.path.realpath(os.fspath(given)) == target:
+            raise OutputError(
+                f"{what} {os.fspath(path)}: it is the input {os.fspath(given)}; writing there "
+                "would replace what is being read (even with --overwrite). Choose another path."
+            )
+    if os.path.isdir(target):
+        raise OutputError(f"{what} {os.fspath(path)}: a folder is there; give a file path.")
+    if os.path.lexists(target) and not overwrite:
+        raise OutputError(
+            f"{what} {os.fspath(path)}: a file is there already; give another path, or pass "
+            "--overwrite to replace it."
+        )
+    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
 
 
 def _rank(distributed: bool) -> int:

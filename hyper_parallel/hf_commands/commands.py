@@ -104,6 +104,7 @@ def add_commands(sub: Any) -> None:
     t.add_argument("--eos-id", type=int, default=None, help="separator id (default: its EOS)")
     t.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="processes")
     t.add_argument("--no-progress", dest="progress", action="store_false")
+    t.add_argument("--overwrite", action="store_true", help="replace a file --out names")
     t.set_defaults(func=_tokenize)
 
 
@@ -156,9 +157,16 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
+    from hyper_parallel.checkpoint_hf.outputs import check_output_file
     from hyper_parallel.train.tokens import tokenize_files
 
     try:
+        check_output_file(
+            args.out,
+            overwrite=args.overwrite,
+            inputs=[*args.inputs, args.tokenizer],
+            what="tokenize --out",
+        )
         count = tokenize_files(
             args.inputs,
             args.out,
@@ -168,7 +176,7 @@ def _tokenize(args: argparse.Namespace) -> int:
             workers=max(1, args.workers),
             progress=args.progress,
         )
-    except ValueError as err:
+    except ValueError as err:  # OutputError is one
         print(f"hyper-parallel tokenize: error: {err}", file=sys.stderr)
         return 2
     print(f"tokenize: {count} tokens from {len(args.inputs)} file(s) -> {args.out}")

@@ -132,6 +132,31 @@ def test_tokenize_command_on_two_processes_equals_one(corpus, tokenizer, tmp_pat
     assert np.array_equal(open_corpus(inputs, vocab_size=320, tokenizer=tokenizer), two)
 
 
+def test_tokenize_and_calibrate_keep_a_file_that_is_there(corpus, tokenizer, tmp_path, capsys):
+    """Single-file outputs are never clobbered unasked, never an input even when asked
+    (``tokenize --out`` on its own input destroyed it), and their folder is made; each
+    refusal comes before any work."""
+    from hyper_parallel.cli import main
+
+    src = corpus / "b.txt"
+    before = src.read_bytes()
+    base = ["tokenize", str(src), "--tokenizer", tokenizer, "--no-progress", "--out"]
+    out = tmp_path / "t.bin"
+    out.write_bytes(b"mine")
+    assert main([*base, str(out)]) == 2
+    assert "a file is there already" in capsys.readouterr().err and out.read_bytes() == b"mine"
+    assert main([*base, str(src), "--overwrite"]) == 2
+    assert "it is the input" in capsys.readouterr().err and src.read_bytes() == before
+    assert main([*base, str(out), "--overwrite"]) == 0 and load_token_file(str(out)).size > 0
+    assert main([*base, str(tmp_path / "new" / "t.bin")]) == 0
+    assert load_token_file(str(tmp_path / "new" / "t.bin")).size == load_token_file(str(out)).size
+    hardware = tmp_path / "hw.yaml"
+    hardware.write_text("mine\n")
+    assert main(["calibrate", "--out", str(hardware), "--quick"]) == 2  # before measuring
+    assert "a file is there already" in capsys.readouterr().err
+    assert hardware.read_text() == "mine\n"
+
+
 def test_clear_errors(corpus, tokenizer, tmp_path):
     empty = tmp_path / "empty.bin"
     empty.write_bytes(b"")
