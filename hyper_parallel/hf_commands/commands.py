@@ -80,9 +80,19 @@ def add_commands(sub: Any) -> None:
     source.add_argument("--hf-checkpoint", help="Hugging Face checkpoint directory")
     source.add_argument("--checkpoint", help="trainer checkpoint (step or checkpoint directory)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=32, help="most tokens to add")
+    g.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample"
+    )
+    g.add_argument(
+        "--top-k", type=int, default=None, help="sample among the K most likely tokens only"
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample within the smallest set of tokens holding this probability (nucleus)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--tokenizer",
@@ -231,9 +241,11 @@ def load_tokenizer(path: str | None, default_dirs: list[str], vocab_size: int) -
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from hyper_parallel.hf_commands.generate import generate
+    from hyper_parallel.hf_commands.generate import check_sampling, generate
 
     try:
+        # Before the model is read: a sampling setting out of range.
+        check_sampling(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
         if args.hf_checkpoint:
             from hyper_parallel.checkpoint_hf import load_hf, read_hf_config
 
@@ -270,6 +282,7 @@ def _generate(args: argparse.Namespace) -> int:
             args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
+            top_p=args.top_p,
             seed=args.seed,
             eos_token_ids=eos,
         )

@@ -6,8 +6,9 @@ token: the prompt once, then one token per step, each layer's keys and values ke
 modules (norms, projections, rotary tables, feed-forward or experts) in the order
 of their ``forward``; only the attention over the cached keys is written here, as
 ``scaled_dot_product_attention`` with the causal mask of the new positions — the
-training forward is untouched. Greedy by default; ``temperature`` and ``top_k``
-sample with a seeded generator. Stops after ``max_new_tokens`` or at an EOS id.
+training forward is untouched. Greedy by default; ``temperature`` samples with a
+seeded generator, among the ``top_k`` most likely tokens and the nucleus of mass
+``top_p`` (:func:`filter_logits`: transformers' order and rule). Stops after ``max_new_tokens`` or at an EOS id.
 
 ``hyper-parallel generate (--hf-checkpoint DIR | --checkpoint CKPT) --prompt TEXT``
 loads the model and the checkpoint's ``tokenizer.json`` (``tokenizers``) and prints
@@ -25,7 +26,7 @@ from torch import nn
 
 from hyper_parallel.models.common.layers import apply_rotary_emb
 
-__all__ = ["KVCache", "forward_cached", "generate"]
+__all__ = ["KVCache", "check_sampling", "filter_logits", "forward_cached", "generate"]
 
 
 @dataclasses.dataclass
@@ -77,6 +78,47 @@ def forward_cached(model: nn.Module, tokens: torch.Tensor, cache: KVCache) -> to
     return model.output(model.norm(h))
 
 
+def filter_logits(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """``logits`` (one row, after the temperature) with the tokens sampling may not pick
+    set to ``-inf``: all but the ``top_k`` largest, then all but the nucleus — the most
+    likely tokens whose probabilities first reach ``top_p`` (each kept token's more
+    likely tokens hold less than ``top_p``; the most likely is always kept). The order
+    and the rule of transformers' ``TopKLogitsWarper`` and ``TopPLogitsWarper``.
+    """
+    if top_k is not None and top_k < logits.numel():
+        kth = logits.topk(top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        probs, order = logits.softmax(-1).sort(descending=True)
+        before = probs.cumsum(-1) - probs  # the mass of the more likely tokens
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def check_sampling(
+    max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None
+) -> None:
+    if max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens={max_new_tokens}; give 0 or more.")
+    if temperature < 0:
+        raise ValueError(
+            f"generate: temperature={temperature}; give 0 (greedy) or a positive temperature."
+        )
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"generate: top_k={top_k}; give 1 or more, or leave it out (every token).")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"generate: top_p={top_p}; give a share in (0, 1], e.g. 0.9.")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        raise ValueError(
+            "generate: top_k and top_p choose among tokens to sample, but temperature 0 "
+            "picks the most likely token (greedy); give a temperature > 0 (e.g. 0.8) to "
+            "sample, or drop them."
+        )
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -85,6 +127,7 @@ def generate(
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     seed: int = 0,
     eos_token_ids: Sequence[int] = (),
 ) -> list[int]:
@@ -99,13 +142,17 @@ def generate(
         max_new_tokens: Most tokens to add.
         temperature: Softmax temperature; ``0`` picks the most likely token.
         top_k: Sample among the ``top_k`` most likely tokens only.
+        top_p: Sample within the nucleus of probability mass ``top_p`` only
+            (:func:`filter_logits`).
         seed: Seeds the sampling generator.
         eos_token_ids: Stop after emitting one of these.
 
     Raises:
-        ValueError: An empty prompt, or prompt plus new tokens longer than the
-            model's rotary tables.
+        ValueError: An empty prompt, prompt plus new tokens longer than the model's
+            rotary tables, or a sampling setting out of range (``top_k`` / ``top_p``
+            at temperature 0 included: they would not be used).
     """
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not prompt:
         raise ValueError("generate: the prompt encodes to no tokens; give some text.")
     if len(prompt) + max_new_tokens > model.rope.max_seq_len:
@@ -126,10 +173,7 @@ def generate(
             if temperature <= 0:
                 next_id = int(logits.argmax())
             else:
-                logits = logits / temperature
-                if top_k is not None and top_k < logits.numel():
-                    kth = logits.topk(top_k).values[-1]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                logits = filter_logits(logits / temperature, top_k, top_p)
                 probs = logits.softmax(-1).cpu()
                 next_id = int(torch.multinomial(probs, 1, generator=generator))
             out.append(next_id)

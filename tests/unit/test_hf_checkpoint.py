@@ -326,6 +326,61 @@ def test_generate_greedy_equals_transformers(moe_dir, llama_dir, tmp_path):
         assert sampled == generate(model, prompt, 12, temperature=0.8, top_k=5, seed=3)
 
 
+def test_top_k_and_top_p_keep_the_tokens_transformers_keeps():
+    """The filter against transformers' own warpers (temperature, then top-k, then
+    top-p), on random logits: the same tokens left to sample, the rest -inf."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from hyper_parallel.hf_commands.generate import filter_logits
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        logits = torch.randn(97, generator=gen) * (0.5 + trial / 10)
+        for top_k, top_p, temperature in ((None, 0.9, 0.8), (5, None, 1.0), (20, 0.5, 1.3),
+                                          (None, 0.05, 0.7), (None, 1.0, 1.0), (1, 0.9, 1.0)):  # fmt: skip
+            theirs = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+            if top_k is not None:
+                theirs = TopKLogitsWarper(top_k)(None, theirs)
+            if top_p is not None:
+                theirs = TopPLogitsWarper(top_p)(None, theirs)
+            ours = filter_logits(logits / temperature, top_k, top_p)
+            kept = torch.isfinite(ours)
+            assert torch.equal(kept, torch.isfinite(theirs[0])), (trial, top_k, top_p)
+            assert torch.allclose(ours[kept], theirs[0][kept])
+            assert kept.sum() >= 1
+    # By hand: probabilities 0.5, 0.3, 0.15, 0.05: the nucleus of 0.8 is the first two
+    # (0.5 + 0.3 reaches it), of 0.81 the first three.
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert torch.isfinite(filter_logits(logits, None, 0.8)).tolist() == [True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, None, 0.81)).sum() == 3
+
+
+def test_generate_refuses_sampling_settings_out_of_range(llama_dir):
+    from hyper_parallel.hf_commands.generate import generate
+
+    _, model = _loaded(llama_dir)
+    for kwargs, message in (
+        ({"max_new_tokens": -1}, "max_new_tokens=-1"),
+        ({"temperature": -0.5}, "temperature=-0.5"),
+        ({"temperature": 1.0, "top_k": 0}, "top_k=0"),
+        ({"temperature": 1.0, "top_p": 0.0}, r"top_p=0.0; give a share in \(0, 1\]"),
+        ({"top_p": 0.9}, "temperature 0 picks the most likely token"),
+    ):
+        args = {"max_new_tokens": 4, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            generate(model, [5, 17], **args)
+    sampled = generate(model, [5, 17], 6, temperature=0.9, top_p=0.5, seed=1)
+    assert len(sampled) == 6 and sampled == generate(
+        model, [5, 17], 6, temperature=0.9, top_p=0.5, seed=1
+    )
+    # A nucleus this small is the most likely token alone: greedy.
+    assert generate(model, [5, 17], 6, temperature=0.9, top_p=1e-6) == generate(model, [5, 17], 6)
+
+
 def test_generate_stops_at_eos(llama_dir):
     from hyper_parallel.hf_commands.generate import generate
 
