@@ -169,6 +169,41 @@ def batches_per_epoch(data: Any) -> int:
     return max(1, (len(data.tokens) - 1) // data.span)
 
 
+def unused_options(cfg: Any) -> list[str]:
+    """Notes for options this run would not use: checkpoint options without
+    ``--checkpoint-dir``, evaluation options without evaluation data. Said, not refused
+    (a job file may carry them for the runs that do)."""
+    out = []
+    ckpt = [
+        flag
+        for flag, on in (
+            (f"--checkpoint-every {cfg.checkpoint_every}", cfg.checkpoint_every > 0),
+            (f"--keep-checkpoints {cfg.keep_checkpoints}", cfg.keep_checkpoints > 0),
+            ("--async-checkpoint", cfg.async_checkpoint),
+        )
+        if on
+    ]
+    if ckpt and not cfg.checkpoint_dir:
+        out.append(
+            f"note: {', '.join(ckpt)}: no --checkpoint-dir, so the run saves no checkpoint "
+            "and does not use them. Fix: give --checkpoint-dir DIR, or drop them."
+        )
+    evals = [
+        flag
+        for flag, on in (
+            (f"--eval-every {cfg.eval_every}", cfg.eval_every > 0),
+            (f"--eval-batches {cfg.eval_batches}", cfg.eval_batches is not None),
+        )
+        if on
+    ]
+    if evals and not (cfg.eval_data or cfg.eval_split):
+        out.append(
+            f"note: {', '.join(evals)}: no evaluation data, so the run does not evaluate. "
+            "Fix: give --eval-data PATH or --eval-split X, or drop them."
+        )
+    return out
+
+
 def _rate_runs(rates: list[tuple[int, float]]) -> str:
     """``"step 3 runs at 3.00e-03, steps 4-5 at 3.00e-04"``: consecutive steps of the
     same rate (as printed) said once."""
@@ -255,6 +290,7 @@ class RunReport:
         self.held_out = 0
         # What the run plan warns of (switches the run does not use): said at the start.
         self.notes += [f"note: {f}" for f in trainer.run.findings if f.severity == "warning"]
+        self.notes += unused_options(cfg)
         if cfg.eval_data:
             self.eval_data = _eval_stream(cfg, trainer)
         elif cfg.eval_split:

@@ -320,6 +320,23 @@ def test_the_summary_says_how_a_step_runs_its_batch_and_what_it_does_not_use(cap
     assert "step:" not in out.replace("step    ", "") and "note:" not in out
 
 
+def test_checkpoint_and_eval_options_without_their_target_are_noted(tmp_path, capsys):
+    cfg = TrainConfig(steps=1, checkpoint_every=1, keep_checkpoints=2, eval_every=1, **TINY)
+    Trainer(cfg, device="cpu").fit()
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
+    assert notes == [
+        "note: --checkpoint-every 1, --keep-checkpoints 2: no --checkpoint-dir, so the run "
+        "saves no checkpoint and does not use them. Fix: give --checkpoint-dir DIR, or drop "
+        "them.",
+        "note: --eval-every 1: no evaluation data, so the run does not evaluate. Fix: give "
+        "--eval-data PATH or --eval-split X, or drop them.",
+    ]
+    # With their targets: used, nothing to say.
+    cfg = cfg.replace(checkpoint_dir=str(tmp_path / "ckpt"), eval_split=0.1)
+    Trainer(cfg, device="cpu").fit()
+    assert "note: " not in capsys.readouterr().out
+
+
 def test_the_step_line_of_a_pipeline_and_of_accumulation_over_data_ranks():
     from hyper_parallel.train.config import run_plan
     from hyper_parallel.train.report import step_line
