@@ -242,6 +242,12 @@ def test_plan_with_pp_counts_fp32_master_states_and_prints_the_heaviest_rank(cap
     code, out, _ = _run(capsys, [*argv, "--dtype", "bf16"])
     assert code == 0
     lines = out.splitlines()
+    # The header names the whole mesh (it said the pipeline group's alone, "on one
+    # device (1 ranks)" at pp=2).
+    assert lines[0].startswith(
+        "plan: llama3-debug on pp=2 x dp_shard=2 x tp=2 (fsdp=2, batch=2, loss=2) (8 ranks; "
+        "one pipeline's group: dp_shard=2 x tp=2, 4 ranks); "
+    )
     assert lines[1].startswith("pp=2 (8 ranks): parameters and collectives below are the whole")
     heaviest = max(totals, key=lambda r: (totals[r], -r))
     assert f"Memory per rank (pp rank {heaviest}, the heaviest" in out

@@ -323,7 +323,16 @@ class DryRunReport:
             f"whole model on one pipeline's group: {calls:,} collectives per step over "
             f"{human_bytes(moved)} of buffers per rank ({self.elapsed_s:.1f} s).",
         }
-        out = [lines[0], scope]
+        # The header names the whole mesh (it said "on one device (1 ranks)" at pp=2).
+        group = f"{self.layout.describe()} ({self.world_size:,} ranks)"
+        axes = " x ".join(f"{a}={n}" for a, n in self.layout.active().items()) or "one device"
+        head = lines[0].replace(
+            f"on {group}; ",
+            f"on {layout.describe()} ({layout.world_size:,} ranks; one pipeline's group: "
+            f"{axes}, {self.world_size:,} rank{'s' if self.world_size > 1 else ''}); ",
+            1,
+        )
+        out = [head, scope]
         for line in lines[1:]:
             out.append(next((new for old, new in relabel.items() if line.startswith(old)), line))
         return "\n".join(out)
