@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -912,7 +913,7 @@ def _trace_on(
                 f"the forward pass fails once the plan is applied "
                 f"(traced on fake tensors, inputs {[tuple(a.shape) for a in args]}): "
                 f"{type(e).__name__}: {_first_lines(str(e))}",
-                "fix the placements of this module and its neighbours so the shapes agree.",
+                _forward_failure_fix(model, path, str(e)),
             )
         )
     report.traced = True
@@ -924,6 +925,29 @@ def _trace_on(
         f"{[tuple(a.shape) for a in args]}."
     )
     return tracer.findings
+
+
+def _forward_failure_fix(model: nn.Module, path: str | None, error: str) -> str:
+    """The fix of a traced forward's failure: specific for the commonest first mistake —
+    a module whose states the plan makes DTensors, its inputs left plain tensors (torch's
+    ColwiseParallel converts them; a ShardingConfig says so in ``in_dst_shardings``)."""
+    if "mixed torch.Tensor and DTensor" not in error:
+        return "fix the placements of this module and its neighbours so the shapes agree."
+    module = dict(model.named_modules()).get(path or "")
+    names = []
+    if module is not None:
+        try:
+            params = list(inspect.signature(type(module).forward).parameters)[1:]
+        except (TypeError, ValueError):
+            params = []
+        names = [n for n in params if n not in ("args", "kwargs")]
+    arg = names[0] if names else "input"
+    return (
+        f"say where this module's inputs are (its states are DTensors, an input arrives as "
+        f"a plain tensor): e.g. in_dst_shardings={{'{arg}': {{'tp': Replicate()}}}} before a "
+        f"column-wise (Shard(0)) weight, {{'{arg}': {{'tp': Shard(-1)}}}} before a row-wise "
+        "(Shard(1)) one, or out_dst_shardings on the module that produces it."
+    )
 
 
 def _plain_forward_failure(

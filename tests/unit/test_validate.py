@@ -181,6 +181,26 @@ def test_good_plan_has_no_errors_and_no_implicit_redistribution():
     }
 
 
+def test_a_weight_sharded_without_its_input_declared_gets_the_specific_fix():
+    """The commonest first plan: a weight sharded, its input left a plain tensor (torch's
+    ColwiseParallel converts it; a ShardingConfig declares it). The traced forward fails
+    in DTensor; the fix names in_dst_shardings with the module's own argument name."""
+    plan = dict(good_plan())
+    plan["blocks.*.up"] = ShardingConfig(state_shardings={"weight": {"tp": Shard(0)}})
+    report = validate(toy(), MESH, plan)
+    (finding,) = [f for f in report.errors if f.field == "forward"]
+    assert finding.path == "blocks.0.up" and "mixed torch.Tensor and DTensor" in finding.message
+    assert finding.fix.startswith("say where this module's inputs are")
+    assert "in_dst_shardings={'input': {'tp': Replicate()}}" in finding.fix
+    # With it declared, the plan is good.
+    plan["blocks.*.up"] = ShardingConfig(
+        state_shardings={"weight": {"tp": Shard(0)}},
+        in_dst_shardings={"input": {"tp": Replicate()}},
+        out_dst_shardings={"tp": Shard(-1)},
+    )
+    assert validate(toy(), MESH, plan).ok
+
+
 def test_plan_file_and_device_mesh_free(tmp_path):
     from hyper_parallel.dmodule import dump_plan
 
