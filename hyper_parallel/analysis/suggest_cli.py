@@ -63,11 +63,6 @@ def add_suggest_parser(sub: Any) -> None:
         "top plan (or --pick N's)",
     )
     p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="with --write-config: replace a file that is there (refused otherwise)",
-    )
-    p.add_argument(
         "--pick",
         type=positive_int,
         default=1,

@@ -159,7 +159,11 @@ RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     (
         "--overwrite",
         "overwrite",
-        {"action": "store_true", "help": "replace a non-empty --save-hf and old checkpoints"},
+        {
+            "action": "store_true",
+            "help": "replace outputs that are there: a non-empty --save-hf and old "
+            "checkpoints (suggest: the --write-config file)",
+        },
     ),
     ("--run-dir", "run_dir", {"metavar": "DIR", "help": "train.log here (default: ckpt dir)"}),
     (
@@ -343,7 +347,7 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
     # --mesh, --schedule, --ac, --microbatches and --sp fix that part of the search (unset:
     # searched); --compile and --pipeline-split are the run's, as the trainer's.
     "suggest": CommandOptions(
-        fields=(*MODEL_FIELDS, "dtype", "mesh", *SWITCHES, "ac"),
+        fields=(*MODEL_FIELDS, "dtype", "mesh", *SWITCHES, "ac", "overwrite"),
         defaults={
             "model": None,
             "dtype": "bf16",
