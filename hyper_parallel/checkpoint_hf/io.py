@@ -58,6 +58,7 @@ __all__ = [
     "LoadReport",
     "checkpoint_files",
     "load_hf",
+    "parse_size",
     "safetensors_problem",
     "save_hf",
 ]
@@ -436,14 +437,33 @@ def load_hf(model: nn.Module | Iterable[nn.Module], path: str | os.PathLike[str]
     )
 
 
-def _parse_size(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    text = size.strip().upper()
-    for unit, factor in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+def parse_size(size: int | str) -> int:
+    """Bytes of a file size: a count, or ``"5GB"`` / ``"500MB"`` / ``"2GiB"`` (the units
+    ``transformers``' ``max_shard_size`` takes: decimal GB/MB/KB, binary GiB/MiB/KiB).
+
+    Raises:
+        ValueError: Not a size, or less than one byte.
+    """
+    value: float | None = None
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    elif isinstance(size, str):
+        text = size.strip().upper()
+        units = (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9),
+                 ("MB", 10**6), ("KB", 10**3), ("B", 1))  # fmt: skip
+        factor = next((f for u, f in units if text.endswith(u)), None)
+        number = text[: -len(next(u for u, f in units if f == factor))] if factor else text
+        try:
+            value = float(number) * (factor or 1)
+        except ValueError:
+            value = None
+    if value is None or value != value:  # not a number (or NaN)
+        raise ValueError(
+            f"max_shard_size {size!r}: give a size such as 5GB, 500MB, 2GiB or a byte count."
+        )
+    if value < 1:
+        raise ValueError(f"max_shard_size {size!r}: a file holds at least one byte.")
+    return int(value)
 
 
 def save_hf(
@@ -472,7 +492,8 @@ def save_hf(
         path: Output directory (created).
         hf_config: The checkpoint's config, when the model was loaded from one.
         model_config: Our config, used when ``hf_config`` is not given.
-        max_shard_size: Largest safetensors file, bytes or ``"500MB"``-style.
+        max_shard_size: Largest safetensors file, bytes or ``"500MB"``-style
+            (:func:`parse_size`).
         dtype: Cast every tensor to this dtype (default: the checkpoint's ``dtype``
             when ``hf_config`` says bf16 or fp16, else the parameters' own).
         overwrite: Replace a non-empty ``path`` (nothing of the old files is left).
@@ -491,8 +512,10 @@ def save_hf(
     Raises:
         OutputError: ``path`` is an input, or not empty and ``overwrite`` is false;
             nothing is written.
+        ValueError: ``max_shard_size`` is not a size; nothing is written.
     """
     path = os.fspath(path)
+    shard_bytes = parse_size(max_shard_size)  # before any gather or file
     if isinstance(hf_config, HFConfig):
         raw = dict(hf_config.raw)
     elif hf_config is not None:
@@ -533,7 +556,7 @@ def save_hf(
     ) as tmp:
         result = _write_hf(
             tmp, path, rank, distributed, maps, params, writer, config, raw, dtype,
-            _parse_size(max_shard_size),
+            shard_bytes,
         )  # fmt: skip
         if rank == 0:
             for name, source in (extra_files or {}).items():

@@ -54,7 +54,12 @@ def add_commands(sub: Any) -> None:
     )
     e.add_argument("checkpoint", help="step directory, or a checkpoint directory (latest step)")
     e.add_argument("out", help="output directory")
-    e.add_argument("--max-shard-size", default="5GB", help="largest file (default 5GB)")
+    e.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        type=_shard_size,
+        help="largest file: 5GB, 500MB, 2GiB or bytes (default 5GB)",
+    )
     e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
     e.add_argument("--model", help="model, for a checkpoint that does not record it")
     e.add_argument("--model-overrides", type=_json_object, default=None)
@@ -119,6 +124,17 @@ def add_commands(sub: Any) -> None:
 
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _shard_size(text: str) -> str:
+    """``argparse`` type of ``--max-shard-size``: checked before anything is read."""
+    from hyper_parallel.checkpoint_hf.io import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _train(args: argparse.Namespace) -> int:

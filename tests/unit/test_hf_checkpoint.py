@@ -234,6 +234,27 @@ def test_the_rotary_permutation_is_needed(llama_dir):
     assert (right - wrong).abs().max().item() > 1e-3
 
 
+def test_shard_sizes_are_transformers_units_and_a_bad_one_writes_nothing(tmp_path, capsys):
+    from hyper_parallel.checkpoint_hf.io import parse_size
+    from hyper_parallel.cli import main
+
+    assert [parse_size(x) for x in ("5GB", "2GiB", " 500mb ", 123, "1.5KB", "77", "3MiB")] == [
+        5 * 10**9, 2 * 2**30, 500 * 10**6, 123, 1500, 77, 3 * 2**20,
+    ]  # fmt: skip
+    for bad in ("10XB", "0", "-5MB", "", "GB", "nan"):
+        with pytest.raises(ValueError, match="max_shard_size"):
+            parse_size(bad)
+    path = write_checkpoint("llama", str(tmp_path / "src"))
+    cfg, model = _loaded(path)
+    with pytest.raises(ValueError, match="give a size such as 5GB"):
+        save_hf(model, tmp_path / "out", hf_config=cfg, max_shard_size="10XB")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+    # The command refuses it as argparse does, before reading the checkpoint.
+    with pytest.raises(SystemExit) as e:
+        main(["export-hf", str(tmp_path / "nothing"), str(tmp_path / "o"), "--max-shard-size", "0"])
+    assert e.value.code == 2 and "a file holds at least one byte" in capsys.readouterr().err
+
+
 def test_tied_embeddings_load_and_save_back_tied(tmp_path):
     path = write_checkpoint("llama", str(tmp_path / "tied"), tie_word_embeddings=True)
     assert "lm_head.weight" not in checkpoint_files(path)
