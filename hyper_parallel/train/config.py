@@ -7,7 +7,9 @@ which ``validate``, ``plan``, the demo and the trainer share.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import numbers
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
@@ -172,6 +174,7 @@ class TrainConfig:
         # Data only: no file is read here (the Hugging Face config is read once, where
         # the run is built: run_hooks.resolve_model), and the run plan's findings are
         # the trainer's gate (check_config), not this constructor's.
+        _check_types(self)
         if self.hf_checkpoint and self.hf_config:
             raise ValueError(
                 "TrainConfig: hf_checkpoint and hf_config both name the model; give one "
@@ -348,6 +351,41 @@ def _resolved(cfg: TrainConfig) -> TrainConfig:
     if (cfg.hf_checkpoint or cfg.hf_config) and cfg.model not in hf_spec_names():
         cfg, _ = run_hooks.resolve_model(cfg)
     return cfg
+
+
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "int": ("an integer", lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)),
+    "bool": ("True or False", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, (str, os.PathLike))),
+    "None": ("None", lambda v: v is None),
+}
+
+
+def _check_types(cfg: TrainConfig) -> None:
+    """Each scalar field of its annotated type (``steps="3"`` was a ``TypeError`` from a
+    comparison: "'<' not supported between instances of 'str' and 'int'"); ``float``
+    takes integers, ``str`` paths. ``mesh`` and ``pipeline_split`` are checked where
+    they are read (with their own messages)."""
+    for f in dataclasses.fields(cfg):
+        if f.name in ("mesh", "pipeline_split"):
+            continue
+        value = getattr(cfg, f.name)
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if any(k.startswith("dict") for k in kinds):
+            if not isinstance(value, Mapping) and not (value is None and "None" in kinds):
+                raise ValueError(
+                    f'TrainConfig.{f.name} must be a dict (e.g. {{"num_layers": 2}}), got '
+                    f"{type(value).__name__}: {value!r}."
+                )
+            continue
+        known = [k for k in kinds if k in _KINDS]
+        if len(known) != len(kinds) or any(_KINDS[k][1](value) for k in known):
+            continue
+        want = " or ".join(_KINDS[k][0] for k in known)
+        raise ValueError(
+            f"TrainConfig.{f.name} must be {want}, got {type(value).__name__}: {value!r}."
+        )
 
 
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> list[Finding]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -108,3 +109,29 @@ def test_a_json_file_of_trainconfig_fields_still_reads(tmp_path):
     path.write_text(json.dumps(TrainConfig(steps=5, seed=3).to_dict()))
     cfg = _config(path, "--seed", "4")
     assert (cfg.steps, cfg.seed) == (5, 4)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("steps", "3", "TrainConfig.steps must be an integer, got str: '3'."),
+        ("steps", True, "TrainConfig.steps must be an integer, got bool: True."),
+        ("lr", "1e-3", "TrainConfig.lr must be a number, got str: '1e-3'."),
+        ("sp", 1, "TrainConfig.sp must be True or False, got int: 1."),
+        ("microbatches", 2.0, "TrainConfig.microbatches must be an integer or None, got float"),
+        ("model_overrides", "x", "TrainConfig.model_overrides must be a dict"),
+        ("text", 5, "TrainConfig.text must be a string, got int: 5."),
+    ],
+)
+def test_train_config_fields_of_the_wrong_type_name_the_field(field, value, message):
+    """From Python a field of the wrong type is named (``steps="3"`` was a TypeError from
+    a comparison inside the constructor: "'<' not supported between 'str' and 'int'")."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(**{field: value})
+
+
+def test_train_config_takes_integers_for_floats_numpy_integers_and_paths(tmp_path):
+    import numpy as np
+
+    cfg = TrainConfig(lr=1, steps=np.int64(3), checkpoint_dir=tmp_path, eval_split=0.1)
+    assert (cfg.lr, cfg.steps, cfg.checkpoint_dir) == (1, 3, tmp_path)
