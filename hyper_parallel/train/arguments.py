@@ -50,20 +50,30 @@ __all__ = [
     "option_kwargs",
     "parse_mesh",
     "positive_int",
+    "split_object",
 ]
 
 
-def json_object(text: str) -> dict[str, Any]:
-    """``argparse`` type of a JSON-object option (``--model-overrides``)."""
+def _object(text: str, example: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(
-            f"not valid JSON ({e.msg}); quote the keys, e.g. '{{\"num_layers\": 4}}'"
+            f"not valid JSON ({e.msg}); quote the keys, e.g. '{example}'"
         ) from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"num_layers\": 4}'")
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{example}'")
     return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """``argparse`` type of a JSON-object option (``--model-overrides``)."""
+    return _object(text, '{"num_layers": 4}')
+
+
+def split_object(text: str) -> dict[str, Any]:
+    """``argparse`` type of ``--pipeline-split`` (its own example in the messages)."""
+    return _object(text, '{"units_per_stage": 2}')
 
 
 def positive_int(text: str) -> int:
@@ -191,7 +201,7 @@ RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "--pipeline-split",
         "pipeline_split",
         {
-            "type": json_object,
+            "type": split_object,
             "metavar": "JSON",
             "help": "pipeline stage split, e.g. '{\"units_per_stage\": 2}' (default: balanced)",
         },

@@ -196,6 +196,20 @@ def test_sequence_parallel_without_tp_is_the_run_plans_finding(capsys, command):
     assert finding.split(": ", 2)[-1].split(" Fix:")[0] in text
 
 
+def test_each_json_option_gives_its_own_example(capsys):
+    """--pipeline-split's errors showed --model-overrides' example ({"num_layers": 4})."""
+    for argv, message in (
+        (["--mesh", "pp=2", "--pipeline-split", "[1]"],
+         """argument --pipeline-split: expected a JSON object, e.g. '{"units_per_stage": 2}'"""),
+        (["--mesh", "tp=2", "--model-overrides", "{x: 1}"],
+         """argument --model-overrides: not valid JSON (Expecting property name enclosed in """
+         """double quotes); quote the keys, e.g. '{"num_layers": 4}'"""),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "--model", "llama3-debug", *argv])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_malformed_mesh_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "llama3-debug", "--mesh", "dp:2"])
