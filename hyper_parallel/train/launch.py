@@ -226,6 +226,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, train_args = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     world_size = args.nodes * args.gpus_per_node
+    if args.slurm not in (None, "-") and os.path.lexists(args.slurm):
+        # A batch script is often edited by hand (account, partition): not replaced.
+        print(
+            f"{parser.prog}: error: --slurm {args.slurm}: a file is there already; give "
+            "another path, or remove it (--slurm - prints the script instead).",
+            file=sys.stderr,
+        )
+        return 2
     problem = _check_train_options(train_args, world_size, args.gpus_per_node)
     if problem is not None:
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)
@@ -249,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print()
             print(script, end="")
         else:
+            os.makedirs(os.path.dirname(args.slurm) or ".", exist_ok=True)
             with open(args.slurm, "w", encoding="utf-8") as f:
                 f.write(script)
             os.chmod(args.slurm, 0o755)

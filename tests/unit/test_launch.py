@@ -115,6 +115,20 @@ def test_launch_prints_each_nodes_command_and_a_slurm_script(capsys, tmp_path) -
     assert _option(launcher, "--rdzv-backend") == "c10d"
     assert _option(launcher, "--rdzv-id") == "4242"  # $SLURM_JOB_ID
     assert _option(launcher, "--rdzv-endpoint") == "node07:29500"  # the first host
+    # A script that is there (often edited by hand) is not replaced; nothing is printed.
+    script_path.write_text("#!/bin/bash\n# mine\n")
+    code, out, err = _run(
+        capsys, "launch", "--nodes", "2", "--gpus-per-node", "2", "--slurm",
+        str(script_path), *TRAIN_ARGS,
+    )  # fmt: skip
+    assert code == 2 and out == "" and "a file is there already" in err
+    assert script_path.read_text() == "#!/bin/bash\n# mine\n"
+    # A folder that is not there is made.
+    code, _, err = _run(
+        capsys, "launch", "--nodes", "2", "--gpus-per-node", "2", "--slurm",
+        str(tmp_path / "jobs" / "run.sbatch"), *TRAIN_ARGS,
+    )  # fmt: skip
+    assert code == 0 and (tmp_path / "jobs" / "run.sbatch").read_text().startswith("#!/bin/bash")
 
 
 def test_launch_one_node_is_standalone_and_prints_the_script(capsys) -> None:
