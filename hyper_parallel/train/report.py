@@ -171,8 +171,9 @@ def batches_per_epoch(data: Any) -> int:
 
 def unused_options(cfg: Any) -> list[str]:
     """Notes for options this run would not use: checkpoint options without
-    ``--checkpoint-dir``, evaluation options without evaluation data. Said, not refused
-    (a job file may carry them for the runs that do)."""
+    ``--checkpoint-dir``, evaluation options without evaluation data, ``--min-lr`` under
+    the constant schedule. Said, not refused (a job file may carry them for the runs
+    that do)."""
     out = []
     ckpt = [
         flag
@@ -200,6 +201,12 @@ def unused_options(cfg: Any) -> list[str]:
         out.append(
             f"note: {', '.join(evals)}: no evaluation data, so the run does not evaluate. "
             "Fix: give --eval-data PATH or --eval-split X, or drop them."
+        )
+    if cfg.lr_schedule == "constant" and cfg.min_lr is not None:
+        out.append(
+            f"note: --min-lr {cfg.min_lr:g}: the constant schedule does not decay, so the run "
+            "does not use it. Fix: pick a decaying --lr-schedule (cosine, linear, wsd), or "
+            "drop it."
         )
     return out
 

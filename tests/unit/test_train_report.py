@@ -331,8 +331,10 @@ def test_checkpoint_and_eval_options_without_their_target_are_noted(tmp_path, ca
         "note: --eval-every 1: no evaluation data, so the run does not evaluate. Fix: give "
         "--eval-data PATH or --eval-split X, or drop them.",
     ]
+    Trainer(TrainConfig(steps=1, lr_schedule="constant", min_lr=1e-4, **TINY), device="cpu").fit()
+    assert "note: --min-lr 0.0001: the constant schedule does not decay" in capsys.readouterr().out
     # With their targets: used, nothing to say.
-    cfg = cfg.replace(checkpoint_dir=str(tmp_path / "ckpt"), eval_split=0.1)
+    cfg = cfg.replace(checkpoint_dir=str(tmp_path / "ckpt"), eval_split=0.1, min_lr=1e-4)
     Trainer(cfg, device="cpu").fit()
     assert "note: " not in capsys.readouterr().out
 
