@@ -218,6 +218,9 @@ EIGHT_RANKS: tuple[dict[str, Any], ...] = (
          dp_shard=2, cp=1, tp=2, dtype="bf16"),
     dict(_EIGHT_BASE, family="llama3-debug", pipeline="1F1B", dp_replicate=2, dp_shard=1, cp=2,
          tp=1, pp=2, ac="full"),
+    # Gradient accumulation over HSDP x tp with sp, each micro-batch's gradients reduced.
+    dict(_EIGHT_BASE, family="qwen3-debug", pipeline="pp1", dp_replicate=2, dp_shard=2, cp=1,
+         tp=2, sp=True, microbatches=2, reduce_each=True),
 )  # fmt: skip
 """A few 8-rank runs (``pp`` = 2 where piped), beside the 4-rank covering array."""
 
