@@ -230,8 +230,16 @@ class MeshLayout:
 
     # ------------------------------------------------------------------ checks
 
-    def findings(self, world_size: int | None = None) -> list[Finding]:
+    def findings(
+        self, world_size: int | None = None, gpus_per_node: int | None = None
+    ) -> list[Finding]:
         """Every problem of this layout (and, when given, against ``world_size``).
+
+        Args:
+            world_size: The ranks the job has.
+            gpus_per_node: The job is launched on nodes of this many ranks (``launch``):
+                a mesh of another size is told the nodes it needs, not a one-node
+                ``torchrun``.
 
         Returns:
             ``Finding``s with path ``"mesh"``; empty when the layout is usable.
@@ -262,14 +270,20 @@ class MeshLayout:
                 )
             )
         if world_size is not None and world_size != self.world_size:
+            needed = self.world_size
+            if gpus_per_node is None:
+                launch = f"{needed} ranks (torchrun --nproc-per-node {needed})."
+            elif needed % gpus_per_node == 0:
+                launch = f"{needed} ranks: --nodes {needed // gpus_per_node} --gpus-per-node {gpus_per_node}."
+            else:
+                launch = f"{needed} ranks on nodes of a size that divides it."
             out.append(
                 _error(
                     f"the mesh {self} needs pp x dp_replicate x dp_shard x cp x tp = "
-                    f"{self.world_size} ranks, but the world has {world_size}.",
+                    f"{needed} ranks, but the world has {world_size}.",
                     f"make the sizes multiply to {world_size} (e.g. "
-                    f"dp_shard={max(1, world_size // max(1, self.world_size // self.dp_shard))}"
-                    f"), or launch {self.world_size} ranks "
-                    f"(torchrun --nproc-per-node {self.world_size}).",
+                    f"dp_shard={max(1, world_size // max(1, needed // self.dp_shard))}"
+                    f"), or launch {launch}",
                 )
             )
         return out

@@ -20,7 +20,6 @@ checked as ``train`` checks them, the mesh against nodes x GPUs per node).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shlex
 import sys
@@ -195,21 +194,10 @@ def _check_train_options(
         cfg = config_from_args(args, world_size)
     except ValueError as e:
         return str(e)
-    problems = check_config(cfg, world_size)
-    needed = cfg.layout.world_size
-    if needed != world_size:
-        nodes = f"--nodes {needed // gpus_per_node}" if needed % gpus_per_node == 0 else None
-        launch = (
-            f"{needed} ranks: {nodes} --gpus-per-node {gpus_per_node}."
-            if nodes
-            else f"{needed} ranks on nodes of a size that divides it."
-        )
-        problems = [
-            dataclasses.replace(f, fix=f"{f.fix.split(', or launch ')[0]}, or launch {launch}")
-            if "but the world has" in f.message
-            else f
-            for f in problems
-        ]
+    # The mesh against nodes x GPUs per node, said in nodes; then the rest of the gate.
+    problems = check_config(cfg)
+    sized = cfg.layout.findings(world_size, gpus_per_node)
+    problems = [f for f in sized if f not in problems] + problems
     if problems:
         lines = "\n".join(f"  {f}" for f in problems)
         return f"{len(problems)} problem(s) on {world_size} ranks:\n{lines}"
