@@ -139,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Declarative named-axis sharding for PyTorch: check a layout before a "
         "cluster sees it, train on it, and move weights to and from Hugging Face.",
     )
+    from hyper_parallel.analysis.charts import chart_path
+
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     plan = sub.add_parser(
@@ -157,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--chart",
         metavar="PNG",
-        type=_chart_path,
+        type=chart_path,
         help="also draw per-rank memory (per stage with pp) and, with pp, the schedule's "
         "timeline per rank to this PNG file",
     )
@@ -524,12 +526,6 @@ def _plan(args: argparse.Namespace) -> int:
             print(prediction_text(predicted))
     _plan_chart(args, report.to_dict())
     return 0
-
-
-def _chart_path(text: str) -> str:
-    from hyper_parallel.analysis.charts import chart_path
-
-    return chart_path(text)
 
 
 def _plan_chart(args: argparse.Namespace, out: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ import shlex
 import sys
 from typing import Any
 
+from hyper_parallel.analysis.charts import chart_path
 from hyper_parallel.train.arguments import add_command_arguments, positive_int
 
 __all__ = ["add_calibrate_parser", "add_suggest_parser", "run_calibrate", "run_suggest"]
@@ -72,7 +73,7 @@ def add_suggest_parser(sub: Any) -> None:
     p.add_argument(
         "--chart",
         metavar="PNG",
-        type=_chart_path,
+        type=chart_path,
         help="draw step time vs memory of the candidates",
     )
     p.add_argument(
@@ -299,12 +300,6 @@ def prediction_text(pred: dict[str, Any]) -> str:
         f"{pred['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * pred['mfu']:.1f}%, "
         f"memory {pred['memory_bytes_per_gpu'] / 2**30:.1f} GiB per GPU"
     )
-
-
-def _chart_path(text: str) -> str:
-    from hyper_parallel.analysis.charts import chart_path
-
-    return chart_path(text)
 
 
 def _chart(args: argparse.Namespace, report: Any) -> None:

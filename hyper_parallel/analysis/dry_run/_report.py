@@ -202,8 +202,13 @@ class DryRunReport:
             )
         return f"{self.param_dtype} parameters"
 
-    def to_table(self) -> str:
-        """The report for people: parameters, memory, collectives, assumptions, summary."""
+    def to_table(self, on: str | None = None) -> str:
+        """The report for people: parameters, memory, collectives, assumptions, summary.
+
+        Args:
+            on: Where the header says the plan runs (default: this report's mesh and
+                ranks; :meth:`to_pipeline_table` names the whole mesh and the group).
+        """
         axes = list(self.columns)
         fsdp_text = "no FSDP"
         if self.fsdp:
@@ -212,7 +217,8 @@ class DryRunReport:
             if "fsdp" in self.fsdp_axes:
                 fsdp_text += " (fsdp = dp_shard x cp)"
         out = [
-            f"plan: {self.model} on {self.layout.describe()} ({self.world_size:,} ranks); "
+            f"plan: {self.model} on "
+            f"{on or f'{self.layout.describe()} ({self.world_size:,} ranks)'}; "
             f"batch {self.batch_size} x seq {self.seq_len}"
             + (f" x {self.num_microbatches} micro-batches" if self.num_microbatches > 1 else "")
             + f"; {self._precision()}; "
@@ -300,8 +306,14 @@ class DryRunReport:
         per_rank = StateBytes(
             heaviest["params"], heaviest["grads"], heaviest["optimizer"], heaviest["activations"]
         )
+        # The header names the whole mesh (it said "on one device (1 ranks)" at pp=2).
+        axes = " x ".join(f"{a}={n}" for a, n in self.layout.active().items()) or "one device"
+        on = (
+            f"{layout.describe()} ({layout.world_size:,} ranks; one pipeline's group: {axes}, "
+            f"{self.world_size:,} rank{'s' if self.world_size > 1 else ''})"
+        )
         lines = dataclasses.replace(self, per_rank=per_rank, per_rank_experts=None)
-        lines = lines.to_table().split("\n")
+        lines = lines.to_table(on=on).split("\n")
         stages = ", ".join(map(str, ranks[rank]))
         scope = (
             f"pp={layout.pp} ({layout.world_size:,} ranks): parameters and collectives below "
@@ -323,16 +335,7 @@ class DryRunReport:
             f"whole model on one pipeline's group: {calls:,} collectives per step over "
             f"{human_bytes(moved)} of buffers per rank ({self.elapsed_s:.1f} s).",
         }
-        # The header names the whole mesh (it said "on one device (1 ranks)" at pp=2).
-        group = f"{self.layout.describe()} ({self.world_size:,} ranks)"
-        axes = " x ".join(f"{a}={n}" for a, n in self.layout.active().items()) or "one device"
-        head = lines[0].replace(
-            f"on {group}; ",
-            f"on {layout.describe()} ({layout.world_size:,} ranks; one pipeline's group: "
-            f"{axes}, {self.world_size:,} rank{'s' if self.world_size > 1 else ''}); ",
-            1,
-        )
-        out = [head, scope]
+        out = [lines[0], scope]
         for line in lines[1:]:
             out.append(next((new for old, new in relabel.items() if line.startswith(old)), line))
         return "\n".join(out)
