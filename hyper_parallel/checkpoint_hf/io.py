@@ -450,11 +450,10 @@ def parse_size(size: int | str) -> int:
     elif isinstance(size, str):
         text = size.strip().upper()
         units = (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9),
-                 ("MB", 10**6), ("KB", 10**3), ("B", 1))  # fmt: skip
-        factor = next((f for u, f in units if text.endswith(u)), None)
-        number = text[: -len(next(u for u, f in units if f == factor))] if factor else text
+                 ("MB", 10**6), ("KB", 10**3), ("B", 1), ("", 1))  # fmt: skip
+        unit, factor = next((u, f) for u, f in units if text.endswith(u))
         try:
-            value = float(number) * (factor or 1)
+            value = float(text[: len(text) - len(unit)]) * factor
         except ValueError:
             value = None
     if value is None or value != value:  # not a number (or NaN)

@@ -8,7 +8,8 @@ of their ``forward``; only the attention over the cached keys is written here, a
 ``scaled_dot_product_attention`` with the causal mask of the new positions — the
 training forward is untouched. Greedy by default; ``temperature`` samples with a
 seeded generator, among the ``top_k`` most likely tokens and the nucleus of mass
-``top_p`` (:func:`filter_logits`: transformers' order and rule). Stops after ``max_new_tokens`` or at an EOS id.
+``top_p`` (:func:`filter_logits`: transformers' order and rule). Stops after
+``max_new_tokens`` or at an EOS id.
 
 ``hyper-parallel generate (--hf-checkpoint DIR | --checkpoint CKPT) --prompt TEXT``
 loads the model and the checkpoint's ``tokenizer.json`` (``tokenizers``) and prints
@@ -101,6 +102,13 @@ def filter_logits(
 def check_sampling(
     max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None
 ) -> None:
+    """Refuse sampling settings out of range, and ``top_k`` / ``top_p`` at temperature 0
+    (greedy would not use them): :func:`generate` and the command, before the model is
+    read.
+
+    Raises:
+        ValueError: Naming the setting and what it takes.
+    """
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens}; give 0 or more.")
     if temperature < 0:
