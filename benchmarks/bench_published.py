@@ -170,6 +170,7 @@ def prepare(runs: list[dict[str, Any]]) -> list[Row]:
                 run["seq"],
                 run["global_batch"],
                 bool(run["compile"]),
+                run["precision"],
             )
             if key not in scorers:
                 scorers[key] = LayoutScorer(
@@ -178,6 +179,7 @@ def prepare(runs: list[dict[str, Any]]) -> list[Row]:
                     gpu=run["hardware"],
                     seq_len=run["seq"],
                     global_batch_tokens=run["global_batch"] * run["seq"],
+                    dtype=run["precision"],
                 )
             scorer = scorers[key]
             candidates = _candidates(run)

@@ -1,7 +1,8 @@
 """The planner on published settings: the layout practitioners ran against its best.
 
 For each *setting* of ``hyper_parallel/analysis/published/runs.yaml`` — a model, a
-number and kind of GPU, a sequence length and a global batch — that a row ran without
+number and kind of GPU, a sequence length, a global batch and a precision (``--dtype``:
+bf16 mixed precision, or bf16-true states) — that a row ran without
 float8 (``suggest`` does not search float8; a float8 row's layout was chosen for it),
 ``suggest`` is run twice with the row's switches (``--compile`` where the row compiled):
 
@@ -64,6 +65,7 @@ def settings(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             run["global_batch"],
             tuple(sorted(run["mesh"].items())),
             bool(run.get("compile")),
+            run["precision"],
         )
         entry = seen.setdefault(key, {"ids": [], "run": run})
         entry["ids"].append(run["id"])
@@ -99,6 +101,7 @@ def measure(entry: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> 
         "seq_len": run["seq"],
         "global_batch_tokens": run["global_batch"] * run["seq"],
         "compile": bool(run.get("compile")),
+        "dtype": run["precision"],  # bf16 mixed precision, or bf16-true states
         "top": 5,
     }
     started = time.perf_counter()
@@ -114,6 +117,7 @@ def measure(entry: dict[str, Any], runs: list[dict[str, Any]] | None = None) -> 
         "seq": run["seq"],
         "global_batch": run["global_batch"],
         "compile": common["compile"],
+        "dtype": common["dtype"],
         "published_mesh": _mesh_text(run["mesh"]),
         "published_ac": run.get("ac"),
     }
@@ -145,7 +149,7 @@ def _structure(mesh: dict[str, int]) -> tuple[tuple[str, int], ...]:
 
 def alternatives(entry: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows of the record that ran the setting's model, GPU kind and sequence, with its
-    compile switch and without float8 or another runtime, in another structure (axes
+    compile switch and precision, without float8 or another runtime, in another structure (axes
     other than dp), each with tokens/s/GPU measured: per structure, the row
     :func:`_best_tps` picks."""
     run = entry["run"]
@@ -160,6 +164,7 @@ def alternatives(entry: dict[str, Any], runs: list[dict[str, Any]]) -> list[dict
             or bool(r.get("compile")) != bool(run.get("compile"))
             or r.get("float8", "none") != "none"
             or r.get("runtime") != run.get("runtime")
+            or r["precision"] != run["precision"]
             or _structure(r["mesh"]) == mine
         ):
             continue
@@ -200,6 +205,7 @@ def _record(
     for row in alternatives(entry, runs):
         tokens = row["global_batch"] * row["seq"]
         own = {**common, "gpus": row["gpus"], "global_batch_tokens": tokens}
+        own["dtype"] = row["precision"]
         try:
             points = suggest(row["model"], mesh=row["mesh"], **own).points
             predicted = tokens / min(s for s, _, fit in points if fit) / row["gpus"] / ours
@@ -279,6 +285,8 @@ def format_result(rows: list[dict[str, Any]]) -> str:
         setting = f"{r['model']} {r['gpus']}x{r['hardware']} {r['seq']}x{r['global_batch']}" + (
             " compile" if r["compile"] else ""
         )
+        if r.get("dtype", "bf16") != "bf16":
+            setting += f" {r['dtype']}"
         p = r["published"]
         if p is None:
             pub, vf, vt = f"{r['published_mesh']}: does not fit", "-", "-"

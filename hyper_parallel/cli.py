@@ -443,7 +443,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import torch
 
     from hyper_parallel.analysis import dry_run
     from hyper_parallel.distributed.layout import LayoutError
@@ -464,9 +463,8 @@ def _plan(args: argparse.Namespace) -> int:
             batch_size=args.batch,
             seq_len=subject.seq_len,
             fsdp=not args.no_fsdp,
-            # --dtype is the trainer's precision: fp32 master weights, gradients and
-            # AdamW state under either; bf16 computes (and gathers) in bf16.
-            param_dtype=torch.float32,
+            # --dtype is the trainer's precision: the parameters' dtype follows it (fp32
+            # master weights under bf16, bf16 weights under bf16-true).
             loss_fn=subject.loss_fn,
             ac=args.ac,
             dtype=args.dtype,
@@ -538,11 +536,10 @@ def _plan_chart(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> dict[str, Any]:
     """Stages (with their collectives), per-rank bytes, bubble and P2P bytes (``pp > 1``)."""
-    import torch
 
     from hyper_parallel.analysis.pipeline_cost import pipeline_report
     from hyper_parallel.distributed.pipeline import PipelineError
-    from hyper_parallel.distributed.precision import DTYPES
+    from hyper_parallel.distributed.precision import DTYPES, PARAM_DTYPES
     from hyper_parallel.dmodule.model_spec import get_spec
 
     stages = get_spec(args.model).family.pipeline if args.model else None
@@ -568,7 +565,7 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
             sequence_parallel=args.sp,
             sharded_config=subject.model,
             fsdp=not args.no_fsdp,
-            param_dtype=torch.float32,  # fp32 master weights under either --dtype
+            param_dtype=PARAM_DTYPES[args.dtype],  # fp32 master weights under bf16
             ac=args.ac,
             dtype=args.dtype,
             loss_fn=get_spec(args.model).family.loss_fn,

@@ -240,7 +240,7 @@ class Hardware:
 
     def flops(self, dtype: str) -> float:
         """Achieved FLOP/s in ``dtype``: peak times efficiency."""
-        key = "bf16" if dtype in ("bf16", "fp16") else "fp32"
+        key = "bf16" if dtype in ("bf16", "bf16-true", "fp16") else "fp32"
         return self.peak_flops[key] * self.compute_efficiency[key]
 
     def attention_flops(self, dtype: str, chunked: bool = False) -> float:
@@ -251,7 +251,7 @@ class Hardware:
             efficiency = self.chunked_attention_efficiency
         if efficiency is None:
             return self.flops(dtype)
-        key = "bf16" if dtype in ("bf16", "fp16") else "fp32"
+        key = "bf16" if dtype in ("bf16", "bf16-true", "fp16") else "fp32"
         return self.peak_flops[key] * efficiency
 
     def link(
@@ -582,17 +582,22 @@ def exposed_seconds(hw: Hardware, comm: float, compute: float) -> float:
 
 
 def optimizer_seconds(
-    hw: Hardware, elements: float, tensors: float, ops_per_tensor: float, sharded: bool
+    hw: Hardware,
+    elements: float,
+    tensors: float,
+    ops_per_tensor: float,
+    sharded: bool,
+    state_bytes: int = 4,
 ) -> float:
-    """One optimizer step over ``elements`` local fp32 elements in ``tensors`` parameter
-    tensors: AdamW's :data:`OPTIMIZER_BYTES_PER_ELEMENT` at the memory bandwidth, plus
-    ``ops_per_tensor`` operators per tensor at ``op_overhead_s`` each, and
+    """One optimizer step over ``elements`` local elements in ``tensors`` parameter
+    tensors: AdamW's :data:`OPTIMIZER_BYTES_PER_ELEMENT` at the memory bandwidth (scaled
+    by ``state_bytes``, the states' element size: 2 for bf16 parameters, gradients and
+    moments), plus ``ops_per_tensor`` operators per tensor at ``op_overhead_s`` each, and
     ``dtensor_op_overhead_s`` more each when the parameters are DTensors (``sharded``).
     """
     per_op = hw.op_overhead_s + (hw.dtensor_op_overhead_s if sharded else 0.0)
-    return OPTIMIZER_BYTES_PER_ELEMENT * elements / hw.hbm_bandwidth + (
-        tensors * ops_per_tensor * per_op
-    )
+    moved = OPTIMIZER_BYTES_PER_ELEMENT * state_bytes / 4
+    return moved * elements / hw.hbm_bandwidth + (tensors * ops_per_tensor * per_op)
 
 
 _WIRE = {

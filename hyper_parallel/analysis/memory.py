@@ -7,16 +7,13 @@ Formulas (per rank, per parameter element held locally):
   reduce-scatters each gradient into its parameter's shard);
 - AdamW: two moments, ``exp_avg`` and ``exp_avg_sq`` (Loshchilov & Hutter,
   "Decoupled Weight Decay Regularization", 2019; ``torch.optim.AdamW``'s state),
-  taken as fp32: ``8 * numel_local`` bytes. torch keeps them in the parameter's
-  dtype, so this is exact for fp32 parameters and assumes fp32 optimizer states
-  (as mixed-precision training keeps them) for bf16 parameters. The per-parameter
-  ``step`` scalar is ignored.
+  in the parameter's dtype, as torch keeps them: ``2 * numel_local * sizeof(param
+  dtype)`` bytes (``moment_bytes``). The per-parameter ``step`` scalar is ignored.
 
 ``--dtype bf16`` in every command is the trainer's mixed precision (FSDP2's
 ``MixedPrecisionPolicy``, torchtitan's default): parameters, gradients and AdamW
 state stay fp32 (4 + 4 + 8 bytes per local element), only the compute — and so the
-activations — is bf16. Pure bf16 parameters (2 + 2 + 8) are the dry run's
-``param_dtype=torch.bfloat16`` with fp32 ``dtype``, never ``--dtype bf16``.
+activations — is bf16. ``--dtype bf16-true`` keeps all three in bf16 (2 + 2 + 4).
 
 These are the steady state between steps (ZeRO's "model states", Rajbhandari et
 al., 2020). Activations — what autograd saves for backward during one micro-batch's
@@ -84,7 +81,11 @@ class StateBytes:
 
 
 def state_bytes(
-    param_bytes: int, grad_bytes: int, trainable_numel: int, activation_bytes: int = 0
+    param_bytes: int,
+    grad_bytes: int,
+    trainable_numel: int,
+    activation_bytes: int = 0,
+    moment_bytes: int = ADAMW_MOMENT_BYTES,
 ) -> StateBytes:
     """Per-rank state bytes from the local parameter and gradient bytes.
 
@@ -93,6 +94,8 @@ def state_bytes(
         grad_bytes: The same over gradients.
         trainable_numel: Local elements of parameters that require grad.
         activation_bytes: Peak bytes saved for backward (:class:`SavedActivations`).
+        moment_bytes: Bytes of one moment element: the parameters' element size (4 for
+            fp32 parameters, 2 under ``--dtype bf16-true``).
 
     Example::
 
@@ -101,7 +104,7 @@ def state_bytes(
     return StateBytes(
         params=param_bytes,
         grads=grad_bytes,
-        optimizer=NUM_ADAMW_MOMENTS * ADAMW_MOMENT_BYTES * trainable_numel,
+        optimizer=NUM_ADAMW_MOMENTS * moment_bytes * trainable_numel,
         activations=activation_bytes,
     )
 

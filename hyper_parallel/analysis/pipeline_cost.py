@@ -28,6 +28,7 @@ from hyper_parallel.distributed.pipeline import (
     schedule_actions,
     stages_per_rank_of,
 )
+from hyper_parallel.distributed.precision import PARAM_DTYPES
 
 __all__ = [
     "DEFAULT_COSTS",
@@ -269,7 +270,8 @@ def stage_costs(
             ranks (tp x fsdp; replicated norms are counted as sharded too, a bound
             off by the norms' share).
         param_bytes, grad_bytes: Bytes per parameter / gradient element.
-        optimizer_bytes: Optimizer-state bytes per parameter (AdamW fp32: 8).
+        optimizer_bytes: Optimizer-state bytes per parameter (AdamW: two moments in the
+            parameters' dtype, 8 for fp32 parameters).
         activation_bytes_per_microbatch: Per unit, the activations one micro-batch
             keeps for the backward on one rank; multiplied by the stage's in-flight
             micro-batches from the schedule's actions.
@@ -373,8 +375,8 @@ def pipeline_report(
         seq_len: Tokens per sequence.
         element_bytes: Bytes of an activation element (the compute dtype's), and of a
             parameter and its gradient unless ``param_dtype`` is given (the trainer's
-            fp32 master weights under either precision: their dtype's bytes); the
-            optimizer keeps two fp32 states per parameter (AdamW).
+            fp32 master weights under bf16: their dtype's bytes); the optimizer keeps
+            two states per parameter in that dtype (AdamW).
         sequence_parallel: Activations between and inside blocks split over tp.
         sharded_config: The config with its sharding as the trainer applies it; when
             given, each stage also lists its own collectives per micro-batch and per
@@ -428,7 +430,7 @@ def pipeline_report(
         shard_ways=layout.tp * layout.fsdp,
         param_bytes=state_bytes,
         grad_bytes=state_bytes,
-        optimizer_bytes=8,
+        optimizer_bytes=2 * state_bytes,  # AdamW's moments: the parameters' dtype
         activation_bytes_per_microbatch=acts,
     )
     traced = None
@@ -623,7 +625,7 @@ def stage_collectives(
             example = (
                 torch.empty(tokens, dtype=torch.long, device="meta")
                 if has_first
-                else torch.empty(hidden, dtype=param_dtype or torch.float32, device="meta")
+                else torch.empty(hidden, dtype=param_dtype or PARAM_DTYPES[dtype], device="meta")
             )
             report = dry_run(
                 stage_config,
@@ -633,7 +635,7 @@ def stage_collectives(
                 batch_size=microbatch_size,
                 seq_len=seq_len,
                 fsdp=fsdp,
-                param_dtype=param_dtype or torch.float32,
+                param_dtype=param_dtype,  # None: dtype's
                 inputs=[example],
                 loss_fn=_LastStageLoss(loss_fn) if has_last and loss_fn is not None else None,
                 ac=ac,

@@ -98,7 +98,8 @@ def apply_parallelism(
         shard_experts: Make the routed experts FSDP2 units over ``efsdp``.
         entries: The plan's entries; default the Modules' own sharding configs.
         plan_findings: Problems already found in the plan, refused with the rest.
-        dtype: ``"fp32"`` or ``"bf16"``.
+        dtype: ``"fp32"``, ``"bf16"`` or ``"bf16-true"`` (the parameters' dtype is the
+            caller's: :func:`~hyper_parallel.distributed.precision.cast_parameters`).
         gradient_divide_factor: FSDP2's divisor of reduced gradients (the run plan's
             cp convention), or ``None`` for its mean over the mesh.
         compile_backend: A ``torch.compile`` backend, or ``None`` (eager).
@@ -181,7 +182,7 @@ def apply_parallelism(
                 unit.set_gradient_divide_factor(gradient_divide_factor)  # type: ignore[operator]
                 # A custom factor is a PREMUL_SUM reduction, which gloo lacks: sum, then divide.
                 unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-    elif dtype != "fp32":
+    elif precision.uses_autocast(dtype):
         module.forward = _Autocast(module.forward, device_type)  # type: ignore[method-assign]
     return paths
 
@@ -250,6 +251,7 @@ def build_model(
     _require(run, "build_model")
     with torch.device("meta"):
         module = run.subject.build()
+    precision.cast_parameters(module, run.dtype)
     apply_run_plan(module, run, mesh, device_type=torch.device(device).type)
     _materialize(module, run, device, seed)
     return module
@@ -270,6 +272,7 @@ def build_stages(
     for s in run.pipeline.stages_of_rank(mesh["pp"].get_local_rank()):
         with torch.device("meta"):
             stage = run.pipeline_layout.stage_config(run.subject, run.pipeline.stages[s]).build()
+        precision.cast_parameters(stage, run.dtype)
         apply_run_plan(stage, run, mesh, device_type=torch.device(device).type)
         _materialize(stage, run, device, seed)
         modules.append(stage)

@@ -241,8 +241,10 @@ RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "dtype",
         {
             "choices": tuple(DTYPES),
-            "help": "fp32, or bf16: bf16 compute with fp32 master weights, gradients and "
-            "AdamW state (FSDP2's MixedPrecisionPolicy; autocast without FSDP)",
+            "help": "fp32; bf16: bf16 compute with fp32 master weights, gradients and "
+            "AdamW state (FSDP2's MixedPrecisionPolicy; autocast without FSDP); or "
+            "bf16-true: parameters, gradients and AdamW state in bf16, no fp32 copy "
+            "(half the states' memory; updates below bf16's resolution are lost)",
         },
     ),
     (

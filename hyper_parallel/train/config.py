@@ -91,7 +91,8 @@ class TrainConfig:
         compile_backend: ``torch.compile``'s backend under ``compile``: ``"inductor"``
             (torch's code generator), or ``"aot_eager"`` / ``"eager"`` (tracing without
             code generation: what the configuration matrix runs on a small CPU machine).
-        dtype: ``"fp32"``, or ``"bf16"`` mixed precision with fp32 master weights
+        dtype: ``"fp32"``, ``"bf16"`` mixed precision with fp32 master weights, or
+            ``"bf16-true"``: parameters, gradients and AdamW state in bf16
             (:mod:`hyper_parallel.distributed.precision`).
         ac: Activation checkpointing: ``"none"``, ``"full"`` (every block),
             ``"selective"`` (every second block) or ``"op"`` (per operator in every

@@ -123,12 +123,32 @@ def test_parameter_bytes_per_rank(mesh, fsdp):
     assert report.fsdp is (fsdp and "dp" in mesh)
 
 
-def test_bf16_parameters_keep_fp32_moments():
-    report = run(param_dtype=torch.bfloat16)
-    fp32 = run()
-    assert report.param_dtype == "bfloat16"
-    assert report.per_rank.params * 2 == fp32.per_rank.params
-    assert report.per_rank.optimizer == fp32.per_rank.optimizer
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"dp": 8}])
+def test_state_bytes_per_rank_under_each_precision(mesh):
+    """fp32 and bf16 (mixed: fp32 masters) hold 4 + 4 + 8 bytes per local element;
+    bf16-true holds 2 + 2 + 4 (torch.optim.AdamW keeps its moments in the parameters'
+    dtype). The local elements are counted by hand, as in test_parameter_bytes_per_rank."""
+    num_layers = 3
+    sharded, replicated = layer_numel(D, H, KV, F)
+    sharded = 2 * V * D + num_layers * sharded
+    replicated = D + num_layers * replicated
+    tp, dp = mesh.get("tp", 1), mesh["dp"]
+    local = sharded // (tp * dp) + replicated // dp
+    for dtype, element in (("fp32", 4), ("bf16", 4), ("bf16-true", 2)):
+        report = run(num_layers, "tp" if tp > 1 else "", mesh, dtype=dtype)
+        assert report.param_dtype == ("bfloat16" if element == 2 else "float32"), dtype
+        assert report.per_rank.params == element * local, dtype
+        assert report.per_rank.grads == element * local, dtype
+        assert report.per_rank.optimizer == 2 * element * local, dtype
+    # Low-precision parameters planned with fp32 activations: their moments are bf16 too.
+    assert run(num_layers, "", {"dp": 8}, param_dtype=torch.bfloat16).per_rank.optimizer == (
+        2 * 2 * (sharded // 8 + replicated // 8)
+    )
+
+
+def test_a_parameter_dtype_contradicting_the_precision_is_refused():
+    with pytest.raises(ValueError, match="bf16 weights"):
+        run(dtype="bf16-true", param_dtype=torch.float32)
 
 
 def test_module_table_placements_and_local_shapes():

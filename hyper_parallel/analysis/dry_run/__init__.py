@@ -39,7 +39,7 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.distributed.activation_checkpoint import check_mode as check_ac_mode
 from hyper_parallel.distributed.axes import axis_support_findings
 from hyper_parallel.distributed.layout import as_layout
-from hyper_parallel.distributed.precision import check_dtype
+from hyper_parallel.distributed.precision import PARAM_DTYPES, check_dtype
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
 from .._model import TRACE_DEPTHS, default_loss, resolve_target
@@ -80,7 +80,7 @@ def dry_run(
     batch_size: int = 1,
     seq_len: int = 2048,
     fsdp: bool = True,
-    param_dtype: torch.dtype = torch.float32,
+    param_dtype: torch.dtype | None = None,
     inputs: Sequence[torch.Tensor] | None = None,
     loss_fn: LossFn | None = None,
     ac: str = "none",
@@ -106,10 +106,11 @@ def dry_run(
             dp_replicate > 1); each element of the model's top-level ``ModuleList``s
             and the root is one ``fully_shard`` unit. Ignored, with a note, when the
             mesh has no data axis.
-        param_dtype: Parameter (and gradient) dtype: ``torch.float32`` (the default, and
-            the master weights of ``dtype="bf16"``), or pure low-precision parameters
-            (e.g. ``torch.bfloat16`` with ``dtype="fp32"``: no fp32 master copy; the AdamW
-            moments are still counted in fp32).
+        param_dtype: Parameter dtype, which is also the gradients' and the AdamW
+            moments' (torch keeps them in it); ``None``: ``dtype``'s — float32 under
+            ``"fp32"`` and ``"bf16"`` (its master weights), bfloat16 under
+            ``"bf16-true"``. Another dtype with ``dtype="fp32"`` plans low-precision
+            parameters with fp32 activations.
         inputs: Example inputs (only shapes and dtypes are used); by default token
             ids ``(batch_size, seq_len)`` or features, see
             :func:`~hyper_parallel.analysis.validate`. Under context parallelism they
@@ -119,10 +120,11 @@ def dry_run(
         ac: Activation checkpointing of the blocks (``"none"``, ``"full"``,
             ``"selective"``; see :mod:`hyper_parallel.distributed.activation_checkpoint`)
             for the activation bytes.
-        dtype: The trainer's precision (``--dtype`` in every command): ``"fp32"``, or
+        dtype: The trainer's precision (``--dtype`` in every command): ``"fp32"``;
             ``"bf16"`` mixed precision — fp32 parameters, gradients and AdamW state, bf16
             compute (FSDP2's ``MixedPrecisionPolicy``: bf16 all-gathers, fp32
-            reduce-scatters; autocast without FSDP). It sets the activations' dtype.
+            reduce-scatters; autocast without FSDP); or ``"bf16-true"`` — bf16
+            parameters, gradients and AdamW state. It sets the activations' dtype.
         num_microbatches: Micro-batches per step (gradient accumulation, the trainer's
             ``--microbatches`` at pp=1): the rank's batch is ``batch_size`` x this;
             collectives of the forward and backward counted once per micro-batch,
@@ -142,8 +144,9 @@ def dry_run(
             ``validate``'s: a ``cp`` axis the plan does not declare, experts that do
             not split over ``ep``, ...), a plan that ``parallelize`` refuses (run
             :func:`validate` for the full list; a plan placing states on a data axis
-            FSDP shards over is one of the run plan's), or ``dtype="bf16"`` with a
-            ``param_dtype`` other than fp32 (mixed precision keeps fp32 master weights).
+            FSDP shards over is one of the run plan's), or a ``param_dtype`` that
+            contradicts ``dtype`` (``"bf16"`` keeps fp32 master weights, ``"bf16-true"``
+            bf16 ones).
         RuntimeError: When a real process group already exists.
 
     Example::
@@ -158,11 +161,14 @@ def dry_run(
     start = time.perf_counter()
     check_ac_mode(ac)
     check_dtype(dtype)
-    if dtype == "bf16" and param_dtype != torch.float32:
+    if param_dtype is None:
+        param_dtype = PARAM_DTYPES[dtype]
+    elif dtype != "fp32" and param_dtype != PARAM_DTYPES[dtype]:
+        held = "fp32 master weights" if dtype == "bf16" else "bf16 weights"
         raise ValueError(
-            f"dry_run: dtype='bf16' is mixed precision with fp32 master weights, gradients and "
-            f"AdamW state; param_dtype={param_dtype} contradicts it. Leave param_dtype at "
-            "torch.float32, or plan pure low-precision parameters with dtype='fp32'."
+            f"dry_run: dtype={dtype!r} keeps {held}, gradients and AdamW state; "
+            f"param_dtype={param_dtype} contradicts it. Leave param_dtype out (it follows "
+            "dtype), or plan other parameters with dtype='fp32'."
         )
     layout = as_layout(mesh)
     # The dry run traces one pipeline's ranks; `plan` cuts a pp mesh into stages first.

@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
 from hyper_parallel.distributed.layout import (
     MeshLayout,
@@ -34,6 +36,8 @@ def _combine(
     """One run as is; two runs (depths d and d + 1) extrapolated to the real depth."""
     last = runs[-1]
     columns = settings["columns"]
+    # AdamW's moments are in the parameters' dtype (torch.optim.AdamW's zeros_like).
+    moment = getattr(torch, settings["param_dtype"]).itemsize
     for r in runs:
         r.modules = [_in_columns(m, columns) for m in r.modules]
     common = dict(model=target.name, mesh=layout.active(), world_size=layout.world_size, **settings)
@@ -43,11 +47,17 @@ def _combine(
             num_params=last.num_params,
             modules=last.modules,
             per_rank=state_bytes(
-                last.param_bytes, last.grad_bytes, last.trainable_numel, last.activation_bytes
+                last.param_bytes,
+                last.grad_bytes,
+                last.trainable_numel,
+                last.activation_bytes,
+                moment_bytes=moment,
             ),
             collectives=summarize(last.records),
             comm_debug_counts=last.comm_counts,
-            per_rank_experts=None if last.expert_bytes is None else state_bytes(*last.expert_bytes),
+            per_rank_experts=None
+            if last.expert_bytes is None
+            else state_bytes(*last.expert_bytes, moment_bytes=moment),
             num_expert_params=last.expert_numel,
             activations_per_block=last.block_bytes,
             activations_per_block_op=None
@@ -113,6 +123,7 @@ def _combine(
             ext(a.grad_bytes, b.grad_bytes),
             ext(a.trainable_numel, b.trainable_numel),
             activations,
+            moment_bytes=moment,
         ),
         collectives=collectives,
         collectives_per_layer=per_layer,
@@ -121,7 +132,9 @@ def _combine(
         traced_layers=tuple(r.depth for r in runs if r.depth is not None),
         per_rank_experts=None
         if a.expert_bytes is None or b.expert_bytes is None
-        else state_bytes(*(ext(x, y) for x, y in zip(a.expert_bytes, b.expert_bytes))),
+        else state_bytes(
+            *(ext(x, y) for x, y in zip(a.expert_bytes, b.expert_bytes)), moment_bytes=moment
+        ),
         num_expert_params=ext(a.expert_numel, b.expert_numel),
         activations_by_ac=by_ac,
         activations_held_by_ac=_held_by_ac(a, b, target.num_layers, ext),
@@ -304,11 +317,11 @@ def _assumptions(
         "Per-rank figures are rank 0's, whose shard is the largest when a dim does not divide "
         "(FSDP2 pads every rank's shard to that size).",
         "Memory is the steady state between steps: parameters; gradients with the dtype and "
-        "sharding of their parameters; AdamW's two moments at 4 bytes (fp32) per local element "
-        "(torch.optim.AdamW keeps them in the parameter dtype: exact for fp32 parameters). "
+        "sharding of their parameters; AdamW's two moments in the parameter dtype, as "
+        "torch.optim.AdamW keeps them. "
         "Under bf16 (the trainer's mixed precision) all three stay fp32 and only the compute "
         "is bf16: FSDP2 gathers bf16 copies of the parameters and reduce-scatters gradients "
-        "in fp32. "
+        "in fp32; under bf16-true all three are bf16 (gradients reduce-scattered in fp32). "
         "Activations and transient buffers (FSDP's unsharded units, collective buffers) are "
         "not included.",
         "Collective bytes are the per-rank buffer (all_gather: gathered output; "

@@ -195,6 +195,8 @@ class DryRunReport:
 
     def _precision(self) -> str:
         """``float32 parameters`` or, under ``dtype="bf16"``, the mixed precision's split."""
+        if self.dtype == "bf16-true":
+            return f"{self.param_dtype} parameters, gradients and AdamW state (bf16-true)"
         if self.dtype == "bf16":
             return (
                 f"{self.param_dtype} parameters, gradients and AdamW state, bfloat16 compute "

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from hyper_parallel.distributed.precision import PARAM_DTYPES
+
 __all__ = [
     "ATTENTION_RATES",
     "MEMORY_METRICS",
@@ -107,6 +109,11 @@ def load_runs() -> list[dict[str, Any]]:
             raise ValueError(
                 f"published run {run['id']!r}: attention {attention!r}; use one of "
                 f"{', '.join(ATTENTION_RATES)}."
+            )
+        if run["precision"] not in PARAM_DTYPES:
+            raise ValueError(
+                f"published run {run['id']!r}: precision {run['precision']!r}; use one of "
+                f"{', '.join(PARAM_DTYPES)} (the trainer's --dtype)."
             )
         metric = sources[run["source_key"]].get("memory")
         if "memory_gib" in run["measured"] and metric not in MEMORY_METRICS:

@@ -29,6 +29,7 @@ from hyper_parallel.analysis.suggest._report import Candidate, Prediction
 from hyper_parallel.analysis.suggest._source import ModelSource
 from hyper_parallel.analysis.suggest._trace import _Comm, _Tracer
 from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.distributed.precision import DTYPES, PARAM_DTYPES
 
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 """torchao's float8 training recipes a published run may state (``none``: bf16 linears)."""
@@ -300,8 +301,11 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
     accumulation = c.microbatches if c.pp == 1 else 1
     stages = _stage_blocks(ctx, c)
     n_layers = ctx.flops.num_layers
-    compute_bytes = 2 if ctx.dtype == "bf16" else 4
-    # --- states per stage (fp32 master, grads, AdamW): local elements after FSDP
+    compute_bytes = DTYPES[ctx.dtype].itemsize
+    # The states' element size: fp32 master weights under bf16 mixed precision, bf16
+    # under bf16-true (gradients and AdamW's two moments in the parameters' dtype).
+    state = PARAM_DTYPES[ctx.dtype].itemsize
+    # --- states per stage (parameters, grads, AdamW): local elements after FSDP
     dense_ratio = trace.dense_local / max(trace.dense_total, 1)
     block_dense = (trace.dense_total - _rest_params(ctx)) / n_layers
     block_expert = trace.expert_total / n_layers
@@ -339,9 +343,9 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         )
         if last:
             into["loss"] = _loss_peak(ctx, c, mbs)
-        into["params"] += 4 * elements
-        into["grads"] += 4 * elements
-        into["optimizer"] += 8 * elements
+        into["params"] += state * elements
+        into["grads"] += state * elements
+        into["optimizer"] += 2 * state * elements
         into["activations"] += acts
         into["elements"] += elements
         into["tensors"] += k * ctx.flops.block_tensors + (first + last) / 2 * ctx.flops.rest_tensors
@@ -514,10 +518,11 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
         heaviest["tensors"],
         f.optimizer_ops_per_tensor,
         sharded=c.dp_replicate * c.fsdp * c.tp * c.ep > 1,
+        state_bytes=state,
     )
     step = makespan + exposed + optimizer + optimizer_comm
     tokens = ctx.global_batch * ctx.seq_len
-    peak = hw.peak_flops["bf16" if ctx.dtype == "bf16" else "fp32"]
+    peak = hw.peak_flops["fp32" if ctx.dtype == "fp32" else "bf16"]
     model_flops = ctx.global_batch * f.total
     times = {
         "pipeline_or_compute": makespan,

@@ -30,6 +30,7 @@ from hyper_parallel.analysis.suggest._source import ModelSource, _long_enough, _
 from hyper_parallel.distributed.pipeline import (
     SCHEDULES,
 )
+from hyper_parallel.distributed.precision import PARAM_DTYPES
 from hyper_parallel.dmodule.findings import Finding
 from hyper_parallel.train.launch import node_command, slurm_script, train_options
 
@@ -416,7 +417,8 @@ def suggest(
         seq_len: Tokens per sequence.
         global_batch_tokens: Tokens per optimizer step (a multiple of ``seq_len``).
         gpus_per_node: GPUs per node (default: the hardware file's).
-        dtype: ``"bf16"`` (mixed precision, fp32 master weights) or ``"fp32"``.
+        dtype: ``"bf16"`` (mixed precision, fp32 master weights), ``"bf16-true"``
+            (bf16 parameters, gradients and AdamW moments) or ``"fp32"``.
         top: How many plans to return.
         allow_cross_node_tp: Also search tp groups that span nodes.
         allow_cross_node_ep: Also search ep groups that span nodes.
@@ -464,7 +466,8 @@ def suggest(
         source, hw, node, gpus, seq_len, global_batch, dtype, compile, pipeline_split
     )
     checks, tracer, limit = ctx.checks, ctx.tracer, ctx.limit
-    lower_bound_states = 16 * sum(p for p in _param_counts(checks))
+    state_bytes = 4 * PARAM_DTYPES[dtype].itemsize  # weights, gradients, two moments
+    lower_bound_states = state_bytes * sum(p for p in _param_counts(checks))
     searched = 0
     evaluated: list[tuple[Candidate, Prediction]] = []
     points: list[tuple[float, int, bool]] = []
@@ -556,11 +559,12 @@ def suggest(
             # No layout got as far as a trace: even spread over every GPU, the states
             # alone exceed the device, whatever the activations and checkpointing.
             where = (
-                f"the training states alone (fp32 weights, gradients and AdamW moments, 16 "
-                f"bytes a parameter) spread over all {gpus // c.dp_replicate} GPUs: "
+                f"the training states alone ({_STATES[dtype]} weights, gradients and AdamW "
+                f"moments, {state_bytes} bytes a parameter) spread over all {gpus // c.dp_replicate} GPUs: "
                 f"{human_bytes(need)} per rank plus the headroom, before any activation"
             )
-            fix = "Use more GPUs or a GPU with more memory (a shorter sequence does not help)."
+            fix = "Use more GPUs or a GPU with more memory (a shorter sequence does not help)"
+            fix += "." if dtype == "bf16-true" else ", or --dtype bf16-true (half the states)."
         else:
             where = f"layout {c.describe()}: {human_bytes(need)} per rank plus the headroom"
             fix = "Use more GPUs, a GPU with more memory, or a shorter sequence / smaller batch."
@@ -754,6 +758,10 @@ def _findings(checks: _Checks, c: Candidate) -> list[tuple[str, Finding]]:
     return checks.findings(c)
 
 
+_STATES = {"fp32": "fp32", "bf16": "fp32", "bf16-true": "bf16"}
+"""The states' dtype under each precision (bf16 mixed precision keeps fp32 masters)."""
+
+
 def _check_arguments(gpus: int, node: int, seq_len: int, tokens: int, dtype: str, top: int) -> None:
     if gpus < 1 or node < 1 or seq_len < 1 or top < 1:
         raise ValueError("suggest: --gpus, --gpus-per-node, --seq and --top must be >= 1.")
@@ -767,8 +775,8 @@ def _check_arguments(gpus: int, node: int, seq_len: int, tokens: int, dtype: str
             f"suggest: --global-batch-tokens {tokens:,} is not a multiple of --seq "
             f"{seq_len:,}; use e.g. {max(1, tokens // seq_len) * seq_len:,}."
         )
-    if dtype not in ("bf16", "fp32"):
-        raise ValueError(f"suggest: --dtype {dtype!r}; use bf16 or fp32.")
+    if dtype not in PARAM_DTYPES:
+        raise ValueError(f"suggest: --dtype {dtype!r}; use one of {', '.join(PARAM_DTYPES)}.")
 
 
 def _param_counts(checks: _Checks) -> list[int]:
@@ -865,7 +873,7 @@ def _assumptions(
         f"(allocator fragmentation) less {MEMORY_HEADROOM_BYTES / 1024**3:.0f} GiB (CUDA "
         "context, workspaces, NCCL buffers).",
         "Per-rank memory: the dry run's parameters, gradients and AdamW moments (fp32 "
-        "master weights) sharded by FSDP2, activations: one micro-batch's peak (its "
+        "master weights; bf16 under --dtype bf16-true) sharded by FSDP2, activations: one micro-batch's peak (its "
         "backward, a recompute's working set included) plus what its forward keeps for "
         "each other micro-batch a stage holds (schedule's action list), and FSDP2's transient "
         "buffers (two units gathered + one unit's fp32 gradients; under a pipeline the "

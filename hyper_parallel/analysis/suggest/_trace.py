@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-
 from hyper_parallel.analysis.suggest._source import ModelSource
 from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.distributed.precision import PARAM_DTYPES
 from hyper_parallel.dmodule import keep_gathered
 
 
@@ -135,7 +134,7 @@ class _Tracer:
                 layout,
                 batch_size=1,
                 seq_len=self.seq_len,
-                param_dtype=torch.float32,
+                param_dtype=PARAM_DTYPES[self.dtype],
                 loss_fn=spec.family.loss_fn,
                 dtype=self.dtype,
             )
@@ -169,7 +168,7 @@ class _Tracer:
             count, nbytes = c.count - num_layers * n, c.bytes - num_layers * b
             if count > 0:
                 rest.append(_Comm(c.kind, c.axis, c.phase, count, max(nbytes, 0)))
-        element = 4  # fp32 master parameters in the trace
+        element = PARAM_DTYPES[self.dtype].itemsize  # the parameters' bytes in the trace
         experts = report.per_rank_experts
         expert_params = experts.params if experts is not None else 0
         efsdp = layout.efsdp if fsdp else 1
