@@ -308,37 +308,51 @@ def _module_children(module: nn.Module, path: str) -> Iterator[tuple[str, Module
 
 @contextlib.contextmanager
 def _full_parameters(module: nn.Module) -> Iterator[None]:
-    """Let initializers see full-size plain parameters; copy each rank's shard back after.
+    """Let initializers see full-size float32 plain parameters; copy each back after.
 
     Every rank draws the same full values in the same order as a single process
     would, so a model initialized sharded equals the one initialized on one device,
     at any mesh. (DTensor's own random ops do not guarantee this on every device.)
-    The full tensor exists only while one module is initialized.
+    The full tensor exists only while one module is initialized. Parameters stored in
+    a low-precision float (``--dtype bf16-true``) are drawn in float32 too and rounded
+    when copied back, so they start from the float32 model's values, rounded.
     """
-    sharded = {
-        n: p for n, p in module._parameters.items() if p is not None and isinstance(p, DTensor)
+    staged = {
+        n: p
+        for n, p in module._parameters.items()
+        if p is not None and (isinstance(p, DTensor) or p.dtype in _LOW_PRECISION)
     }
-    if not sharded:
+    if not staged:
         yield
         return
     fulls = {}
-    for name, p in sharded.items():
-        local = p.to_local()
+    for name, p in staged.items():
+        local = p.to_local() if isinstance(p, DTensor) else p
         fulls[name] = nn.Parameter(
-            torch.empty(p.shape, dtype=p.dtype, device=local.device),
+            torch.empty(
+                p.shape,
+                dtype=torch.float32 if p.dtype in _LOW_PRECISION else p.dtype,
+                device=local.device,
+            ),
             requires_grad=p.requires_grad,
         )
         module._parameters[name] = fulls[name]
     try:
         yield
     finally:
-        for name, p in sharded.items():
+        for name, p in staged.items():
             module._parameters[name] = p
-    for name, p in sharded.items():
-        shard = distribute_tensor(
-            fulls[name].detach(), p.device_mesh, p.placements, src_data_rank=None
-        )
-        p.to_local().copy_(shard.to_local())
+    with torch.no_grad():
+        for name, p in staged.items():
+            full = fulls[name].detach()
+            if not isinstance(p, DTensor):
+                p.copy_(full)
+                continue
+            shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _init_owner(cls: type) -> type[nn.Module] | None:

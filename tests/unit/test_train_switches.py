@@ -12,7 +12,7 @@ from hyper_parallel.distributed.activation_checkpoint import checkpointed_blocks
 from hyper_parallel.distributed.builder import build_model
 from hyper_parallel.distributed.compile import apply_compile
 from hyper_parallel.distributed.layout import MeshLayout
-from hyper_parallel.distributed.precision import fsdp_policy, loss_logits
+from hyper_parallel.distributed.precision import cast_parameters, fsdp_policy, loss_logits
 from hyper_parallel.distributed.run_plan import RunPlan
 from hyper_parallel.train import TrainConfig, Trainer
 from hyper_parallel.train.run import add_train_arguments, config_from_args, full_gradients
@@ -70,6 +70,33 @@ def test_precision_policies():
         y = model(tokens)
         assert y.dtype == computed
         assert loss_logits(y).dtype == torch.float32
+
+
+def test_bf16_true_stores_bf16_parameters_from_the_fp32_models_values():
+    """bf16-true: every parameter bf16, drawn in fp32 and rounded (so it starts from the
+    values every other precision starts from), buffers fp32, no autocast: the forward's
+    logits are bf16 from bf16 weights. The policy only reduces in fp32."""
+    policy = fsdp_policy("bf16-true")
+    assert (policy.param_dtype, policy.reduce_dtype) == (None, torch.float32)
+    for name in ("llama3-debug", "qwen3-moe-debug"):
+        fp32 = build_model(RunPlan.for_model(name, MeshLayout(), dtype="fp32"), None, "cpu", 0)
+        true = build_model(RunPlan.for_model(name, MeshLayout(), dtype="bf16-true"), None, "cpu", 0)
+        ref = dict(fp32.named_parameters())
+        for n, p in true.named_parameters():
+            assert p.dtype == torch.bfloat16, n
+            assert torch.equal(p, ref[n].detach().to(torch.bfloat16)), n
+        assert {b.dtype for b in true.buffers()} <= {torch.float32}, name
+        tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+        assert true(tokens).dtype == torch.bfloat16
+
+
+def test_cast_parameters_keeps_a_tied_parameter_one_parameter():
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    model.register_buffer("table", torch.ones(3))
+    cast_parameters(model, "bf16-true")
+    assert model[1].weight is model[0].weight and model[0].weight.dtype == torch.bfloat16
+    assert len(list(model.parameters())) == 1 and model.table.dtype == torch.float32
 
 
 def test_command_line_flags_reach_the_config():
