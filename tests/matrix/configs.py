@@ -61,7 +61,7 @@ SWITCHES: dict[str, tuple[Any, ...]] = {
     "tp": (1, 2),
     "sp": (False, True),
     "ep": (1, 2),
-    "dtype": ("fp32", "bf16"),
+    "dtype": ("fp32", "bf16", "bf16-true"),
     "ac": ("none", "full", "selective", "op"),
     "compile": (False, True),
 }
