@@ -139,6 +139,7 @@ def test_settings_bench_sets_the_published_layout_beside_the_fastest_that_fits()
         "compile": False,
         "float8": "none",
         "ac": "none",
+        "precision": "bf16",
     }
     row = bench.measure({"ids": ["tiny"], "run": run})
     published, top = row["published"], row["top"]
@@ -159,7 +160,7 @@ def test_settings_bench_sets_the_published_layout_beside_the_fastest_that_fits()
 
 def test_settings_bench_sets_the_records_other_structures_beside_a_setting():
     """The record's rows of the same model, GPU kind, sequence and compile switch in
-    another structure: float8 rows, other GPU kinds and the setting's own structure
+    another structure: float8 rows, other GPU kinds or precisions and the setting's own structure
     (any dp) are left out; per structure the fastest row without async TP; each
     predicted on its own GPUs and batch."""
     bench = _load("bench_settings")
@@ -180,7 +181,7 @@ def test_settings_bench_sets_the_records_other_structures_beside_a_setting():
         return {
             "id": id_, "model": "llama3-debug", "gpus": gpus, "hardware": "h100-80gb",
             "seq": 128, "global_batch": 8, "mesh": mesh, "compile": False, "float8": "none",
-            "ac": "none", "measured": {"tokens_per_s_per_gpu": tps}, **kw,
+            "ac": "none", "precision": "bf16", "measured": {"tokens_per_s_per_gpu": tps}, **kw,
         }  # fmt: skip
 
     runs = [
@@ -189,6 +190,7 @@ def test_settings_bench_sets_the_records_other_structures_beside_a_setting():
         row("fsdp", {"dp_shard": 2}, 2, 150.0),
         row("fsdp-f8", {"dp_shard": 2}, 2, 900.0, float8="tensorwise"),
         row("fsdp-a100", {"dp_shard": 2}, 2, 900.0, hardware="a100-80gb"),
+        row("fsdp-bf16-true", {"dp_shard": 2}, 2, 900.0, precision="bf16-true"),
     ]
     setting = {"ids": ["mine"], "run": runs[0]}
     assert [a["id"] for a in bench.alternatives(setting, runs)] == ["fsdp"]
