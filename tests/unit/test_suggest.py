@@ -395,23 +395,22 @@ def test_moe_gets_ep() -> None:
 
 
 def test_cluster_too_small_does_not_fit(capsys) -> None:
-    # One search (the 405B's structures are the costly part): the CLI's exit code and
+    # Two searches (the 405B's structures are the costly part): the CLI's exit code and
     # the DoesNotFit message it prints.
-    code = main(
-        [
-            "suggest",
-            "--model",
-            "llama3-405b",
-            "--gpus",
-            "8",
-            "--gpu",
-            "h100-80gb",
-            "--seq",
-            "8192",
-            "--global-batch-tokens",
-            str(8 * 8192),
-        ]
-    )
+    argv405 = [
+        "suggest",
+        "--model",
+        "llama3-405b",
+        "--gpus",
+        "8",
+        "--gpu",
+        "h100-80gb",
+        "--seq",
+        "8192",
+        "--global-batch-tokens",
+        str(8 * 8192),
+    ]
+    code = main(argv405)
     assert code == 1
     err = capsys.readouterr().err
     # 405B's states alone exceed 8 GPUs whatever the layout: said as such, with their size
@@ -428,6 +427,13 @@ def test_cluster_too_small_does_not_fit(capsys) -> None:
     )
     assert f"spread over all 8 GPUs: {human_bytes(16 * params / 8)} per rank" in err, err
     assert "a shorter sequence does not help" in err
+    assert "or --dtype bf16-true (half the states)" in err
+    # bf16 states: 8 bytes a parameter, and no bf16-true to suggest any more.
+    assert main([*argv405[:1], "--dtype", "bf16-true", *argv405[1:]]) == 1
+    err = capsys.readouterr().err
+    assert "(bf16 weights, gradients and AdamW moments, 8 bytes a parameter)" in err, err
+    assert f"spread over all 8 GPUs: {human_bytes(8 * params / 8)} per rank" in err, err
+    assert "--dtype bf16-true" not in err
     # Where the states fit and a traced layout does not, that layout is named.
     argv = ["suggest", "--model", "llama3-8b", "--gpus", "2", "--gpu", "h100-80gb"]
     assert main([*argv, "--seq", "8192", "--global-batch-tokens", str(2 * 8192)]) == 1
