@@ -1,21 +1,40 @@
 """``--dtype bf16-true`` on 4 gloo ranks, against the same precision on one device.
 
 bf16-true stores parameters, gradients and AdamW's moments in bfloat16 (no fp32 master
-copy). Checked on every rank: each local parameter, gradient and moment is bf16 and each
-buffer fp32; on rank 0, the losses and every first-step gradient (gathered whole) against
-one process running bf16-true with the same seed and global batch, through the FSDP2
-path (dp_shard x tp: bf16 all-gathers, fp32 reduce-scatters cast back to bf16), the
-path without FSDP2 (tp=4: no autocast, the bf16 weights as they are) and the pipeline
-(pp x dp_shard: each stage cast before it is parallelized). A checkpoint of bf16 states
-saved mid-run and resumed gives the uninterrupted run's losses.
+copy). Checked on every rank: each local parameter, gradient and moment is bf16 (two
+moments per parameter) and each buffer fp32; on rank 0, the losses of every step and
+every parameter's first-step gradient (gathered whole) against one process running
+bf16-true with the same seed and global batch, through
 
-Tolerances: both runs round every matmul and every stored state to bf16's 8-bit
-mantissa (relative 2**-8), in different orders (sharded partial sums, tp's split
-reductions), so the one-device comparison takes the project's bf16 bounds
-(``BF16_TOL`` on the loss, ``BF16_GRAD_RTOL`` on each gradient's relative error: the
-demo's and the matrix's), far below the error 1 of a gradient 2x too large or zero.
-The resumed run repeats the same arithmetic on the same states: float rounding of the
-reductions alone (``RESUME_TOL``).
+- the FSDP2 path (dp_shard=2 x tp=2: bf16 all-gathers, fp32 reduce-scatters cast back
+  to bf16, tp's DTensor parameters inside FSDP's units);
+- the path without FSDP2 (tp=4: no autocast, the bf16 weights as they are);
+- the MoE with its experts over ep=2 (dp_shard=4: the experts' own FSDP2 unit);
+- the pipeline (pp=2 x dp_shard=2, 1F1B: each stage cast before it is parallelized,
+  the stages' gradients gathered from every rank).
+
+A checkpoint of bf16 states saved mid-run and resumed gives the uninterrupted run's
+losses, with bf16 states again after the resume.
+
+Tolerances, from the arithmetic. bf16 keeps an 8-bit mantissa: values are 2**-8 = 3.9e-3
+apart (relative), so one rounding errs by at most 2**-9 and, over many values, by
+2**-9 / sqrt(3) = 1.1e-3 rms. Both runs round the same tensors, but a sharded run
+rounds some of them from different partial sums (tp's split matmuls, FSDP's fp32
+reduction of half-batch gradients cast once to bf16, the pipeline's micro-batch
+accumulation), so its values differ from one device's by independent roundings. A
+first-step gradient passes through about a dozen rounded tensors (2 blocks: activations
+forward, their gradients backward, the stored gradient): in quadrature about
+sqrt(2 x 12) x 1.1e-3 = 5e-3 of relative error; measured 3.8e-3 to 5.5e-3 here. The
+first loss comes from the same bf16 weights (measured <= 7.3e-5 apart); later ones from
+weights one rounding of an update apart (measured <= 3.7e-4 over 3 steps). So the
+project's bf16 bounds hold with room: ``BF16_GRAD_RTOL`` (0.1, the demo's and the
+matrix's) on each gradient's relative error, 20x the measured error, needed for the MoE
+(a token whose bf16 router logits fall on the other side of an expert tie is a discrete
+change: measured 7.6e-2 at dp_shard=2 x ep=2 x tp=2) and still 10x below the error 1 of
+a gradient 2x too large or zero; ``BF16_TOL`` (2e-2, the demo's) on each loss, ~50x the
+measured difference and below what a run that skips its updates misses by (measured
+4.0e-2 at step 2, 0.13 at step 3). The resumed run repeats the same arithmetic on the
+same states: float rounding of the reductions alone (``RESUME_TOL``; measured 0).
 """
 
 from __future__ import annotations
@@ -38,11 +57,10 @@ SMALL = dict(steps=3, batch_size=8, seq_len=32, log_every=0, progress=False, dty
 CASES = {
     "fsdp_tp": dict(SMALL, mesh={"dp_shard": 2, "tp": 2}),
     "tp4_no_fsdp": dict(SMALL, mesh={"tp": 4}),
-    # The MoE with its experts over ep (borrowed from dp_shard). Measured with tp=2 as
-    # well (dp_shard=2, ep=2, tp=2): layer 0's experts' gradients 7.6e-2 off, within the
-    # bound but close, most likely a few tokens whose bf16 router logits fall on the
-    # other side of an expert tie (a discrete change); this case: 7.6e-3.
+    # Measured with tp=2 as well (dp_shard=2, ep=2, tp=2): layer 0's experts' gradients
+    # 7.6e-2 off at step 2, within the bound but close (a router tie, see above).
     "moe_ep": dict(SMALL, model="qwen3-moe-debug", mesh={"dp_shard": 4, "ep": 2}, seq_len=16),
+    "pipeline": dict(SMALL, mesh={"pp": 2, "dp_shard": 2}, schedule="1F1B"),
 }  # fmt: skip
 RESUME_TOL = 1e-6
 
@@ -58,19 +76,18 @@ def _grad_dtypes(parts: list) -> list[str]:
     )
 
 
-def _dtypes(trainer: Trainer, grads: list[str]) -> dict[str, list[str]]:
+def _dtypes(trainer: Trainer, grads: list[str]) -> dict[str, list]:
     """The dtypes of this rank's local parameters, gradients, AdamW moments and buffers."""
-    local = _local
     params = [p for m in trainer.model_parts for p in m.parameters()]
     moments = [
-        local(v)
+        _local(v)
         for opt in trainer.optimizers
         for state in opt.state.values()
         for k, v in state.items()
         if k in ("exp_avg", "exp_avg_sq")
     ]
     return {
-        "params": sorted({str(local(p).dtype) for p in params}),
+        "params": sorted({str(_local(p).dtype) for p in params}),
         "grads": grads,
         "moments": sorted({str(m.dtype) for m in moments}),
         "num_moments": [len(moments), 2 * len(params)],
@@ -80,17 +97,24 @@ def _dtypes(trainer: Trainer, grads: list[str]) -> dict[str, list[str]]:
 
 def _train(cfg_dict: dict) -> dict:
     """Losses, first-step gradients (rank 0) and the states' dtypes (every rank)."""
+    cfg = TrainConfig.from_dict(cfg_dict)
+    pp = cfg.layout.pp
     grads: dict = {}
     grad_dtypes: list[str] = []
 
     def keep(step: int, parts: list) -> None:
-        if step == 1:
+        if step == 0:  # the first step (the trainer counts from 0 here)
             grad_dtypes.extend(_grad_dtypes(parts))
-            grads.update(full_gradients(parts))
+            grads.update(full_gradients(parts, pp))  # a collective: every rank calls it
 
-    trainer = Trainer(TrainConfig.from_dict(cfg_dict), device="cpu", grad_callback=keep)
+    trainer = Trainer(cfg, device="cpu", grad_callback=keep)
     losses = trainer.fit().losses
-    return {"losses": losses, "grads": grads, "dtypes": _dtypes(trainer, grad_dtypes)}
+    return {
+        "losses": losses,
+        "grads": grads if c10d.get_rank() == 0 else {},
+        "dtypes": _dtypes(trainer, grad_dtypes),
+        "pipelined": trainer.schedule is not None,
+    }
 
 
 def _one_device_on_rank0(cfg_dict: dict) -> dict | None:
@@ -113,35 +137,13 @@ def test_bf16_true_matches_one_device_with_bf16_states_on_every_rank(dist, case:
     ref = dist.run(_one_device_on_rank0, cfg)[0]
     for rank in got:
         _dtypes_ok(rank["dtypes"])
+        assert rank["pipelined"] == ("pp" in cfg["mesh"])
     _dtypes_ok(ref["dtypes"])
-    losses = got[0]["losses"]
+    losses = got[0]["losses"]  # under pp every rank logs the step's mean loss (shared)
     assert len(losses) == len(ref["losses"]) == cfg["steps"]
     worst = max(abs(a - b) for a, b in zip(losses, ref["losses"], strict=True))
     assert worst <= BF16_TOL, (losses, ref["losses"])
     check(diffs(got[0]["grads"], ref["grads"]), rtol=BF16_GRAD_RTOL, expect_count=len(ref["grads"]))
-
-
-def _pipeline(cfg_dict: dict) -> dict:
-    grad_dtypes: list[str] = []
-
-    def keep(step: int, parts: list) -> None:
-        if step == 1:
-            grad_dtypes.extend(_grad_dtypes(parts))
-
-    trainer = Trainer(TrainConfig.from_dict(cfg_dict), device="cpu", grad_callback=keep)
-    losses = trainer.fit().losses
-    return {"losses": losses, "dtypes": _dtypes(trainer, grad_dtypes)}
-
-
-def test_bf16_true_pipeline_stages_hold_bf16_states_and_match_one_device(dist) -> None:
-    cfg = dict(SMALL, mesh={"pp": 2, "dp_shard": 2}, schedule="1F1B")
-    got = dist.run(_pipeline, cfg)
-    ref = dist.run(_one_device_on_rank0, cfg)[0]
-    for rank in got:
-        _dtypes_ok(rank["dtypes"])
-    # Every rank logs the step's mean loss (the last stage's, shared).
-    worst = max(abs(a - b) for a, b in zip(got[0]["losses"], ref["losses"], strict=True))
-    assert worst <= BF16_TOL, (got[0]["losses"], ref["losses"])
 
 
 def _stop_then_resume(cfg_dict: dict) -> dict:
