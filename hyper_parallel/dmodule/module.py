@@ -308,7 +308,7 @@ def _module_children(module: nn.Module, path: str) -> Iterator[tuple[str, Module
 
 @contextlib.contextmanager
 def _full_parameters(module: nn.Module) -> Iterator[None]:
-    """Let initializers see full-size float32 plain parameters; copy each back after.
+    """Let initializers see full-size plain parameters; copy each back after.
 
     Every rank draws the same full values in the same order as a single process
     would, so a model initialized sharded equals the one initialized on one device,

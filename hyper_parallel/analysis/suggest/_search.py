@@ -559,7 +559,7 @@ def suggest(
             # No layout got as far as a trace: even spread over every GPU, the states
             # alone exceed the device, whatever the activations and checkpointing.
             where = (
-                f"the training states alone ({_STATES[dtype]} weights, gradients and AdamW "
+                f"the training states alone ({_state_dtype(dtype)} weights, gradients and AdamW "
                 f"moments, {state_bytes} bytes a parameter) spread over all {gpus // c.dp_replicate} GPUs: "
                 f"{human_bytes(need)} per rank plus the headroom, before any activation"
             )
@@ -758,8 +758,9 @@ def _findings(checks: _Checks, c: Candidate) -> list[tuple[str, Finding]]:
     return checks.findings(c)
 
 
-_STATES = {"fp32": "fp32", "bf16": "fp32", "bf16-true": "bf16"}
-"""The states' dtype under each precision (bf16 mixed precision keeps fp32 masters)."""
+def _state_dtype(dtype: str) -> str:
+    """The states' dtype under a precision, as the options name it (``bf16`` keeps fp32)."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[PARAM_DTYPES[dtype]]
 
 
 def _check_arguments(gpus: int, node: int, seq_len: int, tokens: int, dtype: str, top: int) -> None:
