@@ -468,6 +468,11 @@ def calibrate(path: str | Path, *, ranks: int = 4, threads: int = 1, quick: bool
             "shorter), median rank",
         },
         "hbm_bandwidth": {"value": memory_bw, "source": "measured: 32 MiB copy (read + write)"},
+        "optimizer_temporary": {
+            "value": 0.0,
+            "source": "torch.optim.AdamW on a CPU loops over the parameters (its multi-tensor "
+            "path is for CUDA): one parameter's temporary at a time, not counted",
+        },
         "gpus_per_node": {"value": ranks, "source": "the local ranks measured"},
         "intra_node": {
             "bandwidth": dict(links.get("all_reduce", slowest)["bandwidth"]),

@@ -226,6 +226,13 @@ class Hardware:
     dtensor_op_overhead_s: float = 0.0
     comm_overlap: float = 1.0
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
+    optimizer_temporary: float = 1.0
+    """Moment-sized tensors of every local parameter that AdamW's step allocates at once
+    (0 to 1). 1 on a GPU: ``torch.optim.AdamW``'s multi-tensor path, its default on CUDA
+    (DTensor parameters included), computes ``sqrt(exp_avg_sq)`` of all of them before
+    its ``addcdiv`` (torch/optim/adam.py, ``_multi_tensor_adam``). 0 on a CPU, where it
+    loops over the parameters and one parameter's temporary is alive at a time (not
+    counted); ``calibrate`` writes 0."""
     attention_efficiency: float | None = None
     """Achieved fraction of peak in the attention kernel's score matmuls (``Q K^T`` and
     ``P V`` at the causal half, forward and backward) as this package's trainer calls it
@@ -299,6 +306,7 @@ class Hardware:
             "op_overhead_s": self.op_overhead_s,
             "dtensor_op_overhead_s": self.dtensor_op_overhead_s,
             "comm_overlap": self.comm_overlap,
+            "optimizer_temporary": self.optimizer_temporary,
             "attention_efficiency": self.attention_efficiency,
             "chunked_attention_efficiency": self.chunked_attention_efficiency,
             "sources": dict(self.sources),
@@ -450,6 +458,7 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
         dtensor_op_overhead_s=optional("dtensor_op_overhead_s", 0.0),
         comm_overlap=optional("comm_overlap", 1.0, high=1.0),
         sources=sources,
+        optimizer_temporary=optional("optimizer_temporary", 1.0, high=1.0),
         attention_efficiency=(
             optional("attention_efficiency", 0.0, high=1.0) or None
             if "attention_efficiency" in raw

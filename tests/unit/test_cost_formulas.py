@@ -607,6 +607,35 @@ def test_bf16_true_halves_the_states_and_the_optimizers_traffic():
     assert saved == pytest.approx(7 * 2 * params / 4 / hw.hbm_bandwidth, rel=1e-3)
 
 
+def test_the_optimizer_steps_peak_is_five_states_a_parameter_counted_by_hand():
+    """At AdamW's step activations and the loss are freed, and its multi-tensor path (CUDA's
+    default) holds sqrt(exp_avg_sq) of every parameter besides parameter, gradient and two
+    moments: 5 x 4 bytes per local element under bf16 (fp32 states), 5 x 2 under
+    bf16-true. With the model whole on one GPU and every block checkpointed, that is the
+    step's peak (above the backward's states + activations + loss); with nothing
+    checkpointed the backward's is. A planted 'the optimizer needs nothing beyond the
+    states' fails the first assertion. A CPU's file (``optimizer_temporary`` 0) counts the
+    four states alone."""
+    hw = _known_links()
+    params = sum(x.numel() for x in DEBUG.config().build().parameters())
+    for dtype, state in (("bf16", 4), ("bf16-true", 2)):
+        scorer = LayoutScorer(
+            DEBUG, dtype=dtype, gpus=1, gpu=hw, seq_len=SEQ, global_batch_tokens=SEQ
+        )
+        full, none = scorer.predict(_c(ac="full")), scorer.predict(_c(ac="none"))
+        assert full.optimizer_step_bytes == 5 * state * params, dtype
+        assert sum(full.memory.values()) < full.memory_bytes_per_gpu == 5 * state * params, dtype
+        assert none.optimizer_step_bytes == 5 * state * params, dtype
+        assert none.memory_bytes_per_gpu == sum(none.memory.values()) > 5 * state * params, dtype
+        # On a CPU AdamW loops over the parameters: no temporary of them all (calibrate's 0).
+        cpu = dataclasses.replace(hw, optimizer_temporary=0.0)
+        on_cpu = LayoutScorer(
+            DEBUG, dtype=dtype, gpus=1, gpu=cpu, seq_len=SEQ, global_batch_tokens=SEQ
+        ).predict(_c(ac="full"))
+        assert on_cpu.optimizer_step_bytes == 4 * state * params, dtype
+        assert on_cpu.memory_bytes_per_gpu == sum(on_cpu.memory.values()), dtype
+
+
 def test_suggest_refuses_an_unknown_precision_naming_the_choices():
     with pytest.raises(ValueError, match="fp32, bf16, bf16-true"):
         LayoutScorer(

@@ -84,6 +84,9 @@ class Prediction:
     memory: dict[str, int]
     time: dict[str, float]
     bubble_fraction: float
+    #: The optimizer step's peak: the states and AdamW's moment-sized temporary (_cost.py).
+    #: ``memory_bytes_per_gpu`` is the larger of it and the sum of ``memory`` (backward's).
+    optimizer_step_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,6 +97,7 @@ class Prediction:
             "memory": dict(self.memory),
             "time": dict(self.time),
             "bubble_fraction": self.bubble_fraction,
+            "optimizer_step_bytes": self.optimizer_step_bytes,
         }
 
 

@@ -473,6 +473,7 @@ def suggest(
     points: list[tuple[float, int, bool]] = []
     best_unfit: tuple[Candidate, int] | None = None
     unfit_states_only = False  # best_unfit's need is the states' lower bound, not a trace
+    unfit_at_optimizer = False  # best_unfit's peak is its optimizer step's, not backward's
     for c in _candidates(
         gpus=gpus,
         gpus_per_node=node,
@@ -509,6 +510,7 @@ def suggest(
             rejected["does not fit in memory"] += 1
             if best_unfit is None or prediction.memory_bytes_per_gpu < best_unfit[1]:
                 best_unfit, unfit_states_only = (c, prediction.memory_bytes_per_gpu), False
+                unfit_at_optimizer = prediction.optimizer_step_bytes == best_unfit[1]
             continue
         evaluated.append((c, prediction))
     # What the enumeration refused without yielding (sp off, tp or ep across nodes, a
@@ -567,6 +569,11 @@ def suggest(
             fix += "." if dtype == "bf16-true" else ", or --dtype bf16-true (half the states)."
         else:
             where = f"layout {c.describe()}: {human_bytes(need)} per rank plus the headroom"
+            if unfit_at_optimizer:
+                where += (
+                    " at its optimizer step (the states and AdamW's sqrt(exp_avg_sq) of "
+                    "every local parameter)"
+                )
             fix = "Use more GPUs, a GPU with more memory, or a shorter sequence / smaller batch."
         raise DoesNotFit(
             f"does not fit: needs >= {device_need / 1e9:.1f} GB per GPU at best ({where}); "
@@ -879,7 +886,8 @@ def _assumptions(
         "each other micro-batch a stage holds (schedule's action list), and FSDP2's transient "
         "buffers (two units gathered + one unit's fp32 gradients; under a pipeline the "
         "whole stage gathered with its unsharded fp32 gradients, reduced at the step's "
-        "end).",
+        "end); or, where larger, the optimizer step's: the states plus AdamW's "
+        "sqrt(exp_avg_sq) of every local parameter (5 of a moment's size per element).",
         "Time: FLOPs counted on the meta device at the hardware file's efficiency; "
         "collectives by a latency-bandwidth model per link (tp/cp/ep exposed; FSDP2 "
         "gathers and reduces hidden behind compute of the same phase, except one unit "
