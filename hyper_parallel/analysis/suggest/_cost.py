@@ -367,11 +367,8 @@ def _predict(ctx: _Context, c: Candidate) -> Prediction:
     kept = ("elements", "tensors", "unsharded")  # "loss" is reported as memory
     memory = {k: int(v) for k, v in heaviest.items() if k not in kept}
     memory["transient"] = int(transient)
-    # The step's other peak is the optimizer's: activations and the loss are gone and the
-    # gradients sharded, but torch.optim.AdamW (foreach on CUDA, DTensor included) writes
-    # sqrt(exp_avg_sq) of every local parameter at once: one more tensor of a moment's
-    # size (OPTIMIZER_STEP_STATES; the hardware's optimizer_temporary: 0 on a CPU).
-    tensors = OPTIMIZER_STEP_STATES - 1 + hw.optimizer_temporary
+    # The step's other peak, the optimizer's (OPTIMIZER_STEP_STATES).
+    tensors = OPTIMIZER_STEP_STATES + hw.optimizer_temporary
     optimizer_step = int(tensors * state * heaviest["elements"])
     total_memory = max(sum(memory.values()), optimizer_step)
     # --- compute per micro-batch per stage
@@ -649,16 +646,14 @@ def _data_comm(
     return worst or out
 
 
-OPTIMIZER_STEP_STATES = 5
-"""Tensors of a local parameter's size alive at the optimizer step's peak: the parameter,
-its gradient, AdamW's two moments, and the moment-sized ``sqrt(exp_avg_sq)`` that
-``torch.optim.AdamW``'s multi-tensor path (the default on CUDA; DTensor parameters take it
-too) computes for every parameter at once before its ``addcdiv`` (torch/optim/adam.py,
-``_multi_tensor_adam``). Measured on an H200 (``benchmarks/results/gpu_h200.md``, "Where
-the memory peaks"): the optimizer phase peaks 10.4 GiB above its start, one fp32 copy of
-the run's 2.8B parameters. The step's peak is the larger of this and the backward's.
-The temporary is the hardware file's ``optimizer_temporary`` (1 on a GPU; 0 on a CPU,
-where AdamW loops over the parameters one at a time)."""
+OPTIMIZER_STEP_STATES = 4
+"""Tensors of a local parameter's size alive at AdamW's step, where activations and the
+loss are gone and gradients sharded: the parameter, its gradient and the two moments, plus
+the hardware file's ``optimizer_temporary`` (:class:`~hyper_parallel.analysis.cost_model.Hardware`:
+1 on a GPU, AdamW's multi-tensor ``sqrt(exp_avg_sq)``; 0 on a CPU). Measured on an H200
+(``benchmarks/results/gpu_h200.md``, "Where the memory peaks"): the optimizer phase peaks
+10.4 GiB above its start, one fp32 copy of the run's 2.8B parameters. The step's peak is
+the larger of this and the backward's."""
 
 
 LOSS_PEAK_BYTES_PER_LOGIT = 8
