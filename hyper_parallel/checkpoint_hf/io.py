@@ -494,7 +494,8 @@ def save_hf(
         max_shard_size: Largest safetensors file, bytes or ``"500MB"``-style
             (:func:`parse_size`).
         dtype: Cast every tensor to this dtype (default: the checkpoint's ``dtype``
-            when ``hf_config`` says bf16 or fp16, else the parameters' own).
+            when ``hf_config`` says bf16 or fp16, else the parameters' own; fp32 when
+            they differ). ``config.json``'s ``dtype`` states the dtype written.
         overwrite: Replace a non-empty ``path`` (nothing of the old files is left).
         inputs: The run's inputs (the checkpoint it started from): ``path`` may never
             be one of them.
@@ -531,25 +532,32 @@ def save_hf(
         # A checkpoint's own dtype (bf16 and fp16 values are exact in fp32 states).
         saved = raw.get("dtype", raw.get("torch_dtype"))
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(saved)
-    if dtype is not None:
-        raw["dtype"] = str(dtype).removeprefix("torch.")
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     maps = family_maps(config.family, config.model_config())
     params = _named_params(_parts(model))
     held = sorted(m.ours for m in maps if m.ours in params)
+    dtypes = sorted({str(params[name].dtype) for name in held})
     if distributed:
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, held)
+        dist.all_gather_object(everyone, (held, dtypes))
     else:
-        everyone = [held]
+        everyone = [(held, dtypes)]
     writer = {}
-    for r, names in enumerate(everyone):
+    for r, (names, _) in enumerate(everyone):
         for name in names:
             writer.setdefault(name, r)
     missing = sorted({m.ours for m in maps} - set(writer))
     if missing:
         raise ValueError(f"save_hf: no rank holds {missing}; pass every pipeline stage.")
+    if dtype is None:
+        # The parameters' own dtype (bf16 under bf16-true); fp32, exact, when they differ.
+        own = {d for _, ds in everyone for d in ds}
+        dtype = getattr(torch, own.pop().removeprefix("torch.")) if len(own) == 1 else torch.float32
+    # config.json states the dtype the files hold (from_pretrained's dtype="auto" reads it).
+    raw["dtype"] = str(dtype).removeprefix("torch.")
+    if "torch_dtype" in raw:  # older transformers' name for it
+        raw["torch_dtype"] = raw["dtype"]
     with staged_output(
         path, overwrite=overwrite, inputs=inputs, what=what, distributed=distributed
     ) as tmp:

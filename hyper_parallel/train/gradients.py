@@ -61,7 +61,7 @@ def clip_grad_norm_(
     group_norms = []
     for group in groups.values():
         with _quiet_redistribute_hints():
-            norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+            norm = _total_norm([p.grad for p in group], norm_type)
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
         group_norms.append(norm)
@@ -72,11 +72,24 @@ def clip_grad_norm_(
     return total
 
 
+def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The p-norm of ``grads``, in fp32 when they are bf16 or fp16 (bf16-true).
+
+    torch's ``get_total_norm`` returns each tensor's norm, and their total, in the
+    gradients' dtype: under bf16 the total carries bf16's 3 significant digits, and
+    the clip factor with it. Here each norm is accumulated and returned in fp32.
+    """
+    if not any(g.dtype in (torch.bfloat16, torch.float16) for g in grads):
+        return torch.nn.utils.get_total_norm(grads, norm_type)
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
 def _clip_across(
     params: list[torch.Tensor], max_norm: float, norm_type: float, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """The norm over every rank of ``group`` (each holding other parameters), then clip."""
-    local = clip_grad_norm_(params, math.inf, norm_type).detach().float().reshape(())
+    local = clip_grad_norm_(params, math.inf, norm_type).detach().reshape(())
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         total = local

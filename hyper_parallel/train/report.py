@@ -172,7 +172,7 @@ def batches_per_epoch(data: Any) -> int:
 def unused_options(cfg: Any) -> list[str]:
     """Notes for options this run would not use: checkpoint options without
     ``--checkpoint-dir``, evaluation options without evaluation data, ``--min-lr`` under
-    the constant schedule. Said, not refused (a job file may carry them for the runs
+    the constant schedule, a weight decay bf16-true rounds away. Said, not refused (a job file may carry them for the runs
     that do)."""
     out = []
     ckpt = [
@@ -207,6 +207,16 @@ def unused_options(cfg: Any) -> list[str]:
             f"note: --min-lr {cfg.min_lr:g}: the constant schedule does not decay, so the run "
             "does not use it. Fix: pick a decaying --lr-schedule (cosine, linear, wsd), or "
             "drop it."
+        )
+    decay = cfg.lr * cfg.weight_decay
+    if cfg.dtype == "bf16-true" and 0 < decay < 2**-9:
+        # p * (1 - decay) moves p by less than half a bf16 unit (2**-8 of p, at the least).
+        out.append(
+            f"note: --weight-decay {cfg.weight_decay:g}: under --dtype bf16-true AdamW "
+            f"multiplies each bf16 parameter by 1 - lr x weight_decay = {1 - decay:.6g}, "
+            "which rounds back to the same value (lr x weight_decay below 2**-9), so the "
+            "run does not decay. Fix: --dtype bf16 (fp32 master weights), or "
+            "--weight-decay 0."
         )
     return out
 

@@ -328,6 +328,32 @@ def test_single_file_checkpoint_and_fp16(tmp_path):
     assert torch.equal(ours.layers[0].moe.experts.w1, expected[:, :32])
 
 
+def test_config_states_the_dtype_written(llama_dir, tmp_path):
+    """bf16 parameters (bf16-true) from an fp32 checkpoint: config.json says bfloat16, so
+    ``from_pretrained(dtype="auto")`` loads what the files hold; mixed dtypes write fp32."""
+    from safetensors import safe_open
+
+    cfg, model = _loaded(llama_dir)  # the checkpoint says float32
+    assert cfg.raw.get("dtype", cfg.raw.get("torch_dtype")) == "float32"
+    model.to(torch.bfloat16)
+    save_hf(model, tmp_path / "bf16", hf_config=cfg)
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    for tensor, file in checkpoint_files(tmp_path / "bf16").items():
+        with safe_open(file, "pt") as f:
+            assert f.get_slice(tensor).get_dtype() == "BF16", tensor
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
+    assert loaded.dtype == torch.bfloat16
+    assert torch.equal(loaded.model.norm.weight, model.norm.weight)
+
+    model.norm.float()  # one parameter fp32: everything written as fp32, exactly
+    save_hf(model, tmp_path / "mixed", model_config=cfg.model_config())
+    assert json.loads((tmp_path / "mixed" / "config.json").read_text())["dtype"] == "float32"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mixed", dtype="auto")
+    assert loaded.dtype == torch.float32
+    assert torch.equal(loaded.lm_head.weight, model.output.weight.float())
+
+
 # ---------------------------------------------------------------------- generate
 
 

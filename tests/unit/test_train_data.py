@@ -211,6 +211,25 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors():
     )
 
 
+def test_clip_grad_norm_of_bf16_gradients_is_fp32():
+    """bf16-true: the norm (and so the clip factor) is the fp32 norm of the bf16
+    gradients, not one rounded to bf16's 3 digits as torch's is."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (300, 7, 50)]
+    for p in params:
+        p.grad = torch.randn(p.shape, dtype=torch.bfloat16)
+    exact = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in params]))
+    bf16 = torch.nn.utils.get_total_norm([p.grad for p in params])
+    assert bf16.dtype == torch.bfloat16 and abs(float(bf16) / float(exact) - 1) > 1e-4
+    norm = clip_grad_norm_(params, 1.0)
+    assert norm.dtype == torch.float32
+    # fp32 sums of ~360 squares: relative error well under 1e-6.
+    assert abs(float(norm) / float(exact) - 1) < 1e-6
+    clipped = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in params]))
+    assert abs(float(clipped) - 1.0) < 2**-8  # each element rounded to bf16 after scaling
+    assert all(p.grad.dtype == torch.bfloat16 for p in params)
+
+
 # ---------------------------------------------------------------------- one process
 
 

@@ -339,6 +339,34 @@ def test_checkpoint_and_eval_options_without_their_target_are_noted(tmp_path, ca
     assert "note: " not in capsys.readouterr().out
 
 
+def test_a_weight_decay_bf16_true_rounds_away_is_noted_and_is_a_no_op(capsys):
+    def trained(**changes):
+        cfg = TrainConfig(**{**TINY, "steps": 2, "dtype": "bf16-true", **changes})
+        trainer = Trainer(cfg, device="cpu")
+        trainer.fit()
+        notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
+        return [p.detach().clone() for p in trainer.model.parameters()], notes
+
+    # The defaults: lr x weight_decay = 3e-4, below 2**-9.
+    decayed, notes = trained(weight_decay=0.1)
+    assert notes == [
+        "note: --weight-decay 0.1: under --dtype bf16-true AdamW multiplies each bf16 "
+        "parameter by 1 - lr x weight_decay = 0.9997, which rounds back to the same value "
+        "(lr x weight_decay below 2**-9), so the run does not decay. Fix: --dtype bf16 "
+        "(fp32 master weights), or --weight-decay 0."
+    ]
+    plain, notes = trained(weight_decay=0.0)
+    assert notes == []
+    assert all(torch.equal(a, b) for a, b in zip(decayed, plain))  # what the note says
+    # lr x weight_decay = 2**-6 moves the weights: no note, and the parameters differ.
+    decayed, notes = trained(weight_decay=0.5, lr=2**-5)
+    plain, _ = trained(weight_decay=0.0, lr=2**-5)
+    assert notes == [] and not all(torch.equal(a, b) for a, b in zip(decayed, plain))
+    # Under bf16 (fp32 master weights) the same decay is kept: nothing to say.
+    _, notes = trained(weight_decay=0.1, dtype="bf16")
+    assert notes == []
+
+
 def test_the_step_line_of_a_pipeline_and_of_accumulation_over_data_ranks():
     from hyper_parallel.train.config import run_plan
     from hyper_parallel.train.report import step_line
