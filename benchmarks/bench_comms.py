@@ -9,7 +9,10 @@ buffer bytes), for:
   configs with the fast path on / off;
 - ``torch styles``: the same model parallelized with torch's styles (torchtitan's plan,
   ``benchmarks/_common.py``);
-- ``minimum``: the analytical minimum for Megatron tensor (+ sequence) parallelism.
+- ``minimum``: the analytical minimum for Megatron tensor (+ sequence) parallelism;
+- ``minimum, shards kept``: the same where each gathered input is kept for backward as
+  its shard and gathered again there (Megatron-LM's sequence parallelism, and ours:
+  less activation memory for more all-gathers).
 
 The minimum, per step, for ``L`` layers and activations ``A = B·S·D`` elements
 (Shoeybi et al., 2019, §3; Korthikanti et al., 2022, §4.2.2, Table 2):
@@ -19,7 +22,8 @@ The minimum, per step, for ``L`` layers and activations ``A = B·S·D`` elements
   inputs per layer, the output projection's input).
 - TP+SP: forward ``2L + 1`` reduce-scatters (embedding, two per block) and ``2L + 1``
   all-gathers (two per block, the output projection) of ``A``; backward the same
-  counts with the kinds swapped.
+  counts with the kinds swapped. With shards kept, backward gathers each of those
+  ``2L + 1`` inputs again for the weight gradients: ``2L + 1`` more all-gathers of ``A``.
 - Both: the vocab-parallel cross entropy needs three all-reduces of ``B·S`` values in
   the forward (max logit, target logit, sum of exponentials; Megatron-LM's
   ``_VocabParallelCrossEntropy``) and none in the backward.
@@ -49,9 +53,18 @@ _PHASE = {"forward": "fwd", "backward": "bwd"}
 
 
 def minimum(
-    layers: int, batch: int, seq: int, dim: int, sequence_parallel: bool
+    layers: int,
+    batch: int,
+    seq: int,
+    dim: int,
+    sequence_parallel: bool,
+    keep_shards: bool = False,
 ) -> list[dict[str, Any]]:
-    """The analytical minimum (see the module docstring): rows of phase, kind, count, bytes."""
+    """The analytical minimum (see the module docstring): rows of phase, kind, count, bytes.
+
+    ``keep_shards``: gathered inputs are kept as shards and gathered again in backward
+    (changes nothing without sequence parallelism).
+    """
     act = batch * seq * dim * DTYPE_BYTES
     per_token = batch * seq * DTYPE_BYTES
     n = 2 * layers + 1
@@ -59,7 +72,8 @@ def minimum(
     if sequence_parallel:
         for phase in ("forward", "backward"):
             for kind in ("all_gather", "reduce_scatter"):
-                rows.append({"phase": phase, "kind": kind, "count": n, "bytes": n * act})
+                count = 2 * n if keep_shards and (phase, kind) == ("backward", "all_gather") else n
+                rows.append({"phase": phase, "kind": kind, "count": count, "bytes": count * act})
     else:
         rows[0] = {
             "phase": "forward",
@@ -132,6 +146,7 @@ def run(tp: int, batch: int, seq: int) -> dict[str, Any]:
     for sp in (False, True):
         rows = {c: record(c, mesh, sp, batch, seq) for c in CONTENDERS}
         rows["minimum"] = minimum(num_layers, batch, seq, dim, sp)
+        rows["minimum, shards kept"] = minimum(num_layers, batch, seq, dim, sp, keep_shards=True)
         out["layouts"]["TP+SP" if sp else "TP"] = rows
     return out
 
@@ -149,7 +164,7 @@ def format_result(result: dict[str, Any]) -> str:
         _, min_bytes = totals(by_contender["minimum"])
         lines.append(f"  {layout}")
         lines.append(
-            f"    {'contender':<15} {'collectives':>11} {'KiB':>9} {'bytes/min':>10}  breakdown"
+            f"    {'contender':<21} {'collectives':>11} {'KiB':>9} {'bytes/min':>10}  breakdown"
         )
         for name, rows in by_contender.items():
             count, num_bytes = totals(rows)
@@ -157,7 +172,7 @@ def format_result(result: dict[str, Any]) -> str:
                 f"{_PHASE[r['phase']]} {r['kind']} x{r['count']}" for r in rows if r["count"]
             )
             lines.append(
-                f"    {name:<15} {count:>11} {num_bytes / 1024:>9.1f} "
+                f"    {name:<21} {count:>11} {num_bytes / 1024:>9.1f} "
                 f"{num_bytes / min_bytes:>10.2f}  {detail}"
             )
     return "\n".join(lines)

@@ -207,3 +207,28 @@ def test_settings_bench_sets_the_records_other_structures_beside_a_setting():
     ours = 8 * 128 / measured["published"]["step_s"] / 4
     assert alt["predicted_ratio"] == pytest.approx(8 * 128 / step / 2 / ours, rel=1e-12)
     assert "the record: dp_shard=2 on 2 (fsdp) ran 1.50x" in bench.format_result([measured])
+
+
+def test_comms_bench_minimum_with_shards_kept_is_the_tests_analytical_count(monkeypatch):
+    """Section d's two minima: the one ours runs (shards kept, gathered again in
+    backward) is the count ``test_llama_tp`` holds every step to; the other is torch's."""
+    from tests.distributed.llama_checks import expected_collectives
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = _load("bench_comms")
+    layers = 4
+    for layout, sp in (("tp", False), ("tp_sp", True)):
+        rows = bench.minimum(layers, 2, 64, 256, sp, keep_shards=True)
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r["kind"]] = counts.get(r["kind"], 0) + r["count"]
+        want: dict[str, int] = {}
+        for phase in expected_collectives(layout, layers).values():
+            for kind, n in phase.items():
+                want[kind] = want.get(kind, 0) + n
+        assert counts == want, layout
+    kept = bench.minimum(layers, 2, 64, 256, True, keep_shards=True)
+    plain = bench.minimum(layers, 2, 64, 256, True)
+    # 2L + 1 more all-gathers of the activations, nothing else.
+    extra = sum(r["bytes"] for r in kept) - sum(r["bytes"] for r in plain)
+    assert extra == (2 * layers + 1) * 2 * 64 * 256 * bench.DTYPE_BYTES
