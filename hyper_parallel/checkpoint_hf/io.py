@@ -483,8 +483,10 @@ def save_hf(
     Call it on every rank (it gathers each parameter over its mesh). The config is
     the checkpoint's own (``hf_config``: an :class:`HFConfig` or a ``config.json``
     dict; its ``tie_word_embeddings`` kept only when the output projection still
-    equals the embedding) or, for a model that did not come from Hugging Face, made
-    from ``model_config`` (our ``Transformer.Config``).
+    equals the embedding; with ``model_config`` too, the fields in which that model
+    differs from the checkpoint's, such as a ``rope_theta`` the run overrode, are
+    written over it) or, for a model that did not come from Hugging Face, made from
+    ``model_config`` (our ``Transformer.Config``).
 
     Args:
         model: The model, or this rank's pipeline stages.
@@ -527,6 +529,8 @@ def save_hf(
             "save_hf: give hf_config (the checkpoint's config) or model_config (our "
             "Transformer.Config) so config.json can be written."
         )
+    if hf_config is not None and model_config is not None:
+        _carry_overrides(raw, read_hf_config(raw), model_config)
     config = read_hf_config(raw)
     if dtype is None and hf_config is not None:
         # A checkpoint's own dtype (bf16 and fp16 values are exact in fp32 states).
@@ -569,6 +573,19 @@ def save_hf(
             for name, source in (extra_files or {}).items():
                 shutil.copyfile(source, os.path.join(tmp, name))
     return result
+
+
+def _carry_overrides(raw: dict[str, Any], source: HFConfig, model_config: Any) -> None:
+    """Write into ``raw`` (a checkpoint's ``config.json``) the fields in which the model
+    trained (``model_config``: its ``model_overrides`` on top) differs from the one
+    ``raw`` makes; the rest of ``raw`` (token ids, metadata) is kept as it was."""
+    was = hf_config_from_model(source.model_config())
+    now = hf_config_from_model(model_config)
+    changed = {k: v for k, v in now.items() if was.get(k) != v}
+    if "rope_parameters" in changed:  # the older fields it replaces would contradict it
+        raw.pop("rope_theta", None)
+        raw.pop("rope_scaling", None)
+    raw.update(changed)
 
 
 def _write_hf(

@@ -8,9 +8,13 @@ Every writer of the package (``--save-hf`` / :func:`~hyper_parallel.checkpoint_h
   is not empty, unless ``overwrite``;
 - the files are written into a temporary sibling (``OUT.partial``); only when every
   rank has finished does rank 0 rename it onto ``OUT`` (after a barrier), so a crash
-  leaves ``OUT`` as it was and a reader never sees half a checkpoint;
-- with ``overwrite`` the old target is moved aside and deleted after the rename, so
-  nothing of it is left next to the new files (no stale shard of a larger model).
+  leaves ``OUT`` as it was and a reader never sees half a checkpoint. A ``OUT.partial``
+  is only ever deleted when it holds the mark this module leaves in the ones it makes
+  (an earlier attempt that did not finish); one that is the user's is refused, as is
+  one that is (or holds) an input;
+- with ``overwrite`` the old target is moved aside under a new, unique name and deleted
+  after the rename, so nothing of it is left next to the new files (no stale shard of
+  a larger model) and no other folder is touched.
 
 Single-file outputs (``tokenize --out``, ``calibrate --out``, ``suggest --write-config``)
 go through :func:`check_output_file`: never an input, kept unless ``overwrite``.
@@ -28,11 +32,19 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["OutputError", "check_output", "check_output_file", "partial_path", "staged_output"]
+__all__ = [
+    "PARTIAL_MARK",
+    "OutputError",
+    "check_output",
+    "check_output_file",
+    "partial_path",
+    "staged_output",
+]
 
 
 class OutputError(ValueError):
@@ -41,9 +53,17 @@ class OutputError(ValueError):
     same_on_every_rank = True  # decided from the file system every rank sees
 
 
+PARTIAL_MARK = ".hyper_parallel-partial"
+"""The file in a temporary sibling that says this module made it (removed before the rename)."""
+
+
 def partial_path(path: str | os.PathLike[str]) -> str:
     """The temporary sibling ``path`` is written into before it is renamed onto ``path``."""
     return os.path.normpath(os.fspath(path)) + ".partial"
+
+
+def _ours(tmp: str) -> bool:
+    return os.path.isfile(os.path.join(tmp, PARTIAL_MARK))
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -68,9 +88,11 @@ def check_output(
 
     Raises:
         OutputError: ``path`` is an input, a file, or a non-empty directory without
-            ``overwrite``.
+            ``overwrite``; or its temporary sibling ``path.partial`` is an input or a
+            folder this module did not make.
     """
     target = os.path.realpath(os.fspath(path))
+    partial = partial_path(target)
     for given in inputs:
         if not given:
             continue
@@ -86,6 +108,18 @@ def check_output(
                 "there would replace what is being read (even with --overwrite). Choose "
                 "another directory."
             )
+        if _inside(source, partial):
+            raise OutputError(
+                f"{what} {os.fspath(path)}: it is written into {partial_path(path)} first, "
+                f"which is the input {os.fspath(given)}. Move the input, or choose another "
+                "directory."
+            )
+    if os.path.lexists(partial) and not _ours(partial):
+        raise OutputError(
+            f"{what} {os.fspath(path)}: {partial_path(path)} is there and was not left by an "
+            f"earlier write of {os.path.basename(target)}; it is where the files go before "
+            "they are renamed into place. Move or delete it, or choose another directory."
+        )
     if os.path.isfile(target):
         raise OutputError(f"{what} {os.fspath(path)}: a file is there; give a directory.")
     if os.path.isdir(target) and os.listdir(target) and not overwrite:
@@ -145,13 +179,14 @@ def _barrier(distributed: bool) -> None:
 
 
 def _replace(tmp: str, path: str) -> None:
-    """Rename ``tmp`` onto ``path``; an old ``path`` is moved aside first and then deleted."""
+    """Rename ``tmp`` onto ``path``; an old ``path`` is moved aside (under a new name no
+    other folder has) first and then deleted."""
+    os.remove(os.path.join(tmp, PARTIAL_MARK))
     old = None
     if os.path.lexists(path):
-        old = os.path.normpath(path) + ".old"
-        if os.path.lexists(old):
-            shutil.rmtree(old)
-        os.replace(path, old)
+        parent, name = os.path.split(os.path.normpath(path))
+        old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent or ".")
+        os.replace(path, old)  # onto the empty folder just made
     os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -191,9 +226,13 @@ def staged_output(
         check_output(path, overwrite=overwrite, inputs=inputs, what=what)
     tmp = partial_path(path)
     if _rank(distributed) == 0:
-        if os.path.lexists(tmp):  # an earlier attempt that did not finish
+        # An earlier attempt that did not finish (check_output refused any other; a
+        # writer with check=False owns the folder the target is in).
+        if os.path.lexists(tmp):
             shutil.rmtree(tmp)
         os.makedirs(tmp)
+        with open(os.path.join(tmp, PARTIAL_MARK), "w"):
+            pass
     _barrier(distributed)
     try:
         yield tmp

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from hyper_parallel.checkpoint_hf.outputs import staged_output
+from hyper_parallel.checkpoint_hf.outputs import PARTIAL_MARK, staged_output
 
 __all__ = [
     "PendingSave",
@@ -225,7 +225,9 @@ def _write_manifest(path: str, distributed: bool) -> None:
     for part in gathered:
         files.update(part)
     for name in names:  # .metadata and anything not named by rank
-        if name not in files and name != _MANIFEST and os.path.isfile(os.path.join(path, name)):
+        if name in files or name in (_MANIFEST, PARTIAL_MARK):  # the mark goes before the rename
+            continue
+        if os.path.isfile(os.path.join(path, name)):
             files[name] = _file_record(os.path.join(path, name))
     tmp = os.path.join(path, f".{_MANIFEST}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:

@@ -97,7 +97,39 @@ def resolve_model(cfg: Any, hf: Any = None) -> tuple[Any, Any]:
     if hf is None:
         hf = _read(source, where=f"TrainConfig.{field}")
     model, overrides = _model_of(hf, own)
+    if cfg.hf_checkpoint:
+        _check_weights_fit(hf, model, overrides, cfg.hf_checkpoint)
     return dataclasses.replace(cfg, model=model, model_overrides=overrides), hf
+
+
+def _check_weights_fit(hf: Any, model: str, overrides: dict[str, Any], source: str) -> None:
+    """Refuse ``model_overrides`` that change the parameters of the checkpoint's model
+    (``num_layers``, sizes): its weights would load in part, or not at all."""
+    from hyper_parallel.dmodule.model_spec import get_spec
+
+    if overrides == hf.model_overrides:
+        return
+
+    def shapes(kwargs: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        with torch.device("meta"):
+            built = get_spec(model).config(**kwargs).build()
+        return {n: tuple(p.shape) for n, p in built.named_parameters()}
+
+    want, got = shapes(hf.model_overrides), shapes(overrides)
+    differ = sorted(set(want) ^ set(got)) + sorted(
+        n for n in set(want) & set(got) if want[n] != got[n]
+    )
+    if not differ:
+        return
+    changed = {k: v for k, v in overrides.items() if hf.model_overrides.get(k, object()) != v}
+    shown = ", ".join(differ[:3]) + (", ..." if len(differ) > 3 else "")
+    raise ValueError(
+        f"TrainConfig.model_overrides {changed}: they change the parameters of the model "
+        f"the checkpoint {str(source)!r} holds ({len(differ)} differ: {shown}), so its "
+        "weights would not load whole. Fix: drop those overrides (ones that keep every "
+        "parameter's shape, such as max_seq_len or rope_theta, may stay), or start from "
+        "its config alone with --hf-config."
+    )
 
 
 def register_hf_specs(cfg: Any) -> None:

@@ -15,13 +15,19 @@ import importlib.util
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hyper_parallel.checkpoint_hf import HFCheckpointError, load_hf, read_hf_config, save_hf
 from hyper_parallel.checkpoint_hf.io import safetensors_problem
-from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output, staged_output
+from hyper_parallel.checkpoint_hf.outputs import (
+    PARTIAL_MARK,
+    OutputError,
+    check_output,
+    staged_output,
+)
 from hyper_parallel.cli import main as cli
 from hyper_parallel.train import TrainConfig, Trainer, save_checkpoint
 from hyper_parallel.train.checkpoint import checkpoint_steps, latest_checkpoint
@@ -36,17 +42,20 @@ _EXAMPLE = os.path.join(
 TINY = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--log-every", "0"]
 
 
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory):
+def _write_tiny(out: str, num_layers: int = 1) -> str:
     """A transformers-written Llama with its tokenizer (several safetensors files)."""
     spec = importlib.util.spec_from_file_location("make_tiny_checkpoint", _EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    out = str(tmp_path_factory.mktemp("tiny") / "hf")
-    module.build(out, hidden_size=32, num_layers=1, vocab_size=300, max_shard_size="60KB")
+    module.build(out, hidden_size=32, num_layers=num_layers, vocab_size=300, max_shard_size="60KB")
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump({"model_max_length": 256}, f)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    return _write_tiny(str(tmp_path_factory.mktemp("tiny") / "hf"))
 
 
 def _tiny_model():
@@ -90,6 +99,39 @@ def test_staged_output_leaves_the_target_untouched_on_error_and_replaces_it_whol
         with open(os.path.join(tmp, "new.txt"), "w") as f:
             f.write("whole")
     assert sorted(os.listdir(out)) == ["new.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_folders_beside_the_target_are_never_deleted_unless_this_module_made_them(tmp_path):
+    """OUT.old and OUT.partial that are the user's (a backup, or the input itself) stay:
+    the old target goes aside under a name of its own, and a OUT.partial without the
+    module's mark is refused before anything is written."""
+    out, backup, partial = tmp_path / "model", tmp_path / "model.old", tmp_path / "model.partial"
+    for folder in (out, backup, partial):
+        folder.mkdir()
+        (folder / "notes.txt").write_text(folder.name)
+    refused = pytest.raises(OutputError, match=r"model\.partial is there and was not left by")
+    with refused, staged_output(out, overwrite=True):
+        raise AssertionError("not reached")
+    with pytest.raises(
+        OutputError, match=r"written into .*model\.partial first, which is the input"
+    ):
+        check_output(out, overwrite=True, inputs=[str(partial)])
+    assert (partial / "notes.txt").read_text() == "model.partial"
+    partial.rename(tmp_path / "elsewhere")
+    with staged_output(out, overwrite=True, inputs=[str(backup)]) as tmp:
+        (Path(tmp) / "new.txt").write_text("new")
+    assert sorted(os.listdir(out)) == ["new.txt"]  # the module's mark is not left in it
+    assert (backup / "notes.txt").read_text() == "model.old"
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "model", "model.old"]
+    # A OUT.partial an earlier write left (it carries the mark) is replaced.
+    # (Several ranks leave it when one fails: a rank cannot tell the others.)
+    partial.mkdir()
+    (partial / PARTIAL_MARK).write_text("")
+    (partial / "half.txt").write_text("half")
+    with staged_output(out, overwrite=True) as tmp:
+        (Path(tmp) / "newer.txt").write_text("newer")
+    assert sorted(os.listdir(out)) == ["newer.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "model", "model.old"]
 
 
 def test_save_hf_refuses_a_full_folder_and_overwrite_leaves_nothing_stale(tmp_path):
@@ -184,6 +226,34 @@ def test_export_hf_carries_the_tokenizer_and_never_writes_into_its_checkpoint(ti
     (out / "junk.safetensors").write_bytes(b"x")
     assert cli(["export-hf", str(ckpt), str(out), "--overwrite"]) == 0
     assert "junk.safetensors" not in os.listdir(out)
+
+
+def test_overrides_on_a_checkpoint_are_refused_when_they_change_its_weights_and_saved_else(
+    tiny_hf, tmp_path, capsys
+):
+    out, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    two = _write_tiny(str(tmp_path / "two"), num_layers=2)
+    # One layer of a two-layer checkpoint: refused before the run (it loaded layer 0,
+    # dropped layer 1's tensors unsaid, trained, and failed in --save-hf at the end).
+    cut = [*TINY, "--steps", "1", "--hf-checkpoint", two, "--save-hf", str(out)]
+    assert run([*cut, "--model-overrides", '{"num_layers": 1}']) == 2
+    err = capsys.readouterr().err
+    assert "model_overrides {'num_layers': 1}: they change the parameters" in err
+    assert "layers.1." in err and "--hf-config" in err and not out.exists()
+    argv = [*TINY, "--steps", "1", "--hf-checkpoint", tiny_hf, "--save-hf", str(out)]
+    # A rotary base the run trains with is the one config.json says (it kept the source's).
+    theta = ["--model-overrides", '{"rope_theta": 100.0}', "--checkpoint-dir", str(ckpt)]
+    assert run([*argv, *theta]) == 0
+    exported = tmp_path / "exported"
+    assert cli(["export-hf", str(ckpt), str(exported)]) == 0
+    for folder in (out, exported):
+        config = json.loads((folder / "config.json").read_text())
+        assert read_hf_config(folder).model_overrides["rope_theta"] == 100.0
+        assert config["rope_parameters"]["rope_theta"] == 100.0 and "rope_theta" not in config
+        loaded = transformers.AutoConfig.from_pretrained(folder)
+        assert loaded.rope_parameters["rope_theta"] == 100.0
+        source = json.loads((Path(tiny_hf) / "config.json").read_text())
+        assert config["eos_token_id"] == source["eos_token_id"]  # the rest as it was
 
 
 def test_save_hf_into_the_checkpoint_it_started_from_is_refused(tiny_hf, tmp_path, capsys):
