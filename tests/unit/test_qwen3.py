@@ -155,3 +155,26 @@ def test_tied_embeddings_are_refused_across_pipeline_stages() -> None:
     assert (
         check_config(TrainConfig(model="qwen3-8b", mesh={"pp": 2}, model_overrides=overrides)) == []
     )
+
+
+def test_plan_counts_a_tied_embedding_once_under_cp(capsys) -> None:
+    """FSDP2 gives the tied DTensor of cp's plan one parameter per module; the trainer's
+    model ties them again when materialized, and the dry run must too: cp counts the
+    parameters and their bytes as dp_shard does (it counted the output projection twice)."""
+    import json
+
+    from hyper_parallel.cli import main
+
+    reports = {}
+    for mesh in ("cp=2", "dp_shard=2"):
+        argv = ["plan", "--model", "qwen3-debug", "--mesh", mesh, "--seq", "256"]
+        assert (
+            main([*argv, "--model-overrides", '{"tie_embeddings": true}', "--format", "json"]) == 0
+        )
+        reports[mesh] = json.loads(capsys.readouterr().out)
+    cp, dp = reports["cp=2"], reports["dp_shard=2"]
+    untied = get_spec("qwen3-debug").config()
+    vocab, dim = untied.tok_embeddings.num_embeddings, untied.tok_embeddings.embedding_dim
+    assert cp["num_params"] == dp["num_params"]
+    assert cp["num_params"] == get_spec("qwen3-debug").family.num_params(untied) - vocab * dim
+    assert cp["per_rank_bytes"]["params"] == dp["per_rank_bytes"]["params"]

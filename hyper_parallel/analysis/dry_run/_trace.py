@@ -127,6 +127,10 @@ def _trace_step(
     # before FSDP2 swaps the model's class for its own subclass.
     field = target.layers_field or _declared_blocks(model)
     units = apply_run_plan(model, run, world, entries=entries, plan_findings=findings, trace=True)
+    # The trainer's model ties again when materialized (to_empty), after FSDP2 gave a
+    # tied DTensor (cp) one parameter per module; the fake model is not materialized.
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
     modules = _module_shards(model, types, _fsdp_dim_names(fsdp_mesh))
     recorder = CollectiveRecorder(*_recorder_groups(world, fsdp_mesh))
     comm = CommDebugMode()

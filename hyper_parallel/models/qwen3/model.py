@@ -27,14 +27,20 @@ class Transformer(Decoder):
     def __init__(self, config: Transformer.Config) -> None:
         super().__init__(config)
         self.tie_embeddings = config.tie_embeddings
-        self._tie()
+        self.tie_weights()
 
-    def _tie(self) -> None:
+    def tie_weights(self) -> None:
+        """Make the output projection the embedding's parameter again (``tie_embeddings``).
+
+        Moving meta parameters (``to_empty``) makes a new parameter per module, and
+        FSDP2 gives a tied DTensor (context parallelism's plan) one sharded parameter per
+        module; both are followed by this.
+        """
         if self.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
     def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Transformer:
         # Moving meta parameters (``to_empty``) makes a new parameter per module: tie again.
         super()._apply(fn, recurse)
-        self._tie()
+        self.tie_weights()
         return self
