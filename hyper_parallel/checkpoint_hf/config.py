@@ -38,7 +38,10 @@ __all__ = [
     "hf_families",
     "hf_spec_names",
     "load_config_json",
+    "load_generation_config",
     "read_hf_config",
+    "stop_token_ids",
+    "token_ids",
 ]
 
 # Fields that change no number our model computes (metadata, generation defaults,
@@ -92,12 +95,15 @@ class HFConfig:
         spec: Registered spec name whose factory takes ``model_overrides``.
         model_overrides: Keyword arguments of the family's factory (JSON values).
         raw: The ``config.json`` as read.
+        generation: The ``generation_config.json`` beside it, when there is one
+            (``None``: none, or the config was given as a dict).
     """
 
     family: str
     spec: str
     model_overrides: dict[str, Any]
     raw: dict[str, Any]
+    generation: dict[str, Any] | None = None
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -106,11 +112,18 @@ class HFConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """The config's end-of-sequence ids (one or several; empty when unset)."""
-        eos = self.raw.get("eos_token_id")
-        if eos is None:
-            return []
-        return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        """``config.json``'s end-of-sequence ids (one or several; empty when unset).
+
+        The model's own end of text: the trainer separates documents with the first.
+        Generation stops at :attr:`stop_token_ids`.
+        """
+        return token_ids(self.raw.get("eos_token_id"))
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The ids generation stops at, as ``transformers``' ``generate`` takes them
+        (:func:`stop_token_ids`)."""
+        return stop_token_ids(self.raw, self.generation)
 
     def model_config(self) -> Any:
         """Our ``Transformer.Config`` (unsharded) for this checkpoint."""
@@ -139,6 +152,41 @@ def load_config_json(
         )
     with open(path, encoding="utf-8") as f:
         return json.load(f), path
+
+
+def token_ids(value: Any) -> list[int]:
+    """A token-id field (``eos_token_id``: one id, a list, or null) as a list."""
+    if value is None:
+        return []
+    return [int(e) for e in (value if isinstance(value, list) else [value])]
+
+
+def load_generation_config(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``folder/generation_config.json`` as a dict, ``None`` when there is none."""
+    path = os.path.join(os.fspath(folder), "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def stop_token_ids(config: dict[str, Any] | None, generation: dict[str, Any] | None) -> list[int]:
+    """The end-of-sequence ids ``transformers``' ``generate`` stops at.
+
+    ``transformers`` loads ``generation_config.json`` when the checkpoint has one and
+    takes its ``eos_token_id`` (a list of several ids, or none at all, as written),
+    whatever ``config.json`` says; only without that file does it build the generation
+    config from ``config.json`` (``GenerationConfig.from_model_config``). Llama-3-Instruct
+    stops at ``[128001, 128009]`` from its ``generation_config.json`` while its
+    ``config.json`` says 128001.
+
+    Args:
+        config: ``config.json`` (``None``: a model not from Hugging Face).
+        generation: ``generation_config.json``, ``None`` when there is none.
+    """
+    if generation is not None:
+        return token_ids(generation.get("eos_token_id"))
+    return token_ids((config or {}).get("eos_token_id"))
 
 
 SUPPORTED_ROPE = (
@@ -266,6 +314,9 @@ def read_hf_config(source: str | os.PathLike[str] | dict[str, Any]) -> HFConfig:
         model = cfg.model_config().build()
     """
     raw, where = load_config_json(source)
+    generation = (
+        None if isinstance(source, dict) else load_generation_config(os.path.dirname(where))
+    )
     archs = raw.get("architectures") or []
     families = hf_architectures()
     # Configs built in code (not yet saved) name only their model_type.
@@ -282,7 +333,13 @@ def read_hf_config(source: str | os.PathLike[str] | dict[str, Any]) -> HFConfig:
         reader.problem(field, raw[field], f"not a field of {arch} that we implement")
     if reader.problems:
         raise HFConfigError(where, reader.problems)
-    return HFConfig(family=family.name, spec=adapter.spec, model_overrides=overrides, raw=raw)
+    return HFConfig(
+        family=family.name,
+        spec=adapter.spec,
+        model_overrides=overrides,
+        raw=raw,
+        generation=generation,
+    )
 
 
 def _family_of_config(config: Any) -> ModelFamily:

@@ -54,12 +54,20 @@ def model_record(
     model_overrides: dict[str, Any],
     hf_config: dict[str, Any] | None,
     tokenizer: str | None = None,
+    generation_config: dict[str, Any] | None = None,
 ) -> str:
-    """The JSON the trainer stores under ``train.model_json`` (``tokenizer``: the run's)."""
+    """The JSON the trainer stores under ``train.model_json`` (``tokenizer``: the run's).
+
+    ``generation_config``: the ``generation_config.json`` the run's Hugging Face export
+    carries (``None``: none), which ``generate --checkpoint`` stops by and ``export-hf``
+    writes. Always recorded (``null`` for none), so a record without the key is one
+    written before it was.
+    """
     record: dict[str, Any] = {
         "model": model,
         "model_overrides": model_overrides,
         "hf_config": hf_config,
+        "generation_config": generation_config,
     }
     if tokenizer is not None:
         record["tokenizer"] = os.path.abspath(tokenizer)

@@ -110,13 +110,31 @@ def add_commands(sub: Any) -> None:
         "tokenize",
         help="tokenize text files (.txt, .jsonl) once into a token file for --data",
         description="Tokenize .txt (one document each) and .jsonl (one per line) files with a "
-        "tokenizers tokenizer.json on several processes; documents are separated by EOS.",
+        "tokenizers tokenizer.json on several processes. Documents are separated as the "
+        "trainer's text --data separates them: --eos-id, else the first eos_token_id of "
+        "--hf-checkpoint's config.json, else that of the config.json beside the tokenizer, "
+        "else the tokenizer's EOS token (<|endoftext|>, </s>, ...).",
     )
     t.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt or .jsonl files")
-    t.add_argument("--tokenizer", required=True, help="tokenizers tokenizer.json")
+    t.add_argument(
+        "--tokenizer",
+        help="tokenizers tokenizer.json (default: --hf-checkpoint's)",
+    )
+    t.add_argument(
+        "--hf-checkpoint",
+        metavar="DIR",
+        help="the Hugging Face checkpoint the token file trains: its config.json's "
+        "eos_token_id separates documents, as the trainer's --hf-checkpoint DIR does",
+    )
     t.add_argument("--out", required=True, help="token file to write: .bin or .npy")
     t.add_argument("--text-field", default="text", help="the .jsonl field (default text)")
-    t.add_argument("--eos-id", type=int, default=None, help="separator id (default: its EOS)")
+    t.add_argument(
+        "--eos-id",
+        type=int,
+        default=None,
+        help="separator id (default: --hf-checkpoint's eos_token_id, else the one of the "
+        "config.json beside the tokenizer, else the tokenizer's EOS token)",
+    )
     t.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="processes")
     t.add_argument("--no-progress", dest="progress", action="store_false")
     t.add_argument("--overwrite", action="store_true", help="replace a file --out names")
@@ -186,19 +204,30 @@ def _tokenize(args: argparse.Namespace) -> int:
     from hyper_parallel.checkpoint_hf.outputs import check_output_file
     from hyper_parallel.train.tokens import tokenize_files
 
+    tokenizer = args.tokenizer
+    if tokenizer is None and args.hf_checkpoint:
+        tokenizer = os.path.join(args.hf_checkpoint, "tokenizer.json")  # as the trainer
+    if tokenizer is None:
+        print(
+            "hyper-parallel tokenize: error: give --tokenizer FILE (a tokenizers "
+            "tokenizer.json) or --hf-checkpoint DIR holding one",
+            file=sys.stderr,
+        )
+        return 2
     try:
         check_output_file(
             args.out,
             overwrite=args.overwrite,
-            inputs=[*args.inputs, args.tokenizer],
+            inputs=[*args.inputs, tokenizer],
             what="tokenize --out",
         )
         count = tokenize_files(
             args.inputs,
             args.out,
-            tokenizer=args.tokenizer,
+            tokenizer=tokenizer,
             text_field=args.text_field,
             eos=args.eos_id,
+            hf_checkpoint=args.hf_checkpoint,
             workers=max(1, args.workers),
             progress=args.progress,
         )
@@ -269,18 +298,23 @@ def _generate(args: argparse.Namespace) -> int:
             model = cfg.model_config().build()
             model.init_states()
             load_hf(model, args.hf_checkpoint)
-            eos, dirs = cfg.eos_token_ids, [args.hf_checkpoint]
+            # Stop where transformers' generate does: generation_config.json's
+            # eos_token_id when the checkpoint has one, else config.json's.
+            eos, dirs = cfg.stop_token_ids, [args.hf_checkpoint]
         else:
-            from hyper_parallel.checkpoint_hf.config import read_hf_config
+            from hyper_parallel.checkpoint_hf.config import stop_token_ids
             from hyper_parallel.hf_commands.export import (
                 checkpoint_record,
                 load_trainer_checkpoint,
+                recorded_generation_config,
             )
 
             model, _, hf_config = load_trainer_checkpoint(args.checkpoint)
-            eos = read_hf_config(hf_config).eos_token_ids if hf_config else []
+            record = checkpoint_record(args.checkpoint) or {}
+            # As transformers' generate on this checkpoint's export stops.
+            eos = stop_token_ids(hf_config, recorded_generation_config(record))
             # The run's tokenizer (recorded), else one next to the checkpoint.
-            recorded = (checkpoint_record(args.checkpoint) or {}).get("tokenizer")
+            recorded = record.get("tokenizer")
             dirs = [os.path.dirname(recorded)] if recorded else []
             dirs += [args.checkpoint, os.path.dirname(os.path.abspath(args.checkpoint))]
         vocab = model.tok_embeddings.num_embeddings

@@ -1,8 +1,8 @@
 """``hyper-parallel export-hf CKPT OUT``: a trainer checkpoint (DCP, any mesh) as Hugging Face.
 
 The trainer records which model a checkpoint holds (``train.model_json``: the spec
-name, its overrides and, for a model that came from Hugging Face, the original
-``config.json``). The checkpoint is read with ``torch.distributed.checkpoint`` into
+name, its overrides, for a model that came from Hugging Face the original
+``config.json``, and the ``generation_config.json`` its export carries). The checkpoint is read with ``torch.distributed.checkpoint`` into
 the unsharded model in this process (DCP reassembles the shards of whatever mesh
 saved it) and written with :func:`~hyper_parallel.checkpoint_hf.save_hf`. A
 checkpoint without that record takes ``--model`` / ``--model-overrides`` (or
@@ -21,7 +21,12 @@ from torch import nn
 
 from hyper_parallel.checkpoint_hf.records import MODEL_KEY, tokenizer_files
 
-__all__ = ["checkpoint_record", "export_hf", "load_trainer_checkpoint"]
+__all__ = [
+    "checkpoint_record",
+    "export_hf",
+    "load_trainer_checkpoint",
+    "recorded_generation_config",
+]
 
 
 def _step_dir(path: str) -> str:
@@ -55,6 +60,24 @@ def _saved_record(path: str) -> dict[str, Any] | None:
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
         dcp.load(state, checkpoint_id=path, no_dist=True)
     return json.loads(state["train"][MODEL_KEY])
+
+
+def recorded_generation_config(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``generation_config.json`` a trainer checkpoint's export carries.
+
+    The one the run recorded (its ``--save-hf`` would carry it), else (a checkpoint
+    recorded before the trainer kept it) the one beside the recorded tokenizer, which
+    ``export-hf`` copies with it; ``None`` when neither is there.
+    """
+    from hyper_parallel.checkpoint_hf.config import load_generation_config
+
+    record = record or {}
+    if record.get("generation_config") is not None:
+        return record["generation_config"]
+    tokenizer = record.get("tokenizer")
+    if tokenizer and os.path.isfile(tokenizer):
+        return load_generation_config(os.path.dirname(tokenizer))
+    return None
 
 
 def load_trainer_checkpoint(
@@ -125,7 +148,7 @@ def export_hf(
     """Write the model of a trainer checkpoint as a Hugging Face checkpoint in ``out``.
 
     The tokenizer files of the run (:func:`~hyper_parallel.checkpoint_hf.records.tokenizer_files` of the recorded tokenizer)
-    are copied along, so ``generate --hf-checkpoint OUT`` works on the export. ``out``
+    are copied along, and the ``generation_config.json`` the run recorded, so ``generate --hf-checkpoint OUT`` works on the export. ``out``
     is written aside and renamed into place when complete
     (:mod:`~hyper_parallel.checkpoint_hf.outputs`).
 
@@ -153,20 +176,32 @@ def export_hf(
     # (a new folder there is harmless), but never on the step it reads.
     inputs = [checkpoint, _step_dir(os.fspath(checkpoint))]
     check_output(out, overwrite=overwrite, inputs=inputs, what="export-hf OUT")
+    import tempfile
+
     built, config, hf_config = load_trainer_checkpoint(checkpoint, **model)
+    record = checkpoint_record(checkpoint) or {}
     if tokenizer is None:
-        tokenizer = (checkpoint_record(checkpoint) or {}).get("tokenizer")
+        tokenizer = record.get("tokenizer")
         if tokenizer is not None and not os.path.isfile(tokenizer):
             tokenizer = None  # moved since the run; generate then takes --tokenizer
-    return save_hf(
-        built,
-        out,
-        hf_config=hf_config,
-        model_config=config,
-        max_shard_size=max_shard_size,
-        dtype=dtype,
-        overwrite=overwrite,
-        inputs=inputs,
-        extra_files=tokenizer_files(tokenizer),
-        what="export-hf OUT",
-    )
+    extra_files = tokenizer_files(tokenizer)
+    with tempfile.TemporaryDirectory() as tmp:
+        generation = record.get("generation_config")
+        if generation is not None:
+            # The run's (its --save-hf carries the same), wherever its files are now.
+            extra_files["generation_config.json"] = os.path.join(tmp, "generation_config.json")
+            with open(extra_files["generation_config.json"], "w", encoding="utf-8") as f:
+                json.dump(generation, f, indent=2, sort_keys=True)
+                f.write("\n")
+        return save_hf(
+            built,
+            out,
+            hf_config=hf_config,
+            model_config=config,
+            max_shard_size=max_shard_size,
+            dtype=dtype,
+            overwrite=overwrite,
+            inputs=inputs,
+            extra_files=extra_files,
+            what="export-hf OUT",
+        )

@@ -228,7 +228,23 @@ def model_record(cfg: Any, hf: Any = None) -> str:
     from hyper_parallel.checkpoint_hf.records import model_record as record
 
     hf_config = hf.raw if cfg.hf_checkpoint and hf is not None else None
-    return record(cfg.model, dict(cfg.model_overrides), hf_config, tokenizer_path(cfg))
+    tokenizer, generation = tokenizer_path(cfg), _generation_config(cfg)
+    return record(cfg.model, dict(cfg.model_overrides), hf_config, tokenizer, generation)
+
+
+def _generation_config(cfg: Any) -> dict[str, Any] | None:
+    """The ``generation_config.json`` the run's Hugging Face export carries (``--save-hf``
+    copies it with the tokenizer's files: the tokenizer's folder's, else the checkpoint's),
+    ``None`` when neither has one."""
+    import json
+
+    from hyper_parallel.checkpoint_hf.records import tokenizer_files
+
+    source = tokenizer_files(tokenizer_path(cfg), [cfg.hf_checkpoint]).get("generation_config.json")
+    if source is None:
+        return None
+    with open(source, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def save_weights(cfg: Any, parts: list[Any], hf: Any = None) -> None:

@@ -36,6 +36,7 @@ from hyper_parallel.train.data import TextBatches
 __all__ = [
     "EOS_NAMES",
     "TokenBatches",
+    "checkpoint_eos_id",
     "eos_id",
     "iter_documents",
     "load_token_file",
@@ -47,7 +48,8 @@ __all__ = [
 ]
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
-"""Token names taken as the document separator when no EOS id is given."""
+"""Token names taken as the document separator when no EOS id is given nor found in a
+``config.json`` (:func:`eos_id`)."""
 
 _TEXT_SUFFIXES = (".txt", ".jsonl")
 _TOKEN_SUFFIXES = (".bin", ".npy")
@@ -71,14 +73,55 @@ def load_tokenizer(path: str | None) -> Any:
     return Tokenizer.from_file(path)
 
 
-def eos_id(tokenizer: Any, given: int | Sequence[int] | None = None) -> int:
-    """The document separator: ``given`` (an id, or the first of several), else a known EOS name.
+def checkpoint_eos_id(
+    folder: str | os.PathLike[str] | None, *, required: bool = False
+) -> int | None:
+    """The first ``eos_token_id`` of ``folder/config.json`` (a Hugging Face checkpoint's),
+    ``None`` when it has none (or, unless ``required``, no readable ``config.json``).
 
     Raises:
-        ValueError: None given and the tokenizer has none of :data:`EOS_NAMES`.
+        ValueError: ``required`` and no ``config.json`` in ``folder``.
+    """
+    if folder is None:
+        return None
+    path = os.path.join(os.fspath(folder), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        if required:
+            raise ValueError(
+                f"{path}: {err}; --hf-checkpoint names a Hugging Face checkpoint folder."
+            ) from None
+        return None
+    eos = config.get("eos_token_id") if isinstance(config, dict) else None
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return None if eos is None else int(eos)
+
+
+def eos_id(
+    tokenizer: Any,
+    given: int | Sequence[int] | None = None,
+    *,
+    tokenizer_path: str | None = None,
+) -> int:
+    """The document separator, one rule for ``tokenize`` and the trainer's text ``--data``.
+
+    ``given`` (an id, or the first of several: ``--eos-id``, or the first
+    ``eos_token_id`` of the ``--hf-checkpoint``'s ``config.json``), else the first
+    ``eos_token_id`` of the ``config.json`` beside ``tokenizer_path`` (a tokenizer in
+    a checkpoint folder), else the first of :data:`EOS_NAMES` the tokenizer has.
+
+    Raises:
+        ValueError: None of these.
     """
     if given is not None:
         return int(given[0] if isinstance(given, (list, tuple)) else given)
+    if tokenizer_path is not None:
+        beside = checkpoint_eos_id(os.path.dirname(os.path.abspath(tokenizer_path)))
+        if beside is not None:
+            return beside
     for name in EOS_NAMES:
         token = tokenizer.token_to_id(name)
         if token is not None:
@@ -200,7 +243,7 @@ def open_corpus(
         vocab_size: The model's vocabulary.
         tokenizer: ``tokenizer.json`` for text files.
         text_field: The ``.jsonl`` field holding a document.
-        eos: The document separator id (default: the tokenizer's EOS token).
+        eos: The document separator id (default: :func:`eos_id`'s rule).
 
     Raises:
         ValueError: An empty corpus, an id >= ``vocab_size``, a tokenizer whose
@@ -227,7 +270,7 @@ def open_corpus(
                 f"vocabulary is {vocab_size}; use the model's tokenizer or a model with "
                 f"vocab_size >= {tok.get_vocab_size()}."
             )
-        separator = eos_id(tok, eos)
+        separator = eos_id(tok, eos, tokenizer_path=tokenizer)
         tokens = tokenize_documents(tok, iter_documents(paths, text_field), separator)
         if tokens.size and bool((tokens == separator).all()):
             # Only the separators of empty documents: there is nothing to learn from.
@@ -257,23 +300,31 @@ def tokenize_files(
     tokenizer: str,
     text_field: str = "text",
     eos: int | None = None,
+    hf_checkpoint: str | None = None,
     workers: int = 1,
     progress: bool = True,
 ) -> int:
     """Tokenize text files into one token file ``out`` on ``workers`` processes; returns the count.
 
     Documents go to the workers in chunks, in order (the file is the same for any
-    number of workers); a progress bar (``tqdm``, on stderr) counts documents.
+    number of workers); a progress bar (``tqdm``, on stderr) counts documents. They are
+    separated as the trainer separates them (:func:`eos_id`): ``eos``, else the first
+    ``eos_token_id`` of ``hf_checkpoint``'s ``config.json`` (the trainer's
+    ``--hf-checkpoint``), else that of the ``config.json`` beside the tokenizer, else
+    the tokenizer's EOS token.
 
     Raises:
-        ValueError: See :func:`open_corpus` (missing tokenizer, unknown files, empty corpus).
+        ValueError: See :func:`open_corpus` (missing tokenizer, unknown files, empty
+            corpus); no ``config.json`` in ``hf_checkpoint``.
     """
     import multiprocessing as mp
 
     from hyper_parallel import _tokenize_worker as worker
 
     tok = load_tokenizer(tokenizer)
-    separator = eos_id(tok, eos)
+    if eos is None and hf_checkpoint is not None:
+        eos = checkpoint_eos_id(hf_checkpoint, required=True)
+    separator = eos_id(tok, eos, tokenizer_path=tokenizer)
     for p in paths:
         if not os.path.isfile(p):
             raise ValueError(f"tokenize: {p}: no such file.")

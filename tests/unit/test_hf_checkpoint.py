@@ -436,6 +436,78 @@ def test_generate_stops_at_eos(llama_dir):
     assert generate(model, [5, 17], 8, eos_token_ids=[first]) == [first]
 
 
+def _cli_generate(capsys, *source, n=8):
+    from hyper_parallel.cli import main
+
+    argv = ["generate", *source, "--prompt", "First Citizen:", "--max-new-tokens", str(n)]
+    assert main([*argv, "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)["ids"]
+
+
+def _transformers_generate(path, n=8):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    prompt = list(b"First Citizen:")  # a 256-token model: bytes
+    out = reference.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def _edit_json(path, **fields):
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    data.update(fields)
+    data = {k: v for k, v in data.items() if v is not None}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+
+
+def test_generate_stops_where_transformers_does_by_generation_config(tmp_path, capsys):
+    """generation_config.json's eos_token_id, when the checkpoint has one, is where
+    transformers' generate stops, whatever config.json says (Llama-3-Instruct: 128001
+    there, [128001, 128009] here); without one, config.json's."""
+    path = write_checkpoint("qwen3", str(tmp_path / "q"), vocab_size=256)  # eos 2
+    free = _transformers_generate(path)
+    assert _cli_generate(capsys, "--hf-checkpoint", path) == free and len(free) == 8
+    stop = free[3]
+    assert stop != 2 and stop not in free[:3] and 0 not in free
+    # Stops at a token of generation_config.json's list that config.json does not name.
+    _edit_json(os.path.join(path, "generation_config.json"), eos_token_id=[0, stop])
+    theirs = _transformers_generate(path)
+    assert theirs == free[:4]
+    assert _cli_generate(capsys, "--hf-checkpoint", path) == theirs
+    # A generation_config.json without one stops nowhere, even at config.json's.
+    _edit_json(os.path.join(path, "config.json"), eos_token_id=stop)
+    _edit_json(os.path.join(path, "generation_config.json"), eos_token_id=None)
+    assert _transformers_generate(path) == free
+    assert _cli_generate(capsys, "--hf-checkpoint", path) == free
+    # No generation_config.json: config.json's.
+    os.remove(os.path.join(path, "generation_config.json"))
+    assert _transformers_generate(path) == free[:4]
+    assert _cli_generate(capsys, "--hf-checkpoint", path) == free[:4]
+
+
+def test_generate_on_a_trainer_checkpoint_stops_as_on_its_export(tmp_path, capsys):
+    """A run from a checkpoint with a generation_config.json records it: ``generate
+    --checkpoint`` stops where transformers' generate on the export does, and the
+    export (written after the source folder is gone) carries it."""
+    from hyper_parallel.cli import main
+    from hyper_parallel.train.run import main as run
+
+    source = write_checkpoint("qwen3", str(tmp_path / "q"), vocab_size=256)  # eos 2
+    # Every id but config.json's stops generation: the first token, unless it is 2.
+    stops = [i for i in range(256) if i != 2]
+    _edit_json(os.path.join(source, "generation_config.json"), eos_token_id=stops)
+    ckpt = str(tmp_path / "ckpt")
+    argv = ["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--no-progress"]
+    argv += ["--log-every", "0", "--hf-checkpoint", source, "--checkpoint-dir", ckpt]
+    assert run(argv) == 0
+    shutil.rmtree(source)
+    ours = _cli_generate(capsys, "--checkpoint", ckpt)
+    assert main(["export-hf", ckpt, str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    theirs = _transformers_generate(str(tmp_path / "out"))
+    assert ours == theirs and len(ours) == 1 and ours[0] != 2
+
+
 # ---------------------------------------------------------------------- export-hf
 
 

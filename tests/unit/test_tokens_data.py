@@ -132,6 +132,58 @@ def test_tokenize_command_on_two_processes_equals_one(corpus, tokenizer, tmp_pat
     assert np.array_equal(open_corpus(inputs, vocab_size=320, tokenizer=tokenizer), two)
 
 
+def test_tokenize_separates_documents_as_the_trainer_does(corpus, tmp_path, capsys):
+    """One rule for ``tokenize`` and the trainer's text ``--data``: ``--eos-id``, else the
+    first eos_token_id of ``--hf-checkpoint``'s config.json, else that of the
+    config.json beside the tokenizer, else the tokenizer's EOS token. A checkpoint
+    whose config.json names another id than the tokenizer's <|endoftext|>: the token
+    file equals the stream the trainer builds from the same text."""
+    from tokenizers import Tokenizer
+
+    from hyper_parallel.cli import main
+    from hyper_parallel.train.run_hooks import build_data, resolve_model
+
+    ckpt = str(tmp_path / "hf")
+    _example().build(ckpt, hidden_size=32, num_layers=1, vocab_size=300, max_shard_size="60KB")
+    tokenizer = os.path.join(ckpt, "tokenizer.json")
+    endoftext = Tokenizer.from_file(tokenizer).token_to_id("<|endoftext|>")
+    with open(os.path.join(ckpt, "config.json")) as f:
+        config = json.load(f)
+    config["eos_token_id"] = [7, endoftext]  # as Llama-3-Instruct's generation list
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        json.dump(config, f)
+    data = str(corpus / "a.jsonl")
+    cfg, hf = resolve_model(TrainConfig(hf_checkpoint=ckpt, data=data, batch_size=2, seq_len=16))
+    trainer_stream = np.asarray(build_data(cfg, 300, hf).array)
+    assert int((trainer_stream == 7).sum()) == 8 and trainer_stream[-1] == 7
+
+    def tokenize(name, *flags):
+        argv = ["tokenize", data, "--out", str(tmp_path / name), "--no-progress", *flags]
+        assert main(argv) == 0, capsys.readouterr().err
+        return load_token_file(str(tmp_path / name))
+
+    for name, flags in (
+        ("beside.npy", ["--tokenizer", tokenizer]),  # a tokenizer in a checkpoint folder
+        ("given.npy", ["--tokenizer", tokenizer, "--eos-id", "7"]),
+        ("ckpt.npy", ["--hf-checkpoint", ckpt]),  # its tokenizer and its eos
+    ):
+        assert np.array_equal(tokenize(name, *flags), trainer_stream), name
+    # A tokenizer alone (no config.json beside it) and the trainer's --tokenizer alike:
+    # its <|endoftext|>.
+    alone = str(tmp_path / "tok" / "tokenizer.json")
+    os.makedirs(os.path.dirname(alone))
+    with open(tokenizer) as src, open(alone, "w") as dst:
+        dst.write(src.read())
+    by_name = tokenize("alone.npy", "--tokenizer", alone)
+    cfg, hf = resolve_model(TrainConfig(tokenizer=alone, data=data, batch_size=2, seq_len=16))
+    assert np.array_equal(np.asarray(build_data(cfg, 300, hf).array), by_name)
+    assert np.array_equal(by_name[trainer_stream != 7], trainer_stream[trainer_stream != 7])
+    assert int((by_name == endoftext).sum()) == 8
+    # No tokenizer at all is one clear error.
+    assert main(["tokenize", data, "--out", str(tmp_path / "x.npy")]) == 2
+    assert "--tokenizer FILE" in capsys.readouterr().err
+
+
 def test_tokenize_and_calibrate_keep_a_file_that_is_there(corpus, tokenizer, tmp_path, capsys):
     """Single-file outputs are never clobbered unasked, never an input even when asked
     (``tokenize --out`` on its own input destroyed it), and their folder is made; each

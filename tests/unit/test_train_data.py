@@ -254,7 +254,12 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
     fresh = Trainer(cfg, device="cpu")
     state = load_checkpoint(path, model=fresh.model, optimizer=fresh.optimizer)
     record = json.loads(state.pop("model_json"))  # which model: for export-hf and generate
-    assert record == {"model": cfg.model, "model_overrides": cfg.model_overrides, "hf_config": None}
+    assert record == {
+        "model": cfg.model,
+        "model_overrides": cfg.model_overrides,
+        "hf_config": None,
+        "generation_config": None,  # the generation_config.json its export carries: none
+    }
     expected = {"step": 2, "data_position": 2 * 4 * 16, "data_epoch": 0, "lr_schedule_steps": 2}
     assert state == expected  # the schedule's length: a resumed run keeps it
     for p, q in zip(trainer.model.parameters(), fresh.model.parameters()):
