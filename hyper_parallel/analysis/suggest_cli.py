@@ -119,6 +119,7 @@ def run_suggest(args: argparse.Namespace) -> int:
             compile=bool(args.compile),
             pipeline_split=args.pipeline_split,
             stages_per_rank=args.stages_per_rank,
+            reduce_each_microbatch=args.reduce_each_microbatch,
         )
     except DoesNotFit as e:
         if args.format == "json":

@@ -356,8 +356,9 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
         required=("mesh",),
     ),
     # The search is for GPUs, where training runs in bf16 mixed precision.
-    # --mesh, --schedule, --ac, --microbatches and --sp fix that part of the search (unset:
-    # searched); --compile and --pipeline-split are the run's, as the trainer's.
+    # --mesh, --schedule, --ac, --microbatches, --sp and --reduce-each-microbatch fix that
+    # part of the search (unset: searched); --compile and --pipeline-split are the run's, as
+    # the trainer's.
     "suggest": CommandOptions(
         fields=(*MODEL_FIELDS, "dtype", "mesh", *SWITCHES, "ac", "overwrite"),
         defaults={
@@ -368,6 +369,7 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
             "ac": None,
             "microbatches": None,
             "sp": None,
+            "reduce_each_microbatch": None,
         },
     ),
 }

@@ -321,6 +321,8 @@ def test_model_that_fits_one_gpu_gets_plain_data_parallel() -> None:
         "mesh",
         "microbatches",
         "schedule",
+        "stages_per_rank",
+        "reduce_each_microbatch",
         "ac",
         "sp",
         "predicted",
@@ -619,3 +621,84 @@ def test_suggested_commands_carry_the_stages_per_rank():
     assert "--stages-per-rank" not in _train_args(
         ModelSource("llama3-debug"), default, 16, 8, "bf16"
     )
+
+
+# ---------------------------------------------------------------------- fixed settings
+
+
+def test_a_fixed_mesh_is_scored_whatever_its_cp_and_the_search_counts_what_it_skips():
+    kw = dict(gpus=4, gpu="h100-80gb", seq_len=256, global_batch_tokens=1024, ac="none")
+    # 128 tokens per cp rank: below what the free search tries, still the user's layout.
+    report = suggest("llama3-debug", mesh={"dp": 2, "cp": 2}, **kw)
+    assert report.plans and {c.mesh_text() for c, _, _ in report.plans} == {"dp_shard=2,cp=2"}
+    assert not any("sp off" in reason for reason in report.rejected)  # other meshes' reasons
+    from hyper_parallel.analysis.suggest._search import CP_PRUNED
+
+    free = suggest("llama3-debug", **kw)
+    assert free.rejected[CP_PRUNED] > 0
+    assert all(c.cp == 1 for c, _, _ in free.plans)
+
+
+def test_reduce_each_microbatch_fixes_that_part_of_the_search(capsys):
+    kw = dict(
+        mesh={"dp": 2},
+        gpus=2,
+        gpu="h100-80gb",
+        seq_len=256,
+        global_batch_tokens=2048,
+        microbatches=2,
+        ac="full",
+    )
+    searched = suggest("llama3-debug", **kw)
+    assert {c.reduce_each for c, _, _ in searched.plans} == {False, True}
+    for fixed in (True, False):
+        report = suggest("llama3-debug", reduce_each_microbatch=fixed, **kw)
+        assert [c.reduce_each for c, _, _ in report.plans] == [fixed]
+        assert ("--reduce-each-microbatch" in report.plans[0][2]) is fixed
+    argv = [
+        "suggest",
+        "--model",
+        "llama3-debug",
+        "--mesh",
+        "dp=2",
+        "--seq",
+        "256",
+        "--gpu",
+        "h100-80gb",
+        "--gpus",
+        "2",
+        "--global-batch-tokens",
+        "2048",
+        "--microbatches",
+        "2",
+        "--ac",
+        "full",
+        "--format",
+        "json",
+    ]
+    assert main([*argv, "--reduce-each-microbatch"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert [p["reduce_each_microbatch"] for p in plans] == [True]
+    # Not given: searched, and the table tells the two rows apart.
+    assert main(argv[:-2]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "dp_shard=2" in line]
+    assert sorted(r[2:4] for r in rows[:2]) == [["2", "-"], ["2", "each"]]
+
+
+def test_rows_tell_stages_per_rank_apart():
+    report = suggest(
+        ModelSource("llama3-debug", (("num_layers", 14),)),
+        mesh={"pp": 2},
+        gpus=2,
+        gpu="h100-80gb",
+        seq_len=256,
+        global_batch_tokens=4096,
+        schedule="Interleaved1F1B",
+        ac="none",
+        microbatches=8,
+    )
+    plans = report.to_dict()["plans"]
+    assert sorted(p["stages_per_rank"] for p in plans) == [2, 4]
+    assert all(p["reduce_each_microbatch"] is False for p in plans)
+    table = report.to_table()
+    assert "Interleaved1F1B x2" in table and "Interleaved1F1B x4" in table

@@ -62,6 +62,28 @@ class Candidate:
         active = [f"{a}={s}" for a, s in self.mesh().items() if s > 1]
         return ",".join(active) or "dp_shard=1"
 
+    def stages(self) -> int | None:
+        """Pipeline stages each rank runs, the schedule's default resolved (``None``
+        without pp)."""
+        if self.pp == 1:
+            return None
+        from hyper_parallel.distributed.pipeline.plan import stages_per_rank_of
+
+        return stages_per_rank_of(self.schedule or "1F1B", self.stages_per_rank)
+
+    def schedule_text(self) -> str:
+        """The table's schedule cell: ``1F1B``, ``Interleaved1F1B x2`` (stages per rank,
+        where more than one), ``-`` without pp."""
+        if self.pp == 1:
+            return "-"
+        stages = self.stages() or 1
+        return (self.schedule or "1F1B") + (f" x{stages}" if stages > 1 else "")
+
+    def microbatches_text(self) -> str:
+        """The table's micro-batches cell: ``4``, or ``4 each`` where FSDP2 reduces each
+        micro-batch's gradients (``--reduce-each-microbatch``)."""
+        return f"{self.microbatches}" + (" each" if self.reduce_each else "")
+
     def describe(self) -> str:
         extra = [f"ac={self.ac}"] + (["sp"] if self.sp else [])
         if self.pp > 1:
@@ -159,6 +181,8 @@ class SuggestReport:
                     "mesh": c.mesh(),
                     "microbatches": c.microbatches,
                     "schedule": c.schedule,
+                    "stages_per_rank": c.stages(),
+                    "reduce_each_microbatch": c.reduce_each,
                     "ac": c.ac,
                     "sp": c.sp,
                     "predicted": p.to_dict(),
@@ -195,8 +219,8 @@ class SuggestReport:
                 (
                     str(i),
                     c.mesh_text(),
-                    str(c.microbatches),
-                    c.schedule or "-",
+                    c.microbatches_text(),
+                    c.schedule_text(),
                     c.ac,
                     "yes" if c.sp else "no",
                     f"{p.step_s:.3f}",
@@ -212,6 +236,13 @@ class SuggestReport:
                 right=(2, 6, 7, 8, 9),
             )
         )
+        key = []
+        if any(c.reduce_each for c, _, _ in self.plans):
+            key.append("mb 'N each': FSDP2 reduces each micro-batch (--reduce-each-microbatch)")
+        if any((c.stages() or 1) > 1 for c, _, _ in self.plans):
+            key.append("schedule 'xN': N pipeline stages per rank (--stages-per-rank)")
+        if key:
+            out.append("; ".join(key) + ".")
         out += ["", "Why this order:"]
         for i, note in enumerate(self.why, 1):
             same = self.equivalents[i - 1] if i - 1 < len(self.equivalents) else []

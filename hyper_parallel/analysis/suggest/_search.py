@@ -64,7 +64,13 @@ prediction within +-:data:`MODEL_ERROR` of its run, the one predicted slower by 
 be the faster run. Within it the simpler plan goes first (:func:`_simplicity`)."""
 MIN_CP_TOKENS = 1024
 """Context parallelism is searched down to this many tokens per cp rank (attention kernels
-lose their efficiency on shorter pieces; torchtitan's cp runs keep >= 8k per rank)."""
+lose their efficiency on shorter pieces; torchtitan's cp runs keep >= 8k per rank). A
+fixed ``--mesh`` is scored whatever its cp."""
+CP_PRUNED = (
+    f"cp not searched: not a power of two, or under {MIN_CP_TOKENS:,} tokens per cp rank "
+    "(score such a mesh with --mesh)"
+)
+"""Why the free search skips a cp size (:data:`MIN_CP_TOKENS`)."""
 
 
 # ----------------------------------------------------------------------------- search
@@ -87,8 +93,17 @@ def _candidates(
     rejected: Counter,
     microbatches: int | None = None,
     stages_per_rank: int | None = None,
+    mesh: Mapping[str, int] | None = None,
 ) -> Iterator[Candidate]:
-    """Every layout worth asking the checks about; the ones refused here are counted."""
+    """Every layout worth asking the checks about; the ones refused here are counted.
+
+    ``mesh`` (every axis, as :func:`_fixed_mesh` gives it): only that mesh, whatever its
+    tp, cp and ep span (the free search's pruning is not applied to the user's layout)."""
+    if mesh is not None:
+        yield from _mesh_candidates(
+            mesh, num_layers, global_batch, rejected, microbatches, stages_per_rank
+        )
+        return
     tps = [t for t in _divisors(gpus) if allow_cross_node_tp or gpus_per_node % t == 0]
     if not allow_cross_node_tp:
         skipped = len(_divisors(gpus)) - len(tps)
@@ -98,7 +113,8 @@ def _candidates(
         rest_tp = gpus // tp
         for cp in _divisors(rest_tp):
             if cp > 1 and (cp & (cp - 1) or seq_len // cp < MIN_CP_TOKENS):
-                continue  # not searched: see MIN_CP_TOKENS (powers of two only)
+                rejected[CP_PRUNED] += 1  # not searched: see MIN_CP_TOKENS
+                continue
             rest_cp = rest_tp // cp
             for pp in _divisors(rest_cp):
                 if pp > min(num_layers, MAX_PP):
@@ -122,30 +138,52 @@ def _candidates(
                                 ] += len(eps) - len(near)
                             eps = near
                     for ep in eps:
-                        pipelines = _pipelines(pp, local, microbatches, stages_per_rank, num_layers)
-                        for schedule, m, per_rank in pipelines:
-                            # Accumulation under FSDP2: its gradients held unsharded to
-                            # the last micro-batch, or reduced each (sharded).
-                            sharded = pp == 1 and m > 1 and dp_replicate * dp_shard * cp > 1
-                            for each, ac in itertools.product(
-                                (False, True) if sharded else (False,), AC_MODES
-                            ):
-                                if tp > 1:  # searched, and refused without a trace
-                                    rejected[SP_ONLY] += 1
-                                yield Candidate(
-                                    pp,
-                                    dp_replicate,
-                                    dp_shard,
-                                    cp,
-                                    tp,
-                                    ep,
-                                    m,
-                                    schedule,
-                                    ac,
-                                    tp > 1,
-                                    per_rank,
-                                    each,
-                                )
+                        sizes = (pp, dp_replicate, dp_shard, cp, tp, ep)
+                        yield from _settings(
+                            sizes, local, rejected, microbatches, stages_per_rank, num_layers
+                        )
+
+
+def _mesh_candidates(
+    mesh: Mapping[str, int],
+    num_layers: int,
+    global_batch: int,
+    rejected: Counter,
+    microbatches: int | None,
+    stages_per_rank: int | None,
+) -> Iterator[Candidate]:
+    """The candidates of one fixed mesh: its settings (micro-batches, schedule, ac, sp)."""
+    sizes = tuple(mesh[a] for a in MESH_AXES)
+    dp = mesh["dp_replicate"] * mesh["dp_shard"]
+    if global_batch % dp:
+        rejected["global batch does not split over the data-parallel ranks"] += 1
+        return
+    yield from _settings(
+        sizes, global_batch // dp, rejected, microbatches, stages_per_rank, num_layers
+    )
+
+
+def _settings(
+    sizes: tuple[int, ...],
+    local: int,
+    rejected: Counter,
+    microbatches: int | None,
+    stages_per_rank: int | None,
+    num_layers: int,
+) -> Iterator[Candidate]:
+    """One mesh's candidates (``sizes``: pp, dp_replicate, dp_shard, cp, tp, ep) over its
+    schedules, micro-batches, reduce-each, checkpointing; sp with tp."""
+    pp, dp_replicate, dp_shard, cp, tp, ep = sizes
+    for schedule, m, per_rank in _pipelines(pp, local, microbatches, stages_per_rank, num_layers):
+        # Accumulation under FSDP2: its gradients held unsharded to the last micro-batch,
+        # or reduced each (sharded).
+        sharded = pp == 1 and m > 1 and dp_replicate * dp_shard * cp > 1
+        for each, ac in itertools.product((False, True) if sharded else (False,), AC_MODES):
+            if tp > 1:  # searched, and refused without a trace
+                rejected[SP_ONLY] += 1
+            yield Candidate(
+                pp, dp_replicate, dp_shard, cp, tp, ep, m, schedule, ac, tp > 1, per_rank, each
+            )
 
 
 def _structure(c: Candidate, settings: bool = False) -> tuple:
@@ -367,12 +405,17 @@ def _matches(
     ac: str | None,
     microbatches: int | None,
     sp: bool | None = None,
+    reduce_each: bool | None = None,
 ) -> bool:
     """Whether ``c`` keeps what the caller fixed (``stages_per_rank`` is fixed where the
-    candidates are made)."""
+    candidates are made). ``reduce_each`` applies where the run accumulates sharded
+    (pp=1, several micro-batches, a data axis); elsewhere the run does not use it."""
     if mesh is not None and c.mesh() != mesh:
         return False
     if sp is not None and c.sp != sp:
+        return False
+    accumulates = c.pp == 1 and c.microbatches > 1 and c.dp * c.cp > 1
+    if reduce_each is not None and accumulates and c.reduce_each != reduce_each:
         return False
     if schedule is not None and c.pp > 1 and c.schedule != schedule:
         return False
@@ -401,6 +444,7 @@ def suggest(
     compile: bool = False,
     pipeline_split: Mapping[str, Any] | None = None,
     stages_per_rank: int | None = None,
+    reduce_each_microbatch: bool | None = None,
 ) -> SuggestReport:
     """Search the layouts of ``model`` on ``gpus`` GPUs; the best ``top`` by step time.
 
@@ -431,6 +475,8 @@ def suggest(
         pipeline_split: The run's stage split (``{"units_per_stage": n}``, ...).
         stages_per_rank: Fix the pipeline stages per rank (pp > 1; ``None``: searched
             for the looped schedules: 2, 4, 8).
+        reduce_each_microbatch: Fix whether gradient accumulation under FSDP2 reduces
+            each micro-batch's gradients (``--reduce-each-microbatch``; ``None``: searched).
 
     Returns:
         A :class:`SuggestReport`, plans best first.
@@ -486,8 +532,9 @@ def suggest(
         rejected=rejected,
         microbatches=microbatches,
         stages_per_rank=stages_per_rank,
+        mesh=fixed,
     ):
-        if not _matches(c, fixed, schedule, ac, microbatches, sp):
+        if not _matches(c, fixed, schedule, ac, microbatches, sp, reduce_each_microbatch):
             continue
         searched += 1
         problems = _findings(checks, c)
@@ -915,7 +962,8 @@ def _assumptions(
         "compute and tp/cp/ep collectives of all of them, FSDP2 gathering each unit again "
         "per micro-batch and reducing once per step, its unsharded fp32 gradients held "
         "until then (counted as the gradients' memory).",
-        f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank; pp up "
+        f"cp is searched in powers of two down to {MIN_CP_TOKENS} tokens per rank (a "
+        f"fixed --mesh is scored whatever its cp); pp up "
         f"to {MAX_PP}, with 1, 2 and 4 times the run plan's micro-batch count (one per "
         "stage: pp, or 2 pp for the interleaved schedules) and the local batch and half "
         "of it (one or two sequences per micro-batch), each that the local batch splits "
