@@ -123,8 +123,9 @@ def _job_file_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> None
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     p = sub.choices[command]
     fields = COMMAND_OPTIONS[command].fields or ()
-    # The job's other options (steps, lr, ...) are the trainer's; a dry run has no use for them.
-    given = {f: values[f] for f in fields if values.get(f) is not None}
+    # The job's other options (steps, lr, ...) are the trainer's; a dry run has no use for
+    # them. Its overwrite is the run's outputs', not plan --chart's.
+    given = {f: values[f] for f in fields if values.get(f) is not None and f != "overwrite"}
     if values.get("seq_len") is not None:
         given["seq"] = values["seq_len"]
     p.set_defaults(**given)
@@ -436,6 +437,15 @@ def _hf_subject(args: argparse.Namespace, layout: Any, plan: Any) -> _Subject:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from hyper_parallel.dmodule import keep_gathered
 
+    if args.chart:  # before the dry run: a chart that is there is kept unless --overwrite
+        from hyper_parallel.analysis.charts import check_chart_output
+        from hyper_parallel.analysis.suggest_cli import command_inputs
+        from hyper_parallel.checkpoint_hf.outputs import OutputError
+
+        try:
+            check_chart_output(args.chart, overwrite=args.overwrite, inputs=command_inputs(args))
+        except OutputError as e:
+            raise _UsageError(str(e)) from None
     # A compiled block keeps its gathered inputs (sequence parallelism's shard-keeping
     # hook runs in eager code only): the dry run traces what that run keeps.
     with keep_gathered(bool(getattr(args, "compile", False))):
@@ -443,8 +453,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-
     from hyper_parallel.analysis import dry_run
+    from hyper_parallel.analysis.suggest_cli import print_warnings
     from hyper_parallel.distributed.layout import LayoutError
     from hyper_parallel.dmodule.findings import ParallelizeError
 
@@ -452,6 +462,9 @@ def _plan(args: argparse.Namespace) -> int:
     layout = args.mesh
     if subject.run is not None and subject.run.errors:  # the run plan's gate
         raise _PlanError(_problems(subject.run.errors), subject.run.errors)
+    # The run plan's warnings (a switch the run would not use, ...), as validate lists them.
+    warnings = [f for f in subject.run.findings if f.severity == "warning"] if subject.run else []
+    print_warnings("plan", warnings)
     pipeline = None
     if layout.pp > 1:
         pipeline = _pipeline_part(args, layout, subject)
@@ -504,6 +517,7 @@ def _plan(args: argparse.Namespace) -> int:
         out.update(pipeline)
         if predicted is not None:
             out["predicted"] = predicted
+        out["warnings"] = [f.to_dict() for f in warnings]
         if args.format == "json":
             print(json.dumps(out, indent=1))
         else:
@@ -516,6 +530,7 @@ def _plan(args: argparse.Namespace) -> int:
     out = report.to_dict()
     if predicted is not None:
         out["predicted"] = predicted
+    out["warnings"] = [f.to_dict() for f in warnings]
     if args.format == "json":
         print(json.dumps(out, indent=1))
     else:

@@ -16,11 +16,11 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["chart_path", "plan_chart", "suggest_chart"]
+__all__ = ["chart_path", "check_chart_output", "plan_chart", "suggest_chart"]
 
 _MEMORY_PARTS = (
     ("params", "parameters", "#4c72b0"),
@@ -37,13 +37,16 @@ _GIB = 1024**3
 def chart_path(text: str) -> str:
     """``argparse`` type of ``--chart``: a path matplotlib can write, checked before any
     work (a missing matplotlib or an unknown extension was a traceback after the dry
-    run). Its folder is made when the chart is written.
+    run). The suffix names the format: the file written is the path given (without
+    one matplotlib wrote ``NAME.png`` while ``NAME`` was reported). Its folder is made
+    before the work (:func:`check_chart_output`).
 
     Raises:
-        argparse.ArgumentTypeError: matplotlib is not installed, or the extension is
-            not a format it writes.
+        argparse.ArgumentTypeError: matplotlib is not installed, the path is a folder
+            or has no suffix, or the suffix is not a format matplotlib writes.
     """
     import argparse
+    import os
 
     try:
         from matplotlib.backend_bases import FigureCanvasBase
@@ -51,14 +54,39 @@ def chart_path(text: str) -> str:
         raise argparse.ArgumentTypeError(
             "charts need matplotlib: pip install matplotlib (or the 'demo' extra)"
         ) from None
-    suffix = Path(text).suffix.lower().removeprefix(".")
-    formats = FigureCanvasBase.get_supported_filetypes()
-    if suffix and suffix not in formats:
+    formats = ", ".join(sorted(FigureCanvasBase.get_supported_filetypes()))
+    if os.path.isdir(text):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: matplotlib does not write .{suffix} files; use .png (or one of "
-            f"{', '.join(sorted(formats))})"
+            f"{text!r} is a folder; give a file path in it, e.g. "
+            f"{os.path.join(text, 'chart.png')!r}"
+        )
+    suffix = Path(text).suffix.lower().removeprefix(".")
+    if not suffix:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no suffix; the suffix names the format: use {text}.png (or "
+            f"one of {formats})"
+        )
+    if suffix not in FigureCanvasBase.get_supported_filetypes():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: matplotlib does not write .{suffix} files; use .png (or one of {formats})"
         )
     return text
+
+
+def check_chart_output(
+    path: str, *, overwrite: bool = False, inputs: Iterable[str | None] = ()
+) -> None:
+    """Refuse ``--chart PATH`` before any work when it must not be written: a file that
+    is there (unless ``overwrite``), a folder, or one of the command's ``inputs``
+    (always); make its folder otherwise.
+
+    Raises:
+        hyper_parallel.checkpoint_hf.outputs.OutputError: As
+            :func:`~hyper_parallel.checkpoint_hf.outputs.check_output_file`.
+    """
+    from hyper_parallel.checkpoint_hf.outputs import check_output_file
+
+    check_output_file(path, overwrite=overwrite, inputs=inputs, what="--chart")
 
 
 def _save(fig: Any, path: str | Path) -> None:

@@ -335,6 +335,14 @@ def load_hardware(kind_or_path: str | Path) -> Hardware:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         except OSError as e:
             raise ValueError(f"hardware file {text!r}: cannot read it ({e.strerror}).") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise ValueError(
+                f"hardware file {text!r}: not valid YAML ({problem}{at}); correct the file "
+                "(see hyper_parallel/analysis/hardware/h100-80gb.yaml for the fields)."
+            ) from None
         where = f"hardware file {text!r}"
     else:
         kinds = list_hardware()
@@ -360,7 +368,13 @@ def load_hardware(kind_or_path: str | Path) -> Hardware:
 def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
     sources: dict[str, str] = {}
 
-    def value(key: str, node: Any, cast: type = float, low: float | None = None) -> Any:
+    def value(
+        key: str,
+        node: Any,
+        cast: type = float,
+        low: float | None = None,
+        fraction: bool = False,
+    ) -> Any:
         if isinstance(node, Mapping):
             if "value" not in node:
                 raise ValueError(
@@ -374,6 +388,11 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
             out = cast(node)
         except (TypeError, ValueError):
             raise ValueError(f"{where}: field {key!r} is {node!r}, not a number.") from None
+        if fraction and not 0 < out <= 1:
+            raise ValueError(
+                f"{where}: field {key!r} is {out}; an efficiency is the achieved share of "
+                "the peak and must be in (0, 1] (e.g. 0.5 for half of it)."
+            )
         if low is None and out <= 0:
             raise ValueError(f"{where}: field {key!r} is {out}; it must be > 0.")
         if low is not None and out < low:
@@ -398,14 +417,14 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
             )
         return raw[key]
 
-    def per_dtype(key: str) -> dict[str, float]:
+    def per_dtype(key: str, fraction: bool = False) -> dict[str, float]:
         node = need(key)
         if not isinstance(node, Mapping) or "value" in node:
-            return {d: value(key, node) for d in ("bf16", "fp32")}
+            return {d: value(key, node, fraction=fraction) for d in ("bf16", "fp32")}
         missing = [d for d in ("bf16", "fp32") if d not in node]
         if missing:
             raise ValueError(f"{where}: field {key!r} lacks {missing}; give bf16 and fp32.")
-        return {d: value(f"{key}.{d}", node[d]) for d in ("bf16", "fp32")}
+        return {d: value(f"{key}.{d}", node[d], fraction=fraction) for d in ("bf16", "fp32")}
 
     def link(key: str, node: Any) -> Link:
         if not isinstance(node, Mapping):
@@ -419,7 +438,7 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
         return Link(
             bandwidth=value(f"{key}.bandwidth", node["bandwidth"]),
             latency_s=value(f"{key}.latency_s", node["latency_s"]),
-            efficiency=value(f"{key}.efficiency", node.get("efficiency", 1.0)),
+            efficiency=value(f"{key}.efficiency", node.get("efficiency", 1.0), fraction=True),
         )
 
     collectives = raw.get("collectives") or {}
@@ -447,7 +466,7 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
         description=str(raw.get("description", "")),
         memory_bytes=value("memory_bytes", need("memory_bytes")),
         peak_flops=per_dtype("peak_flops"),
-        compute_efficiency=per_dtype("compute_efficiency"),
+        compute_efficiency=per_dtype("compute_efficiency", fraction=True),
         hbm_bandwidth=value("hbm_bandwidth", need("hbm_bandwidth")),
         gpus_per_node=value("gpus_per_node", need("gpus_per_node"), int),
         intra_node=link("intra_node", need("intra_node")),
@@ -459,13 +478,16 @@ def _parse(raw: Mapping[str, Any], where: str, default_name: str) -> Hardware:
         comm_overlap=optional("comm_overlap", 1.0, high=1.0),
         sources=sources,
         optimizer_temporary=optional("optimizer_temporary", 1.0, high=1.0),
+        # Efficiencies in (0, 1]; left out: as compute_efficiency / attention_efficiency.
         attention_efficiency=(
-            optional("attention_efficiency", 0.0, high=1.0) or None
+            value("attention_efficiency", raw["attention_efficiency"], fraction=True)
             if "attention_efficiency" in raw
             else None
         ),
         chunked_attention_efficiency=(
-            optional("chunked_attention_efficiency", 0.0, high=1.0) or None
+            value(
+                "chunked_attention_efficiency", raw["chunked_attention_efficiency"], fraction=True
+            )
             if "chunked_attention_efficiency" in raw
             else None
         ),

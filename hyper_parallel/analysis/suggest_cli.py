@@ -66,7 +66,7 @@ def add_suggest_parser(sub: Any) -> None:
     p.add_argument(
         "--pick",
         type=positive_int,
-        default=1,
+        default=None,
         help="with --write-config: the plan to write, by its number (default 1)",
     )
     p.add_argument("--format", choices=("table", "json"), default="table")
@@ -89,15 +89,35 @@ def run_suggest(args: argparse.Namespace) -> int:
     """Run ``suggest``; returns the exit status."""
     from hyper_parallel.analysis.suggest import DoesNotFit, suggest
 
-    if args.write_config is not None:
-        # Before the search: a job file written by hand is not replaced unasked.
-        from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output_file
+    if args.pick is not None and args.write_config is None:
+        print(
+            f"hyper-parallel suggest: error: argument --pick: --pick {args.pick} needs "
+            "--write-config FILE (it picks the plan whose job file is written); add "
+            "--write-config FILE, or drop --pick.",
+            file=sys.stderr,
+        )
+        return 2
+    # Before the search: a file that is there (a job file written by hand, a chart) is not
+    # replaced unasked, and a file the command reads never is.
+    from hyper_parallel.analysis.charts import check_chart_output
+    from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output_file
 
-        try:
-            check_output_file(args.write_config, overwrite=args.overwrite, what="--write-config")
-        except OutputError as e:
-            print(f"hyper-parallel suggest: error: {e}", file=sys.stderr)
-            return 2
+    inputs = command_inputs(args)
+    try:
+        if args.write_config is not None:
+            check_output_file(
+                args.write_config, overwrite=args.overwrite, inputs=inputs, what="--write-config"
+            )
+        if args.chart:
+            check_chart_output(
+                args.chart, overwrite=args.overwrite, inputs=[*inputs, args.write_config]
+            )
+    except OutputError as e:
+        print(f"hyper-parallel suggest: error: {e}", file=sys.stderr)
+        return 2
+    warnings = _unused_switches(args)
+    print_warnings("suggest", warnings)
+    found = {"warnings": [f.to_dict() for f in warnings]}
     try:
         source = _source(args)
         report = suggest(
@@ -123,7 +143,7 @@ def run_suggest(args: argparse.Namespace) -> int:
         )
     except DoesNotFit as e:
         if args.format == "json":
-            print(json.dumps(e.report.to_dict() | {"error": str(e)}, indent=1))
+            print(json.dumps(e.report.to_dict() | {"error": str(e), **found}, indent=1))
         _chart(args, e.report)
         print(f"hyper-parallel suggest: {e}", file=sys.stderr)
         return 1
@@ -131,7 +151,7 @@ def run_suggest(args: argparse.Namespace) -> int:
         print(f"hyper-parallel suggest: error: {e}", file=sys.stderr)
         return 2
     if args.format == "json":
-        print(json.dumps(report.to_dict(), indent=1))
+        print(json.dumps(report.to_dict() | found, indent=1))
     else:
         print(report.to_table())
     _chart(args, report)
@@ -144,17 +164,18 @@ def _write_config(args: argparse.Namespace, report: Any) -> int:
     """``--write-config FILE``: plan ``--pick``'s train options as a job file."""
     from hyper_parallel.train.launch import job_file, train_options
 
-    if args.pick > len(report.plans):
+    pick = args.pick or 1
+    if pick > len(report.plans):
         print(
-            f"hyper-parallel suggest: error: --pick {args.pick}: there are "
+            f"hyper-parallel suggest: error: --pick {pick}: there are "
             f"{len(report.plans)} plan(s); give --pick 1..{len(report.plans)} (or a larger "
             "--top).",
             file=sys.stderr,
         )
         return 2
-    c, p, command = report.plans[args.pick - 1]
+    c, p, command = report.plans[pick - 1]
     comment = (
-        f"suggest plan {args.pick}: {report.model} on {report.gpus} x {report.hardware.name}: "
+        f"suggest plan {pick}: {report.model} on {report.gpus} x {report.hardware.name}: "
         f"{c.describe()}; predicted {p.step_s:.3g} s/step, "
         f"{p.memory_bytes_per_gpu / 2**30:.1f} GiB per GPU.\n"
         f"Run: {command.split(' -m ')[0]} -m hyper_parallel.train.run --config "
@@ -163,7 +184,7 @@ def _write_config(args: argparse.Namespace, report: Any) -> int:
     text = job_file(train_options(command), comment)
     with open(args.write_config, "w", encoding="utf-8") as f:
         f.write(text)
-    print(f"job file of plan {args.pick} written to {args.write_config}", file=sys.stderr)
+    print(f"job file of plan {pick} written to {args.write_config}", file=sys.stderr)
     return 0
 
 
@@ -199,6 +220,41 @@ def _source(args: argparse.Namespace) -> Any:
         spec = args.model
         get_spec(spec)  # an unknown name: its error lists the known ones
     return ModelSource(spec, tuple(sorted(overrides.items())), label=label, weights=weights)
+
+
+def command_inputs(args: argparse.Namespace) -> list[str]:
+    """The files ``plan`` / ``suggest`` read (``--hardware``, ``--hf-config`` or the
+    ``config.json`` of its folder, ``--config``, ``--plan``): an output may not be one."""
+    import os
+
+    out = [getattr(args, name, None) for name in ("hardware", "hf_config", "config", "plan")]
+    hf = getattr(args, "hf_config", None)
+    if hf and os.path.isdir(hf):
+        out.append(os.path.join(hf, "config.json"))
+    return [str(f) for f in out if f]
+
+
+def print_warnings(command: str, findings: list[Any]) -> None:
+    """Each warning finding on stderr, as ``hyper-parallel COMMAND: warning: ... Fix: ...``."""
+    for f in findings:
+        print(f"hyper-parallel {command}: warning: {f.message} Fix: {f.fix}", file=sys.stderr)
+
+
+def _unused_switches(args: argparse.Namespace) -> list[Any]:
+    """With a fixed ``--mesh``: the run plan's warnings for pipeline switches the run
+    would not use (``--schedule``, ``--stages-per-rank``, ``--pipeline-split`` at pp=1),
+    as ``validate`` and ``plan`` report them. Searched meshes choose their own."""
+    if args.mesh is None:
+        return []
+    from hyper_parallel.distributed.layout import as_layout
+    from hyper_parallel.distributed.run_checks import unused_switch_findings
+
+    return unused_switch_findings(
+        as_layout(args.mesh),
+        schedule=args.schedule or "1F1B",  # unset: searched (nothing to warn of)
+        stages_per_rank=args.stages_per_rank,
+        pipeline_split=args.pipeline_split,
+    )
 
 
 def _mesh_sizes(mesh: dict[str, int] | None) -> dict[str, int] | None:

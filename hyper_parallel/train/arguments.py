@@ -172,7 +172,8 @@ RUN_OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {
             "action": "store_true",
             "help": "replace outputs that are there: a non-empty --save-hf and old "
-            "checkpoints (suggest: the --write-config file)",
+            "checkpoints (plan: the --chart file; suggest: the --write-config and --chart "
+            "files)",
         },
     ),
     ("--run-dir", "run_dir", {"metavar": "DIR", "help": "train.log here (default: ckpt dir)"}),
@@ -346,7 +347,7 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
     # The planners need a model named (--model, --hf-config, or plan's --hf-model) and a
     # mesh given (required there).
     "plan": CommandOptions(
-        fields=(*MODEL_FIELDS, "mesh", *SWITCHES, "dtype", "ac"),
+        fields=(*MODEL_FIELDS, "mesh", *SWITCHES, "dtype", "ac", "overwrite"),
         defaults={"model": None, "mesh": None},
         required=("mesh",),
     ),

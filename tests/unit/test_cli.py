@@ -196,6 +196,30 @@ def test_sequence_parallel_without_tp_is_the_run_plans_finding(capsys, command):
     assert finding.split(": ", 2)[-1].split(" Fix:")[0] in text
 
 
+def test_plan_says_the_pipeline_switches_it_does_not_use(capsys):
+    """--schedule, --stages-per-rank and --pipeline-split at pp=1 were dropped without a
+    word by plan (validate warned): the run plan's warnings, on stderr and in the JSON."""
+    argv = ["plan", "--model", "llama3-debug", "--mesh", "dp=2", "--seq", "32"]
+    code, out, err = run_cli(
+        capsys, *argv, "--schedule", "GPipe", "--stages-per-rank", "2",
+        "--pipeline-split", '{"units_per_stage": 1}', "--format", "json",
+    )  # fmt: skip
+    assert code == 0, err
+    warnings = json.loads(out)["warnings"]
+    assert [w["field"] for w in warnings] == ["schedule", "stages_per_rank", "pipeline_split"]
+    assert all("the mesh has no pp axis (pp=1)" in w["message"] for w in warnings)
+    lines = [line for line in err.splitlines() if "warning:" in line]
+    assert len(lines) == 3 and lines[0].startswith(
+        "hyper-parallel plan: warning: schedule='GPipe' shapes a pipeline, but the mesh has no "
+        "pp axis (pp=1)"
+    ), err
+    assert "Fix: drop --schedule" in lines[0]
+    code, out, err = run_cli(capsys, *argv, "--format", "json")
+    assert code == 0 and json.loads(out)["warnings"] == [] and "warning:" not in err
+    code, out, err = run_cli(capsys, *argv, "--schedule", "GPipe")  # the table too
+    assert code == 0 and "hyper-parallel plan: warning: schedule='GPipe'" in err
+
+
 def test_each_json_option_gives_its_own_example(capsys):
     """--pipeline-split's errors showed --model-overrides' example ({"num_layers": 4})."""
     for argv, message in (

@@ -12,6 +12,7 @@ import os
 import shlex
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -312,6 +313,37 @@ def test_suggest_write_config_writes_the_picked_plans_job_file(capsys, tiny_hf, 
     assert code == 0 and _train_config(job).hf_checkpoint == tiny_hf
     code, _, err = _suggest(capsys, ["--hf-config", tiny_hf], *base, str(tmp_path / "a/b.toml"))
     assert code == 0 and _train_config(tmp_path / "a" / "b.toml").hf_checkpoint == tiny_hf
+
+
+def test_suggest_write_config_never_replaces_a_file_it_reads(capsys, tiny_hf, tmp_path) -> None:
+    """--write-config X --overwrite onto its own --hardware or --hf-config file replaced
+    it; now refused before the search, even with --overwrite (as tokenize --out)."""
+    hardware = tmp_path / "mine.yaml"
+    hardware.write_text("name: mine\n")  # refused before it is read
+    kept = hardware.read_text()
+    args = ["--seq", "128", "--global-batch-tokens", "2048", "--gpus", "2", "--overwrite"]
+    config = os.path.join(tiny_hf, "config.json")
+    before = Path(config).read_text()
+    for source, target in (
+        (["--model", "llama3-debug", "--hardware", str(hardware)], str(hardware)),
+        (["--hf-config", tiny_hf, "--gpu", "h100-80gb"], config),  # the folder's config.json
+        (["--hf-config", config, "--gpu", "h100-80gb"], config),
+    ):
+        code, out, err = _run(capsys, "suggest", *source, *args, "--write-config", target)
+        assert code == 2 and out == "", err
+        assert f"--write-config {target}: it is the input" in err and "even with --overwrite" in err
+        assert "Traceback" not in err
+    assert hardware.read_text() == kept and Path(config).read_text() == before
+
+
+def test_suggest_pick_without_write_config_is_refused(capsys) -> None:
+    """--pick N without --write-config was accepted and did nothing."""
+    code, out, err = _run(
+        capsys, "suggest", "--model", "llama3-debug", "--gpu", "h100-80gb", "--gpus", "2",
+        "--seq", "64", "--global-batch-tokens", "128", "--pick", "3",
+    )  # fmt: skip
+    assert code == 2 and out == ""
+    assert "error: argument --pick: --pick 3 needs --write-config FILE" in err, err
 
 
 def test_validate_config_takes_the_job_files_mesh_and_flags_override_it(capsys, tmp_path) -> None:

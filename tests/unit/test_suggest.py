@@ -150,6 +150,48 @@ def test_overhead_and_overlap_fields(tmp_path) -> None:
     assert hw.optimizer_temporary == 1  # absent: the GPU default
 
 
+def test_hardware_file_not_yaml_or_efficiency_out_of_range_is_refused(tmp_path, capsys) -> None:
+    """A malformed YAML file was a yaml.parser.ParserError traceback; an efficiency above
+    1 (compute_efficiency: {bf16: 5}) was taken as 5x the peak."""
+    path = tmp_path / "hw.yaml"
+    path.write_text("name: [unclosed\n")
+    with pytest.raises(ValueError, match=r"hardware file '.*hw\.yaml': not valid YAML \(.*line 2"):
+        load_hardware(path)
+    argv = ["suggest", "--model", "llama3-debug", "--gpus", "2", "--hardware", str(path),
+            "--seq", "64", "--global-batch-tokens", "128"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: hardware file" in err and "not valid YAML" in err and "Traceback" not in err
+    base = {
+        "memory_bytes": 16e9,
+        "peak_flops": 1e14,
+        "compute_efficiency": {"bf16": 0.5, "fp32": 0.5},
+        "hbm_bandwidth": 1e12,
+        "gpus_per_node": 4,
+        "intra_node": {"bandwidth": 1e11, "latency_s": 5e-6},
+        "inter_node": {"bandwidth": 1e10, "latency_s": 2e-5},
+    }
+    link = {"bandwidth": 1e11, "latency_s": 5e-6}
+    for field, change in (
+        ("compute_efficiency.bf16", {"compute_efficiency": {"bf16": 5, "fp32": 0.5}}),
+        ("compute_efficiency", {"compute_efficiency": 1.5}),
+        ("intra_node.efficiency", {"intra_node": link | {"efficiency": 2}}),
+        ("inter_node.efficiency", {"inter_node": link | {"efficiency": {"value": 1.2}}}),
+        ("collectives.all_gather.efficiency",
+         {"collectives": {"all_gather": link | {"efficiency": 3}}}),
+        ("attention_efficiency", {"attention_efficiency": 1.1}),
+        ("attention_efficiency", {"attention_efficiency": 0}),
+        ("chunked_attention_efficiency", {"chunked_attention_efficiency": 7}),
+    ):  # fmt: skip
+        path.write_text(yaml.safe_dump(base | change))
+        with pytest.raises(
+            ValueError, match=rf"field '{re.escape(field)}' is .*must be in \(0, 1\]"
+        ):
+            load_hardware(path)
+    path.write_text(yaml.safe_dump(base | {"attention_efficiency": 1, "intra_node": link}))
+    assert load_hardware(path).attention_efficiency == 1.0
+
+
 def test_calibrated_links_per_group_size(tmp_path) -> None:
     from hyper_parallel.analysis.calibrate import _fit, _group_sizes
 
@@ -517,6 +559,59 @@ def test_a_chart_matplotlib_cannot_write_is_refused_before_any_work(
         main(["plan", *base, "--mesh", "dp=2", "--chart", str(tmp_path / "p.png")])
     assert e.value.code == 2 and "charts need matplotlib" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_chart_is_never_written_over_a_file_unasked_nor_beside_its_name(tmp_path, capsys) -> None:
+    """--chart onto a file that is there replaced it silently; a folder, or a name without
+    a suffix (matplotlib wrote NAME.png and NAME was printed), was accepted. Now: a file
+    that is there is refused before any work unless --overwrite, an input always, a
+    folder or a bare name at parsing; the path printed is the file written."""
+    plan = ["plan", "--model", "llama3-debug", "--mesh", "dp=2", "--seq", "64", "--chart"]
+    suggest_ = ["suggest", "--model", "llama3-debug", "--gpus", "2", "--seq", "64",
+                "--global-batch-tokens", "128", "--chart"]  # fmt: skip
+    for argv, message in (
+        ([*plan, str(tmp_path)], "is a folder; give a file path in it"),
+        ([*plan, str(tmp_path / "noext")], "has no suffix; the suffix names the format: use "),
+        ([*suggest_, str(tmp_path / "noext"), "--gpu", "h100-80gb"], "has no suffix"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "argument --chart:" in err and message in err, err
+    assert "png" in err and list(tmp_path.iterdir()) == []
+    chart = tmp_path / "p.png"
+    chart.write_bytes(b"mine")
+    assert main([*plan, str(chart)]) == 2
+    err = capsys.readouterr().err
+    assert "--chart" in err and "a file is there already" in err and "--overwrite" in err, err
+    assert main([*suggest_, str(chart), "--gpu", "h100-80gb"]) == 2
+    assert "a file is there already" in capsys.readouterr().err
+    assert chart.read_bytes() == b"mine"
+    assert main([*plan, str(chart), "--overwrite"]) == 0
+    assert f"chart: {chart}" in capsys.readouterr().err and chart.stat().st_size > 10_000
+    # A file the command reads: never, even with --overwrite.
+    hardware = tmp_path / "hw.svg"
+    hardware.write_text("name: mine\n")  # refused before it is read
+    assert main([*suggest_, str(hardware), "--hardware", str(hardware), "--overwrite"]) == 2
+    assert "it is the input" in capsys.readouterr().err
+
+
+def test_suggest_on_a_fixed_mesh_says_the_pipeline_switches_it_does_not_use(capsys) -> None:
+    """--mesh without pp and --schedule / --stages-per-rank: ignored without a word (validate
+    warned); the run plan's warnings now, on stderr and in the JSON."""
+    argv = ["suggest", "--model", "llama3-debug", "--gpus", "2", "--gpu", "h100-80gb",
+            "--seq", "64", "--global-batch-tokens", "128", "--mesh", "dp=2", "--top", "1",
+            "--format", "json"]  # fmt: skip
+    assert main([*argv, "--schedule", "GPipe", "--stages-per-rank", "2"]) == 0
+    out, err = capsys.readouterr()
+    fields = [w["field"] for w in json.loads(out)["warnings"]]
+    assert fields == ["schedule", "stages_per_rank"]
+    assert (
+        "hyper-parallel suggest: warning: schedule='GPipe' shapes a pipeline, but the mesh " in err
+    )
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["warnings"] == [] and "warning:" not in err
 
 
 # ------------------------------------------------------------------- states are exact
