@@ -377,13 +377,29 @@ def add_calibrate_parser(sub: Any) -> None:
         "and the benchmark read.",
     )
     p.add_argument("--out", required=True, metavar="FILE.yaml", help="where to write it")
-    p.add_argument("--ranks", type=positive_int, default=4, help="local gloo ranks (default 4)")
+    p.add_argument(
+        "--ranks", type=_ranks, default=4, help="local gloo ranks, 2 or more (default 4)"
+    )
     p.add_argument(
         "--threads", type=positive_int, default=1, help="torch threads per rank (default 1)"
     )
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--overwrite", action="store_true", help="replace a file --out names")
     p.set_defaults(func=run_calibrate)
+
+
+def _ranks(text: str) -> int:
+    """``argparse`` type of ``calibrate --ranks``: an integer >= 2 (a collective needs two)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an integer >= 2: collectives need two ranks or more; "
+            "give --ranks 2 or more (default 4)"
+        )
+    return value
 
 
 def run_calibrate(args: argparse.Namespace) -> int:

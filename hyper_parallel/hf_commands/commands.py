@@ -60,7 +60,13 @@ def add_commands(sub: Any) -> None:
         type=_shard_size,
         help="largest file: 5GB, 500MB, 2GiB or bytes (default 5GB)",
     )
-    e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+    e.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=None,
+        help="dtype of the tensors written (default: that of the Hugging Face checkpoint the "
+        "run started from when its config.json says bf16 or fp16, else fp32)",
+    )
     e.add_argument("--model", help="model, for a checkpoint that does not record it")
     e.add_argument("--model-overrides", type=_json_object, default=None)
     e.add_argument("--hf-config", help="config.json (or its directory) of the model")

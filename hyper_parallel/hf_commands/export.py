@@ -157,7 +157,9 @@ def export_hf(
         out: Output directory: new or empty, or any with ``overwrite``; never the
             checkpoint's own.
         max_shard_size: Largest safetensors file.
-        dtype: Cast the tensors (default: as trained, fp32).
+        dtype: Cast the tensors (default: the dtype of the Hugging Face checkpoint the
+            run started from when its config.json says bf16 or fp16, else fp32, as the
+            parameters are loaded; see :func:`~hyper_parallel.checkpoint_hf.save_hf`).
         overwrite: Replace a non-empty ``out`` (nothing of it is left).
         tokenizer: The ``tokenizer.json`` to ship (default: the one the run recorded).
         **model: ``model``, ``model_overrides`` or ``hf_config`` for a checkpoint

@@ -156,17 +156,27 @@ def generate(
         eos_token_ids: Stop after emitting one of these.
 
     Raises:
-        ValueError: An empty prompt, prompt plus new tokens longer than the model's
-            rotary tables, or a sampling setting out of range (``top_k`` / ``top_p``
-            at temperature 0 included: they would not be used).
+        ValueError: An empty prompt, a prompt that leaves no room for a new token in the
+            model's rotary tables, prompt plus new tokens longer than them, or a sampling
+            setting out of range (``top_k`` / ``top_p`` at temperature 0 included: they
+            would not be used).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     if not prompt:
         raise ValueError("generate: the prompt encodes to no tokens; give some text.")
-    if len(prompt) + max_new_tokens > model.rope.max_seq_len:
+    limit = model.rope.max_seq_len
+    room = limit - 1 if max_new_tokens else limit  # positions the prompt may take
+    if len(prompt) > room:
         raise ValueError(
-            f"generate: {len(prompt)} prompt tokens + {max_new_tokens} new exceed the model's "
-            f"max_seq_len={model.rope.max_seq_len}; ask for fewer tokens."
+            f"generate: the prompt is too long: {len(prompt):,} tokens, and the model's "
+            f"max_seq_len={limit:,} holds the prompt and the new tokens together; shorten "
+            f"the prompt to at most {room:,} tokens (fewer leaves room for more new ones)."
+        )
+    if len(prompt) + max_new_tokens > limit:
+        raise ValueError(
+            f"generate: {len(prompt):,} prompt tokens + {max_new_tokens:,} new exceed the "
+            f"model's max_seq_len={limit:,}; ask for at most {limit - len(prompt):,} new "
+            "tokens (--max-new-tokens) or shorten the prompt."
         )
     was_training = model.training
     model.eval()

@@ -36,6 +36,7 @@ from hyper_parallel.checkpoint_hf.io import (
     load_hf,
     safetensors_problem,
 )
+from hyper_parallel.dmodule.findings import Finding
 
 __all__ = [
     "DEFAULT_TOL",
@@ -255,6 +256,16 @@ def _format_tol(tol: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+def _verify_fix(finding: Finding, cfg: Any) -> Finding:
+    """``finding`` with a fix verify-hf can take: it has no ``--model-overrides``, so a
+    sequence longer than the checkpoint's positions is fixed by a shorter ``--seq-len``."""
+    if (finding.path, finding.field) != ("rope", "max_seq_len"):
+        return finding
+    limit = cfg.model_overrides.get("max_seq_len")
+    most = f"{limit:,}" if limit else "the checkpoint's max_position_embeddings"
+    return dataclasses.replace(finding, fix=f"give --seq-len {most} or less (default 16).")
+
+
 def run(args: argparse.Namespace) -> int:
     """``verify-hf`` with parsed options; returns the exit status (0 on PASS)."""
     from hyper_parallel.distributed.layout import MeshLayout
@@ -265,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = read_hf_config(args.dir)
         layout = MeshLayout.from_sizes(args.mesh)
         run_cfg = _run_config(args.dir, layout.active(), args.batch, args.seq_len, args.sp)
-        problems = check_config(run_cfg, layout.world_size)
+        problems = [_verify_fix(f, cfg) for f in check_config(run_cfg, layout.world_size)]
         if not problems:
             damaged = [
                 p for p in map(safetensors_problem, set(checkpoint_files(args.dir).values()))
@@ -289,7 +300,9 @@ def run(args: argparse.Namespace) -> int:
         torch.save(tokens, tokens_path)
         mesh = layout.active()
         label = ",".join(f"{a}={s}" for a, s in mesh.items()) or "one process"
-        print(f"verify-hf: {args.dir} ({cfg.raw['architectures'][0]}) on {label}", flush=True)
+        # A config.json written by code may name only its model_type.
+        name = (cfg.raw.get("architectures") or [None])[0] or cfg.raw.get("model_type", "?")
+        print(f"verify-hf: {args.dir} ({name}) on {label}", flush=True)
         cmd = [
             sys.executable,
             "-m",
@@ -340,7 +353,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mesh",
         type=mesh_argument,
         default={"tp": 2},
-        help="mesh of local ranks, e.g. tp=2, dp_shard=2,tp=2, pp=2, cp=2, ep=2 (default tp=2)",
+        help="mesh of local ranks, e.g. tp=2, dp_shard=2,tp=2, pp=2, cp=2, dp_shard=2,ep=2 "
+        "(MoE) (default tp=2)",
     )
     parser.add_argument("--sp", action="store_true", help="sequence parallel on top of tp")
     parser.add_argument("--batch", type=int, default=4, help="sequences in the batch (default 4)")

@@ -18,7 +18,8 @@ continues the exact stream), but each data-parallel rank reads only its own rows
 
 Errors are raised before training starts, each naming the file and the fix: an empty
 corpus, a token id outside the model's vocabulary, a tokenizer whose vocabulary does
-not fit the model, a corpus shorter than one batch, a missing tokenizer.
+not fit the model, a corpus shorter than one batch, a missing tokenizer; a ``.jsonl`` line
+that is not a JSON object, or text that is not UTF-8, is named by ``path:line``.
 """
 
 from __future__ import annotations
@@ -136,26 +137,78 @@ def iter_documents(paths: Iterable[str], text_field: str = "text") -> Iterator[s
     """The documents of ``.txt`` files (one each) and ``.jsonl`` files (one per line).
 
     Raises:
-        ValueError: A file of another kind, or a ``.jsonl`` line without ``text_field``.
+        ValueError: A file of another kind, text that is not UTF-8, or a ``.jsonl`` line
+            that is not a JSON object holding ``text_field``; each names ``path:line``.
     """
     for path in paths:
         if path.endswith(".txt"):
-            with open(path, encoding="utf-8") as f:
-                yield f.read()
+            with open(path, "rb") as f:
+                yield _txt_text(f.read(), path)
         elif path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
+            # surrogateescape: a byte that is not UTF-8 is found below, on its line.
+            with open(path, encoding="utf-8", errors="surrogateescape") as f:
                 for n, line in enumerate(f, 1):
+                    _check_utf8(line, path, n)
                     if not line.strip():
                         continue
-                    record = json.loads(line)
-                    if text_field not in record:
-                        raise ValueError(
-                            f"{path}:{n}: no field {text_field!r} (fields: {sorted(record)}); "
-                            "pass --text-field NAME."
-                        )
-                    yield str(record[text_field])
+                    yield _jsonl_text(line, path, n, text_field)
         else:
             raise ValueError(f"{path}: text data is .txt or .jsonl, token files .bin or .npy.")
+
+
+_NOT_UTF8_FIX = "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 IN > OUT)."
+
+
+def _txt_text(data: bytes, path: str) -> str:
+    """``data`` as UTF-8 with newlines as text mode reads them; else a ValueError naming
+    ``path:line`` and the byte offset."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte offset {e.start}: "
+            f"{data[e.start : e.end]!r}, {e.reason}); {_NOT_UTF8_FIX}"
+        ) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines
+
+
+def _check_utf8(line: str, path: str, n: int) -> None:
+    """Raise a ValueError naming ``path:n`` when ``line`` holds a byte that is not UTF-8."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as e:
+        offset = len(line[: e.start].encode("utf-8"))
+        bad = line[e.start : e.end].encode("utf-8", "surrogateescape")
+        raise ValueError(
+            f"{path}:{n}: not UTF-8 text (byte {offset} of the line: {bad!r}); {_NOT_UTF8_FIX}"
+        ) from None
+
+
+_JSON_KINDS = {str: "string", int: "number", float: "number", list: "array", bool: "boolean"}
+
+
+def _jsonl_text(line: str, path: str, n: int, text_field: str) -> str:
+    """The ``text_field`` of the JSON object on line ``n``; else a ValueError naming it."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno}); each line of a .jsonl "
+            f'is one JSON object such as {{"{text_field}": "..."}}: fix or remove the line.'
+        ) from None
+    if not isinstance(record, dict):
+        kind = _JSON_KINDS.get(type(record), "null")
+        raise ValueError(
+            f"{path}:{n}: a JSON {kind}, not an object; each line of a .jsonl is one JSON "
+            f'object such as {{"{text_field}": "..."}} (plain text: use a .txt file).'
+        )
+    if text_field not in record:
+        raise ValueError(
+            f"{path}:{n}: no field {text_field!r} (fields: {sorted(record)}); "
+            "pass --text-field NAME."
+        )
+    return str(record[text_field])
 
 
 def tokenize_documents(tokenizer: Any, documents: Iterable[str], eos: int) -> np.ndarray:

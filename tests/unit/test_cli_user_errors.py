@@ -359,3 +359,59 @@ def test_plan_estimates_a_context_parallel_pipeline(capsys):
         assert stage["activations"] > 0
     dim = get_spec("llama3-debug").config().norm.dim
     assert report["p2p_bytes"]["per_microbatch"] == 32 // 2 * dim * 4
+
+
+@pytest.mark.parametrize("ranks", ["1", "0", "x"])
+def test_calibrate_refuses_fewer_than_two_ranks_before_making_its_folder(capsys, tmp_path, ranks):
+    out = tmp_path / "cal" / "one.yaml"
+    err = _usage_exit(capsys, ["calibrate", "--out", str(out), "--ranks", ranks, "--quick"])
+    assert f"argument --ranks: '{ranks}' is not an integer >= 2" in err and "--ranks 2 or" in err
+    assert not (tmp_path / "cal").exists()
+
+
+def test_verify_hf_mesh_examples_are_meshes_it_accepts():
+    import argparse
+    import re
+
+    from hyper_parallel.distributed.mesh_arguments import mesh_argument
+    from hyper_parallel.hf_commands.verify import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    text = next(a.help for a in parser._actions if "--mesh" in a.option_strings)
+    examples = re.findall(r"[a-z_]+=\d+(?:,[a-z_]+=\d+)*", text.split("e.g.")[1])
+    assert "dp_shard=2,ep=2" in examples
+    for example in examples:
+        mesh_argument(example)  # raises argparse.ArgumentTypeError on a mesh it refuses
+
+
+def test_generate_says_a_prompt_too_long_for_the_model_is_too_long():
+    from hyper_parallel.hf_commands.generate import generate
+
+    model = get_spec("llama3-debug").config(num_layers=1, max_seq_len=8).build()
+    model.init_states()
+    with pytest.raises(ValueError, match=r"prompt is too long: 9 tokens.*max_seq_len=8") as info:
+        generate(model, list(range(1, 10)), 4)
+    assert "shorten the prompt to at most 7 tokens" in str(info.value)
+    assert "fewer tokens" not in str(info.value)
+    with pytest.raises(ValueError, match="prompt is too long: 8 tokens"):
+        generate(model, list(range(1, 9)), 1)  # no room left for a new token
+    with pytest.raises(ValueError, match=r"6 prompt tokens \+ 4 new .* at most 2 new tokens"):
+        generate(model, list(range(1, 7)), 4)
+    assert len(generate(model, list(range(1, 7)), 2)) == 2
+
+
+def test_export_hf_states_its_default_dtype_as_save_hf_picks_it(capsys):
+    # save_hf's default: the source checkpoint's dtype when it says bf16/fp16, else fp32
+    # (export-hf loads the parameters in fp32); not "as trained".
+    from hyper_parallel.hf_commands.export import export_hf
+
+    with pytest.raises(SystemExit):
+        main(["export-hf", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--dtype {fp32,bf16,fp16} dtype of the tensors written (default:" in help_text
+    doc = " ".join(export_hf.__doc__.split())
+    for text in (help_text, doc):
+        assert "Hugging Face checkpoint the run started from" in text
+        assert "says bf16 or fp16, else fp32" in text
+    assert "as trained" not in doc

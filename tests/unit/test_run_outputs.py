@@ -372,6 +372,36 @@ def test_verify_hf_refused_prints_the_refusal_and_no_parity_line(tiny_hf, capsys
     assert "problem" in captured.err and "parity:" not in captured.out + captured.err
 
 
+def test_verify_hf_names_a_config_of_model_type_only(tiny_hf, tmp_path, capsys, monkeypatch):
+    """A config.json written by code names only its model_type: the banner names that
+    (the ranks are not started here: their launch is replaced by a failing one)."""
+    import subprocess
+
+    from hyper_parallel.hf_commands import verify
+
+    copy = str(tmp_path / "typed")
+    shutil.copytree(tiny_hf, copy)
+    with open(os.path.join(copy, "config.json")) as f:
+        config = json.load(f)
+    del config["architectures"]
+    with open(os.path.join(copy, "config.json"), "w") as f:
+        json.dump(config, f)
+    launched = subprocess.CompletedProcess([], 3)
+    monkeypatch.setattr(verify.subprocess, "run", lambda *a, **k: launched)
+    assert cli(["verify-hf", copy, "--mesh", "tp=2"]) == 3
+    captured = capsys.readouterr()
+    assert f"verify-hf: {copy} (llama) on tp=2" in captured.out
+    assert "the ranks failed" in captured.err and "Traceback" not in captured.err
+
+
+def test_verify_hf_too_long_a_sequence_says_a_shorter_seq_len(tiny_hf, capsys):
+    """verify-hf has no --model-overrides: the fix it prints is its own --seq-len."""
+    assert cli(["verify-hf", tiny_hf, "--mesh", "tp=2", "--seq-len", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "seq_len 100,000 exceeds" in err and "Fix: give --seq-len 256 or less" in err
+    assert "--model-overrides" not in err and "parity:" not in err
+
+
 def test_pre_launch_errors_are_said_by_rank_0_only(tmp_path, capsys, monkeypatch):
     argv = [*TINY, "--steps", "1", "--min-lr", "1.0"]
     monkeypatch.setenv("RANK", "1")

@@ -233,6 +233,57 @@ def test_clear_errors(corpus, tokenizer, tmp_path):
         Trainer(TrainConfig(data=str(short), **TINY), device="cpu")
 
 
+@pytest.mark.parametrize(
+    "name, content, expected",
+    [
+        (
+            "s.jsonl",
+            b'{"text": "a"}\n"some text here"\n',
+            r"s\.jsonl:2: a JSON string, not an object",
+        ),
+        ("a.jsonl", b'{"text": "a"}\n[1, 2]\n', r"a\.jsonl:2: a JSON array, not an object"),
+        (
+            "j.jsonl",
+            b'{"text": "a"}\n\nnot json\n',
+            r"j\.jsonl:3: not valid JSON \(Expecting value",
+        ),
+        (
+            "u.jsonl",
+            b'{"text": "a"}\n{"text": "b\xff"}\n',
+            r"u\.jsonl:2: not UTF-8 text \(byte 11 ",
+        ),
+        ("u.txt", b"ab\ncd\xffef", r"u\.txt:2: not UTF-8 text \(byte offset 5: b'\\xff'"),
+    ],
+    ids=["string", "array", "not-json", "jsonl-not-utf8", "txt-not-utf8"],
+)
+def test_bad_text_names_the_file_and_line(tokenizer, tmp_path, capsys, name, content, expected):
+    """A line that is not a JSON object, not JSON, or not UTF-8: a ValueError naming
+    ``path:line`` and the fix, and a clean error (status 2) from tokenize, on one process
+    or several (train --data reads through open_corpus)."""
+    from hyper_parallel.cli import main
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=expected) as info:
+        open_corpus(str(path), vocab_size=320, tokenizer=tokenizer)
+    assert "UTF-8" in str(info.value) or '{"text": "..."}' in str(info.value)
+    base = ["tokenize", str(path), "--tokenizer", tokenizer, "--no-progress"]
+    for workers in ("1", "2"):
+        out = tmp_path / f"out{workers}.bin"
+        assert main([*base, "--out", str(out), "--workers", workers]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hyper-parallel tokenize: error: ") and "Traceback" not in err
+        assert str(path) in err and not out.exists()
+
+
+def test_text_with_crlf_reads_as_text_mode_does(tokenizer, tmp_path):
+    (tmp_path / "lf.txt").write_bytes(b"one\ntwo\nthree")
+    (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\rthree")
+    lf = open_corpus(str(tmp_path / "lf.txt"), vocab_size=320, tokenizer=tokenizer)
+    crlf = open_corpus(str(tmp_path / "crlf.txt"), vocab_size=320, tokenizer=tokenizer)
+    assert np.array_equal(lf, crlf)
+
+
 def test_trainer_on_a_token_file_resumes_the_exact_stream(tmp_path):
     path = write_token_file(
         np.random.default_rng(0).integers(0, 320, 5000).astype(np.uint32), str(tmp_path / "c.bin")
