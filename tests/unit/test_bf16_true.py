@@ -80,3 +80,26 @@ def test_a_tied_model_trains_in_bf16_true_and_says_so():
     untied = build_model(RunPlan.for_model("qwen3-debug", MeshLayout(), dtype="bf16-true"),
                          None, "cpu", 0)  # fmt: skip
     assert len(list(untied.parameters())) == len(params) + 1
+
+
+def test_plan_holds_accumulated_gradients_at_fsdp2s_fp32_reduce_dtype(capsys):
+    """Between micro-batches FSDP2 keeps a unit's unsharded gradients in its policy's
+    reduce dtype (``to_accumulated_grad_if_needed``): fp32 under bf16-true as under bf16,
+    4 bytes a parameter at dp_shard=2, which the dry run's table and the --gpu
+    prediction both say (the table said bf16's 2)."""
+    import json
+
+    from hyper_parallel.cli import main
+    from hyper_parallel.dmodule import get_spec
+
+    argv = ["plan", "--model", "llama3-debug", "--mesh", "dp_shard=2", "--seq", "256"]
+    argv += ["--microbatches", "2", "--gpu", "h100-80gb", "--format", "json"]
+    reports = {}
+    for dtype in ("bf16", "bf16-true"):
+        assert main([*argv, "--dtype", dtype]) == 0
+        reports[dtype] = json.loads(capsys.readouterr().out)
+    spec = get_spec("llama3-debug")
+    unsharded = 4 * spec.family.num_params(spec.config())
+    for report in reports.values():
+        assert report["per_rank_bytes"]["grads"] == unsharded
+        assert report["predicted"]["memory"]["grads"] == unsharded

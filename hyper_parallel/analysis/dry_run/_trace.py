@@ -16,6 +16,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from hyper_parallel._torch_private import FakeTensorMode
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
+from hyper_parallel.distributed import precision
 from hyper_parallel.distributed.activation_checkpoint import AC_MODES
 from hyper_parallel.distributed.axes import (
     declared_axes,
@@ -176,7 +177,7 @@ def _trace_step(
         activations_outside_blocks=saved.outside_blocks(),
         block_bytes=saved.block_bytes(len(saved.blocks) - 1) if saved.blocks else None,
         op_block_bytes=saved.block_bytes(len(saved.blocks) - 1, "op") if saved.blocks else None,
-        unsharded_grad_bytes=sum(_unsharded_bytes(g, fsdp_mesh) for g in grads),
+        unsharded_grad_bytes=sum(_unsharded_bytes(g, fsdp_mesh, run.dtype) for g in grads),
     )
 
 
@@ -190,12 +191,17 @@ _GRADIENT_REDUCTIONS = frozenset(
 under gradient accumulation."""
 
 
-def _unsharded_bytes(grad: torch.Tensor, fsdp_mesh: DeviceMesh | None) -> int:
+def _unsharded_bytes(grad: torch.Tensor, fsdp_mesh: DeviceMesh | None, dtype: str) -> int:
     """``grad``'s bytes before FSDP2's reduce-scatter: its local shard times the sizes of
-    the mesh dims FSDP2 shards it over (tp and ep shards stay)."""
+    the mesh dims FSDP2 shards it over (tp and ep shards stay), at the reduce dtype of
+    ``dtype``'s policy: FSDP2 accumulates unsharded gradients in it (bf16-true's bf16
+    gradients are held in fp32 between micro-batches)."""
     size = _local_bytes(grad)
     if not isinstance(grad, DTensor) or fsdp_mesh is None:
         return size
+    reduce = precision.fsdp_policy(dtype).reduce_dtype
+    if reduce is not None and reduce != grad.dtype:
+        size = size // grad.element_size() * reduce.itemsize
     flat = _fsdp_flat_name(fsdp_mesh)
     names = grad.device_mesh.mesh_dim_names or ()
     for i, (name, placement) in enumerate(zip(names, grad.placements)):
