@@ -224,6 +224,10 @@ def staged_output(
     path = os.path.normpath(os.fspath(path))
     if check:
         check_output(path, overwrite=overwrite, inputs=inputs, what=what)
+        # Every rank has looked before rank 0 makes OUT.partial: a rank that looked
+        # after it was made, before its mark was written, would refuse alone and leave
+        # the others waiting at the next barrier.
+        _barrier(distributed)
     tmp = partial_path(path)
     if _rank(distributed) == 0:
         # An earlier attempt that did not finish (check_output refused any other; a
