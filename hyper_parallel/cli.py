@@ -438,12 +438,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from hyper_parallel.dmodule import keep_gathered
 
     if args.chart:  # before the dry run: a chart that is there is kept unless --overwrite
-        from hyper_parallel.analysis.charts import check_chart_output
         from hyper_parallel.analysis.suggest_cli import command_inputs
-        from hyper_parallel.checkpoint_hf.outputs import OutputError
+        from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output_file
 
+        inputs = command_inputs(args)
         try:
-            check_chart_output(args.chart, overwrite=args.overwrite, inputs=command_inputs(args))
+            check_output_file(args.chart, overwrite=args.overwrite, inputs=inputs, what="--chart")
         except OutputError as e:
             raise _UsageError(str(e)) from None
     # A compiled block keeps its gathered inputs (sequence parallelism's shard-keeping

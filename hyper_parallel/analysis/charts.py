@@ -16,11 +16,11 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["chart_path", "check_chart_output", "plan_chart", "suggest_chart"]
+__all__ = ["chart_path", "plan_chart", "suggest_chart"]
 
 _MEMORY_PARTS = (
     ("params", "parameters", "#4c72b0"),
@@ -38,8 +38,9 @@ def chart_path(text: str) -> str:
     """``argparse`` type of ``--chart``: a path matplotlib can write, checked before any
     work (a missing matplotlib or an unknown extension was a traceback after the dry
     run). The suffix names the format: the file written is the path given (without
-    one matplotlib wrote ``NAME.png`` while ``NAME`` was reported). Its folder is made
-    before the work (:func:`check_chart_output`).
+    one matplotlib wrote ``NAME.png`` while ``NAME`` was reported). The commands check
+    it as an output before the work (``check_output_file``: kept unless ``--overwrite``,
+    never an input; its folder made).
 
     Raises:
         argparse.ArgumentTypeError: matplotlib is not installed, the path is a folder
@@ -71,22 +72,6 @@ def chart_path(text: str) -> str:
             f"{text!r}: matplotlib does not write .{suffix} files; use .png (or one of {formats})"
         )
     return text
-
-
-def check_chart_output(
-    path: str, *, overwrite: bool = False, inputs: Iterable[str | None] = ()
-) -> None:
-    """Refuse ``--chart PATH`` before any work when it must not be written: a file that
-    is there (unless ``overwrite``), a folder, or one of the command's ``inputs``
-    (always); make its folder otherwise.
-
-    Raises:
-        hyper_parallel.checkpoint_hf.outputs.OutputError: As
-            :func:`~hyper_parallel.checkpoint_hf.outputs.check_output_file`.
-    """
-    from hyper_parallel.checkpoint_hf.outputs import check_output_file
-
-    check_output_file(path, overwrite=overwrite, inputs=inputs, what="--chart")
 
 
 def _save(fig: Any, path: str | Path) -> None:

@@ -99,7 +99,6 @@ def run_suggest(args: argparse.Namespace) -> int:
         return 2
     # Before the search: a file that is there (a job file written by hand, a chart) is not
     # replaced unasked, and a file the command reads never is.
-    from hyper_parallel.analysis.charts import check_chart_output
     from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output_file
 
     inputs = command_inputs(args)
@@ -109,8 +108,11 @@ def run_suggest(args: argparse.Namespace) -> int:
                 args.write_config, overwrite=args.overwrite, inputs=inputs, what="--write-config"
             )
         if args.chart:
-            check_chart_output(
-                args.chart, overwrite=args.overwrite, inputs=[*inputs, args.write_config]
+            check_output_file(
+                args.chart,
+                overwrite=args.overwrite,
+                inputs=[*inputs, args.write_config],
+                what="--chart",
             )
     except OutputError as e:
         print(f"hyper-parallel suggest: error: {e}", file=sys.stderr)

@@ -2,10 +2,10 @@
 
 The trainer records which model a checkpoint holds (``train.model_json``: the spec
 name, its overrides, for a model that came from Hugging Face the original
-``config.json``, and the ``generation_config.json`` its export carries). The checkpoint is read with ``torch.distributed.checkpoint`` into
-the unsharded model in this process (DCP reassembles the shards of whatever mesh
-saved it) and written with :func:`~hyper_parallel.checkpoint_hf.save_hf`. A
-checkpoint without that record takes ``--model`` / ``--model-overrides`` (or
+``config.json``, and the ``generation_config.json`` its export carries). The checkpoint
+is read with ``torch.distributed.checkpoint`` into the unsharded model in this process
+(DCP reassembles the shards of whatever mesh saved it) and written with
+:func:`~hyper_parallel.checkpoint_hf.save_hf`. A checkpoint without that record takes ``--model`` / ``--model-overrides`` (or
 ``--hf-config DIR``) instead.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import warnings
 from typing import Any
 
@@ -148,8 +149,8 @@ def export_hf(
     """Write the model of a trainer checkpoint as a Hugging Face checkpoint in ``out``.
 
     The tokenizer files of the run (:func:`~hyper_parallel.checkpoint_hf.records.tokenizer_files` of the recorded tokenizer)
-    are copied along, and the ``generation_config.json`` the run recorded, so ``generate --hf-checkpoint OUT`` works on the export. ``out``
-    is written aside and renamed into place when complete
+    are copied along, and the ``generation_config.json`` the run recorded, so
+    ``generate --hf-checkpoint OUT`` works on the export. ``out`` is written aside and renamed into place when complete
     (:mod:`~hyper_parallel.checkpoint_hf.outputs`).
 
     Args:
@@ -178,8 +179,6 @@ def export_hf(
     # (a new folder there is harmless), but never on the step it reads.
     inputs = [checkpoint, _step_dir(os.fspath(checkpoint))]
     check_output(out, overwrite=overwrite, inputs=inputs, what="export-hf OUT")
-    import tempfile
-
     built, config, hf_config = load_trainer_checkpoint(checkpoint, **model)
     record = checkpoint_record(checkpoint) or {}
     if tokenizer is None:

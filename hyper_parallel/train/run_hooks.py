@@ -236,15 +236,11 @@ def _generation_config(cfg: Any) -> dict[str, Any] | None:
     """The ``generation_config.json`` the run's Hugging Face export carries (``--save-hf``
     copies it with the tokenizer's files: the tokenizer's folder's, else the checkpoint's),
     ``None`` when neither has one."""
-    import json
-
+    from hyper_parallel.checkpoint_hf.config import load_generation_config
     from hyper_parallel.checkpoint_hf.records import tokenizer_files
 
     source = tokenizer_files(tokenizer_path(cfg), [cfg.hf_checkpoint]).get("generation_config.json")
-    if source is None:
-        return None
-    with open(source, encoding="utf-8") as f:
-        return json.load(f)
+    return None if source is None else load_generation_config(os.path.dirname(source))
 
 
 def save_weights(cfg: Any, parts: list[Any], hf: Any = None) -> None:

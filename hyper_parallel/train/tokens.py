@@ -83,22 +83,22 @@ def checkpoint_eos_id(
     Raises:
         ValueError: ``required`` and no ``config.json`` in ``folder``.
     """
+    from hyper_parallel.checkpoint_hf.config import load_config_json, token_ids
+
     if folder is None:
         return None
     path = os.path.join(os.fspath(folder), "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
+        config, _ = load_config_json(path)
     except (OSError, ValueError) as err:
         if required:
+            why = "no such file" if isinstance(err, FileNotFoundError) else str(err)
             raise ValueError(
-                f"{path}: {err}; --hf-checkpoint names a Hugging Face checkpoint folder."
+                f"{path}: {why}; --hf-checkpoint names a Hugging Face checkpoint folder."
             ) from None
         return None
-    eos = config.get("eos_token_id") if isinstance(config, dict) else None
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return None if eos is None else int(eos)
+    ids = token_ids(config.get("eos_token_id")) if isinstance(config, dict) else []
+    return ids[0] if ids else None
 
 
 def eos_id(

@@ -177,13 +177,19 @@ def _settings(
     for schedule, m, per_rank in _pipelines(pp, local, microbatches, stages_per_rank, num_layers):
         # Accumulation under FSDP2: its gradients held unsharded to the last micro-batch,
         # or reduced each (sharded).
-        sharded = pp == 1 and m > 1 and dp_replicate * dp_shard * cp > 1
+        sharded = _accumulates_sharded(pp, m, dp_replicate * dp_shard * cp)
         for each, ac in itertools.product((False, True) if sharded else (False,), AC_MODES):
             if tp > 1:  # searched, and refused without a trace
                 rejected[SP_ONLY] += 1
             yield Candidate(
                 pp, dp_replicate, dp_shard, cp, tp, ep, m, schedule, ac, tp > 1, per_rank, each
             )
+
+
+def _accumulates_sharded(pp: int, microbatches: int, data_ranks: int) -> bool:
+    """Whether a run accumulates gradients under FSDP2, where reducing each micro-batch
+    is a choice (``data_ranks``: dp_replicate x dp_shard x cp)."""
+    return pp == 1 and microbatches > 1 and data_ranks > 1
 
 
 def _structure(c: Candidate, settings: bool = False) -> tuple:
@@ -414,7 +420,7 @@ def _matches(
         return False
     if sp is not None and c.sp != sp:
         return False
-    accumulates = c.pp == 1 and c.microbatches > 1 and c.dp * c.cp > 1
+    accumulates = _accumulates_sharded(c.pp, c.microbatches, c.dp * c.cp)
     if reduce_each is not None and accumulates and c.reduce_each != reduce_each:
         return False
     if schedule is not None and c.pp > 1 and c.schedule != schedule:
