@@ -15,8 +15,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,7 +33,7 @@ from torch.distributed.tensor._utils import (
 from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 __all__ = [
     "ATTRIBUTES",
@@ -55,6 +57,7 @@ __all__ = [
     "pytree",
     "resolve_process_group",
     "saved_tensors_hooks_enabled",
+    "strided_shard_sizes_concrete",
     "top_saved_tensors_hooks",
     "unbox_process_group",
 ]
@@ -76,7 +79,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "torch.distributed.distributed_c10d": ("_resolve_process_group",),
     "torch.testing._internal.distributed.fake_pg": ("FakeStore",),
     "torch.utils._pytree": ("tree_map", "tree_flatten", "tree_leaves"),
-    "torch.utils._python_dispatch": ("TorchDispatchMode",),
+    "torch.utils._python_dispatch": ("TorchDispatchMode", "_disable_current_modes"),
 }
 """Private modules and the names read from each (the imports above, and the fake store)."""
 
@@ -92,6 +95,7 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "torch": ("_grouped_mm",),
     "torch._C._distributed_c10d.ProcessGroup": ("unbox",),
     "torch._C._autograd": ("_saved_tensors_hooks_is_enabled", "_top_saved_tensors_default_hooks"),
+    "torch.distributed.tensor.placement_types._StridedShard": ("local_shard_size_and_offset",),
 }
 """Private attributes read on torch objects (hot paths read them directly)."""
 
@@ -168,6 +172,35 @@ def _compute_only(cls: type) -> type:
             "__module__": __name__,
         },
     )
+
+
+@contextlib.contextmanager
+def strided_shard_sizes_concrete() -> Iterator[None]:
+    """Within: ``_StridedShard`` shard sizes of integer dims are computed on real tensors.
+
+    torch's ``_StridedShard.local_shard_size_and_offset`` splits a ``torch.arange`` of the
+    dim and reads its offsets with ``.tolist()``; under ``FakeTensorMode`` that arange is
+    fake and ``.tolist()`` raises ``DataDependentOutputException``. DTensor asks it when it
+    prices redistributions of a ``_StridedShard`` of split factor > 1 — a ``(batch, seq)``
+    activation sharded on seq (cp) flattened to ``(batch * seq, dim)`` for a matmul, batch
+    > 1 — so a fake-tensor trace of such a plan failed where the real run does not. Its
+    arguments are integers (the dim's size, chunks, rank): with the dispatch modes off
+    (the fake mode, and the trace's counters, which would count the arange) the answer is
+    the real run's. Symbolic sizes go to torch's own function unchanged.
+    """
+    original = StridedShard.local_shard_size_and_offset
+
+    def concrete(self: Any, curr_local_size: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(curr_local_size, int):
+            return original(self, curr_local_size, *args, **kwargs)
+        with _disable_current_modes():
+            return original(self, curr_local_size, *args, **kwargs)
+
+    StridedShard.local_shard_size_and_offset = concrete  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        StridedShard.local_shard_size_and_offset = original  # type: ignore[method-assign]
 
 
 def fake_store() -> Any:

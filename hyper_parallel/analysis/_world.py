@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 
 import torch.distributed as dist
 
-from hyper_parallel._torch_private import fake_store
+from hyper_parallel._torch_private import fake_store, strided_shard_sizes_concrete
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh, as_layout
 
@@ -104,7 +104,9 @@ def fake_world(mesh: MeshLayout | Mapping[str, int]) -> Iterator[ParallelMesh]:
     level = redistribute.level
     redistribute.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        # Fake tensors: a cp-sharded (batch, seq) activation flattened for a matmul has a
+        # _StridedShard whose sizes torch reads with .tolist() (see the function).
+        with warnings.catch_warnings(), strided_shard_sizes_concrete():
             _quiet_known_warnings()
             yield layout.build("cpu")
     finally:

@@ -61,3 +61,32 @@ def test_activations_grow_linearly_with_the_sequence_under_cp():
     """Twice the sequence, twice the bytes: nothing of size S/cp x S is saved."""
     one, two = (_activations("llama3-debug", "cp=2", s) for s in (2048, 4096))
     assert 1.98 < two / one < 2.02, two / one
+
+
+def test_plan_traces_cp_with_a_data_axis_and_several_sequences_a_rank(capsys):
+    """dp_shard=2 x cp=2 with two sequences a rank: the trace (fake tensors) ran into torch's
+    ``_StridedShard`` size computation, which reads an arange with ``.tolist()``; the
+    attention input ``(batch, seq/cp, dim)`` flattened for its matmuls is one when batch > 1.
+
+    Against batch 1: the same collectives, cp's carrying twice the bytes (the keys and
+    values of two sequences), and the activations twice less the part no batch scales.
+    """
+    from hyper_parallel.cli import main
+
+    reports = {}
+    for batch in (1, 2):
+        args = ["plan", "--model", "llama3-debug", "--mesh", "dp=2,cp=2", "--seq", "64"]
+        assert main([*args, "--batch", str(batch), "--format", "json"]) == 0, batch
+        reports[batch] = json.loads(capsys.readouterr().out)
+    one, two = reports[1], reports[2]
+
+    def counts(report):
+        return {(c["phase"], c["kind"], c["axis"]): c["count"] for c in report["collectives"]}
+
+    assert counts(two) == counts(one)
+    cp_bytes = {
+        b: [c["bytes"] for c in r["collectives"] if c["axis"] == "cp"] for b, r in reports.items()
+    }
+    assert cp_bytes[2] == [2 * b for b in cp_bytes[1]] and cp_bytes[1]
+    act_one, act_two = one["per_rank_bytes"]["activations"], two["per_rank_bytes"]["activations"]
+    assert 1.95 * act_one < act_two <= 2 * act_one
