@@ -91,7 +91,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
         "--config",
         metavar="FILE",
         help="job file (.toml, as train --config and suggest --write-config write it): its "
-        "model, mesh, switches and seq-len; options given here override it",
+        "model, mesh, switches, seq-len and batch-size (per data-parallel rank, and for plan per "
+        "micro-batch, as the trainer splits it); options given here override it",
     )
 
 
@@ -128,10 +129,55 @@ def _job_file_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> None
     given = {f: values[f] for f in fields if values.get(f) is not None and f != "overwrite"}
     if values.get("seq_len") is not None:
         given["seq"] = values["seq_len"]
+    if values.get("batch_size") is not None:  # the run's global batch: per rank once parsed
+        given.update(job_batch_size=values["batch_size"], batch=None)
     p.set_defaults(**given)
     for action in p._actions:
         if action.dest in given:
             action.required = False
+
+
+def _batch_from_job(args: argparse.Namespace) -> None:
+    """``--config``'s ``batch-size`` (the run's global batch) as the command's ``--batch``
+    when ``--batch`` is not given: each data-parallel rank's share (``dp_replicate x
+    dp_shard``), for ``plan`` split into its micro-batches as the trainer splits it.
+
+    Raises:
+        _UsageError: The batch does not divide as the trainer would need it to.
+    """
+    total = getattr(args, "job_batch_size", None)
+    if total is None or args.batch is not None:
+        if args.command == "plan" and args.batch is None:
+            args.batch = 1
+        return
+    from hyper_parallel.distributed import MeshLayout
+
+    if not isinstance(args.mesh, MeshLayout):  # the table's --mesh: the active axes
+        args.mesh = MeshLayout.from_sizes(args.mesh)
+    layout = args.mesh
+    ranks = layout.size("batch")
+    if total % ranks:
+        raise _UsageError(
+            f"--config: batch-size {total} does not divide over the {ranks} data-parallel ranks "
+            f"(dp_replicate x dp_shard of --mesh {layout}); give --batch (sequences per rank) "
+            "or a batch-size that divides."
+        )
+    local = total // ranks
+    if args.command != "plan":  # validate: sequences per data-parallel rank
+        args.batch = local
+        return
+    from hyper_parallel.distributed.run_plan import default_num_microbatches
+
+    microbatches = args.microbatches or default_num_microbatches(
+        layout.pp, args.schedule, args.stages_per_rank
+    )
+    if local % microbatches:
+        raise _UsageError(
+            f"--config: batch-size {total} gives {local} sequences per data-parallel rank, "
+            f"which {microbatches} micro-batches do not divide; give --batch (sequences per "
+            "micro-batch) or a batch-size that divides."
+        )
+    args.batch = local // microbatches
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -446,6 +492,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             check_output_file(args.chart, overwrite=args.overwrite, inputs=inputs, what="--chart")
         except OutputError as e:
             raise _UsageError(str(e)) from None
+    _batch_from_job(args)
     # A compiled block keeps its gathered inputs (sequence parallelism's shard-keeping
     # hook runs in eager code only): the dry run traces what that run keeps.
     with keep_gathered(bool(getattr(args, "compile", False))):
@@ -613,6 +660,7 @@ def _pipeline_table(pipeline: dict[str, Any]) -> str:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from hyper_parallel.analysis import validate
 
+    _batch_from_job(args)
     try:
         subject = _subject(args)
     except _PlanError as e:

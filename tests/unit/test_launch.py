@@ -368,3 +368,35 @@ def test_validate_config_takes_the_job_files_mesh_and_flags_override_it(capsys, 
     job.write_text('model = "llama3-debug"\nmesh = "tp=2"\nstepz = 4\n')
     code, out, err = _run(capsys, "validate", "--config", str(job))
     assert code == 2 and "'stepz' (did you mean 'steps'?)" in err
+
+
+def test_plan_config_traces_the_jobs_batch_as_the_trainer_splits_it(capsys, tmp_path) -> None:
+    """plan --config traced one sequence a rank whatever the job's batch-size (global): now
+    the trainer's micro-batch (batch-size / (dp_replicate x dp_shard) / microbatches),
+    unless --batch is given; a batch that does not divide is refused, naming both."""
+    from hyper_parallel.train.arguments import RUN_OPTIONS
+    from hyper_parallel.train.config import TrainConfig, run_plan
+    from hyper_parallel.train.job import load_job_file
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'model = "llama3-debug"\nmesh = "dp_replicate=2,dp_shard=2"\nbatch-size = 16\n'
+        "microbatches = 2\nseq-len = 32\n"
+    )
+    values = {k: v for k, v in load_job_file(str(job), RUN_OPTIONS).items() if v is not None}
+    trainer = run_plan(TrainConfig(**values), world_size=4)
+    code, out, err = _run(capsys, "plan", "--config", str(job), "--format", "json")
+    assert code == 0, err
+    report = json.loads(out)
+    # The trainer's run plan: the rank's batch, and its micro-batches.
+    assert (trainer.batch_size, trainer.num_microbatches) == (4, 2)
+    assert (report["batch_size"], report["num_microbatches"]) == (2, 2)
+    code, out, err = _run(capsys, "plan", "--config", str(job), "--batch", "1", "--format", "json")
+    assert code == 0 and json.loads(out)["batch_size"] == 1, err
+    code, out, err = _run(capsys, "validate", "--config", str(job), "--format", "json")
+    assert code == 0, err  # validate: the rank's 4 sequences, in two micro-batches of 2
+    assert "inputs [(2, 32)]" in " ".join(json.loads(out)["notes"]), out
+    code, out, err = _run(capsys, "plan", "--config", str(job), "--microbatches", "3")
+    assert code == 2 and "batch-size 16 gives 4 sequences per data-parallel rank" in err, err
+    code, out, err = _run(capsys, "plan", "--config", str(job), "--mesh", "dp_shard=3")
+    assert code == 2 and "does not divide over the 3 data-parallel ranks" in err, err
