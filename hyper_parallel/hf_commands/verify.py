@@ -290,7 +290,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if problems:
         lines = "\n".join(f"  {f}" for f in problems)
-        print(f"verify-hf: {len(problems)} problem(s) with --mesh:\n{lines}", file=sys.stderr)
+        print(
+            f"verify-hf: {len(problems)} problem(s) with the run on --mesh {layout}:\n{lines}",
+            file=sys.stderr,
+        )
         return 2
     vocab = cfg.model_overrides["vocab_size"]
     tokens = batch_tokens(vocab, args.batch, args.seq_len, args.seed)

@@ -279,7 +279,10 @@ def run(args: argparse.Namespace) -> int:
     problems = check_config(cfg, world)
     if problems:
         lines = "\n".join(f"  {f}" for f in problems)
-        print(f"demo: {len(problems)} problem(s) with --mesh {layout}:\n{lines}", file=sys.stderr)
+        print(
+            f"demo: {len(problems)} problem(s) with the run on --mesh {layout}:\n{lines}",
+            file=sys.stderr,
+        )
         return 2
     os.makedirs(args.output_dir, exist_ok=True)
     out_dir = os.path.abspath(args.output_dir)

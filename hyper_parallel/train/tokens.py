@@ -423,6 +423,11 @@ def tokenize_files(
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.uint32)
     if tokens.size == 0:
         raise ValueError(f"tokenize: {', '.join(paths)}: the corpus is empty (no documents).")
+    if tokens.size == len(pieces):  # only separators: --data refuses the same text
+        raise ValueError(
+            f"tokenize: {', '.join(paths)}: the corpus is empty: {len(pieces)} document(s), "
+            "none holding any text; give files that hold text."
+        )
     write_token_file(tokens, out)
     return int(tokens.size)
 

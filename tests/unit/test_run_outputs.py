@@ -399,6 +399,7 @@ def test_verify_hf_too_long_a_sequence_says_a_shorter_seq_len(tiny_hf, capsys):
     assert cli(["verify-hf", tiny_hf, "--mesh", "tp=2", "--seq-len", "100000"]) == 2
     err = capsys.readouterr().err
     assert "seq_len 100,000 exceeds" in err and "Fix: give --seq-len 256 or less" in err
+    assert "1 problem(s) with the run on --mesh tp=2:" in err  # not "with --mesh": seq-len's
     assert "--model-overrides" not in err and "parity:" not in err
 
 

@@ -227,6 +227,16 @@ def test_clear_errors(corpus, tokenizer, tmp_path):
     assert open_corpus(
         str(corpus / "c.jsonl"), vocab_size=320, tokenizer=tokenizer, text_field="body"
     ).size
+    # Documents with no text: tokenize refuses what --data refuses (it wrote separators).
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": ""}\n{"text": ""}\n')
+    for read in (
+        lambda: open_corpus(str(blank), vocab_size=320, tokenizer=tokenizer),
+        lambda: tokenize_files([str(blank)], str(tmp_path / "b.bin"), tokenizer=tokenizer),
+    ):
+        with pytest.raises(ValueError, match=r"2 document\(s\), none holding any text"):
+            read()
+    assert not (tmp_path / "b.bin").exists()
     short = tmp_path / "short.npy"
     np.save(short, np.arange(20))
     with pytest.raises(ValueError, match=r"fewer than one step needs.*--batch-size"):
