@@ -110,6 +110,8 @@ from typing import Any
 
 import yaml
 
+from hyper_parallel.config.data_files import DuplicateKeyError, load_yaml
+
 __all__ = [
     "HARDWARE_KINDS",
     "MEMORY_HEADROOM_BYTES",
@@ -332,7 +334,9 @@ def load_hardware(kind_or_path: str | Path) -> Hardware:
     path = Path(text)
     if path.suffix in (".yaml", ".yml") or path.exists():
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+            raw = load_yaml(path.read_text(encoding="utf-8"))
+        except DuplicateKeyError as e:
+            raise ValueError(f"hardware file {text!r}: {e}") from None
         except OSError as e:
             raise ValueError(f"hardware file {text!r}: cannot read it ({e.strerror}).") from None
         except yaml.YAMLError as e:

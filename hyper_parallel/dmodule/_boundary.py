@@ -42,31 +42,54 @@ Placements = tuple[Placement, ...]
 
 
 class _Layout:
-    """Resolved placements with negative shard dims normalized per tensor rank (cached)."""
+    """Resolved placements with negative shard dims normalized per tensor rank (cached).
 
-    __slots__ = ("_by_ndim", "_has_negative", "placements")
+    ``where`` (``"path: field"``) and ``axes`` name a ``Shard(d)`` that is out of range
+    for a tensor of the call: checked once per tensor rank, then read from the cache.
+    """
 
-    def __init__(self, placements: Sequence[Placement]) -> None:
+    __slots__ = ("_by_ndim", "_last", "_last_ndim", "axes", "placements", "where")
+
+    def __init__(
+        self, placements: Sequence[Placement], where: str = "", axes: Sequence[str] = ()
+    ) -> None:
         self.placements: Placements = tuple(placements)
-        self._has_negative = any(isinstance(p, Shard) and p.dim < 0 for p in self.placements)
+        self.where = where
+        self.axes = tuple(axes)
         self._by_ndim: dict[int, Placements] = {}
+        # The last rank asked, answered without a call (the per-call path's common case).
+        self._last_ndim = -1
+        self._last: Placements = self.placements
 
     def for_ndim(self, ndim: int) -> Placements:
-        if not self._has_negative:
-            return self.placements
+        if ndim == self._last_ndim:
+            return self._last
         cached = self._by_ndim.get(ndim)
         if cached is None:
+            for i, p in enumerate(self.placements):
+                if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
+                    self._out_of_range(i, p.dim, ndim)
             cached = normalize_placements(self.placements, ndim)
-            if not torch.compiler.is_compiling():  # a cache filled while tracing fails a guard
-                self._by_ndim[ndim] = cached
+            if torch.compiler.is_compiling():  # a cache filled while tracing fails a guard
+                return cached
+            self._by_ndim[ndim] = cached
+        self._last_ndim, self._last = ndim, cached
         return cached
+
+    def _out_of_range(self, i: int, dim: int, ndim: int) -> None:
+        axis = f" on axis {self.axes[i]!r}" if i < len(self.axes) else ""
+        dims = f"dims {-ndim}..{ndim - 1}" if ndim else "no dims"
+        raise ValueError(
+            f"{self.where or 'a placement'}: Shard({dim}){axis} is out of range for the "
+            f"{ndim}-d tensor of this call ({dims}); name a dim the tensor has."
+        )
 
     def __repr__(self) -> str:
         return repr(list(self.placements))
 
 
-def _layout(named: NamedPlacement | None, axes: tuple[str, ...]) -> _Layout | None:
-    return None if named is None else _Layout(resolve_placements(named, axes))
+def _layout(named: NamedPlacement | None, axes: tuple[str, ...], where: str = "") -> _Layout | None:
+    return None if named is None else _Layout(resolve_placements(named, axes), where, axes)
 
 
 class _InputSpec:
@@ -122,7 +145,7 @@ class Boundary:
             if t is not None and (id(module), name) not in named_states
         ]
 
-        self._inputs = self._resolve_inputs(config, axes)
+        self._inputs = self._resolve_inputs(config, axes, path or "<root>")
         self._positional: list[_InputSpec | None] = []
         self._var_positional: _InputSpec | None = None
         self._by_keyword: dict[str, _InputSpec] = {}
@@ -151,11 +174,15 @@ class Boundary:
 
         out_src = config.out_src_shardings
         self._out_src: _Layout | tuple[_Layout, ...] | None
+        at = path or "<root>"
         if isinstance(out_src, tuple):
-            self._out_src = tuple(_Layout(resolve_placements(n, axes)) for n in out_src)
+            self._out_src = tuple(
+                _Layout(resolve_placements(n, axes), f"{at}: out_src_shardings[{i}]", axes)
+                for i, n in enumerate(out_src)
+            )
         else:
-            self._out_src = _layout(out_src, axes)
-        self._out_dst = _layout(config.out_dst_shardings, axes)
+            self._out_src = _layout(out_src, axes, f"{at}: out_src_shardings")
+        self._out_dst = _layout(config.out_dst_shardings, axes, f"{at}: out_dst_shardings")
         self._use_local_output = config.use_local_output
         self._adapts_output = bool(
             out_src is not None or self._out_dst is not None or self._use_local_output
@@ -219,11 +246,17 @@ class Boundary:
         ]
 
     @staticmethod
-    def _resolve_inputs(config: ShardingConfig, axes: tuple[str, ...]) -> dict[str, _InputSpec]:
+    def _resolve_inputs(
+        config: ShardingConfig, axes: tuple[str, ...], path: str
+    ) -> dict[str, _InputSpec]:
         src = config.in_src_shardings or {}
         dst = config.in_dst_shardings or {}
         return {
-            name: _InputSpec(name, _layout(src.get(name), axes), _layout(dst.get(name), axes))
+            name: _InputSpec(
+                name,
+                _layout(src.get(name), axes, f"{path}: in_src_shardings[{name!r}]"),
+                _layout(dst.get(name), axes, f"{path}: in_dst_shardings[{name!r}]"),
+            )
             for name in [*dst, *(k for k in src if k not in dst)]
         }
 
@@ -341,8 +374,23 @@ class Boundary:
             if x.requires_grad and torch.is_grad_enabled():
                 x = _gradient_as_output(x)
         if self._use_local_output:
+            if self._out_dst is None and any(p.is_partial() for p in x.placements):
+                self._partial_local_output(x)
             return x.to_local()
         return x
+
+    def _partial_local_output(self, x: DTensor) -> None:
+        """Refuse handing a ``Partial`` output on as local tensors no out_dst asked for:
+        each rank would get its own unreduced sum (torch's RowwiseParallel reduces first)."""
+        axes = self.mesh.mesh_dim_names or ()
+        partial = [f"{a!r}" for a, p in zip(axes, x.placements) if p.is_partial()]
+        self._raise(
+            f"forward's output is Partial over {', '.join(partial)} (each rank holds an "
+            "unreduced sum) and use_local_output would hand each rank its own part; give "
+            f"out_dst_shardings={{{partial[0]}: Replicate()}} (all-reduce, as torch's "
+            "RowwiseParallel does) or Shard(d) (reduce-scatter), or Partial() to hand the "
+            "partial sums on on purpose."
+        )
 
     def _run_local_map(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Each argument's name and place: (True, index in args) or (False, keyword).

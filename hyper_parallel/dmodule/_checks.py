@@ -87,6 +87,9 @@ def _check_axes(
         except ValueError as e:
             c.error(field, str(e), f"name only the mesh's axes {list(axes)} (case-sensitive).")
             continue
+        except TypeError as e:  # a value that is no Placement (a dict changed after checks)
+            c.error(field, str(e), "give each axis a Shard(d), Replicate() or Partial().")
+            continue
         for axis, p in named.items():
             if axis_sizes is not None and axis_sizes.get(str(axis)) == 1 and not p.is_replicate():
                 idle.setdefault(str(axis), []).append(field)
@@ -437,7 +440,7 @@ def _check_ties(entries: Sequence[PlanEntry], axes: tuple[str, ...], out: list[F
                 continue
             try:
                 placements = resolve_placements(named, axes)
-            except ValueError:
+            except (ValueError, TypeError):  # reported by _check_axes
                 continue
             where = f"{e.path}.{key}" if e.path else key
             ndim = tensor.dim()
@@ -467,6 +470,42 @@ def _check_ties(entries: Sequence[PlanEntry], axes: tuple[str, ...], out: list[F
                         f"{where} is the same tensor as {prev[0]} (tied), but is placed "
                         f"{placements} here and {prev[1]} there.",
                         "place tied states identically in both configs.",
+                    )
+                )
+
+
+def _check_partly_named_children(entries: Sequence[PlanEntry], out: list[Finding]) -> None:
+    """A config naming some of a submodule's states by dotted path must name them all,
+    unless the submodule has a config of its own (whose boundary replicates the rest):
+    its forward would mix the DTensors made with the plain tensors left."""
+    configured = {id(e.module) for e in entries}
+    for e in entries:
+        named: dict[int, tuple[nn.Module, str, set[str]]] = {}
+        for key in e.config.state_shardings:
+            prefix, _, leaf = key.rpartition(".")
+            found = state_owner(e.module, key) if prefix else None
+            if found is None or id(found[0]) in configured:
+                continue
+            named.setdefault(id(found[0]), (found[0], prefix, set()))[2].add(leaf)
+        for owner, prefix, leaves in named.values():
+            left = [
+                f"{prefix}.{name}"
+                for store in (owner._parameters, owner._buffers)
+                for name, t in store.items()
+                if t is not None and name not in leaves and not isinstance(t, DTensor)
+            ]
+            if left:
+                given = ", ".join(repr(f"{prefix}.{leaf}") for leaf in sorted(leaves))
+                out.append(
+                    Finding(
+                        "error",
+                        e.path,
+                        "state_shardings",
+                        f"names {given} of {prefix!r} ({type(owner).__name__}) but not "
+                        f"{', '.join(map(repr, left))}: its forward would mix DTensors with "
+                        "plain tensors.",
+                        f"name {left[0]!r} too (e.g. {{'tp': Replicate()}}), or give "
+                        f"{prefix!r} a config of its own (its unnamed states are replicated).",
                     )
                 )
 
@@ -519,6 +558,7 @@ def check_entries(
         findings.extend(c.findings)
         findings.extend(check_known_layouts(e.path, e.module, e.config))
     _check_nesting(entries, findings)
+    _check_partly_named_children(entries, findings)
     _check_ties(entries, axes, findings)
     return findings
 

@@ -456,8 +456,12 @@ class FastPath:
     def _local_input(self, x: torch.Tensor, src: Shard1D) -> tuple[torch.Tensor, Shard1D, bool]:
         """``(local, layout on the axis, arrived as DTensor)``; layout ``_FALLBACK`` to decline."""
         if not isinstance(x, DTensor):
-            if src is not None and src < 0:
-                src += x.ndim
+            if src is not None:
+                ndim = x.ndim
+                if not -ndim <= src < ndim:  # the DTensor path names the field
+                    return x, _FALLBACK, False  # type: ignore[return-value]
+                if src < 0:
+                    src += ndim
             return x, src, False
         if x.device_mesh is not self.mesh and x.device_mesh != self.mesh:
             return x, _FALLBACK, True  # type: ignore[return-value]
@@ -611,7 +615,12 @@ class _RowwiseLinear(_LinearPath):
         ndim = x.ndim
         if layout is _FALLBACK or layout != ndim - 1:
             return _FALLBACK
-        scatter = _norm_dim(self._scatter, ndim)
+        scatter = self._scatter
+        if scatter is not None:
+            if not -ndim <= scatter < ndim:  # the DTensor path names the field
+                return _FALLBACK
+            if scatter < 0:
+                scatter += ndim
         if scatter is not None and (scatter == ndim - 1 or x.shape[scatter] % self.size):
             return _FALLBACK
         local = x.to_local() if as_dtensor else x
@@ -655,7 +664,12 @@ class _VocabEmbedding(FastPath):
         if layout is not None:  # _FALLBACK or sharded ids: let DTensor replicate them
             return _FALLBACK
         out_ndim = ids.ndim + 1
-        scatter = _norm_dim(self._scatter, out_ndim)
+        scatter = self._scatter
+        if scatter is not None:
+            if not -out_ndim <= scatter < out_ndim:  # the DTensor path names the field
+                return _FALLBACK
+            if scatter < 0:
+                scatter += out_ndim
         if scatter is not None and (scatter == out_ndim - 1 or ids.shape[scatter] % self.size):
             return _FALLBACK
         if as_dtensor:
@@ -809,6 +823,8 @@ class _LocalMapRegion(FastPath):
             x = arguments.get(name)
             if not isinstance(x, torch.Tensor):
                 return self.fallback(*args, **kwargs)
+            if src is not None and not -x.ndim <= src < x.ndim:
+                return self.fallback(*args, **kwargs)
             if isinstance(x, DTensor):
                 want = self._placements(_norm_dim(src, x.ndim))
                 if x.placements != want or (
@@ -837,6 +853,12 @@ class _LocalMapRegion(FastPath):
         finally:
             for store, leaf, value in saved:
                 store[leaf] = value
+        declared = self._out if isinstance(self._out, tuple) else (self._out,)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for v, d in zip(outs, declared):  # a loop, not any(): no generator call per step
+            if d is not None and isinstance(v, torch.Tensor) and not -v.ndim <= d < v.ndim:
+                # The DTensor path names the field (the region runs again there, then raises).
+                return self.fallback(*args, **kwargs)
         if isinstance(out, torch.Tensor) and not isinstance(self._out, tuple):
             return self._output(out, _norm_dim(self._out, out.ndim))
         if isinstance(out, (tuple, list)) and isinstance(self._out, tuple):

@@ -121,6 +121,14 @@ class Module(nn.Module, Configurable):
         else:
             module = cls(config, **runtime_kwargs)
         _check_param_init(module, config.param_init)
+        sharding = config.sharding_config
+        if sharding is not None and not isinstance(sharding, ShardingConfig):
+            raise TypeError(
+                f"{type(config).__qualname__}.sharding_config: expected a ShardingConfig or "
+                f"None, got {type(sharding).__name__}: {sharding!r}; write "
+                "ShardingConfig(state_shardings=...), or ShardingConfig.from_dict(d) for a "
+                "dict in plan-file form."
+            )
         module._hp_param_init = config.param_init
         module._hp_sharding_config = config.sharding_config
         return module

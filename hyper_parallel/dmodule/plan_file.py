@@ -1,7 +1,9 @@
 """Plan files: a mapping *module path → ShardingConfig* stored as YAML or JSON.
 
-A plan file is data only. YAML is read with ``yaml.safe_load`` (no Python tags, no
-object construction), JSON with :mod:`json`; nothing in a plan file can run code::
+A plan file is data only. YAML is read with ``yaml.safe_load``'s loader (no Python tags,
+no object construction), JSON with :mod:`json`; nothing in a plan file can run code. A
+key given twice in one mapping (a module path, a state) is refused: both readers would
+keep the last silently (:mod:`hyper_parallel.config.data_files`)::
 
     # plan.yaml
     layers.*.attention.wq:
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from hyper_parallel.config.data_files import DuplicateKeyError, load_json, load_yaml
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
 __all__ = ["dump_plan", "load_plan", "plan_from_dict", "plan_to_dict"]
@@ -123,7 +126,8 @@ def load_plan(path: str | Path) -> dict[str, ShardingConfig]:
 
     Raises:
         ValueError: For an unknown suffix, unsafe YAML (``!!python/...`` tags), a
-            syntax error, or an invalid entry; the message names file and entry.
+            syntax error, a key given twice, or an invalid entry; the message names file
+            and entry.
 
     Example::
 
@@ -133,7 +137,9 @@ def load_plan(path: str | Path) -> dict[str, ShardingConfig]:
     fmt = _format_of(path)
     text = path.read_text()
     try:
-        data = yaml.safe_load(text) if fmt == "yaml" else json.loads(text)
+        data = load_yaml(text) if fmt == "yaml" else load_json(text)
+    except DuplicateKeyError as e:  # two entries for one module: the first was dropped
+        raise ValueError(f"plan file {str(path)!r}: {e}") from None
     except yaml.constructor.ConstructorError as e:
         raise ValueError(
             f"plan file {str(path)!r}: tag not allowed ({e.problem}); plan files hold plain "

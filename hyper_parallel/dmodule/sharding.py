@@ -428,6 +428,16 @@ class ShardingConfig:
             TypeError: For a value of the wrong shape.
         """
         _check_keys(data, _SHARDING_FIELDS, cls.__name__)
+        if "repr" in data and not set(data) & set(_SHARDING_FIELDS):
+            empty = repr(cls())
+            if str(data["repr"]).strip() != empty:
+                # The repr is what to_dict writes for people; the fields are what is read.
+                raise ValueError(
+                    f"{cls.__name__}.from_dict: the entry holds only 'repr' "
+                    f"({data['repr']!r}), which is not read: an empty config would be built. "
+                    f"Write its fields ({', '.join(_SHARDING_FIELDS[:2])}, ...), as "
+                    "to_dict() does beside the repr."
+                )
         out_src = data.get("out_src_shardings")
         if isinstance(out_src, (list, tuple)):
             out_src = tuple(

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hyper_parallel.config.data_files import DuplicateKeyError, load_json
 from hyper_parallel.distributed.activation_checkpoint import AC_MODES
 from hyper_parallel.distributed.mesh_arguments import mesh_argument as mesh_argument
 from hyper_parallel.distributed.mesh_arguments import parse_mesh as parse_mesh
@@ -56,7 +57,9 @@ __all__ = [
 
 def _object(text: str, example: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
+        value = load_json(text)
+    except DuplicateKeyError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(
             f"not valid JSON ({e.msg}); quote the keys, e.g. '{example}'"

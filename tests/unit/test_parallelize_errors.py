@@ -30,6 +30,7 @@ from hyper_parallel.dmodule import (
     ParallelizeError,
     ShardingConfig,
     parallelize_module,
+    presets,
 )
 from hyper_parallel.dmodule._fast import ENV_VAR
 from tests.distributed.models import (
@@ -197,6 +198,13 @@ def _cfg(**kw: Any) -> ShardingConfig:
 
 TP_R = {"tp": Replicate()}
 
+
+def _changed_colwise() -> ShardingConfig:
+    config = colwise()
+    config.state_shardings["weight"] = {"tp": 0}  # type: ignore[dict-item]
+    return config
+
+
 CASES: dict[str, Case] = {
     "misspelled_state": Case(
         lambda: stack(layers_1_up=_cfg(state_shardings={"wieght": {"tp": Shard(0)}})),
@@ -218,13 +226,24 @@ CASES: dict[str, Case] = {
             "did you mean 'up.weight'?",
             "dotted paths reach into submodules",
         ],
-        _plan({"layers.2.mlp": _cfg(state_shardings={"up.weight": {"tp": Shard(0)}})}),
+        _plan(
+            {"layers.2.mlp": _cfg(state_shardings={"up.weight": {"tp": Shard(0)}, "up.bias": TP_R})}
+        ),
     ),
     "dotted_path_through_missing_module": Case(
         lambda: Toy(),
         _plan({"layers.0": _cfg(state_shardings={"attn.wq.weight": {"tp": Shard(0)}})}),
         ["layers.0:", "'attn.wq.weight'", "attention.wq.weight", "use one of the listed names"],
-        _plan({"layers.0": _cfg(state_shardings={"attention.wq.weight": {"tp": Shard(0)}})}),
+        _plan(
+            {
+                "layers.0": _cfg(
+                    state_shardings={
+                        "attention.wq.weight": {"tp": Shard(0)},
+                        "attention.wq.bias": TP_R,
+                    }
+                )
+            }
+        ),
     ),
     "none_bias_named": Case(
         lambda: Stack.Config(
@@ -239,6 +258,29 @@ CASES: dict[str, Case] = {
         _parallelize(),
         ["layers.0.up:", "'bias', which is None in Linear", "drop 'bias' from state_shardings"],
         _plan({"layers.0.up": colwise(bias=False), "layers.0.down": rowwise()}),
+    ),
+    "child_states_named_in_part": Case(
+        # A parent naming lin.weight of a child with no config of its own, not lin.bias:
+        # the child's forward mixed a DTensor weight with a plain bias.
+        lambda: Toy(),
+        _plan({"layers.1.mlp": _cfg(state_shardings={"up.weight": {"tp": Shard(0)}})}),
+        [
+            "layers.1.mlp: state_shardings:",
+            "names 'up.weight' of 'up' (Linear) but not 'up.bias'",
+            "name 'up.bias' too",
+        ],
+        _plan(
+            {"layers.1.mlp": _cfg(state_shardings={"up.weight": {"tp": Shard(0)}, "up.bias": TP_R})}
+        ),
+    ),
+    "placement_that_is_no_placement": Case(
+        # A config's dict changed after its checks ran (the dataclass is not frozen).
+        lambda: stack(),
+        lambda model, meshes: parallelize_module(
+            model, meshes["tp"], {"layers.0.up": _changed_colwise()}
+        ),
+        ["layers.0.up: state_shardings['weight']", "got int: 0", "Shard(d), Replicate() or"],
+        _module_fix,
     ),
     "state_names_a_submodule": Case(
         lambda: Toy(),
@@ -313,7 +355,7 @@ CASES: dict[str, Case] = {
         _plan(
             {
                 "layers.1.attention": _cfg(
-                    state_shardings={"wq.weight": {"tp": Shard(0)}},
+                    state_shardings={"wq.weight": {"tp": Shard(0)}, "wq.bias": TP_R},
                     out_src_shardings=(TP_R, TP_R),
                 )
             }
@@ -682,3 +724,70 @@ def test_uneven_state_is_a_warning_not_an_error(meshes):
 
 def test_module_types_used_by_the_corpus():
     assert issubclass(AttentionCore, Module) and issubclass(ScaledLinear, Module)
+
+
+# --------------------------------------------------------------------------- at call time
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+@pytest.mark.parametrize(
+    ("plan", "expect"),
+    [
+        # A row-wise layer without out_dst hands on a Partial output: use_local_output gave
+        # each rank its own unreduced sum (the numbers were wrong, silently).
+        (
+            {
+                "0": presets.colwise(),
+                "2": _cfg(
+                    state_shardings={"weight": {"tp": Shard(1)}},
+                    in_dst_shardings={"input": {"tp": Shard(-1)}},
+                    use_local_output=True,
+                ),
+            },
+            ["2: forward's output is Partial over 'tp'", "out_dst_shardings={'tp': Replicate()}"],
+        ),
+        # Shard(d) beyond the tensor of the call: a bare IndexError/RuntimeError of torch.
+        (
+            {"0": presets.colwise(input=Shard(4))},
+            ["0: in_src_shardings['input']: Shard(4) on axis 'tp' is out of range for the 2-d"],
+        ),
+        (
+            {"0": presets.colwise(), "2": presets.rowwise(output=Shard(5))},
+            ["2: out_dst_shardings: Shard(5) on axis 'tp' is out of range", "(dims -2..1)"],
+        ),
+        (
+            {"0": _cfg(in_dst_shardings={"input": {"tp": Shard(-3)}})},
+            ["0: in_dst_shardings['input']: Shard(-3) on axis 'tp' is out of range"],
+        ),
+    ],
+    ids=["partial-local-output", "input-dim", "output-dim", "negative-dim"],
+)
+def test_call_time_layout_errors_name_the_module_and_field(plan, expect, fast, meshes, monkeypatch):
+    """Errors only a call can find (the output's placements, the tensors' ranks): the same
+    ValueError on the fast path (which steps aside) and the DTensor path."""
+    monkeypatch.setenv(ENV_VAR, fast)
+    model = _mlp()
+    parallelize_module(model, meshes["tp"], plan)
+    with pytest.raises(ValueError) as info:
+        model(torch.randn(4, 8))
+    for text in expect:
+        assert text in str(info.value), str(info.value)
+
+
+def test_partial_output_handed_on_local_when_asked_for(meshes):
+    """out_dst Partial() says the partial sums are wanted: no error, each rank's own part."""
+    model = _mlp()
+    down = _cfg(
+        state_shardings={"weight": {"tp": Shard(1)}, "bias": TP_R},
+        in_dst_shardings={"input": {"tp": Shard(-1)}},
+        out_dst_shardings={"tp": Partial()},
+        use_local_output=True,
+    )
+    parallelize_module(model, meshes["tp"], {"0": presets.colwise(), "2": down})
+    out = model(torch.randn(4, 8))
+    assert type(out) is torch.Tensor and out.shape == (4, 8)

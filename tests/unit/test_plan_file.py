@@ -269,3 +269,57 @@ def test_dump_rejects_a_value_that_is_not_a_sharding_config(tmp_path):
     assert "plan['lm_head']" in message
     assert "expected a ShardingConfig" in message
     assert not path.exists()
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text", "key"),
+    [
+        # Two entries for one module: yaml.safe_load / json kept the second silently.
+        (
+            ".yaml",
+            "'2':\n  state_shardings: {weight: {tp: S(1)}}\n'2':\n  use_local_output: true\n",
+            "'2'",
+        ),
+        (".json", '{"2": {"state_shardings": {"weight": {"tp": "S(1)"}}}, "2": {}}', "'2'"),
+        # ... and a state named twice inside one entry.
+        (".yaml", "up:\n  state_shardings: {weight: {tp: S(0)}, weight: {tp: R}}\n", "'weight'"),
+    ],
+    ids=["yaml-entry", "json-entry", "yaml-state"],
+)
+def test_a_key_given_twice_is_refused_naming_it(tmp_path, suffix, text, key):
+    path = tmp_path / f"plan{suffix}"
+    path.write_text(text)
+    with pytest.raises(ValueError) as excinfo:
+        load_plan(path)
+    message = str(excinfo.value)
+    assert str(path) in message and f"key {key} is given twice" in message, message
+    if suffix == ".yaml":  # where: both lines, or one line's columns (flow style)
+        assert "lines 1 and 3" in message or "line 2, columns 21 and 41" in message, message
+
+
+def test_an_entry_of_only_its_repr_is_refused_not_read_as_empty(tmp_path):
+    """to_dict writes a 'repr' beside the fields; an entry holding only the repr was read
+    as ShardingConfig() (every state replicated), silently."""
+    from hyper_parallel.dmodule import colwise
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump({"0": {"repr": colwise().to_dict()["repr"]}}))
+    with pytest.raises(ValueError, match=r"entry '0': .*holds only 'repr'.*not read"):
+        load_plan(path)
+    # The repr of an empty config is what it says; the full to_dict form still loads.
+    assert ShardingConfig.from_dict({"repr": repr(ShardingConfig())}) == ShardingConfig()
+    assert ShardingConfig.from_dict(colwise().to_dict()) == colwise()
+
+
+def test_hardware_files_and_json_options_refuse_a_key_given_twice(tmp_path):
+    import argparse
+
+    from hyper_parallel.analysis.cost_model import load_hardware
+    from hyper_parallel.train.arguments import json_object
+
+    path = tmp_path / "hw.yaml"
+    path.write_text("memory_bytes: 16e9\npeak_flops: 1e14\nmemory_bytes: 80e9\n")
+    with pytest.raises(ValueError, match=r"hardware file .*key 'memory_bytes' is given twice"):
+        load_hardware(path)
+    with pytest.raises(argparse.ArgumentTypeError, match="key 'num_layers' is given twice"):
+        json_object('{"num_layers": 2, "num_layers": 4}')
