@@ -69,6 +69,12 @@ def match_plan(model: nn.Module, plan: Plan) -> tuple[list[PlanEntry], list[Find
         assert [e.path for e in entries] == ["0", "1"] and problems == []
     """
     modules = dict(model.named_modules())
+    first = {id(m): path for path, m in modules.items()}
+    aliases = {  # a module's other paths (shared blocks, ``self.b = self.a``) -> its first
+        path: first[id(m)]
+        for path, m in model.named_modules(remove_duplicate=False)
+        if path not in modules
+    }
     findings: list[Finding] = []
     claimed: dict[str, str] = {}
     configs: dict[str, ShardingConfig] = {}
@@ -87,7 +93,22 @@ def match_plan(model: nn.Module, plan: Plan) -> tuple[list[PlanEntry], list[Find
             continue
         parts = pattern.split(".") if pattern else []
         hits = [p for p in modules if _matches(parts, p.split(".") if p else [])]
-        if not hits:
+        alias_hits = [] if hits else [p for p in aliases if _matches(parts, p.split("."))]
+        if alias_hits:
+            # torch's parallelize_module reaches these through get_submodule; a module
+            # shared at two paths is configured once, at the path named_modules gives it.
+            pairs = ", ".join(f"{a!r} is {aliases[a]!r}" for a in alias_hits[:3])
+            findings.append(
+                Finding(
+                    "error",
+                    pattern,
+                    "plan",
+                    f"pattern {pattern!r} matches only second paths of modules reached at two "
+                    f"paths ({pairs}); a shared module is configured once, at its first path.",
+                    f"name it by its first path ({aliases[alias_hits[0]]!r}).",
+                )
+            )
+        elif not hits:
             near = difflib.get_close_matches(pattern, list(modules), n=3, cutoff=0.5)
             hint = f"nearest module paths: {near}" if near else "no similar module paths"
             findings.append(

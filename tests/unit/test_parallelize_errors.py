@@ -199,6 +199,12 @@ def _cfg(**kw: Any) -> ShardingConfig:
 TP_R = {"tp": Replicate()}
 
 
+def _shared_toy() -> Toy:
+    model = Toy()
+    model.layers[1] = model.layers[0]
+    return model
+
+
 def _changed_colwise() -> ShardingConfig:
     config = colwise()
     config.state_shardings["weight"] = {"tp": 0}  # type: ignore[dict-item]
@@ -518,6 +524,14 @@ CASES: dict[str, Case] = {
         _plan({"layers.3.atention.wq": colwise()}),
         ["layers.3.atention.wq:", "matches no module", "'layers.3.attention.wq'", "real module"],
         _plan({"layers.3.attention.wq": colwise()}),
+    ),
+    "second_path_of_a_shared_module": Case(
+        # One block at layers.0 and layers.1 (weights shared): torch reaches layers.1.mlp.up
+        # by get_submodule; here it was "matches no module (nearest: layers.0.mlp.up)".
+        lambda: _shared_toy(),
+        _plan({"layers.1.mlp.up": colwise()}),
+        ["layers.1.mlp.up:", "'layers.1.mlp.up' is 'layers.0.mlp.up'", "name it by its first"],
+        _plan({"layers.0.mlp.up": colwise()}),
     ),
     "wildcard_matches_nothing": Case(
         lambda: Toy(),
