@@ -60,13 +60,16 @@ def placement_to_str(placement: Placement) -> str:
     )
 
 
-_SHARD_RE = re.compile(r"^(?:Shard|S)\(\s*(-?\d+)\s*\)$")
+# torch's own reprs too: Shard(dim=0), Partial(reduce_op=sum) (what a printed plan shows).
+_SHARD_RE = re.compile(r"^(?:Shard|S)\(\s*(?:dim\s*=\s*)?(-?\d+)\s*\)$")
 _REPLICATE_RE = re.compile(r"^(?:Replicate\(\s*\)|Replicate|R)$")
-_PARTIAL_RE = re.compile(r"^(?:Partial|P)(?:\(\s*['\"]?(\w*)['\"]?\s*\))?$")
+_PARTIAL_RE = re.compile(r"^(?:Partial|P)(?:\(\s*(?:reduce_op\s*=\s*)?['\"]?(\w*)['\"]?\s*\))?$")
 
 
 def placement_from_str(text: str) -> Placement:
     """Parse placement text: ``Shard(0)``/``S(0)``, ``Replicate()``/``R``, ``Partial(sum)``/``P``.
+
+    torch's reprs read too (``Shard(dim=0)``, ``Partial(reduce_op=avg)``).
 
     Raises:
         ValueError: Quoting the text, when it is none of the forms above.

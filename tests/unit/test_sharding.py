@@ -579,6 +579,11 @@ def test_placement_text_forms(placement, text):
         ("P", Partial("sum")),
         ("Partial(max)", Partial("max")),
         ("Partial(min)", Partial("min")),
+        # torch's reprs, as a printed DTensor shows them (were refused)
+        (repr(Shard(0)), Shard(0)),
+        ("Shard(dim = -1)", Shard(-1)),
+        (repr(Partial("avg")), Partial("avg")),
+        ("Partial(reduce_op=sum)", Partial("sum")),
     ],
 )
 def test_short_placement_forms_are_accepted(text, placement):
