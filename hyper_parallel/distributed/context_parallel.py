@@ -315,17 +315,25 @@ def cp_findings(model_config: Any, layout: MeshLayout, seq_len: int | None = Non
             )
         )
     if seq_len is not None and cp > 1 and seq_len % (2 * cp):
-        step = 2 * cp
+        # Under sequence parallelism each cp rank's share is split again over tp: the
+        # lengths and cp sizes offered must pass that check too.
+        sp_tp = tp if tp > 1 and _sequence_parallel(model_config) else 1
+        step = cp * math.lcm(2, sp_tp)
         lengths = [n for n in (seq_len - seq_len % step, seq_len - seq_len % step + step) if n]
-        sizes = [c for c in range(2, min(seq_len // 2, 64) + 1) if seq_len % (2 * c) == 0]
+        sizes = [
+            c
+            for c in range(2, min(seq_len // 2, 64) + 1)
+            if seq_len % (c * math.lcm(2, sp_tp)) == 0
+        ]
+        what = f"{step}" if sp_tp == 1 else f"cp x lcm(2, tp) = {step}"
         out.append(
             _error(
                 "data",
                 "seq_len",
                 f"a sequence of {seq_len} tokens cannot be split head-tail over cp={cp} ranks: "
-                f"that needs 2 x cp = {step} equal chunks.",
+                f"that needs 2 x cp = {2 * cp} equal chunks.",
                 f"set the sequence length (--seq; --seq-len on train.run and demo) to a "
-                f"multiple of {step} (e.g. {' or '.join(map(str, lengths))})"
+                f"multiple of {what} (e.g. {' or '.join(map(str, lengths))})"
                 + (f", or use cp among {sizes}." if sizes else ", or pad the batch."),
             )
         )

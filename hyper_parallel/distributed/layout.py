@@ -282,11 +282,33 @@ class MeshLayout:
                     f"the mesh {self} needs pp x dp_replicate x dp_shard x cp x tp = "
                     f"{needed} ranks, but the world has {world_size}.",
                     f"make the sizes multiply to {world_size} (e.g. "
-                    f"dp_shard={max(1, world_size // max(1, needed // self.dp_shard))}"
-                    f"), or launch {launch}",
+                    f"{' or '.join(map(str, self._resized(world_size)))}), or launch {launch}",
                 )
             )
         return out
+
+    def _resized(self, world_size: int) -> list[MeshLayout]:
+        """Up to two layouts near this one whose dense sizes multiply to ``world_size``:
+        one axis resized (dp_shard first, then the axes given), else each axis cut to
+        what still divides the world and the rest put on dp_shard; ``ep`` kept where it
+        still divides the axes it borrows from."""
+        out: list[MeshLayout] = []
+        order = ["dp_shard"] + [a for a in DENSE_AXES if a != "dp_shard" and self.size(a) > 1]
+        for axis in order:
+            rest = self.world_size // self.size(axis)
+            if world_size % rest == 0:
+                candidate = dataclasses.replace(self, **{axis: world_size // rest})
+                if not candidate.findings() and candidate not in out:
+                    out.append(candidate)
+        if not out:
+            sizes, left = {}, world_size
+            for axis in DENSE_AXES:
+                sizes[axis] = math.gcd(self.size(axis), left)
+                left //= sizes[axis]
+            sizes["dp_shard"] *= left
+            borrow = sizes["dp_shard"] * sizes["cp"] * sizes["tp"]
+            out.append(MeshLayout(**sizes, ep=math.gcd(self.ep, borrow)))
+        return out[:2]
 
     def check(self, world_size: int | None = None) -> None:
         """Raise :class:`LayoutError` with every error of :meth:`findings`."""

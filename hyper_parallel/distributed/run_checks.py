@@ -14,6 +14,7 @@ micro-batch count) are the run plan's; this module only refuses.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -178,6 +179,37 @@ def unused_switch_findings(
     return out
 
 
+def _sp_unit(tp: int, cp: int) -> int:
+    """What sequence parallelism needs the sequence length to be a multiple of: tp, and
+    under cp each rank's head-tail share (seq_len / cp, of 2 chunks) split over tp."""
+    return tp if cp == 1 else cp * math.lcm(2, tp)
+
+
+def _sp_fix(tp: int, cp: int, seq_len: int | None) -> str:
+    """A fix for sequence parallelism that is true of this mesh and seq_len: a tp > 1
+    the sequence splits over, or a sequence length this tp splits."""
+    if seq_len is None:
+        return "add a tp axis (e.g. tp=2), or drop --sp."
+    sizes = [d for d in range(2, 17) if d <= seq_len and seq_len % _sp_unit(d, cp) == 0]
+    flag = "the sequence length (--seq; --seq-len on train.run and demo)"
+    if tp == 1:
+        if sizes:
+            return f"add a tp axis of size {' or '.join(map(str, sizes[:3]))}, or drop --sp."
+        unit = _sp_unit(2, cp)
+        return (
+            f"add a tp axis (e.g. tp=2) and set {flag} to a multiple of {unit} "
+            f"(e.g. {seq_len + -seq_len % unit}), or drop --sp."
+        )
+    unit = _sp_unit(tp, cp)
+    below = seq_len - seq_len % unit
+    lengths = [n for n in (below, below + unit) if n]
+    what = f"tp={tp}" if cp == 1 else f"cp x lcm(2, tp) = {unit}"
+    fix = f"set {flag} to a multiple of {what} (e.g. {' or '.join(map(str, lengths))})"
+    if sizes:
+        fix += f", or use tp={sizes[0]}" if len(sizes) == 1 else f", or use tp among {sizes}"
+    return fix + ", or drop --sp."
+
+
 def switch_findings(
     layout: MeshLayout,
     *,
@@ -202,7 +234,7 @@ def switch_findings(
                 "sp",
                 f"sp (sequence parallelism) needs tp > 1 and seq_len divisible by tp (got "
                 f"tp={tp}, seq_len={seq_len}): it shards each sequence over the tp axis.",
-                "set a tp axis dividing seq_len (e.g. tp=2), or drop --sp.",
+                _sp_fix(tp, layout.cp, seq_len),
             )
         )
     dp = layout.size("batch")

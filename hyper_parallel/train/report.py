@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hyper_parallel.train.data import DEFAULT_TEXT, available_texts
+
 __all__ = ["RunReport", "check_fields", "check_files", "check_outputs", "log_path"]
 
 
@@ -171,8 +173,9 @@ def batches_per_epoch(data: Any) -> int:
 
 def unused_options(cfg: Any) -> list[str]:
     """Notes for options this run would not use: checkpoint options without
-    ``--checkpoint-dir``, evaluation options without evaluation data, ``--min-lr`` under
-    the constant schedule, a weight decay bf16-true rounds away. Said, not refused (a job file may carry them for the runs
+    ``--checkpoint-dir``, evaluation options without evaluation data, ``--text`` beside
+    ``--data``, ``--text-field`` without ``.jsonl`` data, ``--min-lr`` under the constant
+    schedule, a weight decay bf16-true rounds away. Said, not refused (a job file may carry them for the runs
     that do)."""
     out = []
     ckpt = [
@@ -207,6 +210,26 @@ def unused_options(cfg: Any) -> list[str]:
             f"note: --min-lr {cfg.min_lr:g}: the constant schedule does not decay, so the run "
             "does not use it. Fix: pick a decaying --lr-schedule (cosine, linear, wsd), or "
             "drop it."
+        )
+    if cfg.data and cfg.text != DEFAULT_TEXT:
+        unknown = cfg.text not in available_texts()
+        out.append(
+            f"note: --text {cfg.text}: --data gives the training data, so the run does not "
+            "read the shipped text"
+            + (
+                f" (and there is no shipped text of that name: {available_texts()})"
+                if unknown
+                else ""
+            )
+            + ". Fix: drop --text."
+        )
+    jsonl = [
+        p for p in f"{cfg.data or ''},{cfg.eval_data or ''}".split(",") if p.endswith(".jsonl")
+    ]
+    if cfg.text_field != "text" and not jsonl:
+        out.append(
+            f"note: --text-field {cfg.text_field}: no .jsonl data (--data, --eval-data), so the "
+            "run does not use it. Fix: drop it."
         )
     decay = cfg.lr * cfg.weight_decay
     if cfg.dtype == "bf16-true" and 0 < decay < 2**-9:
@@ -445,10 +468,17 @@ class RunReport:
         t = self.trainer
         if t.data.epoch != self.epoch:
             self.epoch = t.data.epoch
-            self.say(
-                f"step {t.step}: the data starts over (pass {self.epoch + 1}; every one of its "
-                f"{len(t.data.tokens):,} tokens was seen)"
+            tokens = len(t.data.tokens)
+            # A pass reads whole global batches: rows overlap by one token, so it reads
+            # batches x span + 1 tokens; a tail too short for one more batch is left.
+            seen = batches_per_epoch(t.data) * t.data.span + 1
+            said = (
+                f"every one of its {tokens:,} tokens was seen"
+                if seen >= tokens
+                else f"{seen:,} of its {tokens:,} tokens were seen; the last "
+                f"{tokens - seen:,} do not fill a batch"
             )
+            self.say(f"step {t.step}: the data starts over (pass {self.epoch + 1}; {said})")
         cfg = t.cfg
         end = t.step == cfg.steps
         if self.eval_data is not None and (

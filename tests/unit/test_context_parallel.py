@@ -273,6 +273,21 @@ def test_cp_by_tp_sequence_conflict_under_sequence_parallelism():
     assert cp.cp_findings(plain_tp, layout, seq_len=20) == []  # no sequence split on tp
 
 
+def test_uneven_cp_sequence_under_sequence_parallelism_offers_lengths_tp_splits_too():
+    # It offered 28 or 32 for cp=2 x tp=3 with sp: 14 and 16 tokens per cp rank do not
+    # split over tp=3 either.
+    heads = preset_config("llama3-debug", num_heads=6, num_kv_heads=6, dim=48)
+    config = apply_cp(apply_tp_sp(heads, tp_size=3), cp_size=2)
+    layout = MeshLayout.parse("cp=2,tp=3")
+    (f,) = [f for f in cp.cp_findings(config, layout, seq_len=30) if f.field == "seq_len"]
+    assert "needs 2 x cp = 4 equal chunks" in f.message
+    assert "to a multiple of cp x lcm(2, tp) = 12 (e.g. 24 or 36), or use cp among [5]." in f.fix
+    for n in (24, 36):
+        assert [f for f in cp.cp_findings(config, layout, seq_len=n) if f.field == "seq_len"] == []
+    five = MeshLayout.parse("cp=5,tp=3")
+    assert [f for f in cp.cp_findings(config, five, seq_len=30) if f.field == "seq_len"] == []
+
+
 def test_sequence_longer_than_the_rotary_tables():
     (f,) = cp.cp_findings(preset_config("llama3-debug"), MeshLayout.parse("cp=2"), 1024)
     assert (f.path, f.field) == ("rope", "max_seq_len")

@@ -61,6 +61,25 @@ def test_world_size_mismatch_names_both_numbers():
     assert "--nproc-per-node 2" in finding.fix
 
 
+@pytest.mark.parametrize(
+    ("mesh", "world", "example"),
+    [
+        ("tp=4", 2, "(e.g. tp=2)"),
+        ("tp=2", 4, "(e.g. dp_shard=2,tp=2 or tp=4)"),
+        ("tp=4,cp=3", 2, "(e.g. tp=2)"),
+        ("pp=2,dp_shard=2,tp=2", 6, "(e.g. pp=2,dp_shard=3)"),
+        ("dp_shard=4,ep=4", 2, "(e.g. dp_shard=2,ep=2)"),
+    ],
+)
+def test_world_size_mismatch_example_multiplies_to_the_world(mesh, world, example):
+    # It said "e.g. dp_shard=1" for tp=4 on 2 ranks: still 4 ranks.
+    (finding,) = MeshLayout.parse(mesh).findings(world_size=world)
+    assert f"make the sizes multiply to {world} {example}" in finding.fix
+    said = finding.fix.split("(e.g. ")[1].split(")")[0].split(" or ")
+    for text in said:
+        assert MeshLayout.parse(text).findings(world_size=world) == []
+
+
 def test_build_without_process_group_is_a_clear_error():
     assert not dist.is_initialized()
     with pytest.raises(LayoutError, match="no process group is running"):

@@ -284,3 +284,36 @@ def test_a_switch_the_run_does_not_use_is_a_warning_every_gate_gives(
         f["field"] for f in reported if f["severity"] == "warning" and f["path"] == "switches"
     ]
     assert warned == fields
+
+
+@pytest.mark.parametrize(
+    ("mesh", "seq", "fix"),
+    [
+        ("tp=2", 31, "to a multiple of tp=2 (e.g. 30 or 32), or drop --sp."),
+        ("tp=4", 30, "to a multiple of tp=4 (e.g. 28 or 32), or use tp among [2, 3, 5, 6, 10, 15]"),
+        ("", 32, "add a tp axis of size 2 or 4 or 8, or drop --sp."),
+        ("", 31, "add a tp axis (e.g. tp=2) and set the sequence length"),
+        ("cp=2,tp=2", 31, "to a multiple of cp x lcm(2, tp) = 4 (e.g. 28 or 32)"),
+    ],
+)
+def test_the_sequence_parallel_fix_is_true_of_the_run(mesh: str, seq: int, fix: str) -> None:
+    """It said 'set a tp axis dividing seq_len (e.g. tp=2)' where tp=2 was set and did
+    not divide the sequence."""
+    from hyper_parallel.distributed.run_checks import switch_findings
+
+    layout = MeshLayout.parse(mesh)
+    (f,) = switch_findings(layout, sequence_parallel=True, seq_len=seq)
+    assert fix in f.fix, f.fix
+    lengths = f.fix.split("(e.g. ")[1].split(")")[0].split(" or ") if "(e.g. " in f.fix else []
+    if layout.tp > 1:
+        for n in map(int, lengths):
+            assert switch_findings(layout, sequence_parallel=True, seq_len=n) == []
+            assert n % (2 * layout.cp) == 0  # the cp split takes it too
+    if "tp among" in f.fix:
+        for tp in json.loads(f.fix.split("tp among ")[1].split("]")[0] + "]"):
+            other = dataclasses.replace(layout, tp=tp)
+            assert switch_findings(other, sequence_parallel=True, seq_len=seq) == []
+    if "tp axis of size" in f.fix:
+        for tp in map(int, f.fix.split("of size ")[1].split(",")[0].split(" or ")):
+            other = dataclasses.replace(layout, tp=tp)
+            assert switch_findings(other, sequence_parallel=True, seq_len=seq) == []

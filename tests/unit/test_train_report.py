@@ -207,7 +207,12 @@ def test_the_start_summary_events_and_log_file(tmp_path, small_data, capsys):
     assert f"export: Hugging Face checkpoint to {hf} at the end" in out
     assert f"log: {ckpt / 'train.log'}" in out
     # events
-    assert "step 4: the data starts over (pass 2;" in out
+    # 3 batches of 2 x 16 tokens (+1 target) read 97 of the 100; it said "every one of
+    # its 100 tokens was seen".
+    assert (
+        "step 4: the data starts over (pass 2; 97 of its 100 tokens were seen; the last 3 "
+        "do not fill a batch)" in out
+    )
     assert "step 7: the data starts over (pass 3;" in out
     assert f"step 3: checkpoint saved to {ckpt / 'step_000003'} (" in out
     assert (
@@ -320,6 +325,35 @@ def test_the_summary_says_how_a_step_runs_its_batch_and_what_it_does_not_use(cap
     assert "step:" not in out.replace("step    ", "") and "note:" not in out
 
 
+def test_text_options_data_makes_unused_are_noted(small_data, capsys):
+    """--text beside --data was neither read nor said (a missing text went unnoticed);
+    --text-field without .jsonl data likewise."""
+    from hyper_parallel.train.report import unused_options
+
+    argv = ["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--no-progress"]
+    argv += ["--data", small_data, "--text", "nonexist.txt", "--text-field", "body"]
+    assert run(argv) == 0
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note: ")]
+    assert len(notes) == 2
+    assert notes[0].startswith(
+        "note: --text nonexist.txt: --data gives the training data, so the run does not read "
+        "the shipped text (and there is no shipped text of that name: ["
+    )
+    assert notes[0].endswith("). Fix: drop --text.")
+    assert notes[1] == (
+        "note: --text-field body: no .jsonl data (--data, --eval-data), so the run does not "
+        "use it. Fix: drop it."
+    )
+    # Used, or at their defaults: nothing to say.
+    assert unused_options(TrainConfig(text="nonexist.txt", text_field="body")) == [
+        "note: --text-field body: no .jsonl data (--data, --eval-data), so the run does not "
+        "use it. Fix: drop it."
+    ]
+    assert unused_options(TrainConfig(data="a.jsonl", text_field="body")) == []
+    assert unused_options(TrainConfig(data=small_data, eval_data="b.jsonl", text_field="b")) == []
+    assert unused_options(TrainConfig(data=small_data)) == []
+
+
 def test_checkpoint_and_eval_options_without_their_target_are_noted(tmp_path, capsys):
     cfg = TrainConfig(steps=1, checkpoint_every=1, keep_checkpoints=2, eval_every=1, **TINY)
     Trainer(cfg, device="cpu").fit()
@@ -392,3 +426,26 @@ def test_the_step_line_of_a_pipeline_and_of_accumulation_over_data_ranks():
         "step: 1F1B pipeline over pp=2, 2 stages (1 per rank), 2 micro-batches of 4 "
         "sequence(s) per data-parallel rank; gradients summed over them"
     )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "said"),
+    [
+        (97, "every one of its 97 tokens was seen"),
+        (100, "97 of its 100 tokens were seen; the last 3 do not fill a batch"),
+    ],
+)
+def test_the_epoch_event_says_how_much_of_the_data_a_pass_reads(tokens, said, capsys):
+    from types import SimpleNamespace
+
+    from hyper_parallel.train.data import TextBatches
+    from hyper_parallel.train.report import RunReport
+
+    data = TextBatches(torch.arange(tokens), global_batch_size=2, seq_len=16)
+    for _ in range(4):  # 3 batches a pass; the 4th starts over
+        data.global_batch()
+    report = object.__new__(RunReport)
+    report.trainer = SimpleNamespace(data=data, step=4, cfg=SimpleNamespace(steps=10, eval_every=0))
+    report.epoch, report.eval_data, report.prints, report.log_file = 0, None, True, None
+    report.after_step(0.0)
+    assert capsys.readouterr().out == f"step 4: the data starts over (pass 2; {said})\n"
