@@ -492,18 +492,21 @@ class RunReport:
         beyond ``keep_checkpoints``. ``background``: written while training went on
         (``seconds`` from its start to its completion)."""
         cfg = self.trainer.cfg
-        removed: list[str] = []
-        if self.is_logger and cfg.keep_checkpoints and cfg.checkpoint_dir:
-            from hyper_parallel.train.checkpoint import prune_checkpoints
-
-            removed = prune_checkpoints(cfg.checkpoint_dir, cfg.keep_checkpoints)
         if not self.is_logger:
             return
+        step = self.trainer.step if step is None else step
+        size = _dir_bytes(path)  # measured first: a pruning that removed it said '0 B'
+        removed: list[str] = []
+        if cfg.keep_checkpoints and cfg.checkpoint_dir:
+            from hyper_parallel.train.checkpoint import prune_checkpoints
+
+            # The step just saved stays and counts; newer ones (an earlier run's, passed
+            # over on --resume as damaged) never count in its place.
+            removed = prune_checkpoints(cfg.checkpoint_dir, cfg.keep_checkpoints, step=step)
         gone = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
         how = " in the background" if background else ""
         self.say(
-            f"step {self.trainer.step if step is None else step}: checkpoint saved to {path} "
-            f"({_bytes(_dir_bytes(path))}, {seconds:.2f} s{how}){gone}"
+            f"step {step}: checkpoint saved to {path} ({_bytes(size)}, {seconds:.2f} s{how}){gone}"
         )
 
     def exported(self, path: str, seconds: float) -> None:
