@@ -85,12 +85,19 @@ def checkpoint_steps(checkpoint_dir: str | os.PathLike[str]) -> list[tuple[int, 
     return sorted(steps)
 
 
-def prune_checkpoints(checkpoint_dir: str | os.PathLike[str], keep: int) -> list[str]:
+def prune_checkpoints(
+    checkpoint_dir: str | os.PathLike[str], keep: int, *, step: int | None = None
+) -> list[str]:
     """Delete all but the ``keep`` newest intact checkpoints under ``checkpoint_dir``.
 
-    Only intact checkpoints count towards ``keep`` (sizes checked, as
-    :func:`verify_checkpoint` with ``contents=False``), so a damaged newest one never
-    costs the last good one. Call it on one process (the trainer: rank 0).
+    Only intact checkpoints count towards ``keep``, their checksums verified as
+    :func:`latest_checkpoint` does (a size check alone passes a shard corrupted in
+    place), so a damaged newest one never costs the last good one: it stays (for the
+    user to inspect) until ``keep`` intact ones are newer. ``step``: the step just
+    saved. Its checkpoint is kept and counts (its checksums were just computed from
+    its files); newer ones (an earlier run's, passed over on ``--resume`` as damaged)
+    are neither counted nor deleted, so they never stand in for it. Call it on one
+    process (the trainer: rank 0).
 
     Returns:
         The step directories deleted.
@@ -98,13 +105,38 @@ def prune_checkpoints(checkpoint_dir: str | os.PathLike[str], keep: int) -> list
     if keep < 1:
         return []
     kept, deleted = 0, []
-    for _, path in reversed(checkpoint_steps(checkpoint_dir)):
+    for saved_step, path in reversed(checkpoint_steps(checkpoint_dir)):
+        if step is not None and saved_step > step:
+            continue
         if kept < keep:
-            kept += verify_checkpoint(path, contents=False) is None
+            kept += saved_step == step or _verified(path)
             continue
         shutil.rmtree(path, ignore_errors=True)
         deleted.append(path)
     return deleted
+
+
+# Checkpoints whose checksums this process verified, by path, with their manifest's
+# identity: pruning after every save reads each kept checkpoint once, not at every save.
+# A step saved again is a new directory (renamed into place): a new manifest inode.
+_VERIFIED: dict[str, tuple[int, int, int]] = {}
+
+
+def _verified(path: str) -> bool:
+    """Whether the checkpoint at ``path`` is intact, checksums included (cached)."""
+    try:
+        st = os.stat(os.path.join(path, _MANIFEST))
+        identity = (st.st_dev, st.st_ino, st.st_mtime_ns)
+    except OSError:
+        identity = None  # no manifest (an old checkpoint): verified on .metadata alone
+    key = os.path.realpath(path)
+    if identity is not None and _VERIFIED.get(key) == identity:
+        return verify_checkpoint(path, contents=False) is None  # sizes: cheap, every time
+    if verify_checkpoint(path) is not None:
+        return False
+    if identity is not None:
+        _VERIFIED[key] = identity
+    return True
 
 
 def remove_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[str]:

@@ -259,6 +259,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
+    if cfg.resume:
+        # Both runs are compared from step 0 (losses and the first step's gradients); a
+        # resumed distributed run has no step 0 and the reference always starts fresh.
+        print(
+            "demo: --resume is not supported: the demo compares the distributed run with "
+            "one process from step 0 (losses and the first step's gradients). Drop "
+            "--resume (with a new --checkpoint-dir, or --overwrite to replace its "
+            "checkpoints), or continue a run with 'hyper-parallel train --resume'.",
+            file=sys.stderr,
+        )
+        return 2
     layout = cfg.layout
     mesh = layout.active()
     world = layout.world_size

@@ -19,7 +19,8 @@ and appends to ``train.log`` in the run directory (``run_dir``, else
 ``run.json`` (package version, git commit) there: :mod:`hyper_parallel.train.job`.
 
 :func:`check_outputs` refuses, before any rank builds, a run whose outputs would
-clobber something (:mod:`hyper_parallel.checkpoint_hf.outputs`).
+clobber something (:mod:`hyper_parallel.checkpoint_hf.outputs`); :func:`check_resume`
+a ``resume`` whose checkpoint is past ``steps`` (nothing would run).
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ import torch.distributed as dist
 
 from hyper_parallel.train.data import DEFAULT_TEXT, available_texts
 
-__all__ = ["RunReport", "check_fields", "check_files", "check_outputs", "log_path"]
+__all__ = [
+    "RunReport",
+    "check_fields",
+    "check_files",
+    "check_outputs",
+    "check_resume",
+    "log_path",
+]
 
 
 def check_fields(cfg: Any) -> None:
@@ -112,15 +120,47 @@ def check_outputs(cfg: Any) -> None:
             )
 
 
+def check_resume(cfg: Any) -> None:
+    """Refuse a ``resume`` whose checkpoint is past ``steps``: nothing would run.
+
+    The checkpoint is the one :func:`~hyper_parallel.train.checkpoint.latest_checkpoint`
+    picks: a newer one whose checksums fail is passed over there, so here too (only
+    checkpoints past ``steps`` are read). At ``steps`` itself the run is complete and
+    starts nothing new but its ``save_hf`` export (a restarting launcher re-running a
+    run that failed after its last save gets it written).
+
+    Raises:
+        ValueError: Naming ``--steps``, the checkpoint's step and the fix.
+    """
+    if not (cfg.resume and cfg.checkpoint_dir):
+        return
+    from hyper_parallel.train.checkpoint import checkpoint_steps, verify_checkpoint
+
+    for step, path in reversed(checkpoint_steps(cfg.checkpoint_dir)):
+        if step <= cfg.steps:
+            return
+        if verify_checkpoint(path) is None:
+            export = f" and --save-hf {cfg.save_hf} would not be written" if cfg.save_hf else ""
+            raise ValueError(
+                f"--steps {cfg.steps} is below step {step} of the checkpoint --resume "
+                f"continues from ({path}): nothing would run{export}. Pass --steps > {step} "
+                f"to train on, export it with 'hyper-parallel export-hf {path} OUT', or "
+                "choose another --checkpoint-dir."
+            )
+
+
 def check_files(cfg: Any) -> None:
-    """Before any rank builds: outputs that would clobber something, a damaged checkpoint.
+    """Before any rank builds: outputs that would clobber something, a ``resume`` past
+    ``steps``, a damaged checkpoint.
 
     Raises:
         OutputError: See :func:`check_outputs`.
+        ValueError: See :func:`check_resume`.
         HFCheckpointError: A safetensors file of ``hf_checkpoint`` is missing,
             truncated or corrupt (each named, with what is wrong).
     """
     check_outputs(cfg)
+    check_resume(cfg)
     if cfg.hf_checkpoint:
         from hyper_parallel.checkpoint_hf.io import (
             HFCheckpointError,
@@ -428,11 +468,17 @@ class RunReport:
         remaining = max(0, cfg.steps - t.step)
         passes = remaining / per_epoch
         wrap = f"; the data starts over every {per_epoch} step(s)" if passes > 1 else ""
-        lines.append(
-            f"run: steps {t.step + 1}-{cfg.steps} ({remaining}) x {cfg.batch_size} "
-            f"sequences x {cfg.seq_len} tokens = {remaining * data.span:,} tokens, "
-            f"{passes:.2f} pass(es) over the data{wrap}"
-        )
+        if remaining:
+            lines.append(
+                f"run: steps {t.step + 1}-{cfg.steps} ({remaining}) x {cfg.batch_size} "
+                f"sequences x {cfg.seq_len} tokens = {remaining * data.span:,} tokens, "
+                f"{passes:.2f} pass(es) over the data{wrap}"
+            )
+        else:  # resumed at --steps (it said "steps 7-6 (0)")
+            lines.append(
+                f"run: nothing to train: resumed at step {t.step}, --steps {cfg.steps} "
+                f"(pass --steps > {t.step} to train on)"
+            )
         step = step_line(cfg, t.run)
         if step:
             lines.append(step)
@@ -522,18 +568,21 @@ class RunReport:
         beyond ``keep_checkpoints``. ``background``: written while training went on
         (``seconds`` from its start to its completion)."""
         cfg = self.trainer.cfg
-        removed: list[str] = []
-        if self.is_logger and cfg.keep_checkpoints and cfg.checkpoint_dir:
-            from hyper_parallel.train.checkpoint import prune_checkpoints
-
-            removed = prune_checkpoints(cfg.checkpoint_dir, cfg.keep_checkpoints)
         if not self.is_logger:
             return
+        step = self.trainer.step if step is None else step
+        size = _dir_bytes(path)  # measured first: a pruning that removed it said '0 B'
+        removed: list[str] = []
+        if cfg.keep_checkpoints and cfg.checkpoint_dir:
+            from hyper_parallel.train.checkpoint import prune_checkpoints
+
+            # The step just saved stays and counts; newer ones (an earlier run's, passed
+            # over on --resume as damaged) never count in its place.
+            removed = prune_checkpoints(cfg.checkpoint_dir, cfg.keep_checkpoints, step=step)
         gone = f"; removed {', '.join(os.path.basename(p) for p in removed)}" if removed else ""
         how = " in the background" if background else ""
         self.say(
-            f"step {self.trainer.step if step is None else step}: checkpoint saved to {path} "
-            f"({_bytes(_dir_bytes(path))}, {seconds:.2f} s{how}){gone}"
+            f"step {step}: checkpoint saved to {path} ({_bytes(size)}, {seconds:.2f} s{how}){gone}"
         )
 
     def exported(self, path: str, seconds: float) -> None:

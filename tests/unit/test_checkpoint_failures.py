@@ -20,6 +20,7 @@ from hyper_parallel.train import TrainConfig, Trainer
 from hyper_parallel.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    prune_checkpoints,
     verify_checkpoint,
 )
 
@@ -93,3 +94,55 @@ def test_resume_with_another_model_config_is_a_clear_error(runs):
     with pytest.raises(ValueError, match=r"other shape: .*saved"):
         Trainer(wider, device="cpu")
     assert os.path.isdir(ckpt / "step_000004")  # nothing was touched
+
+
+def _copy_with_a_corrupt_newest(ckpt: Path, copy: Path) -> Path:
+    """Steps 2 and 4 copied; one byte of a step-4 shard flipped (same size)."""
+    for step in ("step_000002", "step_000004"):
+        (copy / step).mkdir(parents=True)
+        for f in (ckpt / step).iterdir():
+            (copy / step / f.name).write_bytes(f.read_bytes())
+    bad = _shard(copy / "step_000004")
+    data = bad.read_bytes()
+    bad.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    return bad
+
+
+def test_pruning_never_counts_a_corrupt_newest_checkpoint(runs, tmp_path):
+    """Its sizes are right, its checksums are not: it used to count as the one kept."""
+    _, ckpt, _, _ = runs
+    copy = tmp_path / "ckpt"
+    _copy_with_a_corrupt_newest(ckpt, copy)
+    assert prune_checkpoints(copy, 1) == []  # step 2 is the newest good one
+    assert sorted(os.listdir(copy)) == ["step_000002", "step_000004"]
+
+
+def test_keep_checkpoints_after_resuming_past_a_corrupt_newest_keeps_the_new_ones(runs, tmp_path):
+    """--keep-checkpoints 1, resumed from step 2 past a corrupt step 4: each save used
+    to remove itself (the corrupt 4 counted as the newest kept, the log said '0 B'),
+    leaving only the corrupt one, so the next --resume started at step 0."""
+    cfg, ckpt, losses, _ = runs
+    copy = tmp_path / "ckpt"
+    _copy_with_a_corrupt_newest(ckpt, copy)
+    resumed_cfg = cfg.replace(
+        steps=3, checkpoint_dir=str(copy), checkpoint_every=1, keep_checkpoints=1, resume=True
+    )
+    with pytest.warns(RuntimeWarning, match="skipping"):
+        resumed = Trainer(resumed_cfg, device="cpu")
+    assert resumed.step == 2
+    resumed.fit()
+    # The step just saved stays; the corrupt step 4 (newer, an earlier run's) is left
+    # alone and never counts in its place.
+    assert sorted(os.listdir(copy)) == ["step_000003", "step_000004", "train.log"]
+    log = (copy / "train.log").read_text()
+    saved = [line for line in log.splitlines() if "checkpoint saved to" in line]
+    assert len(saved) == 1 and "step_000003 (" in saved[0] and "(0 B" not in saved[0]
+    assert saved[0].endswith("; removed step_000002")
+    with pytest.warns(RuntimeWarning, match="skipping"):
+        assert latest_checkpoint(copy) == str(copy / "step_000003")
+    with pytest.warns(RuntimeWarning, match="skipping"):
+        again = Trainer(resumed_cfg.replace(steps=4), device="cpu")
+    assert again.step == 3
+    assert again.fit().losses == losses[3:]  # the run goes on as uninterrupted
+    assert sorted(os.listdir(copy)) == ["step_000004", "train.log"]  # saved over the bad 4
+    assert verify_checkpoint(copy / "step_000004") is None

@@ -203,6 +203,34 @@ def test_a_new_run_refuses_another_runs_checkpoints_and_save_hf_into_a_full_fold
     assert [s for s, _ in checkpoint_steps(ckpt)] == [1]
 
 
+def test_resume_past_steps_is_refused_before_any_output(tmp_path, capsys):
+    """--resume --steps 1 onto a step-2 checkpoint printed 'run: steps 3-1 (0)', promised
+    the export, rewrote the run's config.toml and exited 0 having written nothing."""
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    argv = [*TINY, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    assert run([*argv, "--steps", "2"]) == 0
+    record = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in ckpt.iterdir() if p.is_file()}
+    assert "config.toml" in record
+    capsys.readouterr()
+    assert run([*argv, "--resume", "--steps", "1", "--save-hf", str(hf)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "--steps 1 is below step 2" in err and "step_000002" in err
+    assert "--steps > 2" in err and "export-hf" in err and "--save-hf" in err
+    assert not hf.exists()
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in ckpt.iterdir() if p.is_file()}
+    assert after == record  # config.toml, run.json and train.log untouched
+    # A damaged step 2 is passed over as --resume does: step 1 is where it continues,
+    # and at --steps 1 the run is complete (its export still written, as on a restart).
+    shard = sorted((ckpt / "step_000002").glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+    with pytest.warns(RuntimeWarning, match="skipping"):
+        assert run([*argv, "--resume", "--steps", "1", "--save-hf", str(hf)]) == 0
+    assert (hf / "config.json").is_file()
+    assert "run: nothing to train: resumed at step 1, --steps 1" in (ckpt / "train.log").read_text()
+
+
 def test_export_hf_carries_the_tokenizer_and_never_writes_into_its_checkpoint(tiny_hf, tmp_path):
     ckpt = tmp_path / "ckpt"
     argv = [*TINY, "--steps", "1", "--hf-checkpoint", tiny_hf, "--checkpoint-dir", str(ckpt)]

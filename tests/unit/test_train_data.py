@@ -189,6 +189,21 @@ def test_demo_checks_the_run_before_starting_ranks(capsys):
     assert "at least two" in capsys.readouterr().err
 
 
+def test_demo_refuses_resume_before_starting_ranks(tmp_path, monkeypatch, capsys):
+    """It compares from step 0: resumed, the ranks' first-step gradients were never
+    written and the run was reported failed with parity nan FAIL."""
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    monkeypatch.setattr(demo, "_launch_ranks", lambda *a: pytest.fail("ranks started"))
+    argv = ["--mesh", "dp=2", "--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
+    out = tmp_path / "out"
+    assert demo.run(parser.parse_args([*argv, "--output-dir", str(out)])) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()
+    assert "--resume is not supported" in captured.err and "from step 0" in captured.err
+    assert "hyper-parallel train --resume" in captured.err
+
+
 # ---------------------------------------------------------------------- clipping
 
 
