@@ -295,6 +295,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    # What the ranks would refuse first (outputs that would clobber, a damaged
+    # checkpoint), said here before they start: it ended as "the distributed run failed".
+    from hyper_parallel.train.report import check_files
+
+    try:
+        check_files(cfg)
+    except ValueError as e:  # OutputError, HFCheckpointError: ValueErrors naming the flag
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
     os.makedirs(args.output_dir, exist_ok=True)
     out_dir = os.path.abspath(args.output_dir)
     style = _style(layout, cfg.sp)

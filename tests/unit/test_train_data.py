@@ -204,6 +204,26 @@ def test_demo_refuses_resume_before_starting_ranks(tmp_path, monkeypatch, capsys
     assert "hyper-parallel train --resume" in captured.err
 
 
+def test_demo_refuses_a_checkpoint_dir_of_another_run_before_starting_ranks(
+    tmp_path, monkeypatch, capsys
+):
+    """The ranks refuse a --checkpoint-dir holding an earlier run's checkpoints; the demo
+    reported that as "the distributed run failed" and parity nan FAIL. Said up front now."""
+    ck = tmp_path / "ck"
+    argv = ["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--no-progress"]
+    assert main([*argv, "--checkpoint-dir", str(ck), "--checkpoint-every", "1"]) == 0
+    capsys.readouterr()
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    monkeypatch.setattr(demo, "_launch_ranks", lambda *a: pytest.fail("ranks started"))
+    out = tmp_path / "out"
+    args = ["--mesh", "dp=2", "--checkpoint-dir", str(ck), "--output-dir", str(out)]
+    assert demo.run(parser.parse_args(args)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()
+    assert captured.err.startswith("demo: ") and "--overwrite" in captured.err, captured.err
+
+
 # ---------------------------------------------------------------------- clipping
 
 
