@@ -161,12 +161,23 @@ def check_output_file(
             )
     if os.path.isdir(target):
         raise OutputError(f"{what} {os.fspath(path)}: a folder is there; give a file path.")
+    if os.fspath(path).endswith(("/", os.sep)):
+        raise OutputError(
+            f"{what} {os.fspath(path)}: names a folder (ends in /); give a file path."
+        )
     if os.path.lexists(target) and not overwrite:
         raise OutputError(
             f"{what} {os.fspath(path)}: a file is there already; give another path, or pass "
             "--overwrite to replace it."
         )
-    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+    folder = os.path.dirname(target) or "."
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:  # a file where a folder of the path should be, no permission
+        raise OutputError(
+            f"{what} {os.fspath(path)}: cannot make its folder {folder} "
+            f"({e.strerror or e}); give a path in a folder you can write."
+        ) from None
 
 
 def _rank(distributed: bool) -> int:

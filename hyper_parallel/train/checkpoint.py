@@ -57,6 +57,7 @@ __all__ = [
     "async_save_checkpoint",
     "checkpoint_path",
     "checkpoint_steps",
+    "is_step_folder",
     "latest_checkpoint",
     "load_checkpoint",
     "prune_checkpoints",
@@ -69,6 +70,12 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _METADATA = ".metadata"  # written by DCP's coordinator after all ranks finished
 _MANIFEST = "checksums.json"  # written after .metadata: every file's size and CRC-32
 _CHUNK = 1 << 22
+
+
+def is_step_folder(name: str) -> bool:
+    """``name`` is a step folder's (``step_N``) or its temporary sibling's (``.partial``):
+    the checkpoint writer replaces and prunes those."""
+    return _STEP_DIR.match(name.removesuffix(".partial")) is not None
 
 
 def checkpoint_steps(checkpoint_dir: str | os.PathLike[str]) -> list[tuple[int, str]]:
@@ -146,7 +153,7 @@ def remove_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
         return []
     removed = []
     for name in sorted(os.listdir(checkpoint_dir)):
-        if _STEP_DIR.match(name.removesuffix(".partial")):
+        if is_step_folder(name):
             shutil.rmtree(os.path.join(checkpoint_dir, name), ignore_errors=True)
             removed.append(os.path.join(checkpoint_dir, name))
     return removed

@@ -18,7 +18,12 @@ them is read as before. Options given on the command line override the file.
 
 :func:`write_run_record` leaves in the run directory the resolved options as a job
 file (``config.toml``, which ``--config`` reads back) and ``run.json`` with the
-package version and the git commit of its source, when it is a checkout.
+package version and the git commit of its source, when it is a checkout. The one-off
+actions of a run (:data:`ONE_OFF_ACTIONS`: ``--overwrite``, ``--resume``) are not kept
+as options there: reading the record back repeats the run's settings, never its
+deletions; a comment says they were given. Its header is the command that reads it
+back (``torchrun`` with the run's ranks when there were several), from the folder the
+run was started in, to which its paths are relative.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import datetime
 import difflib
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -36,7 +42,7 @@ from typing import Any
 
 import tomllib
 
-__all__ = ["load_job_file", "to_toml", "write_run_record"]
+__all__ = ["ONE_OFF_ACTIONS", "load_job_file", "rerun_command", "to_toml", "write_run_record"]
 
 
 RENAMED = {
@@ -46,6 +52,12 @@ RENAMED = {
     "sequence_parallel": "sp",
 }
 """Former ``TrainConfig`` field names -> today's (the flags' names): refused with the hint."""
+
+ONE_OFF_ACTIONS = ("overwrite", "resume")
+"""``TrainConfig`` fields that act once rather than set the run (``--overwrite`` deletes
+an earlier run's checkpoints and record, ``--resume`` continues one): a run's record
+does not keep them, so reading it back with ``--config`` deletes nothing (no flag turns
+a boolean off)."""
 
 Options = Sequence[tuple[str, str, dict[str, Any]]]
 """The run-option table: (flag, TrainConfig field, argparse keywords) per option."""
@@ -167,12 +179,13 @@ def _toml_value(value: Any) -> str:
     return json.dumps(json.dumps(value))  # objects: as the JSON their option takes
 
 
-def to_toml(cfg: Any, options: Options) -> str:
-    """The options of ``cfg`` as a job file ``--config`` reads back to an equal config."""
+def to_toml(cfg: Any, options: Options, *, leave_out: Sequence[str] = ()) -> str:
+    """The options of ``cfg`` as a job file ``--config`` reads back to an equal config
+    (but for the fields named in ``leave_out``, which it does not write)."""
     lines = []
     for flag, dest, kwargs in options:
         value = getattr(cfg, dest)
-        if value is None:
+        if value is None or dest in leave_out:
             continue
         key = flag.removeprefix("--")
         if kwargs.get("action") == "store_false":
@@ -207,17 +220,64 @@ def _git_commit() -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
-def write_run_record(folder: str, cfg: Any, options: Options) -> list[str]:
+def rerun_command(config: str, world_size: int = 1, ranks_per_node: int | None = None) -> str:
+    """The command that runs the job file ``config`` on ``world_size`` ranks as a run
+    did: ``python -m`` for one, else the ``torchrun`` line of
+    :func:`~hyper_parallel.train.launch.node_command` (``ranks_per_node`` each; default:
+    all on one node)."""
+    from hyper_parallel.train.launch import TRAIN_MODULE, node_command
+
+    if world_size <= 1:
+        return f"python -m {TRAIN_MODULE} --config {shlex.quote(config)}"
+    per_node = ranks_per_node or world_size
+    nodes = max(1, world_size // per_node)
+    return node_command(["--config", config], nodes=nodes, gpus_per_node=per_node)
+
+
+def write_run_record(
+    folder: str,
+    cfg: Any,
+    options: Options,
+    *,
+    world_size: int = 1,
+    ranks_per_node: int | None = None,
+) -> list[str]:
     """Write ``config.toml`` (the resolved options) and ``run.json`` (version, commit) to
-    ``folder``; returns their paths. Call it on one process (the trainer: rank 0)."""
+    ``folder``; returns their paths. Call it on one process (the trainer: rank 0).
+
+    ``config.toml`` leaves out :data:`ONE_OFF_ACTIONS`; its header is the command that
+    reads it back (:func:`rerun_command` with ``world_size`` ranks, ``ranks_per_node``
+    on each node) from the working directory of this process, which its relative paths
+    (``folder`` among them) are relative to.
+    """
     from hyper_parallel import __version__
 
     os.makedirs(folder, exist_ok=True)
     config = os.path.join(folder, "config.toml")
+    cwd = os.getcwd()
+    command = f"cd {shlex.quote(cwd)} && {rerun_command(config, world_size, ranks_per_node)}"
+    if getattr(cfg, "checkpoint_dir", None):
+        how = [
+            "# to continue it from its latest checkpoint, from there:",
+            f"#   {command} --resume",
+            "# (--overwrite instead of --resume starts it over, deleting its checkpoints).",
+        ]
+    else:
+        how = [
+            "# to run it again, from there (replacing this record and its log):",
+            f"#   {command} --overwrite",
+        ]
+    head = [
+        "# The resolved options of this run. Its relative paths are relative to the folder",
+        f"# it was started in, {cwd};",
+        *how,
+    ]
+    given = [f"--{dest}" for dest in ONE_OFF_ACTIONS if getattr(cfg, dest, False)]
+    if given:
+        head.append(f"# Given to this run, one-off actions not kept here: {' '.join(given)}")
     with open(config, "w", encoding="utf-8") as f:
-        f.write("# The resolved options of this run: python -m hyper_parallel.train.run --config ")
-        f.write("config.toml\n")
-        f.write(to_toml(cfg, options))
+        f.write("\n".join(head) + "\n")
+        f.write(to_toml(cfg, options, leave_out=ONE_OFF_ACTIONS))
     record = os.path.join(folder, "run.json")
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     with open(record, "w", encoding="utf-8") as f:

@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -37,11 +38,14 @@ import torch.distributed as dist
 from hyper_parallel.train.data import DEFAULT_TEXT, available_texts
 
 __all__ = [
+    "RECORD_FILES",
     "RunReport",
     "check_fields",
     "check_files",
     "check_outputs",
+    "check_overlaps",
     "check_resume",
+    "check_run_files",
     "log_path",
 ]
 
@@ -82,12 +86,13 @@ def log_path(cfg: Any) -> str | None:
     return None if folder is None else os.path.join(folder, "train.log")
 
 
-def check_outputs(cfg: Any) -> None:
+def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> None:
     """Refuse outputs that would clobber something, before anything runs.
 
     ``save_hf`` must be new or empty (or ``overwrite``) and never one of the run's
     inputs; a new run (no ``resume``) may not start in a ``checkpoint_dir`` that holds
-    checkpoints of another run unless ``overwrite``.
+    checkpoints of another run unless ``overwrite``; no output may replace another
+    (:func:`check_overlaps`; ``files``: the file outputs by flag).
 
     Raises:
         OutputError: What is refused and how to proceed.
@@ -118,6 +123,7 @@ def check_outputs(cfg: Any) -> None:
                 f"({len(steps)}, the latest {os.path.basename(steps[-1][1])}); pass --resume to "
                 "continue it, --overwrite to replace them, or choose another directory."
             )
+    check_overlaps(cfg, files)
 
 
 def check_resume(cfg: Any) -> None:
@@ -149,17 +155,150 @@ def check_resume(cfg: Any) -> None:
             )
 
 
-def check_files(cfg: Any) -> None:
+RECORD_FILES = ("config.toml", "run.json")
+"""The record ``train.run`` leaves in the run directory (:mod:`hyper_parallel.train.job`)."""
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.fspath(path))
+
+
+def _inside(child: str, parent: str) -> bool:
+    """``child`` is ``parent`` or lies under it (both real paths)."""
+    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def _step_folder(path: str, checkpoint_dir: str) -> str | None:
+    """The checkpoint step folder (``step_N``, ``step_N.partial``) of ``checkpoint_dir``
+    that ``path`` is or lies in, else ``None`` (real paths)."""
+    from hyper_parallel.train.checkpoint import is_step_folder
+
+    if path == checkpoint_dir or not _inside(path, checkpoint_dir):
+        return None
+    first = os.path.relpath(path, checkpoint_dir).split(os.sep)[0]
+    return first if is_step_folder(first) else None
+
+
+def check_overlaps(cfg: Any, files: Mapping[str, str | None] | None = None) -> None:
+    """Refuse outputs of one run that would replace one another, before anything runs.
+
+    ``--run-dir``, ``--checkpoint-dir`` and ``--tensorboard`` add files under their own
+    names and may share a folder; but ``--save-hf`` is replaced whole at the end and a
+    checkpoint step folder at each save, so no other output may be (or lie in) either;
+    and a file output (``files``: flag -> path, such as ``--metrics-out``) may not be
+    another output, hold one, or be the run's record (``train.log``, ``config.toml``,
+    ``run.json``).
+
+    Raises:
+        OutputError: The two outputs, named by their flags, and the fix.
+    """
+    from hyper_parallel.checkpoint_hf.outputs import OutputError
+
+    folders = [
+        ("--run-dir", cfg.run_dir),
+        ("--checkpoint-dir", cfg.checkpoint_dir),
+        ("--tensorboard", cfg.tensorboard),
+    ]
+    folders = [(flag, path) for flag, path in folders if path]
+    singles = [(flag, path) for flag, path in (files or {}).items() if path]
+    if cfg.save_hf:
+        target = _real(cfg.save_hf)
+        for flag, path in folders + singles:
+            if _inside(_real(path), target):
+                how = "is" if _real(path) == target else "lies in"
+                raise OutputError(
+                    f"{flag} {path} {how} --save-hf {cfg.save_hf}, which the run replaces as "
+                    "a whole with its Hugging Face export at the end (refused there as not "
+                    "empty, or with --overwrite deleting what the run wrote). Fix: give "
+                    "--save-hf a directory of its own (a new folder inside the run "
+                    "directory is fine)."
+                )
+    if cfg.checkpoint_dir:
+        ckpt = _real(cfg.checkpoint_dir)
+        others = [("--save-hf", cfg.save_hf)] if cfg.save_hf else []
+        for flag, path in folders + singles + others:
+            step = _step_folder(_real(path), ckpt)
+            if step is not None:
+                raise OutputError(
+                    f"{flag} {path} lies in the checkpoint folder {step} of --checkpoint-dir "
+                    f"{cfg.checkpoint_dir}, which each save replaces and --keep-checkpoints "
+                    "deletes. Fix: choose a path outside the step_* folders."
+                )
+    log = log_path(cfg)
+    record = []
+    if log is not None:
+        record = [os.path.join(os.path.dirname(log), n) for n in ("train.log", *RECORD_FILES)]
+    for i, (flag, path) in enumerate(singles):
+        target = _real(path)
+        for other, held in folders + singles[:i] + [("the run's record", r) for r in record]:
+            if _inside(_real(held), target):
+                how = "is" if _real(held) == target else "holds"
+                raise OutputError(
+                    f"{flag} {path}: it {how} {other} {held}, which the run writes too. "
+                    f"Fix: give {flag} a file of its own."
+                )
+
+
+def check_run_files(
+    cfg: Any,
+    files: Mapping[str, str | None] | None = None,
+    config_file: str | None = None,
+) -> None:
+    """The checks of :func:`check_files` that a run of ``train.run`` adds: its file
+    outputs (``files``: flag -> path, ``--metrics-out``, ``--grads-out``) and its record.
+
+    A file output is never one of the run's inputs (data, tokenizer, the Hugging Face
+    checkpoint's files, ``config_file``), even with ``overwrite``, nor a folder, nor a
+    file that is there unless ``overwrite``; its folder is made. The run directory may
+    not hold another run's record unless ``resume`` (continue it) or ``overwrite``.
+
+    Raises:
+        OutputError: What is refused and the fix.
+    """
+    from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output_file
+    from hyper_parallel.train.run_hooks import tokenizer_path
+
+    inputs = [tokenizer_path(cfg), config_file, getattr(cfg, "hf_config", None)]
+    for given in (cfg.data, cfg.eval_data):
+        inputs += (given or "").split(",")
+    if cfg.hf_checkpoint and os.path.isdir(cfg.hf_checkpoint):
+        inputs += [os.path.join(cfg.hf_checkpoint, n) for n in os.listdir(cfg.hf_checkpoint)]
+    log = log_path(cfg)
+    folder = os.path.dirname(log) or "." if log is not None else None
+    held = [n for n in RECORD_FILES if folder and os.path.isfile(os.path.join(folder, n))]
+    if held and not (cfg.resume or cfg.overwrite):
+        flag = "--run-dir" if cfg.run_dir else "--checkpoint-dir"
+        raise OutputError(
+            f"{flag} {folder} holds the record of an earlier run ({', '.join(held)}); pass "
+            "--resume to continue it, --overwrite to replace it, or choose another directory."
+        )
+    # Last: a file output's folder is made once nothing is refused.
+    for flag, path in (files or {}).items():
+        if path:
+            check_output_file(path, overwrite=cfg.overwrite, inputs=inputs, what=flag)
+
+
+def check_files(
+    cfg: Any,
+    *,
+    files: Mapping[str, str | None] | None = None,
+    config_file: str | None = None,
+) -> None:
     """Before any rank builds: outputs that would clobber something, a ``resume`` past
     ``steps``, a damaged checkpoint.
 
+    Args:
+        cfg: The run's ``TrainConfig``.
+        files: The file outputs of ``train.run`` by flag (``--metrics-out``, ``--grads-out``).
+        config_file: The ``--config`` file the options came from (an input).
+
     Raises:
-        OutputError: See :func:`check_outputs`.
+        OutputError: See :func:`check_outputs` and :func:`check_run_files`.
         ValueError: See :func:`check_resume`.
         HFCheckpointError: A safetensors file of ``hf_checkpoint`` is missing,
             truncated or corrupt (each named, with what is wrong).
     """
-    check_outputs(cfg)
+    check_outputs(cfg, files)
     check_resume(cfg)
     if cfg.hf_checkpoint:
         from hyper_parallel.checkpoint_hf.io import (
@@ -169,12 +308,13 @@ def check_files(cfg: Any) -> None:
         )
 
         try:
-            files = sorted(set(checkpoint_files(cfg.hf_checkpoint).values()))
+            shards = sorted(set(checkpoint_files(cfg.hf_checkpoint).values()))
         except FileNotFoundError as e:
             raise ValueError(f"--hf-checkpoint: {e}") from None
-        damaged = [p for p in map(safetensors_problem, files) if p]
+        damaged = [p for p in map(safetensors_problem, shards) if p]
         if damaged:
             raise HFCheckpointError(f"--hf-checkpoint {cfg.hf_checkpoint}", damaged)
+    check_run_files(cfg, files, config_file)  # last: it makes the file outputs' folders
 
 
 def _count(n: float) -> str:

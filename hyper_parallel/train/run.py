@@ -52,6 +52,7 @@ from hyper_parallel.train.arguments import (
     mesh_argument,
     parse_mesh,
 )
+from hyper_parallel.train.checkpoint import checkpoint_steps
 from hyper_parallel.train.job import write_run_record
 from hyper_parallel.train.trainer import Trainer, check_config
 
@@ -156,7 +157,12 @@ def main(
         cfg, hf = run_hooks.resolve_model(cfg)
         problems = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if not problems:
-            report.check_files(cfg)
+            files = {"--metrics-out": args.metrics_out, "--grads-out": args.grads_out}
+            if cfg.resume and cfg.checkpoint_dir and checkpoint_steps(cfg.checkpoint_dir):
+                # The first step's gradients are not this run's (a restarting launcher's
+                # second start finds the file its first one wrote): nothing is written.
+                files.pop("--grads-out")
+            report.check_files(cfg, files=files, config_file=getattr(args, "config", None))
     except ValueError as e:
         if first:
             print(f"{parser.prog}: error: {e}", file=sys.stderr)
@@ -184,7 +190,15 @@ def main(
         folder = report.log_path(cfg)
         if rank == 0 and folder is not None:
             # The run directory keeps what ran: the resolved options, version and commit.
-            write_run_record(os.path.dirname(folder) or ".", trainer.cfg, RUN_OPTIONS)
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            write_run_record(
+                os.path.dirname(folder) or ".",
+                trainer.cfg,
+                RUN_OPTIONS,
+                world_size=world,
+                ranks_per_node=per_node,
+            )
         result = trainer.fit()
         rank = dist.get_rank() if dist.is_initialized() else 0
         if rank == 0 and args.metrics_out:

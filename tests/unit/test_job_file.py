@@ -104,6 +104,67 @@ def test_the_run_directory_keeps_the_resolved_config_version_and_commit(tmp_path
     assert "train.log" in {p.name for p in run_dir.iterdir()}
 
 
+def _header_command(config) -> list[str]:
+    """The command the header of ``config`` gives, as words (``cd DIR && ...``)."""
+    import shlex
+
+    (line,) = [ln for ln in config.read_text().splitlines() if ln.startswith("#   cd ")]
+    return shlex.split(line.removeprefix("#"))
+
+
+def test_a_run_record_keeps_no_one_off_action_and_its_header_runs_it_again(
+    tmp_path, capsys, monkeypatch
+):
+    from hyper_parallel.train.checkpoint import checkpoint_steps
+
+    # Reading a record back with --config repeated its --overwrite (no flag turns a
+    # boolean off) and deleted the run's checkpoints; its header said "--config
+    # config.toml" for a record in ck/, which, followed, trained into ck/ck/.
+    monkeypatch.chdir(tmp_path)
+    argv = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--log-every", "0"]
+    argv += ["--model-overrides", '{"num_layers": 1}', "--checkpoint-dir", "ck"]
+    assert run([*argv, "--steps", "1", "--overwrite"]) == 0
+    config = tmp_path / "ck" / "config.toml"
+    text = config.read_text()
+    keys = {ln.split(" = ")[0] for ln in text.splitlines() if " = " in ln and ln[0] != "#"}
+    assert "overwrite" not in keys and "resume" not in keys
+    assert "# Given to this run, one-off actions not kept here: --overwrite" in text
+    assert run(["--config", "ck/config.toml", "--steps", "1"]) == 2
+    assert "holds checkpoints of an earlier run" in capsys.readouterr().err
+    assert [s for s, _ in checkpoint_steps("ck")] == [1]
+    # The header's command, followed literally from elsewhere, continues this run.
+    words = _header_command(config)
+    assert words[:3] == ["cd", str(tmp_path), "&&"]
+    assert words[3:] == [
+        *("python", "-m", "hyper_parallel.train.run", "--config", "ck/config.toml", "--resume")
+    ]
+    monkeypatch.chdir(tmp_path / "ck")
+    monkeypatch.chdir(words[1])
+    assert run([*words[6:], "--steps", "2"]) == 0
+    assert [s for s, _ in checkpoint_steps("ck")] == [1, 2]
+    assert not (tmp_path / "ck" / "ck").exists()
+    assert "--resume" in config.read_text() and "resume = " not in config.read_text()
+
+
+def test_the_header_of_a_multi_rank_record_is_its_torchrun_line(tmp_path, monkeypatch):
+    from hyper_parallel.train.arguments import RUN_OPTIONS
+    from hyper_parallel.train.job import rerun_command, write_run_record
+
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig(mesh={"dp_shard": 2}, run_dir="out/run")
+    write_run_record("out/run", cfg, RUN_OPTIONS, world_size=2, ranks_per_node=2)
+    words = _header_command(tmp_path / "out" / "run" / "config.toml")
+    assert words[3:] == [
+        *("torchrun", "--standalone", "--nproc-per-node", "2"),
+        *("-m", "hyper_parallel.train.run", "--config", "out/run/config.toml", "--overwrite"),
+    ]
+    two_nodes = rerun_command("c.toml", world_size=16, ranks_per_node=8)
+    assert two_nodes.startswith("torchrun --nnodes 2 --nproc-per-node 8 ")
+    assert rerun_command("my dir/c.toml") == (
+        "python -m hyper_parallel.train.run --config 'my dir/c.toml'"
+    )
+
+
 def test_a_json_file_of_trainconfig_fields_still_reads(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(TrainConfig(steps=5, seed=3).to_dict()))

@@ -324,6 +324,109 @@ def test_save_hf_never_replaces_a_checkpoint_of_the_run(tmp_path, capsys):
     assert [s for s, _ in checkpoint_steps(ckpt)] == [1, 2]
 
 
+class _Built(Exception):
+    """The run got past its checks and built a trainer."""
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """``train.run`` raises :class:`_Built` where it would build the trainer: a refusal
+    (exit 2 with no ``_Built``) came before any work."""
+    import hyper_parallel.train.run as run_module
+
+    def built(*args, **kwargs):
+        raise _Built
+
+    monkeypatch.setattr(run_module, "Trainer", built)
+
+
+def _refused(argv, capsys) -> str:
+    capsys.readouterr()
+    assert run(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_metrics_and_grads_out_are_checked_with_the_other_outputs_before_any_work(
+    tiny_hf, tmp_path, capsys, no_training
+):
+    # They were written after the run: over the run's data or its checkpoint's config,
+    # or a traceback after all steps (a missing folder, a directory).
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("First Citizen: Before we proceed any further, hear me speak.\n" * 40)
+    job = tmp_path / "job.toml"
+    job.write_text("steps = 1\n")
+    config = Path(tiny_hf) / "config.json"
+    before = (corpus.read_text(), config.read_text(), job.read_text())
+    base = [*TINY, "--hf-checkpoint", tiny_hf, "--data", str(corpus)]
+    for flag in ("--metrics-out", "--grads-out"):
+        for target in (corpus, config, job, Path(tiny_hf) / "tokenizer.json"):
+            err = _refused([*base, "--config", str(job), flag, str(target), "--overwrite"], capsys)
+            assert f"{flag} {target}: it is the input" in err and "even with --overwrite" in err
+        err = _refused([*base, flag, str(tmp_path)], capsys)
+        assert f"{flag} {tmp_path}: a folder is there; give a file path" in err
+        there = tmp_path / "there.json"
+        there.write_text("{}")
+        err = _refused([*base, flag, str(there)], capsys)
+        assert "a file is there already" in err and "--overwrite" in err
+        blocked = tmp_path / "a-file" / "m.json"
+        (tmp_path / "a-file").write_text("")
+        assert "cannot make its folder" in _refused([*base, flag, str(blocked)], capsys)
+    assert (corpus.read_text(), config.read_text(), job.read_text()) == before
+    same = str(tmp_path / "out.pt")
+    err = _refused([*base, "--metrics-out", same, "--grads-out", same], capsys)
+    assert f"--grads-out {same}: it is --metrics-out {same}" in err
+    # A folder that is not there is made, as every other writer does; the run goes on.
+    with pytest.raises(_Built):
+        run([*base, "--metrics-out", str(tmp_path / "new" / "m.json")])
+    assert (tmp_path / "new").is_dir()
+
+
+def test_outputs_that_would_replace_one_another_are_refused_before_any_work(
+    tmp_path, capsys, no_training
+):
+    # --run-dir X --save-hf X trained, then failed at the export (not empty); with
+    # --overwrite the export deleted the run's own config.toml and run.json.
+    out = tmp_path / "out"
+    for flag in ("--run-dir", "--tensorboard"):
+        for target in (out, out / "sub"):
+            for extra in ([], ["--overwrite"]):
+                argv = [*TINY, flag, str(target), "--save-hf", str(out), *extra]
+                err = _refused(argv, capsys)
+                assert f"{flag} {target}" in err and f"--save-hf {out}" in err
+                assert "a directory of its own" in err
+    err = _refused([*TINY, "--metrics-out", str(out / "m.json"), "--save-hf", str(out)], capsys)
+    assert "lies in --save-hf" in err
+    ckpt = tmp_path / "ckpt"
+    step = ckpt / "step_000002"
+    err = _refused([*TINY, "--checkpoint-dir", str(ckpt), "--run-dir", str(step)], capsys)
+    assert "lies in the checkpoint folder step_000002" in err
+    err = _refused([*TINY, "--run-dir", str(out), "--metrics-out", str(out / "run.json")], capsys)
+    assert "it is the run's record" in err
+    assert not out.exists() and not ckpt.exists()
+    # What may share a folder still does: the log, checkpoints, events, an export inside.
+    with pytest.raises(_Built):
+        argv = ["--run-dir", str(out), "--checkpoint-dir", str(out), "--tensorboard", str(out)]
+        run([*TINY, *argv, "--save-hf", str(out / "hf"), "--metrics-out", str(out / "m.json")])
+
+
+def test_a_new_run_refuses_a_run_dir_holding_another_runs_record(tmp_path, capsys):
+    # A second run into the same --run-dir replaced the first one's config.toml and run.json.
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    argv = [*TINY, "--steps", "1", "--run-dir", str(run_dir), "--checkpoint-dir", str(ckpt)]
+    assert run(argv) == 0
+    record = {n: (run_dir / n).read_text() for n in ("config.toml", "run.json")}
+    other = [*TINY, "--steps", "1", "--run-dir", str(run_dir)]  # not its checkpoints
+    err = _refused(other, capsys)
+    assert f"--run-dir {run_dir} holds the record of an earlier run (config.toml, run.json)" in err
+    assert "--resume" in err and "--overwrite" in err
+    assert {n: (run_dir / n).read_text() for n in record} == record
+    # --resume continues it (train.log goes on); --overwrite replaces it.
+    assert run([*argv[:-1], str(ckpt), "--resume", "--steps", "2"]) == 0
+    assert (run_dir / "train.log").read_text().count("=== run started") == 2
+    assert run([*other, "--overwrite"]) == 0
+    assert (run_dir / "train.log").read_text().count("=== run started") == 1
+
+
 def test_the_hugging_face_config_is_read_once_per_run(tiny_hf, tmp_path, monkeypatch):
     # Every reader on the train path (the model, the data's end-of-sequence id, each
     # checkpoint's model record, --save-hf) takes the config read once where the run is
