@@ -249,7 +249,8 @@ def check_run_files(
 
     A file output is never one of the run's inputs (data, tokenizer, the Hugging Face
     checkpoint's files, ``config_file``), even with ``overwrite``, nor a folder, nor a
-    file that is there unless ``overwrite``; its folder is made. The run directory may
+    file that is there unless ``overwrite`` (or, for ``--metrics-out``, ``resume``: the
+    run's own earlier metrics); its folder is made. The run directory may
     not hold another run's record unless ``resume`` (continue it) or ``overwrite``.
 
     Raises:
@@ -275,7 +276,10 @@ def check_run_files(
     # Last: a file output's folder is made once nothing is refused.
     for flag, path in (files or {}).items():
         if path:
-            check_output_file(path, overwrite=cfg.overwrite, inputs=inputs, what=flag)
+            # A resumed run's metrics replace those its earlier part wrote (a run continued
+            # to more --steps with the same flags); inputs are refused all the same.
+            replace = cfg.overwrite or (flag == "--metrics-out" and cfg.resume)
+            check_output_file(path, overwrite=replace, inputs=inputs, what=flag)
 
 
 def check_files(

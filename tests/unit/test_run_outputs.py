@@ -379,6 +379,13 @@ def test_metrics_and_grads_out_are_checked_with_the_other_outputs_before_any_wor
     with pytest.raises(_Built):
         run([*base, "--metrics-out", str(tmp_path / "new" / "m.json")])
     assert (tmp_path / "new").is_dir()
+    # A resumed run replaces its own earlier metrics (continued with the same flags); its
+    # inputs stay refused.
+    resume = ["--resume", "--checkpoint-dir", str(tmp_path / "ck")]
+    with pytest.raises(_Built):
+        run([*base, "--metrics-out", str(there), *resume])
+    err = _refused([*base, "--metrics-out", str(corpus), *resume], capsys)
+    assert f"--metrics-out {corpus}: it is the input" in err
 
 
 def test_outputs_that_would_replace_one_another_are_refused_before_any_work(
