@@ -56,10 +56,7 @@ def test_the_manifest_lists_every_file_with_size_and_checksum(runs):
 def test_damaged_shard_falls_back_to_the_previous_checkpoint(runs, tmp_path, damage):
     cfg, ckpt, losses, params = runs
     copy = tmp_path / "ckpt"
-    for step in ("step_000002", "step_000004"):
-        (copy / step).mkdir(parents=True)
-        for f in (ckpt / step).iterdir():
-            (copy / step / f.name).write_bytes(f.read_bytes())
+    _copy_steps(ckpt, copy)
     bad = _shard(copy / "step_000004")
     data = bad.read_bytes()
     if damage == "truncate":
@@ -96,12 +93,17 @@ def test_resume_with_another_model_config_is_a_clear_error(runs):
     assert os.path.isdir(ckpt / "step_000004")  # nothing was touched
 
 
-def _copy_with_a_corrupt_newest(ckpt: Path, copy: Path) -> Path:
-    """Steps 2 and 4 copied; one byte of a step-4 shard flipped (same size)."""
+def _copy_steps(ckpt: Path, copy: Path) -> None:
+    """The checkpoints of steps 2 and 4 of ``ckpt`` copied into ``copy``."""
     for step in ("step_000002", "step_000004"):
         (copy / step).mkdir(parents=True)
         for f in (ckpt / step).iterdir():
             (copy / step / f.name).write_bytes(f.read_bytes())
+
+
+def _copy_with_a_corrupt_newest(ckpt: Path, copy: Path) -> Path:
+    """Steps 2 and 4 copied; one byte of a step-4 shard flipped (same size)."""
+    _copy_steps(ckpt, copy)
     bad = _shard(copy / "step_000004")
     data = bad.read_bytes()
     bad.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
