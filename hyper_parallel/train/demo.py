@@ -297,8 +297,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # What the ranks would refuse first (outputs that would clobber, a damaged
     # checkpoint), said here before they start: it ended as "the distributed run failed".
+    from hyper_parallel.train.checkpoint import checkpoint_steps
     from hyper_parallel.train.report import check_files
 
+    if cfg.checkpoint_dir and not cfg.overwrite and checkpoint_steps(cfg.checkpoint_dir):
+        # The trainer's message offers --resume, which the demo refuses (above).
+        print(
+            f"demo: --checkpoint-dir {cfg.checkpoint_dir} holds checkpoints of an earlier "
+            "run, and the demo trains from step 0: pass --overwrite to replace them, or "
+            "choose another directory.",
+            file=sys.stderr,
+        )
+        return 2
     try:
         check_files(cfg)
     except ValueError as e:  # OutputError, HFCheckpointError: ValueErrors naming the flag

@@ -221,7 +221,8 @@ def test_demo_refuses_a_checkpoint_dir_of_another_run_before_starting_ranks(
     assert demo.run(parser.parse_args(args)) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and not out.exists()
-    assert captured.err.startswith("demo: ") and "--overwrite" in captured.err, captured.err
+    assert captured.err.startswith("demo: ") and "pass --overwrite" in captured.err
+    assert "--resume" not in captured.err  # what the demo refuses is not offered
 
 
 # ---------------------------------------------------------------------- clipping
