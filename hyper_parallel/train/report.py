@@ -359,8 +359,8 @@ def unused_options(cfg: Any) -> list[str]:
     """Notes for options this run would not use: checkpoint options without
     ``--checkpoint-dir``, evaluation options without evaluation data, ``--text`` beside
     ``--data``, ``--text-field`` without ``.jsonl`` data, ``--min-lr`` under the constant
-    schedule, a weight decay bf16-true rounds away. Said, not refused (a job file may carry them for the runs
-    that do)."""
+    schedule, a weight decay bf16-true rounds away. Said, not refused (a job file may
+    carry them for the runs that do)."""
     out = []
     ckpt = [
         flag
