@@ -42,7 +42,16 @@ from typing import Any
 
 import tomllib
 
-__all__ = ["ONE_OFF_ACTIONS", "load_job_file", "rerun_command", "to_toml", "write_run_record"]
+__all__ = [
+    "ONE_OFF_ACTIONS",
+    "TRAIN_MODULE",
+    "load_job_file",
+    "node_command",
+    "quoted_args",
+    "rerun_command",
+    "to_toml",
+    "write_run_record",
+]
 
 
 RENAMED = {
@@ -220,13 +229,45 @@ def _git_commit() -> str | None:
     return out.stdout.strip() + ("-dirty" if dirty else "")
 
 
+TRAIN_MODULE = "hyper_parallel.train.run"
+
+
+def quoted_args(args: Sequence[str]) -> str:
+    """``args`` as one shell-quoted string."""
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def node_command(train_args: Sequence[str], *, nodes: int, gpus_per_node: int) -> str:
+    """The ``torchrun`` line that runs ``python -m hyper_parallel.train.run train_args``.
+
+    One node: ``torchrun --standalone --nproc-per-node G``. Several: the line every
+    node runs, with ``$NODE_RANK`` (0 .. nodes-1) and node 0's ``$MASTER_ADDR`` and
+    ``$MASTER_PORT`` left for the shell to fill in.
+
+    Example::
+
+        node_command(["--mesh", "dp=2,tp=8"], nodes=2, gpus_per_node=8)
+    """
+    if nodes < 1 or gpus_per_node < 1:
+        raise ValueError(
+            f"launch: nodes ({nodes}) and GPUs per node ({gpus_per_node}) must be >= 1."
+        )
+    if nodes == 1:
+        launch = f"torchrun --standalone --nproc-per-node {gpus_per_node}"
+    else:
+        launch = (
+            f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} "
+            '--node-rank "$NODE_RANK" --rdzv-backend c10d '
+            '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"'
+        )
+    return f"{launch} -m {TRAIN_MODULE} {quoted_args(train_args)}".rstrip()
+
+
 def rerun_command(config: str, world_size: int = 1, ranks_per_node: int | None = None) -> str:
     """The command that runs the job file ``config`` on ``world_size`` ranks as a run
     did: ``python -m`` for one, else the ``torchrun`` line of
-    :func:`~hyper_parallel.train.launch.node_command` (``ranks_per_node`` each; default:
+    :func:`node_command` (``ranks_per_node`` each; default:
     all on one node)."""
-    from hyper_parallel.train.launch import TRAIN_MODULE, node_command
-
     if world_size <= 1:
         return f"python -m {TRAIN_MODULE} --config {shlex.quote(config)}"
     per_node = ranks_per_node or world_size

@@ -25,40 +25,12 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from hyper_parallel.train.job import TRAIN_MODULE, node_command
+from hyper_parallel.train.job import quoted_args as _quoted
+
 __all__ = ["build_parser", "job_file", "main", "node_command", "slurm_script", "train_options"]
 
-TRAIN_MODULE = "hyper_parallel.train.run"
 DEFAULT_PORT = 29500
-
-
-def _quoted(args: Sequence[str]) -> str:
-    return " ".join(shlex.quote(a) for a in args)
-
-
-def node_command(train_args: Sequence[str], *, nodes: int, gpus_per_node: int) -> str:
-    """The ``torchrun`` line that runs ``python -m hyper_parallel.train.run train_args``.
-
-    One node: ``torchrun --standalone --nproc-per-node G``. Several: the line every
-    node runs, with ``$NODE_RANK`` (0 .. nodes-1) and node 0's ``$MASTER_ADDR`` and
-    ``$MASTER_PORT`` left for the shell to fill in.
-
-    Example::
-
-        node_command(["--mesh", "dp=2,tp=8"], nodes=2, gpus_per_node=8)
-    """
-    if nodes < 1 or gpus_per_node < 1:
-        raise ValueError(
-            f"launch: nodes ({nodes}) and GPUs per node ({gpus_per_node}) must be >= 1."
-        )
-    if nodes == 1:
-        launch = f"torchrun --standalone --nproc-per-node {gpus_per_node}"
-    else:
-        launch = (
-            f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} "
-            '--node-rank "$NODE_RANK" --rdzv-backend c10d '
-            '--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"'
-        )
-    return f"{launch} -m {TRAIN_MODULE} {_quoted(train_args)}".rstrip()
 
 
 def slurm_script(

@@ -19,7 +19,7 @@ from torch import nn
 from hyper_parallel.analysis import find_first_drift
 from hyper_parallel.analysis.equivalence import check_equivalence
 from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
-from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+from hyper_parallel.core.dtensor.placement_types import Partial, Replicate, Shard
 from hyper_parallel.dmodule import (
     LocalMapConfig,
     Module,
@@ -204,11 +204,13 @@ def test_hf_llama_with_shipped_plan_passes(dist):
 def _partial_leak() -> Any:
     torch.manual_seed(0)
     model = _MLP(bias=False)
-    # Row-wise without out_dst: the matmul's Partial sums are handed on as a plain
-    # local tensor (use_local_output), so each rank returns only its half of the sum.
+    # Row-wise handing its Partial sums on as a plain local tensor (use_local_output), so
+    # each rank returns only its half of the sum. Left implicit (no out_dst) the boundary
+    # refuses it at the call; declared Partial() it is the user's word, and wrong.
     leaky_down = ShardingConfig(
         state_shardings={"weight": {"tp": Shard(1)}},
         in_dst_shardings={"input": {"tp": Shard(-1)}},
+        out_dst_shardings={"tp": Partial()},
         use_local_output=True,
     )
     plan = {"up": colwise(bias=False), "down": leaky_down}
