@@ -255,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "log_every", None) is None:
             cfg = cfg.replace(log_every=max(1, cfg.steps // 3))
         # A Hugging Face source's config.json, read once here (the one-device run takes it).
+        replaced = run_hooks.replaced_model_note(cfg)
         cfg, hf = run_hooks.resolve_model(cfg)
     except ValueError as e:
         print(f"demo: {e}", file=sys.stderr)
@@ -314,6 +315,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # OutputError, HFCheckpointError: ValueErrors naming the flag
         print(f"demo: {e}", file=sys.stderr)
         return 2
+    if replaced:
+        print(replaced)
     os.makedirs(args.output_dir, exist_ok=True)
     out_dir = os.path.abspath(args.output_dir)
     style = _style(layout, cfg.sp)

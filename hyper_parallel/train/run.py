@@ -154,6 +154,7 @@ def main(
     try:
         cfg = config_from_args(args, int(os.environ.get("WORLD_SIZE", "1")))
         # A Hugging Face source's config.json, read once for the run (the trainer takes it).
+        replaced = run_hooks.replaced_model_note(cfg)
         cfg, hf = run_hooks.resolve_model(cfg)
         problems = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if not problems:
@@ -172,6 +173,8 @@ def main(
         if first:
             print(f"{parser.prog}: error: {len(problems)} problem(s):\n{lines}", file=sys.stderr)
         return 2
+    if first and replaced:
+        print(replaced, flush=True)
     _init_process_group()
     try:
         try:

@@ -35,6 +35,7 @@ __all__ = [
     "model_record",
     "peak_flops",
     "register_hf_specs",
+    "replaced_model_note",
     "resolve_model",
     "save_weights",
     "tokenizer_path",
@@ -59,6 +60,27 @@ def hf_model(
             (each field we do not implement, named); the message starts with ``where``.
     """
     return _model_of(_read(source, where=where), overrides)
+
+
+def replaced_model_note(cfg: Any) -> str | None:
+    """The note for a ``--model`` that ``--hf-checkpoint``/``--hf-config`` replaces.
+
+    :func:`resolve_model` takes the model from the source's ``config.json`` and drops the
+    overrides of another named model; said, not refused (a job file written for the
+    registered model may be run on a checkpoint). ``None`` when nothing is replaced.
+    """
+    from hyper_parallel.checkpoint_hf.config import hf_spec_names
+
+    source = cfg.hf_checkpoint or getattr(cfg, "hf_config", None)
+    default_model = type(cfg).__dataclass_fields__["model"].default
+    if not source or cfg.model in {default_model, *hf_spec_names()}:
+        return None
+    flag = "--hf-checkpoint" if cfg.hf_checkpoint else "--hf-config"
+    dropped = " and its --model-overrides" if cfg.model_overrides else ""
+    return (
+        f"note: --model {cfg.model}{dropped} not used: the model is {flag} {source}'s "
+        f"(its config.json). Fix: drop --model{dropped}."
+    )
 
 
 def resolve_model(cfg: Any, hf: Any = None) -> tuple[Any, Any]:

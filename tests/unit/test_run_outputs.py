@@ -613,3 +613,17 @@ def test_strided_shard_gather_warning_is_filtered_and_nothing_else(caplog):
         logger.warning(fmt, strided, (Replicate(), Replicate()), 2, "all_gather", "")
         logger.warning(fmt, (Shard(0), Shard(1)), (Replicate(), Replicate()), 2, "all_gather", "")
     assert len(caplog.records) == 1 and "Shard(dim=1)" in caplog.records[0].getMessage()
+
+
+def test_a_model_the_checkpoint_replaces_is_said(tiny_hf, capsys, no_training):
+    """--model M with --hf-checkpoint: the checkpoint's config.json decides the model and
+    M's --model-overrides were dropped, silently."""
+    argv = [*TINY, "--hf-checkpoint", tiny_hf, "--steps", "1"]
+    with pytest.raises(_Built):
+        run([*argv, "--model", "qwen3-debug", "--model-overrides", '{"rope_theta": 1000.0}'])
+    out = capsys.readouterr().out
+    assert "note: --model qwen3-debug and its --model-overrides not used" in out, out
+    assert f"the model is --hf-checkpoint {tiny_hf}'s" in out
+    with pytest.raises(_Built):  # the checkpoint alone: nothing to say
+        run(argv)
+    assert "note: --model" not in capsys.readouterr().out
