@@ -493,6 +493,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         except OutputError as e:
             raise _UsageError(str(e)) from None
     _batch_from_job(args)
+    from hyper_parallel.analysis.suggest_cli import check_prediction_args
+
+    try:  # before the dry run: --gpu with options it does not model
+        check_prediction_args(args)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
     # A compiled block keeps its gathered inputs (sequence parallelism's shard-keeping
     # hook runs in eager code only): the dry run traces what that run keeps.
     with keep_gathered(bool(getattr(args, "compile", False))):
@@ -561,6 +567,8 @@ def _plan(args: argparse.Namespace) -> int:
         out["world_size"] = layout.world_size
         out["mesh"]["pp"] = layout.pp
         out["mesh"]["world_size"] = layout.world_size
+        # The step's micro-batches are the pipeline's (the trace ran one of them).
+        out["num_microbatches"] = pipeline["pipeline"]["num_microbatches"]
         out.update(pipeline)
         if predicted is not None:
             out["predicted"] = predicted

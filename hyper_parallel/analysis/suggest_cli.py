@@ -289,6 +289,34 @@ def add_prediction_arguments(p: Any) -> None:
     )
 
 
+def check_prediction_args(args: argparse.Namespace) -> None:
+    """Refuse ``plan --gpu``/``--hardware`` where the prediction would not be of the run
+    ``plan`` traces: the cost model scores a registered model under the trainer's own
+    sharding with FSDP2 (as ``suggest`` does), so ``--plan FILE`` and ``--no-fsdp``
+    describe runs it does not model (their predictions were the default run's,
+    silently). Checked before the dry run; ``--hf-model`` is refused after it.
+
+    Raises:
+        ValueError: Naming the option and the fix.
+    """
+    if not (getattr(args, "gpu", None) or getattr(args, "hardware", None)):
+        return
+    other = [
+        flag
+        for flag, on in (
+            (f"--plan {getattr(args, 'plan', None)}", getattr(args, "plan", None) is not None),
+            ("--no-fsdp", bool(getattr(args, "no_fsdp", False))),
+        )
+        if on
+    ]
+    if other:
+        raise ValueError(
+            f"--gpu/--hardware predict the trainer's run of --model (its own sharding, FSDP2 "
+            f"over fsdp), not one with {' and '.join(other)}: drop {' and '.join(other)} for a "
+            "prediction, or --gpu/--hardware for the dry run of this plan."
+        )
+
+
 def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | None:
     """The cost model's prediction for ``plan``'s model, mesh and switches (``None``
     without ``--gpu`` / ``--hardware``): one model behind ``plan`` and ``suggest``.
@@ -302,7 +330,8 @@ def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | N
     gpu = getattr(args, "gpu", None) or getattr(args, "hardware", None)
     if gpu is None:
         return None
-    if getattr(args, "model", None) is None:
+    check_prediction_args(args)
+    if getattr(args, "model", None) is None:  # --hf-config resolves to a registered model
         raise ValueError("--gpu/--hardware predict registered models only; give --model.")
     from hyper_parallel.analysis.suggest import Candidate, LayoutScorer, ModelSource
     from hyper_parallel.distributed.run_plan import default_num_microbatches
@@ -348,6 +377,10 @@ def plan_prediction(args: argparse.Namespace, layout: Any) -> dict[str, Any] | N
         "global_batch": global_batch,
         "seq_len": seq,
         **p.to_dict(),
+        # suggest's rule: the larger of backward's and the optimizer step's peak, against
+        # the device's memory less the stated headroom (usable_memory).
+        "memory_limit_bytes": int(scorer.memory_limit),
+        "fits": p.memory_bytes_per_gpu <= scorer.memory_limit,
     }
 
 
@@ -358,6 +391,13 @@ def prediction_text(pred: dict[str, Any]) -> str:
         f"{pred['seq_len']:,} tokens): step {pred['step_s']:.3f} s, "
         f"{pred['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * pred['mfu']:.1f}%, "
         f"memory {pred['memory_bytes_per_gpu'] / 2**30:.1f} GiB per GPU"
+        + (
+            f" (fits the {pred['memory_limit_bytes'] / 2**30:.1f} GiB it may use)"
+            if pred["fits"]
+            else f" — DOES NOT FIT: {pred['hardware']} leaves {pred['memory_limit_bytes'] / 2**30:.1f}"
+            " GiB after the allocator's and the communication library's headroom (suggest "
+            "refuses this layout)"
+        )
     )
 
 

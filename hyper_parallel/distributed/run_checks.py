@@ -330,7 +330,8 @@ def checkpoint_findings(
                 "unit inside each block, and torch's selective checkpointing cannot replay "
                 "the block's operators past FSDP2's hooks on that unit (every rank would "
                 "stop in backward).",
-                "use ac='full' or 'selective' with ep, or drop FSDP2 (fsdp=False).",
+                "use ac='full' or 'selective' with ep, or a mesh without data axes "
+                "(dp_replicate, dp_shard, cp: no FSDP2).",
             )
         )
     if layout.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:

@@ -359,7 +359,8 @@ def unused_options(cfg: Any) -> list[str]:
     """Notes for options this run would not use: checkpoint options without
     ``--checkpoint-dir``, evaluation options without evaluation data, ``--text`` beside
     ``--data``, ``--text-field`` without ``.jsonl`` data, ``--min-lr`` under the constant
-    schedule, a weight decay bf16-true rounds away. Said, not refused (a job file may
+    schedule, a decaying schedule the warm-up outlasts, a weight decay bf16-true rounds
+    away. Said, not refused (a job file may
     carry them for the runs that do)."""
     out = []
     ckpt = [
@@ -394,6 +395,17 @@ def unused_options(cfg: Any) -> list[str]:
             f"note: --min-lr {cfg.min_lr:g}: the constant schedule does not decay, so the run "
             "does not use it. Fix: pick a decaying --lr-schedule (cosine, linear, wsd), or "
             "drop it."
+        )
+    # A decaying schedule the warm-up outlasts, when asked for (a schedule other than the
+    # default, or a --min-lr): the quick runs of the defaults say nothing.
+    default_schedule = type(cfg).__dataclass_fields__["lr_schedule"].default
+    asked = cfg.lr_schedule != default_schedule or cfg.min_lr is not None
+    if cfg.lr_schedule != "constant" and cfg.warmup_steps >= cfg.steps and asked:
+        floor = f" nor reaches --min-lr {cfg.min_lr:g}" if cfg.min_lr is not None else ""
+        out.append(
+            f"note: --lr-schedule {cfg.lr_schedule}: the run's {cfg.steps} step(s) are all "
+            f"warm-up (--warmup-steps {cfg.warmup_steps}), so the rate only rises and never "
+            f"decays{floor}. Fix: --warmup-steps below --steps, or --lr-schedule constant."
         )
     if cfg.data and cfg.text != DEFAULT_TEXT:
         unknown = cfg.text not in available_texts()

@@ -263,3 +263,40 @@ def test_the_dry_run_refuses_low_precision_masters_under_bf16() -> None:
     config = get_spec("llama3-debug").config()
     with pytest.raises(ValueError, match="fp32 master weights"):
         dry_run(config, {"dp": 2}, seq_len=16, param_dtype=torch.bfloat16, dtype="bf16")
+
+
+def test_plan_gpu_refuses_what_it_does_not_model_and_says_when_a_layout_does_not_fit(
+    tmp_path, capsys
+) -> None:
+    """--no-fsdp and --plan FILE were predicted as the default run (llama3-8b dp=8
+    --no-fsdp: 24.9 GiB beside the dry run's 123.7); a layout over the device's usable
+    memory was printed as a plain figure, where suggest refuses it."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("output:\n  state_shardings: {weight: {tp: Shard(0)}}\n")
+    base = ["plan", "--model", "llama3-debug", "--seq", "64", "--gpu", "h100-80gb"]
+    for extra in (["--mesh", "dp=2", "--no-fsdp"], ["--mesh", "tp=2", "--plan", str(plan)]):
+        code, out, err = _run(capsys, *base, *extra)
+        assert code == 2 and out == "", err
+        assert "predict the trainer's run of --model" in err and extra[-1] in err, err
+    code, out, err = _run(capsys, *base, "--mesh", "dp=2", "--format", "json")
+    assert code == 0, err
+    predicted = json.loads(out)["predicted"]
+    assert predicted["fits"] and predicted["memory_limit_bytes"] < 80 * 10**9
+    # qwen3-30b-a3b at dp=8 x ep=8, 4K, ac=full: 71.1 GiB against the 62.1 it may use.
+    code, out, err = _run(
+        capsys, "plan", "--model", "qwen3-30b-a3b", "--mesh", "dp=8,ep=8", "--dtype", "bf16",
+        "--ac", "full", "--seq", "4096", "--gpu", "h100-80gb",
+    )  # fmt: skip
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("Predicted on"))
+    assert "DOES NOT FIT" in line and "suggest refuses this layout" in line, line
+
+
+def test_plan_json_under_pp_counts_the_pipelines_micro_batches(capsys) -> None:
+    code, out, err = _run(
+        capsys, "plan", "--model", "llama3-debug", "--mesh", "pp=2,dp=2,tp=2", "--sp",
+        "--seq", "64", "--schedule", "Interleaved1F1B", "--format", "json",
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["num_microbatches"] == report["pipeline"]["num_microbatches"] == 4

@@ -368,9 +368,32 @@ def test_checkpoint_and_eval_options_without_their_target_are_noted(tmp_path, ca
     Trainer(TrainConfig(steps=1, lr_schedule="constant", min_lr=1e-4, **TINY), device="cpu").fit()
     assert "note: --min-lr 0.0001: the constant schedule does not decay" in capsys.readouterr().out
     # With their targets: used, nothing to say.
-    cfg = cfg.replace(checkpoint_dir=str(tmp_path / "ckpt"), eval_split=0.1, min_lr=1e-4)
+    cfg = cfg.replace(
+        checkpoint_dir=str(tmp_path / "ckpt"), eval_split=0.1, min_lr=1e-4, warmup_steps=0
+    )
     Trainer(cfg, device="cpu").fit()
     assert "note: " not in capsys.readouterr().out
+
+
+def test_a_decaying_schedule_the_warm_up_outlasts_is_noted():
+    """--lr-schedule linear --min-lr 1e-5 over 3 steps of the default 3-step warm-up: the
+    rate only rose; the schedule and --min-lr did nothing, unsaid."""
+    from hyper_parallel.train.report import unused_options
+    from hyper_parallel.train.schedule import lr_at
+
+    cfg = TrainConfig(steps=3, lr_schedule="linear", min_lr=1e-5)
+    assert unused_options(cfg) == [
+        "note: --lr-schedule linear: the run's 3 step(s) are all warm-up (--warmup-steps 3), "
+        "so the rate only rises and never decays nor reaches --min-lr 1e-05. Fix: "
+        "--warmup-steps below --steps, or --lr-schedule constant."
+    ]
+    rates = [
+        lr_at(k, lr=cfg.lr, warmup_steps=3, total_steps=3, min_lr=1e-5, schedule="linear")
+        for k in range(cfg.steps)
+    ]
+    assert rates == sorted(rates) and rates[-1] == pytest.approx(cfg.lr)  # what the note says
+    assert unused_options(cfg.replace(warmup_steps=1)) == []  # it decays: nothing to say
+    assert unused_options(TrainConfig(steps=1)) == []  # the defaults, not asked for
 
 
 def test_a_weight_decay_bf16_true_rounds_away_is_noted_and_is_a_no_op(capsys):

@@ -316,14 +316,14 @@ def _assumptions(
         f"of the axes it declares ({plan_axes}), as in training.",
         "Per-rank figures are rank 0's, whose shard is the largest when a dim does not divide "
         "(FSDP2 pads every rank's shard to that size).",
-        "Memory is the steady state between steps: parameters; gradients with the dtype and "
-        "sharding of their parameters; AdamW's two moments in the parameter dtype, as "
-        "torch.optim.AdamW keeps them. "
+        "The states are the steady state between steps: parameters; gradients with the "
+        "dtype and sharding of their parameters; AdamW's two moments in the parameter "
+        "dtype, as torch.optim.AdamW keeps them. "
         "Under bf16 (the trainer's mixed precision) all three stay fp32 and only the compute "
         "is bf16: FSDP2 gathers bf16 copies of the parameters and reduce-scatters gradients "
         "in fp32; under bf16-true all three are bf16 (gradients reduce-scattered in fp32). "
-        "Activations and transient buffers (FSDP's unsharded units, collective buffers) are "
-        "not included.",
+        "Activations are what the forward keeps for backward at its end (in the total); "
+        "transient buffers (FSDP's unsharded units, collective buffers) are not included.",
         "Collective bytes are the per-rank buffer (all_gather: gathered output; "
         "reduce_scatter: full input; all_reduce: the tensor; all_to_all: the input); wire bytes "
         "are what a ring sends per rank (nccl-tests bus-bandwidth factors).",
