@@ -185,12 +185,17 @@ def _sp_unit(tp: int, cp: int) -> int:
     return tp if cp == 1 else cp * math.lcm(2, tp)
 
 
-def _sp_fix(tp: int, cp: int, seq_len: int | None) -> str:
+def _sp_fix(tp: int, cp: int, seq_len: int | None, heads: int | None = None) -> str:
     """A fix for sequence parallelism that is true of this mesh and seq_len: a tp > 1
-    the sequence splits over, or a sequence length this tp splits."""
+    the sequence splits over (and, given the model's query ``heads``, that divides
+    them), or a sequence length this tp splits."""
     if seq_len is None:
         return "add a tp axis (e.g. tp=2), or drop --sp."
-    sizes = [d for d in range(2, 17) if d <= seq_len and seq_len % _sp_unit(d, cp) == 0]
+    sizes = [
+        d
+        for d in range(2, 17)
+        if d <= seq_len and seq_len % _sp_unit(d, cp) == 0 and (heads is None or heads % d == 0)
+    ]
     flag = "the sequence length (--seq; --seq-len on train.run and demo)"
     if tp == 1:
         if sizes:
@@ -216,9 +221,12 @@ def switch_findings(
     sequence_parallel: bool = False,
     seq_len: int | None = None,
     global_batch_size: int | None = None,
+    heads: int | None = None,
 ) -> list[Finding]:
     """What the switches ask of the mesh: sequence parallelism needs ``tp > 1`` and a
     sequence divisible by ``tp``; the global batch splits evenly over the data ranks.
+    ``heads`` (the model's query heads, when known) keeps the fix to tp sizes the model
+    takes.
 
     ``TrainConfig`` raises these at construction with the same text
     (:func:`raise_findings`); ``validate``, ``plan`` and the demo report them as
@@ -234,7 +242,7 @@ def switch_findings(
                 "sp",
                 f"sp (sequence parallelism) needs tp > 1 and seq_len divisible by tp (got "
                 f"tp={tp}, seq_len={seq_len}): it shards each sequence over the tp axis.",
-                _sp_fix(tp, layout.cp, seq_len),
+                _sp_fix(tp, layout.cp, seq_len, heads),
             )
         )
     dp = layout.size("batch")

@@ -393,6 +393,7 @@ class RunPlan:
             sequence_parallel=sequence_parallel,
             seq_len=seq_len,
             global_batch_size=global_batch_size,
+            heads=_query_heads(subject),
         )
         findings += ep_layout_findings(layout)
         if subject is not None and model is None:
@@ -690,3 +691,13 @@ def _blocks_field(
     if family is not None and family.blocks is not None:
         return family.blocks
     return pipeline_layout.layers if pipeline_layout is not None else "layers"
+
+
+def _query_heads(subject: Any) -> int | None:
+    """The query heads of a decoder config's first block (``None`` when it has no such
+    attention): tp must divide them, so a fix that offers tp sizes offers only those."""
+    try:
+        attention = subject.layers[0].attention
+        return int(attention.wq.out_features // attention.head_dim)
+    except (AttributeError, IndexError, TypeError, KeyError):
+        return None

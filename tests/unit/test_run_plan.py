@@ -317,3 +317,20 @@ def test_the_sequence_parallel_fix_is_true_of_the_run(mesh: str, seq: int, fix: 
         for tp in map(int, f.fix.split("of size ")[1].split(",")[0].split(" or ")):
             other = dataclasses.replace(layout, tp=tp)
             assert switch_findings(other, sequence_parallel=True, seq_len=seq) == []
+
+
+def test_the_sequence_parallel_fix_offers_only_tp_sizes_the_model_takes() -> None:
+    """llama3-debug (8 query heads), tp=2 --sp at 63 tokens: the fix offered 'tp among
+    [3, 7, 9]', which the model then refused (8 heads cannot be split over 3)."""
+    from hyper_parallel.distributed.run_checks import switch_findings
+
+    layout = MeshLayout.parse("tp=2")
+    (f,) = switch_findings(layout, sequence_parallel=True, seq_len=63, heads=8)
+    assert "tp among" not in f.fix and "use tp=" not in f.fix and "drop --sp" in f.fix
+    (f,) = switch_findings(layout, sequence_parallel=True, seq_len=63, heads=21)
+    offered = json.loads(f.fix.split("tp among ")[1].split("]")[0] + "]")
+    assert offered == [3, 7], offered  # 9 divides 63, not 21
+    # Through the run plan, which reads the model's heads.
+    plan = RunPlan.for_model("llama3-debug", layout, sequence_parallel=True, seq_len=63)
+    (sp,) = [f for f in plan.findings if f.severity == "error" and f.field == "sp"]
+    assert "tp among" not in sp.fix and "use tp=" not in sp.fix
