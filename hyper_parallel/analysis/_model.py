@@ -26,7 +26,14 @@ from hyper_parallel.dmodule.plan import match_plan
 from hyper_parallel.dmodule.plan_file import load_plan
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
-__all__ = ["Target", "cp_inputs", "default_inputs", "default_loss", "resolve_target"]
+__all__ = [
+    "Target",
+    "check_sizes",
+    "cp_inputs",
+    "default_inputs",
+    "default_loss",
+    "resolve_target",
+]
 
 Plan = Mapping[str, ShardingConfig]
 # Layers are traced at these two depths and extrapolated linearly (see Target.trace_depths).
@@ -148,6 +155,23 @@ class Target:
             f"{self.num_layers} layers and extrapolated linearly (exact: every layer has the "
             "same shapes and sharding config; the run at each depth is otherwise identical)."
         )
+
+
+def check_sizes(who: str, **sizes: int | None) -> None:
+    """Refuse a size that is not a positive integer (``None``: not given), naming it.
+
+    The analysis' Python entry points take what the CLI's ``--batch``/``--seq`` refuse:
+    ``seq_len=0`` passed ``validate`` and failed deep in ``dry_run``'s trace (a view of
+    0 elements).
+
+    Raises:
+        ValueError: ``who: name=value: ...`` with the fix.
+    """
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{who}: {name}={value!r}: give a positive integer.")
 
 
 def resolve_target(model_or_config: Any, plan: Plan | str | Path | None = None) -> Target:

@@ -78,7 +78,7 @@ from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
 from ._format import human_bytes, layer_pattern, placement_text, table
-from ._model import Target, cp_inputs, default_inputs, resolve_target
+from ._model import Target, check_sizes, cp_inputs, default_inputs, resolve_target
 from ._world import MeshShape, fake_world
 from .collectives import ALL_GATHER, redistribution_collectives
 
@@ -347,6 +347,7 @@ def validate(
         report = validate(spec.sharding("tp")(spec.config()), {"dp": 16, "tp": 8})
         print(report.to_table())
     """
+    check_sizes("validate", batch_size=batch_size, seq_len=seq_len)  # micro-batches: the run plan's
     mesh_findings: list[Finding] = []
     if isinstance(mesh, DeviceMesh) and mesh.mesh_dim_names is not None:
         # A DeviceMesh may name an axis twice; read as sizes it would silently collapse.

@@ -455,3 +455,21 @@ def test_plan_of_a_compiled_run_keeps_the_gathered_inputs(capsys):
         sizes[bool(extra)] = json.loads(capsys.readouterr().out)["per_rank_bytes"]["activations"]
     layers = len(DEBUG.config().layers)
     assert sizes[True] - sizes[False] == (2 * layers + 1) * (2 * 16 * D * FP32) // 2
+
+
+def test_sizes_that_are_not_positive_are_named_and_pp_points_to_plan():
+    """seq_len=0 passed validate and failed deep in the trace (a view of 0 elements); the
+    pp refusal said only "leave pp out", though plan traces pipelines stage by stage."""
+    from hyper_parallel.analysis import validate
+
+    config = DEBUG.sharding("tp")(DEBUG.config())
+    for call, name in (
+        (lambda: validate(config, {"tp": 2}, seq_len=0), "validate: seq_len=0"),
+        (lambda: validate(config, {"tp": 2}, batch_size=0), "validate: batch_size=0"),
+        (lambda: dry_run(config, {"tp": 2}, seq_len=0), "dry_run: seq_len=0"),
+        (lambda: dry_run(config, {"tp": 2}, batch_size=-1), "dry_run: batch_size=-1"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name}: give a positive integer"):
+            call()
+    with pytest.raises(ValueError, match="run 'hyper-parallel plan'"):
+        dry_run(config, {"pp": 2, "tp": 2})

@@ -28,6 +28,7 @@ and the report itself, as a table or JSON, is ``_report``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,7 +43,7 @@ from hyper_parallel.distributed.layout import as_layout
 from hyper_parallel.distributed.precision import PARAM_DTYPES, check_dtype
 from hyper_parallel.dmodule.sharding import ShardingConfig
 
-from .._model import TRACE_DEPTHS, default_loss, resolve_target
+from .._model import TRACE_DEPTHS, check_sizes, default_loss, resolve_target
 from .._world import fake_world
 from ._combine import (
     _assumptions,
@@ -118,8 +119,9 @@ def dry_run(
             also gets that part's global ``positions`` (as for the default inputs).
         loss_fn: ``loss_fn(output, *inputs) -> scalar``; default: sum of the outputs.
         ac: Activation checkpointing of the blocks (``"none"``, ``"full"``,
-            ``"selective"``; see :mod:`hyper_parallel.distributed.activation_checkpoint`)
-            for the activation bytes.
+            ``"selective"``, ``"op"``; see
+            :mod:`hyper_parallel.distributed.activation_checkpoint`) for the activation
+            bytes.
         dtype: The trainer's precision (``--dtype`` in every command): ``"fp32"``;
             ``"bf16"`` mixed precision — fp32 parameters, gradients and AdamW state, bf16
             compute (FSDP2's ``MixedPrecisionPolicy``: bf16 all-gathers, fp32
@@ -170,12 +172,21 @@ def dry_run(
             f"param_dtype={param_dtype} contradicts it. Leave param_dtype out (it follows "
             "dtype), or plan other parameters with dtype='fp32'."
         )
+    check_sizes("dry_run", batch_size=batch_size, seq_len=seq_len)  # micro-batches: the run plan
     layout = as_layout(mesh)
     # The dry run traces one pipeline's ranks; `plan` cuts a pp mesh into stages first.
-    _raise_errors(
-        [f for f in layout.findings() if f.severity == "error"]
-        + axis_support_findings(layout, ANALYSIS_AXES, "the dry run")
-    )
+    unsupported = axis_support_findings(layout, ANALYSIS_AXES, "the dry run")
+    unsupported = [
+        dataclasses.replace(
+            f,
+            fix=f"{f.fix[:-1]}; or run 'hyper-parallel plan' (or validate), which cuts the "
+            "model into pipeline stages and traces each.",
+        )
+        if f.field == "pp"
+        else f
+        for f in unsupported
+    ]
+    _raise_errors([f for f in layout.findings() if f.severity == "error"] + unsupported)
     target = resolve_target(model_or_config, plan)
     # The run plan decides where the plan runs and what FSDP shards over, and checks
     # the run: the trainer's and validate's gate (on a meta build of one layer).
