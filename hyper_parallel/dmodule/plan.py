@@ -69,12 +69,6 @@ def match_plan(model: nn.Module, plan: Plan) -> tuple[list[PlanEntry], list[Find
         assert [e.path for e in entries] == ["0", "1"] and problems == []
     """
     modules = dict(model.named_modules())
-    first = {id(m): path for path, m in modules.items()}
-    aliases = {  # a module's other paths (shared blocks, ``self.b = self.a``) -> its first
-        path: first[id(m)]
-        for path, m in model.named_modules(remove_duplicate=False)
-        if path not in modules
-    }
     findings: list[Finding] = []
     claimed: dict[str, str] = {}
     configs: dict[str, ShardingConfig] = {}
@@ -93,7 +87,8 @@ def match_plan(model: nn.Module, plan: Plan) -> tuple[list[PlanEntry], list[Find
             continue
         parts = pattern.split(".") if pattern else []
         hits = [p for p in modules if _matches(parts, p.split(".") if p else [])]
-        alias_hits = [] if hits else [p for p in aliases if _matches(parts, p.split("."))]
+        aliases = {} if hits else _second_paths(model, modules)
+        alias_hits = [p for p in aliases if _matches(parts, p.split("."))]
         if alias_hits:
             # torch's parallelize_module reaches these through get_submodule; a module
             # shared at two paths is configured once, at the path named_modules gives it.
@@ -179,3 +174,14 @@ def parallelize_module(model: nn.Module, mesh: DeviceMesh, plan: Plan | str | Pa
     entries, findings = match_plan(model, plan)
     parallelize_entries(model, mesh, entries, findings)
     return model
+
+
+def _second_paths(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, str]:
+    """A shared module's other paths (shared blocks, ``self.b = self.a``) -> its first
+    (``modules``: ``named_modules()``); asked only for a pattern that matches nothing."""
+    first = {id(m): path for path, m in modules.items()}
+    return {
+        path: first[id(m)]
+        for path, m in model.named_modules(remove_duplicate=False)
+        if path not in modules
+    }
