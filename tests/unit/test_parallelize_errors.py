@@ -784,13 +784,28 @@ def _mlp() -> nn.Sequential:
 def test_call_time_layout_errors_name_the_module_and_field(plan, expect, fast, meshes, monkeypatch):
     """Errors only a call can find (the output's placements, the tensors' ranks): the same
     ValueError on the fast path (which steps aside) and the DTensor path."""
+    from hyper_parallel.dmodule._boundary import Boundary, installed_forward
+
     monkeypatch.setenv(ENV_VAR, fast)
     model = _mlp()
     parallelize_module(model, meshes["tp"], plan)
+    # The module at fault (the message's path) and the path installed on it: a fast path
+    # where one applies (the Shard(d) of a column-/row-wise preset), which steps aside.
+    at = expect[0].split(":")[0]
+    installed = installed_forward(model[int(at)])
+    fast_one = at in FAST_AT_FAULT.get(expect[0], ())
+    assert isinstance(installed, Boundary) is (fast == "0" or not fast_one), installed
     with pytest.raises(ValueError) as info:
         model(torch.randn(4, 8))
     for text in expect:
         assert text in str(info.value), str(info.value)
+
+
+# The cases above whose module at fault runs on a fast path when it is enabled.
+FAST_AT_FAULT = {
+    "0: in_src_shardings['input']: Shard(4) on axis 'tp' is out of range for the 2-d": ("0",),
+    "2: out_dst_shardings: Shard(5) on axis 'tp' is out of range": ("2",),
+}
 
 
 def test_partial_output_handed_on_local_when_asked_for(meshes):
