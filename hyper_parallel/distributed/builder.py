@@ -196,6 +196,7 @@ def apply_run_plan(
     plan_findings: Sequence[Finding] = (),
     trace: bool = False,
     device_type: str = "cpu",
+    one_rank_fsdp: DeviceMesh | None = None,
 ) -> list[str]:
     """Apply ``run`` to ``module``: the whole model, one pipeline stage, or a fake model.
 
@@ -212,6 +213,9 @@ def apply_run_plan(
         trace: The dry run's fake model: nothing compiled and no checkpoint wrappers
             (the dry run estimates ``run.ac`` from the saved activations).
         device_type: Where the module computes (for bf16 autocast without FSDP2).
+        one_rank_fsdp: With ``mesh`` ``None``: FSDP2 over this one-rank mesh, so one
+            device computes under FSDP2's policy as a data-parallel run does
+            (:func:`build_model`).
 
     Returns:
         The paths of the blocks FSDP2 wrapped (the root is wrapped too).
@@ -225,7 +229,7 @@ def apply_run_plan(
         module,
         mesh=mesh,
         dense_mesh=run.plan_mesh(mesh) if mesh is not None else None,
-        fsdp_mesh=run.fsdp_mesh(mesh) if mesh is not None else None,
+        fsdp_mesh=run.fsdp_mesh(mesh) if mesh is not None else one_rank_fsdp,
         shard_experts=mesh is not None and run.shards_experts(mesh),
         entries=entries,
         plan_findings=plan_findings,
@@ -244,15 +248,28 @@ def apply_run_plan(
 
 
 def build_model(
-    run: RunPlan, mesh: ParallelMesh | None, device: torch.device | str, seed: int
+    run: RunPlan,
+    mesh: ParallelMesh | None,
+    device: torch.device | str,
+    seed: int,
+    *,
+    one_rank_fsdp: DeviceMesh | None = None,
 ) -> nn.Module:
     """The whole model of ``run`` (``pp=1``): built on meta, :func:`apply_run_plan`,
-    materialized on ``device`` and initialized (the same values at any mesh)."""
+    materialized on ``device`` and initialized (the same values at any mesh).
+
+    ``one_rank_fsdp``: a one-rank mesh, for a one-device run (``mesh`` ``None``) that
+    computes as FSDP2 makes a data-parallel run compute (its mixed-precision policy: under
+    ``bf16``, bf16 parameters and a bf16 stream between units instead of autocast) — the
+    one-device reference of such a run.
+    """
     _require(run, "build_model")
     with torch.device("meta"):
         module = run.subject.build()
     precision.cast_parameters(module, run.dtype)
-    apply_run_plan(module, run, mesh, device_type=torch.device(device).type)
+    apply_run_plan(
+        module, run, mesh, device_type=torch.device(device).type, one_rank_fsdp=one_rank_fsdp
+    )
     _materialize(module, run, device, seed)
     return module
 

@@ -41,10 +41,17 @@ from hyper_parallel._torch_private import DTensorSpec
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed.axes import fsdp_shards_over_cp, plan_mesh
-from hyper_parallel.distributed.layout import ParallelMesh
+from hyper_parallel.distributed.layout import MeshLayout, ParallelMesh
 from hyper_parallel.dmodule.findings import Finding
 
-__all__ = ["apply_fsdp", "fsdp_mesh_dims", "fsdp_mesh_findings", "fsdp_mesh_for", "fsdp_units"]
+__all__ = [
+    "apply_fsdp",
+    "fsdp_mesh_dims",
+    "fsdp_mesh_findings",
+    "fsdp_mesh_for",
+    "fsdp_units",
+    "shards_dense_states",
+]
 
 _SHARD_DIMS = ("fsdp", "dp_shard", "dp")
 # The dims of a model mesh FSDP2's SPMD form may find there: data axes and model axes.
@@ -74,6 +81,20 @@ def fsdp_mesh_for(mesh: ParallelMesh, plan_axes: tuple[str, ...] | list[str]) ->
     if layout.dp_replicate > 1:
         return mesh.submesh(("dp_replicate", "dp_shard"))
     return mesh["dp_shard"] if layout.dp_shard > 1 else None
+
+
+def shards_dense_states(layout: MeshLayout, plan_axes: tuple[str, ...] | list[str]) -> bool:
+    """Whether :func:`fsdp_mesh_for` gives a mesh for ``layout``, from the layout alone.
+
+    No process group is needed: the one-process reference of a run asks whether the
+    run's dense blocks compute under FSDP2's mixed-precision policy (see
+    :func:`~hyper_parallel.distributed.precision.fsdp_policy`) or under autocast.
+    """
+    if "cp" not in plan_axes or layout.cp < 2:
+        return layout.dp_replicate > 1 or layout.fsdp > 1
+    if fsdp_shards_over_cp(layout, plan_axes):
+        return True
+    return layout.dp_replicate > 1 or layout.dp_shard > 1
 
 
 def fsdp_mesh_dims(mesh: DeviceMesh) -> DataParallelMeshDims | None:

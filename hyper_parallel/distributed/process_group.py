@@ -13,13 +13,15 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-__all__ = ["attempt_store", "default_device", "init_process_group"]
+__all__ = ["attempt_store", "default_device", "init_process_group", "one_rank_group"]
 
 
 def default_device() -> torch.device:
@@ -69,3 +71,27 @@ def init_process_group() -> int:
             rank = int(os.environ["RANK"])
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
     return world_size
+
+
+@contextlib.contextmanager
+def one_rank_group(device: torch.device | str = "cpu") -> Iterator[None]:
+    """A process group of this process alone (world size 1), for the block's duration.
+
+    For a one-device run that wraps its model with FSDP2 (which needs a process group)
+    in a process that has none, as the demo's one-process reference does: an in-memory
+    store, the device's backend (NCCL on CUDA, gloo on CPU), destroyed on exit.
+
+    Raises:
+        RuntimeError: This process is in a process group already.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "one_rank_group: this process is in a process group already (world size "
+            f"{dist.get_world_size()}); a group of one rank is for a process that has none."
+        )
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -68,7 +68,7 @@ from hyper_parallel.distributed.expert_parallel import (
     ep_layout_findings,
     rescale_expert_grads,
 )
-from hyper_parallel.distributed.fsdp import fsdp_mesh_for
+from hyper_parallel.distributed.fsdp import fsdp_mesh_for, shards_dense_states
 from hyper_parallel.distributed.layout import DATA_AXES, DENSE_AXES, MeshLayout, ParallelMesh
 from hyper_parallel.distributed.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
@@ -556,6 +556,13 @@ class RunPlan:
     def fsdp_mesh(self, mesh: ParallelMesh) -> DeviceMesh | None:
         """The mesh FSDP2 shards dense states over (``None``: no FSDP)."""
         return fsdp_mesh_for(mesh, self.dense_plan_axes) if self.fsdp else None
+
+    @property
+    def casts_as_fsdp(self) -> bool:
+        """Whether FSDP2 wraps the dense states (:meth:`fsdp_mesh` is not ``None``), so
+        that under ``bf16`` they compute under FSDP2's policy — bf16 parameters and a bf16
+        stream between units — rather than under autocast (fp32 between matmuls)."""
+        return self.fsdp and shards_dense_states(self.layout, self.dense_plan_axes)
 
     def shards_experts(self, mesh: ParallelMesh) -> bool:
         """Whether the routed experts are an FSDP2 unit of their own over ``efsdp``.

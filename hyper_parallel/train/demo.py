@@ -27,7 +27,10 @@ Run it as ``hyper-parallel demo --mesh dp=2,tp=2`` (any axes of
 distributed run. The one-process reference always runs eagerly without activation
 checkpointing (neither may change the result) but under the same precision policy:
 with ``--dtype bf16`` both compute in bfloat16 from fp32 master weights, and the
-default tolerance widens to :data:`BF16_TOL` (printed on the parity line).
+default tolerance widens to :data:`BF16_TOL` (printed on the parity line). Where FSDP2
+shards the distributed run's dense states, bf16 is FSDP2's policy (bf16 parameters, a
+bf16 stream between blocks), and the reference runs under it too, FSDP2 wrapping its
+model over a process group of this process alone; elsewhere both run under autocast.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any
 import torch
 
 from hyper_parallel.distributed.layout import MeshLayout
+from hyper_parallel.distributed.process_group import one_rank_group
 from hyper_parallel.train import run_hooks
 from hyper_parallel.train.arguments import (
     COMMAND_OPTIONS,
@@ -53,7 +57,7 @@ from hyper_parallel.train.arguments import (
     config_from_args,
 )
 from hyper_parallel.train.run import full_gradients
-from hyper_parallel.train.trainer import TrainConfig, Trainer, check_config
+from hyper_parallel.train.trainer import TrainConfig, Trainer, check_config, run_plan
 
 __all__ = ["GradComparison", "add_arguments", "compare_gradients", "main", "run"]
 
@@ -204,8 +208,14 @@ def _launch_ranks(cfg: TrainConfig, out_dir: str) -> tuple[int, dict | None]:
     return 0, metrics
 
 
-def _train_here(cfg: TrainConfig, hf: Any = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same run in this process, on one device: its losses and first-step gradients."""
+def _train_here(
+    cfg: TrainConfig, hf: Any = None, *, one_rank_fsdp: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same run in this process, on one device: its losses and first-step gradients.
+
+    ``one_rank_fsdp``: compute as FSDP2 makes the distributed run compute (its model
+    wrapped by FSDP2 over a process group of this process alone): :func:`_casts_as_fsdp`.
+    """
     threads = torch.get_num_threads()
     # The debug model is tiny: extra threads only contend for the cores.
     torch.set_num_threads(1)
@@ -215,11 +225,33 @@ def _train_here(cfg: TrainConfig, hf: Any = None) -> tuple[list[float], dict[str
         if step == 0:
             grads.update(full_gradients(model_parts))
 
+    def fit() -> list[float]:
+        trainer = Trainer(
+            cfg, device="cpu", grad_callback=keep_first, hf=hf, one_rank_fsdp=one_rank_fsdp
+        )
+        return trainer.fit().losses
+
     try:
-        losses = Trainer(cfg, device="cpu", grad_callback=keep_first, hf=hf).fit().losses
-        return losses, grads
+        if not one_rank_fsdp:
+            return fit(), grads
+        with one_rank_group("cpu"):
+            return fit(), grads
     finally:
         torch.set_num_threads(threads)
+
+
+def _casts_as_fsdp(cfg: TrainConfig, world: int) -> bool:
+    """Whether the one-process reference of ``cfg`` runs under FSDP2's policy (on one rank).
+
+    Under ``bf16`` a run whose dense states FSDP2 shards computes under FSDP2's
+    mixed-precision policy: bf16 parameters, and the stream between units (each block,
+    the root) cast to bf16. One device alone computes under autocast instead, whose
+    residual stream stays fp32. The two round differently enough to move a MoE's top-k
+    routing (qwen3-moe-debug, dp_shard=2 x ep=2: first-step gradients 11.5 % apart), so
+    the reference of such a run takes the run's own policy. ``fp32`` casts nothing and
+    ``bf16-true`` stores bf16 parameters either way.
+    """
+    return cfg.dtype == "bf16" and run_plan(cfg, world).casts_as_fsdp
 
 
 def _plot(
@@ -339,12 +371,14 @@ def run(args: argparse.Namespace) -> int:
             f"{grad_text.format('nan')} FAIL"
         )
         return status or 1
-    print(
-        f"[2/2] the same training in this process, one device, {cfg.dtype}, eager, no AC",
-        flush=True,
-    )
     # The reference keeps the precision policy (bf16 is a different computation) but
     # runs eagerly without checkpointing: compile and AC must not change the result.
+    as_fsdp = _casts_as_fsdp(cfg, world)
+    policy = f"{cfg.dtype} as FSDP2 casts it (one rank)" if as_fsdp else cfg.dtype
+    print(
+        f"[2/2] the same training in this process, one device, {policy}, eager, no AC",
+        flush=True,
+    )
     one_losses, one_grads = _train_here(
         cfg.replace(
             mesh={},
@@ -358,6 +392,7 @@ def run(args: argparse.Namespace) -> int:
             tensorboard=None,
         ),
         hf,
+        one_rank_fsdp=as_fsdp,
     )
     steps, dist_losses = metrics["steps"], metrics["losses"]
     diffs = [abs(a - b) for a, b in zip(dist_losses, one_losses, strict=True)]

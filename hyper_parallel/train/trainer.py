@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyper_parallel.core.dtensor.device_mesh import init_device_mesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.distributed.axes import MODEL_AXES
 from hyper_parallel.distributed.builder import build_model, build_stages
@@ -193,6 +194,12 @@ class Trainer:
             when the caller already read it
             (:func:`~hyper_parallel.train.run_hooks.resolve_model`); ``None``: read
             here, once.
+        one_rank_fsdp: A one-device run (``cfg.mesh`` of one rank, in a process group of
+            one rank: :func:`~hyper_parallel.distributed.process_group.one_rank_group`)
+            whose model FSDP2 wraps over that rank, so that it computes as FSDP2 makes a
+            data-parallel run compute (under ``bf16``: bf16 parameters and a bf16 stream
+            between units, where one device alone computes under autocast). The demo's
+            one-process reference of a run whose dense states FSDP2 shards.
 
     Raises:
         ValueError: Every problem :func:`check_config` finds (a bad mesh, an axis the
@@ -212,6 +219,7 @@ class Trainer:
         step_callback: Callable[[int, float], None] | None = None,
         grad_callback: Callable[[int, list[nn.Module]], None] | None = None,
         hf: Any = None,
+        one_rank_fsdp: bool = False,
     ) -> None:
         # The model of a Hugging Face source, its config.json read once for the run
         # (``hf``: already read by the code that built the run; run_hooks.resolve_model).
@@ -256,7 +264,19 @@ class Trainer:
                 ScaledLoss(self.loss_fn, self.run),
             )
         else:
-            self.model_parts = [build_model(self.run, self.mesh, self.device, cfg.seed)]
+            one_rank = None
+            if one_rank_fsdp:
+                if layout.world_size != 1 or not dist.is_initialized():
+                    raise ValueError(
+                        "Trainer: one_rank_fsdp is for a one-device run in a process group "
+                        f"of one rank (mesh {layout.describe()}; process group "
+                        f"{'of ' + str(dist.get_world_size()) if dist.is_initialized() else 'none'})"
+                        "; use hyper_parallel.distributed.process_group.one_rank_group()."
+                    )
+                one_rank = init_device_mesh(self.device.type, (1,), mesh_dim_names=("fsdp",))
+            self.model_parts = [
+                build_model(self.run, self.mesh, self.device, cfg.seed, one_rank_fsdp=one_rank)
+            ]
         self.model = self.model_parts[0]
         run_hooks.load_weights(cfg, self.model_parts)
         self.optimizers = [

@@ -133,6 +133,38 @@ def test_fsdp_mesh_is_1d_without_replicate():
     assert MeshLayout.parse("tp=2").fsdp == 1
 
 
+@pytest.mark.parametrize(
+    "mesh, plan_axes",
+    [
+        ("tp=2", ("tp",)),
+        ("pp=2", ()),
+        ("dp_shard=2", ()),
+        ("dp_replicate=2", ()),
+        ("dp_replicate=2,dp_shard=2", ("tp",)),
+        ("cp=2", ()),
+        ("cp=2", ("cp",)),
+        ("cp=2,tp=2", ("cp", "tp")),
+        ("dp_shard=2,cp=2", ("cp",)),
+        ("dp_shard=2,ep=2", ()),
+        ("pp=2,tp=2", ("tp",)),
+    ],
+)
+def test_shards_dense_states_says_what_fsdp_mesh_for_builds(mesh, plan_axes):
+    # The one-process reference asks the layout alone (no process group) whether FSDP2
+    # wraps the run's dense states; the builder asks the mesh. They must agree.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hyper_parallel.distributed.fsdp import fsdp_mesh_for, shards_dense_states
+
+    layout = MeshLayout.parse(mesh)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=layout.world_size)
+    try:
+        built = fsdp_mesh_for(layout.build("cpu"), plan_axes) is not None
+    finally:
+        dist.destroy_process_group()
+    assert shards_dense_states(layout, plan_axes) == built
+
+
 # ---------------------------------------------------------------------- plans on the mesh
 
 
