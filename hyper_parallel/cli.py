@@ -127,10 +127,29 @@ def _job_file_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> None
     # The job's other options (steps, lr, ...) are the trainer's; a dry run has no use for
     # them. Its overwrite is the run's outputs', not plan --chart's.
     given = {f: values[f] for f in fields if values.get(f) is not None and f != "overwrite"}
-    if values.get("seq_len") is not None:
-        given["seq"] = values["seq_len"]
-    if values.get("batch_size") is not None:  # the run's global batch: per rank once parsed
-        given.update(job_batch_size=values["batch_size"], batch=None)
+    # What the job leaves out is the trainer's default, as the run would take it.
+    import dataclasses
+
+    from hyper_parallel.train.config import TrainConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    named = ("--model", "--hf-config", "--hf-model")
+    if not any(a.split("=", 1)[0] in named for a in argv):
+        # The model the trainer would run: the job's hf-checkpoint (its config.json; it
+        # replaces model), else its hf-config or model, else the trainer's default.
+        if values.get("hf_checkpoint"):
+            given.pop("model", None)
+            given["hf_config"] = values["hf_checkpoint"]
+        elif "model" not in given and "hf_config" not in given:
+            given["model"] = default["model"]
+    given["seq"] = values.get("seq_len") or default["seq_len"]
+    # The run's global batch: per rank once parsed (_batch_from_job).
+    batch = values.get("batch_size")
+    given.update(
+        job_batch_size=batch or default["batch_size"],
+        job_batch_name="batch-size" if batch else "the trainer's default batch-size",
+        batch=None,
+    )
     p.set_defaults(**given)
     for action in p._actions:
         if action.dest in given:
@@ -156,9 +175,10 @@ def _batch_from_job(args: argparse.Namespace) -> None:
         args.mesh = MeshLayout.from_sizes(args.mesh)
     layout = args.mesh
     ranks = layout.size("batch")
+    name = getattr(args, "job_batch_name", "batch-size")
     if total % ranks:
         raise _UsageError(
-            f"--config: batch-size {total} does not divide over the {ranks} data-parallel ranks "
+            f"--config: {name} {total} does not divide over the {ranks} data-parallel ranks "
             f"(dp_replicate x dp_shard of --mesh {layout}); give --batch (sequences per rank) "
             "or a batch-size that divides."
         )
@@ -173,7 +193,7 @@ def _batch_from_job(args: argparse.Namespace) -> None:
     )
     if local % microbatches:
         raise _UsageError(
-            f"--config: batch-size {total} gives {local} sequences per data-parallel rank, "
+            f"--config: {name} {total} gives {local} sequences per data-parallel rank, "
             f"which {microbatches} micro-batches do not divide; give --batch (sequences per "
             "micro-batch) or a batch-size that divides."
         )

@@ -322,12 +322,18 @@ class MeshLayout:
         """The :class:`ParallelMesh` of this layout on the running process group.
 
         Every rank must call it (it creates process groups). Works on a real group
-        (gloo, NCCL) and on the fake one of the dry run alike.
+        (gloo, NCCL) and on the fake one of the dry run alike. Under ``torchrun`` with no
+        group running yet it joins torchrun's (as torch's ``init_device_mesh`` does:
+        :func:`~hyper_parallel.distributed.process_group.init_process_group`).
 
         Raises:
-            LayoutError: No process group is running (and the layout needs more than
-                one rank), or the world size differs from :attr:`world_size`.
+            LayoutError: No process group is running and this process was not launched
+                by ``torchrun``, or the world size differs from :attr:`world_size`.
         """
+        if not dist.is_initialized():
+            from hyper_parallel.distributed.process_group import init_process_group
+
+            init_process_group()  # torchrun's group, when launched by it
         if not dist.is_initialized():
             raise LayoutError(
                 [

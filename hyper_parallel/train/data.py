@@ -21,10 +21,18 @@ Example::
 from __future__ import annotations
 
 from importlib import resources
+from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_TEXT", "VOCAB_SIZE", "TextBatches", "available_texts", "load_tokens"]
+__all__ = [
+    "DEFAULT_TEXT",
+    "VOCAB_SIZE",
+    "TextBatches",
+    "available_texts",
+    "load_tokens",
+    "shipped_text_path",
+]
 
 VOCAB_SIZE = 256
 """Byte-level tokens: one token per byte."""
@@ -39,6 +47,18 @@ def available_texts() -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".txt"))
 
 
+def shipped_text_path(name: str = DEFAULT_TEXT, who: str = "--text") -> Any:
+    """The file of the shipped text ``name`` (a ``pathlib``-like resource path).
+
+    Raises:
+        ValueError: ``name`` is not a shipped text; the message lists the ones there are.
+    """
+    path = resources.files("hyper_parallel.train") / "data" / name
+    if not name.endswith(".txt") or "/" in name or not path.is_file():
+        raise ValueError(f"{who}: no shipped text named {name!r}; available: {available_texts()}.")
+    return path
+
+
 def load_tokens(name: str = DEFAULT_TEXT) -> torch.Tensor:
     """A shipped text as a 1-D ``int64`` tensor of byte values (0..255).
 
@@ -51,12 +71,7 @@ def load_tokens(name: str = DEFAULT_TEXT) -> torch.Tensor:
     Raises:
         ValueError: ``name`` is not a shipped text; the message lists the ones there are.
     """
-    path = resources.files("hyper_parallel.train") / "data" / name
-    if not name.endswith(".txt") or "/" in name or not path.is_file():
-        raise ValueError(
-            f"load_tokens: no shipped text named {name!r}; available: {available_texts()}."
-        )
-    raw = path.read_bytes()
+    raw = shipped_text_path(name, "load_tokens").read_bytes()
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
 
 

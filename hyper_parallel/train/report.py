@@ -615,6 +615,11 @@ class RunReport:
         data = t.data
         tokens = len(data.tokens)
         source = cfg.data or f"the shipped text {cfg.text}"
+        if not cfg.data:
+            from hyper_parallel.train.run_hooks import tokenizer_path
+
+            tokenizer = tokenizer_path(cfg)
+            source += f" tokenized with {tokenizer}" if tokenizer else " as bytes"
         per_epoch = batches_per_epoch(data)
         held = f" (and {self.held_out:,} held out for eval)" if self.held_out else ""
         lines.append(
@@ -768,7 +773,8 @@ def _split(data: Any, cfg: Any) -> tuple[Any, Any]:
     for name, piece in (("training", array[:cut]), ("held-out", array[cut:])):
         try:
             if isinstance(data, TokenBatches):
-                parts.append(TokenBatches(piece, source=f"{cfg.data} ({name} part)", **sizes))
+                source = f"{data.source} ({name} part)"
+                parts.append(TokenBatches(piece, source=source, **sizes))
             else:
                 parts.append(TextBatches(piece, **sizes))
         except ValueError as e:

@@ -218,26 +218,32 @@ def _eos(cfg: Any, hf: Any) -> Any:
 def build_data(cfg: Any, vocab_size: int | None, hf: Any = None) -> Any:
     """The run's data stream: ``cfg.data`` (checked against ``vocab_size``), else ``None``.
 
-    ``None`` means the trainer's own default (the shipped text, bytes). ``hf``: the
-    checkpoint's config (:func:`resolve_model`), whose end-of-sequence id separates
-    documents.
+    ``None`` means the trainer's own default (the shipped text, bytes). Without ``--data``
+    but with a tokenizer (``--tokenizer``, or the Hugging Face checkpoint's), the shipped
+    text is text data like any other: it is tokenized with it (as bytes, a checkpoint's
+    model would train on ids that mean other tokens). ``hf``: the checkpoint's config
+    (:func:`resolve_model`), whose end-of-sequence id separates documents.
     """
-    if not cfg.data:
+    tokenizer = tokenizer_path(cfg)
+    if not cfg.data and tokenizer is None:
         return None
+    from hyper_parallel.train.data import shipped_text_path
     from hyper_parallel.train.tokens import TokenBatches, open_corpus
 
+    flag = "--data" if cfg.data else "--tokenizer" if cfg.tokenizer else "--hf-checkpoint"
     if vocab_size is None:
-        raise ValueError(f"--data: model {cfg.model!r} declares no vocabulary size.")
+        raise ValueError(f"{flag}: model {cfg.model!r} declares no vocabulary size.")
+    data = cfg.data or str(shipped_text_path(cfg.text))
     try:
         tokens = open_corpus(
-            cfg.data,
+            data,
             vocab_size=vocab_size,
-            tokenizer=tokenizer_path(cfg),
+            tokenizer=tokenizer,
             text_field=cfg.text_field,
             eos=_eos(cfg, hf),
         )
         return TokenBatches(
-            tokens, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len, source=cfg.data
+            tokens, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len, source=data
         )
     except ValueError as e:
         e.same_on_every_rank = True  # type: ignore[attr-defined]  # the files every rank reads

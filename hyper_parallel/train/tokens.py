@@ -460,6 +460,7 @@ class TokenBatches(TextBatches):
                 f"add data, or {fix}."
             )
         self.array = tokens
+        self.source = source
         # TextBatches' bookkeeping (sizes, position, epoch) on a stand-in of the same length.
         super().__init__(
             torch.zeros(1, dtype=torch.long).expand(tokens.size),

@@ -56,6 +56,7 @@ from hyper_parallel.distributed.axes import MODEL_AXES
 from hyper_parallel.distributed.builder import build_model, build_stages
 from hyper_parallel.distributed.pipeline import build_schedule, pipeline_step
 from hyper_parallel.distributed.precision import loss_logits
+from hyper_parallel.distributed.process_group import init_process_group
 from hyper_parallel.distributed.process_group import default_device as default_device
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.train import report, run_hooks
@@ -227,6 +228,8 @@ class Trainer:
         self.cfg = cfg
         self.device = torch.device(device if device is not None else default_device())
         layout = cfg.layout
+        if layout.world_size > 1:
+            init_process_group()  # under torchrun: join its group, as the mesh would
         # A one-device run may sit inside a larger process group (it then ignores it).
         world = dist.get_world_size() if dist.is_initialized() and layout.world_size > 1 else None
         # The run plan decides everything once: its errors stop the run here.

@@ -471,3 +471,39 @@ def test_moe_checkpoint_resumes_bitwise_and_at_another_ep(dist, tmp_path):
     assert worst_abs([abs(a - b) for a, b in zip(curve, whole["losses"], strict=True)]) < 1e-5
     for name, value in whole["states"].items():
         torch.testing.assert_close(r["states"][name], value, atol=1e-5, rtol=1e-4)
+
+
+_SCRIPT_WITHOUT_GROUP = """
+import json, sys
+from hyper_parallel.train import TrainConfig, Trainer
+# No init_process_group: the Trainer joins torchrun's group, as torch's init_device_mesh does.
+cfg = TrainConfig(mesh={"dp_shard": 2}, steps=2, batch_size=4, seq_len=32, log_every=0,
+                  progress=False)
+losses = Trainer(cfg, device="cpu").fit().losses
+import torch.distributed as dist
+if dist.get_rank() == 0:
+    json.dump({"world": dist.get_world_size(), "losses": losses}, open(sys.argv[1], "w"))
+"""
+
+
+def test_trainer_under_torchrun_joins_its_process_group(tmp_path):
+    # The getting-started snippet: `Trainer(cfg)` under torchrun with no
+    # init_process_group call. It was refused ("no process group is running. Fix: launch
+    # with torchrun", which it was). Its losses are the one-process run's (fp32, FSDP2's
+    # mean over 2 ranks: within the suite's fp32 loss tolerance).
+    script, out = tmp_path / "snippet.py", tmp_path / "out.json"
+    script.write_text(_SCRIPT_WITHOUT_GROUP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += ["2", str(script), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.dirname(__file__))), env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    one = Trainer(
+        TrainConfig(steps=2, batch_size=4, seq_len=32, log_every=0, progress=False), device="cpu"
+    ).fit()
+    assert result["world"] == 2
+    assert max(abs(a - b) for a, b in zip(result["losses"], one.losses, strict=True)) < 1e-5

@@ -400,3 +400,39 @@ def test_plan_config_traces_the_jobs_batch_as_the_trainer_splits_it(capsys, tmp_
     assert code == 2 and "batch-size 16 gives 4 sequences per data-parallel rank" in err, err
     code, out, err = _run(capsys, "plan", "--config", str(job), "--mesh", "dp_shard=3")
     assert code == 2 and "does not divide over the 3 data-parallel ranks" in err, err
+
+
+def test_plan_config_takes_the_trainers_defaults_for_what_the_job_leaves_out(
+    capsys, tiny_hf, tmp_path
+) -> None:
+    """A job file without model, seq-len or batch-size runs the trainer's defaults (and an
+    hf-checkpoint's model); plan and validate refused it ("no model") or traced their own
+    defaults (plan: seq 2,048, which llama3-debug refuses)."""
+    from hyper_parallel.train.arguments import RUN_OPTIONS
+    from hyper_parallel.train.config import TrainConfig, run_plan
+    from hyper_parallel.train.job import load_job_file
+
+    job = tmp_path / "job.toml"
+    job.write_text('mesh = "dp_shard=2"\nsteps = 3\n')
+    values = {k: v for k, v in load_job_file(str(job), RUN_OPTIONS).items() if v is not None}
+    trainer = run_plan(TrainConfig(**values), world_size=2)
+    code, out, err = _run(capsys, "plan", "--config", str(job), "--format", "json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["model"] == trainer.name == "llama3-debug", report["model"]
+    assert (report["seq_len"], report["batch_size"]) == (TrainConfig().seq_len, trainer.batch_size)
+    code, out, err = _run(capsys, "validate", "--config", str(job), "--format", "json")
+    assert code == 0, err
+    assert f"inputs [({trainer.batch_size}, {TrainConfig().seq_len})]" in " ".join(
+        json.loads(out)["notes"]
+    )
+    # The command line still names the model; a default batch that does not divide says so.
+    code, out, err = _run(capsys, "plan", "--config", str(job), "--model", "qwen3-debug")
+    assert code == 0 and "plan: qwen3-debug on" in out, err
+    code, out, err = _run(capsys, "plan", "--config", str(job), "--mesh", "dp_shard=3")
+    assert code == 2 and "the trainer's default batch-size 8 does not divide" in err, err
+    # An hf-checkpoint job: the checkpoint's model (its config.json), as the trainer runs.
+    job.write_text(f'hf-checkpoint = "{tiny_hf}"\nmesh = "tp=2"\nseq-len = 32\n')
+    code, out, err = _run(capsys, "plan", "--config", str(job), "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["model"] != "llama3-debug", out

@@ -368,3 +368,31 @@ def test_demo_passes_hf_checkpoint_and_data_to_both_runs(tmp_path, monkeypatch, 
     assert cfg.data == str(text) and cfg.save_hf == str(tmp_path / "saved")
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("PASS")
     assert not (tmp_path / "saved").exists()  # the reference run does not write it
+
+
+def test_hf_checkpoint_without_data_tokenizes_the_shipped_text(tmp_path, capsys):
+    """Without --data, a run with a tokenizer (the checkpoint's, or --tokenizer) reads the
+    shipped text as text data: tokenized with it. It read the bytes, and a checkpoint's
+    model trained on byte values as if they were its own ids (31,994 "tokens" where the
+    tokenizer gives fewer); the start line now says which."""
+    from tokenizers import Tokenizer
+
+    from hyper_parallel.train import Trainer
+    from hyper_parallel.train.data import DEFAULT_TEXT, shipped_text_path
+
+    ckpt = str(tmp_path / "hf")
+    _example().build(ckpt, hidden_size=32, num_layers=1, vocab_size=300, max_shard_size="60KB")
+    tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
+    text = shipped_text_path(DEFAULT_TEXT).read_text()
+    expected = tok.encode(text).ids
+    cfg = TrainConfig(hf_checkpoint=ckpt, steps=1, batch_size=2, seq_len=16, log_every=1)
+    trainer = Trainer(cfg, device="cpu")
+    stream = np.asarray(trainer.data.array)
+    assert len(expected) < len(text.encode())  # tokens, not bytes
+    assert stream[: len(expected)].tolist() == expected
+    trainer.fit()
+    out = capsys.readouterr().out
+    assert f"the shipped text {DEFAULT_TEXT} tokenized with {ckpt}/tokenizer.json" in out, out
+    # No tokenizer: the bytes, and the line says so.
+    Trainer(TrainConfig(steps=1, batch_size=2, seq_len=16, log_every=1), device="cpu").fit()
+    assert f"the shipped text {DEFAULT_TEXT} as bytes" in capsys.readouterr().out
