@@ -56,8 +56,8 @@ from hyper_parallel.distributed.axes import MODEL_AXES
 from hyper_parallel.distributed.builder import build_model, build_stages
 from hyper_parallel.distributed.pipeline import build_schedule, pipeline_step
 from hyper_parallel.distributed.precision import loss_logits
-from hyper_parallel.distributed.process_group import init_process_group
 from hyper_parallel.distributed.process_group import default_device as default_device
+from hyper_parallel.distributed.process_group import init_process_group
 from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.train import report, run_hooks
 from hyper_parallel.train.build import build_mesh, build_parallel_model, build_pipeline_stages
