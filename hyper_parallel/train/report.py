@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -524,6 +525,7 @@ class RunReport:
         self.epoch = trainer.data.epoch
         self.eval_data: Any = None
         self.held_out = 0
+        self.resumed_path: str | None = None
         # What the run plan warns of (switches the run does not use): said at the start.
         self.notes += [f"note: {f}" for f in trainer.run.findings if f.severity == "warning"]
         self.notes += unused_options(cfg)
@@ -566,15 +568,20 @@ class RunReport:
     # ------------------------------------------------------------------ start
 
     def resumed(self, path: str, state: dict[str, Any]) -> None:
-        """Keep the schedule a resumed run was started with (unless told otherwise)."""
+        """Keep the schedule a resumed run was started with (unless told otherwise); say
+        where the data differs from what the checkpoint's run read."""
         t = self.trainer
         cfg = t.cfg
         saved = state.get("lr_schedule_steps")
         self.notes.append(f"resumed from step {t.step} ({path})")
+        self.resumed_path = path
+        differs = data_mismatch(path, state, t.data_record())
+        if differs:
+            self.notes.append(f"note: {differs}")
         if saved is None or cfg.lr_schedule_steps is not None:
             return
         saved = int(saved)
-        if saved != cfg.steps:
+        if saved != cfg.steps and cfg.steps > t.step:
             t.cfg = dataclasses.replace(cfg, lr_schedule_steps=saved)
             # Step k (1-based) runs at lr_at(k - 1): past the schedule's end, at min_lr
             # (after the warm-up, where the warm-up is longer than the schedule).
@@ -595,7 +602,9 @@ class RunReport:
         """The start summary's lines."""
         t = self.trainer
         cfg = t.cfg
-        if cfg.hf_checkpoint:
+        if self.resumed_path:  # the checkpoint's weights, whatever --seed or --hf-checkpoint say
+            source = f"weights from the checkpoint {self.resumed_path}"
+        elif cfg.hf_checkpoint:
             source = f"weights from the Hugging Face checkpoint {cfg.hf_checkpoint}"
         else:
             source = f"preset, initialized with seed {cfg.seed}"
@@ -640,10 +649,11 @@ class RunReport:
                 f"run: nothing to train: resumed at step {t.step}, --steps {cfg.steps} "
                 f"(pass --steps > {t.step} to train on)"
             )
-        step = step_line(cfg, t.run)
+        step = step_line(cfg, t.run) if remaining else None
         if step:
             lines.append(step)
-        lines.append(lr_line(cfg, t.step))
+        if remaining:  # no rate to tell when no step runs
+            lines.append(lr_line(cfg, t.step))
         if cfg.checkpoint_dir:
             every = f"every {cfg.checkpoint_every} steps and " if cfg.checkpoint_every else ""
             keep = f", keeping the newest {cfg.keep_checkpoints}" if cfg.keep_checkpoints else ""
@@ -758,6 +768,61 @@ class RunReport:
             f"({shards} safetensors file(s), {', '.join(others)}; "
             f"{_bytes(_dir_bytes(path))}, {seconds:.2f} s)"
         )
+
+
+_DATA_FLAGS = {
+    "source": "--data",
+    "tokens": "--data",
+    "batch_size": "--batch-size",
+    "seq_len": "--seq-len",
+}
+
+
+def data_mismatch(
+    path: str, state: dict[str, Any], now: dict[str, Any], *, refused: bool = False
+) -> str:
+    """What a resumed run reads otherwise than the run that wrote checkpoint ``path``
+    (its ``data_json``; ``now``: :meth:`Trainer.data_record`), or ``""``.
+
+    ``refused``: the checkpoint's data position is past this run's data (the run cannot
+    start): the message says so whether or not the checkpoint recorded its data.
+    """
+    position = int(state.get("data_position", 0))
+    raw = state.get("data_json")
+    then = json.loads(raw if isinstance(raw, str) else bytes(raw).decode()) if raw else None
+    if isinstance(then, dict):
+        changed = [
+            k for k in ("source", "tokens", "batch_size", "seq_len") if then.get(k) != now[k]
+        ]
+    else:
+        changed = []
+    if not changed and not refused:
+        return ""
+
+    def describe(d: dict[str, Any]) -> str:
+        return (
+            f"{d['source']} ({int(d['tokens']):,} tokens), batches of {d['batch_size']} x "
+            f"{d['seq_len']}"
+        )
+
+    before = f"the run that wrote {path} read {describe(then)}" if isinstance(then, dict) else ""
+    flags = sorted({_DATA_FLAGS[k] for k in changed}) or ["--data"]
+    if refused:
+        head = (
+            f"--resume: {path} stopped at token {position:,} of its data, past the end of "
+            f"this run's {describe(now)}"
+        )
+        fix = f"resume with the {', '.join(flags)} that run used"
+        return (
+            f"{head}{'; ' + before if before else ''}. Fix: {fix}, or start a new run on "
+            "this data (another --checkpoint-dir, or --overwrite)."
+        )
+    return (
+        f"--resume: {before}; this run reads {describe(now)}, from that run's position "
+        f"(token {position:,}), so it does not continue the same stream. Fix: resume with "
+        f"the {', '.join(flags)} that run used, or start a new run on this data (another "
+        "--checkpoint-dir, or --overwrite)."
+    )
 
 
 def _split(data: Any, cfg: Any) -> tuple[Any, Any]:

@@ -40,6 +40,7 @@ Run it under ``torchrun`` (see :mod:`hyper_parallel.train.run`) or in one proces
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -326,6 +327,26 @@ class Trainer:
             "data_epoch": data["epoch"],
             "model_json": run_hooks.model_record(self.cfg, self.hf),
             "lr_schedule_steps": self.cfg.lr_schedule_steps or self.cfg.steps,
+            "data_json": json.dumps(self.data_record()),
+        }
+
+    def data_record(self) -> dict[str, Any]:
+        """What the run reads, as checkpoints record it: a resumed run that reads other
+        data (or cuts it otherwise) is told so (:meth:`RunReport.resumed`)."""
+        cfg = self.cfg
+        if cfg.data:
+            source = cfg.data
+        else:
+            tokenizer = run_hooks.tokenizer_path(cfg)
+            source = f"the shipped text {cfg.text}" + (
+                f" tokenized with {tokenizer}" if tokenizer else " as bytes"
+            )
+        return {
+            "source": source,
+            # The whole stream: --eval-split's held-out tail is cut off it at the start.
+            "tokens": self.data.tokens.numel() + self.report.held_out,
+            "batch_size": cfg.batch_size,
+            "seq_len": cfg.seq_len,
         }
 
     def save(self, path: str | None = None) -> str:
@@ -391,9 +412,14 @@ class Trainer:
             distributed=self.mesh is not None,
         )
         self.step = int(state["step"])
-        self.data.load_state_dict(
-            {"position": state["data_position"], "epoch": state["data_epoch"]}
-        )
+        try:
+            self.data.load_state_dict(
+                {"position": state["data_position"], "epoch": state["data_epoch"]}
+            )
+        except ValueError:
+            raise ValueError(
+                report.data_mismatch(path, state, self.data_record(), refused=True)
+            ) from None
         self.report.epoch = self.data.epoch
         return state
 

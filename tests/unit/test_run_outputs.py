@@ -228,7 +228,14 @@ def test_resume_past_steps_is_refused_before_any_output(tmp_path, capsys):
     with pytest.warns(RuntimeWarning, match="skipping"):
         assert run([*argv, "--resume", "--steps", "1", "--save-hf", str(hf)]) == 0
     assert (hf / "config.json").is_file()
-    assert "run: nothing to train: resumed at step 1, --steps 1" in (ckpt / "train.log").read_text()
+    log = (ckpt / "train.log").read_text()
+    assert "run: nothing to train: resumed at step 1, --steps 1" in log
+    # The start lines are true of a resumed run: its weights are the checkpoint's (it said
+    # "initialized with seed 0"), and no learning rate is told when no step runs.
+    started = log.split("run: nothing to train")[0].rsplit("model: ", 1)[1]
+    assert "(weights from the checkpoint " in started and "step_000001)" in started, started
+    after = log.split("run: nothing to train")[1].split("log: ")[0]
+    assert "lr:" not in after and "step:" not in after, after
 
 
 def test_export_hf_carries_the_tokenizer_and_never_writes_into_its_checkpoint(tiny_hf, tmp_path):

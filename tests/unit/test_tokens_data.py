@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -305,6 +306,39 @@ def test_trainer_on_a_token_file_resumes_the_exact_stream(tmp_path):
     resumed = Trainer(cfg.replace(resume=True), device="cpu").fit()
     assert resumed.resumed_from == 2
     assert resumed.losses == straight[2:]
+
+
+def test_resume_on_other_data_is_said_and_past_its_end_refused(tmp_path, capsys):
+    """A checkpoint records what its run read; resuming on another file, batch or sequence
+    length continued at the old token position silently (or failed with "TextBatches:
+    cannot resume at position ...", naming no flag)."""
+    rng = np.random.default_rng(0)
+    a = write_token_file(rng.integers(0, 320, 5000).astype(np.uint32), str(tmp_path / "a.bin"))
+    b = write_token_file(rng.integers(0, 320, 6000).astype(np.uint32), str(tmp_path / "b.bin"))
+    short = write_token_file(rng.integers(0, 320, 40).astype(np.uint32), str(tmp_path / "s.bin"))
+    ckpt = tmp_path / "ckpt"
+    cfg = TrainConfig(data=a, steps=2, checkpoint_dir=str(ckpt), **TINY)
+    Trainer(cfg, device="cpu").fit()
+    capsys.readouterr()
+    cases = (({}, None), ({"data": b}, "--data"), ({"seq_len": TINY["seq_len"] * 2}, "--seq-len"))
+    for i, (change, flag) in enumerate(cases):
+        copy = tmp_path / f"copy{i}"
+        shutil.copytree(ckpt, copy)
+        again = cfg.replace(resume=True, steps=3, log_every=1, checkpoint_dir=str(copy), **change)
+        trainer = Trainer(again, device="cpu")
+        assert trainer.resumed_from == 2
+        trainer.fit()
+        out = capsys.readouterr().out
+        if flag is None:  # the same data: nothing said
+            assert "does not continue the same stream" not in out, out
+            continue
+        assert f"the run that wrote {copy}" in out and "read " + a in out, out
+        assert f"does not continue the same stream. Fix: resume with the {flag}" in out, out
+    with pytest.raises(ValueError) as info:
+        Trainer(cfg.replace(resume=True, steps=4, data=short, batch_size=1), device="cpu")
+    text = str(info.value)
+    assert "past the end of this run's " + short in text and "read " + a in text, text
+    assert "Fix: resume with the --batch-size, --data that run used" in text, text
 
 
 def test_tensorboard_gets_loss_lr_grad_norm_tokens_per_s_mfu_and_memory(tmp_path, monkeypatch):

@@ -296,6 +296,13 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
         "hf_config": None,
         "generation_config": None,  # the generation_config.json its export carries: none
     }
+    # What the run read: a resumed run that reads otherwise is told so.
+    assert json.loads(state.pop("data_json")) == {
+        "source": "the shipped text shakespeare_coriolanus.txt as bytes",
+        "tokens": 31994,
+        "batch_size": 4,
+        "seq_len": 16,
+    }
     expected = {"step": 2, "data_position": 2 * 4 * 16, "data_epoch": 0, "lr_schedule_steps": 2}
     assert state == expected  # the schedule's length: a resumed run keeps it
     for p, q in zip(trainer.model.parameters(), fresh.model.parameters()):
