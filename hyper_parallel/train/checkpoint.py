@@ -14,7 +14,9 @@ checksums manifest (``checksums.json``: every file's size and CRC-32, each rank'
 shards hashed by that rank) is in place. :func:`latest_checkpoint` verifies the
 manifest and passes over a checkpoint whose files were truncated or corrupted after
 the save, with a warning naming the bad file, so a restart never picks it again
-(the previous complete checkpoint is used); :func:`load_checkpoint` refuses one.
+(the previous complete checkpoint is used), and refuses a directory where every
+complete checkpoint is damaged (:class:`NoIntactCheckpointError`: a resume there is
+not a fresh start); :func:`load_checkpoint` refuses a damaged one.
 A checkpoint saved before manifests existed (``.metadata`` only) still loads.
 
 Example::
@@ -53,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hyper_parallel.checkpoint_hf.outputs import PARTIAL_MARK, staged_output
 
 __all__ = [
+    "NoIntactCheckpointError",
     "PendingSave",
     "async_save_checkpoint",
     "checkpoint_path",
@@ -164,43 +167,90 @@ def checkpoint_path(checkpoint_dir: str | os.PathLike[str], step: int) -> str:
     return os.path.join(os.fspath(checkpoint_dir), f"step_{step:06d}")
 
 
+class NoIntactCheckpointError(ValueError):
+    """A checkpoint directory holds complete step folders but every one is damaged.
+
+    Starting over there would silently throw the run away (and its first save would
+    replace a damaged checkpoint the user may still recover), so
+    :func:`latest_checkpoint` refuses instead of answering ``None``.
+
+    Attributes:
+        checkpoint_dir: The directory looked in.
+        damaged: ``(step folder, what is wrong)`` of each, newest first.
+    """
+
+    same_on_every_rank = True  # rank 0 decides and tells the others: one message suffices
+
+    def __init__(self, checkpoint_dir: str, damaged: Sequence[tuple[str, str]]) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.damaged = list(damaged)
+        super().__init__(
+            f"no intact checkpoint to resume from in --checkpoint-dir {checkpoint_dir}: "
+            f"{_damaged_list(self.damaged)}. Fix: restore the damaged step folder(s) from "
+            "a copy and resume again; or delete them to start over at step 0 (with "
+            "hyper-parallel train: drop --resume and pass --overwrite, which removes "
+            "them), or choose another --checkpoint-dir."
+        )
+
+
+def _damaged_list(damaged: Sequence[tuple[str, str]]) -> str:
+    return "; ".join(f"{path} is damaged: {problem}" for path, problem in damaged)
+
+
 def latest_checkpoint(
     checkpoint_dir: str | os.PathLike[str], *, distributed: bool | None = None
 ) -> str | None:
     """The complete checkpoint with the highest step under ``checkpoint_dir``, if any.
 
     A step directory without DCP's ``.metadata`` (a save interrupted by a crash) is
-    skipped; so, with a ``RuntimeWarning`` naming the bad file, is one whose files do
-    not match their saved sizes and checksums (:func:`verify_checkpoint`). With a process group, rank 0 looks and tells the others, so every rank
-    resumes from the same step even if they see the file system at different times.
+    skipped; so, with a ``RuntimeWarning`` naming the bad file and the checkpoint used
+    instead, is one whose files do not match their saved sizes and checksums
+    (:func:`verify_checkpoint`). With a process group, rank 0 looks and tells the
+    others, so every rank resumes from the same step even if they see the file system
+    at different times.
 
     Args:
         checkpoint_dir: The directory holding ``step_*`` checkpoints.
         distributed: Whether all ranks of the default process group call this
             together; defaults to whether one is initialized. Pass ``False`` for a
             one-process model inside a larger job.
+
+    Returns:
+        The step directory, or ``None`` when ``checkpoint_dir`` holds no complete one.
+
+    Raises:
+        NoIntactCheckpointError: It holds complete step directories, but every one is
+            damaged (on every rank): resuming there is not starting over.
     """
     distributed = _distributed(distributed)
-    found: list[str | None] = [None]
+    found: list[Any] = [(None, [])]
     if not distributed or dist.get_rank() == 0:
         found[0] = _latest_on_disk(os.fspath(checkpoint_dir))
     if distributed and dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
-    return found[0]
+    path, damaged = found[0]
+    if path is None and damaged:
+        raise NoIntactCheckpointError(os.fspath(checkpoint_dir), damaged)
+    return path
 
 
-def _latest_on_disk(checkpoint_dir: str) -> str | None:
+def _latest_on_disk(checkpoint_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest intact checkpoint (or ``None``) and the damaged ones newer than it."""
+    damaged: list[tuple[str, str]] = []
     for _, path in reversed(checkpoint_steps(checkpoint_dir)):
         problem = verify_checkpoint(path)
         if problem is None:
-            return path
-        warnings.warn(
-            f"latest_checkpoint: skipping {path}: {problem}; using an earlier complete "
-            "checkpoint instead (delete or move the damaged one).",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return None
+            for bad, bad_problem in damaged:
+                warnings.warn(
+                    f"latest_checkpoint: skipping {bad}: {bad_problem}; using the earlier "
+                    f"complete checkpoint {path} instead (restore, delete or move the "
+                    "damaged one).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return path, damaged
+        damaged.append((path, problem))
+    return None, damaged
 
 
 def _crc32(path: str) -> int:
