@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -66,6 +68,7 @@ __all__ = [
     "prune_checkpoints",
     "remove_checkpoints",
     "save_checkpoint",
+    "unreadable_as_damaged",
     "verify_checkpoint",
 ]
 
@@ -132,21 +135,36 @@ def prune_checkpoints(
 _VERIFIED: dict[str, tuple[int, int, int]] = {}
 
 
-def _verified(path: str) -> bool:
-    """Whether the checkpoint at ``path`` is intact, checksums included (cached)."""
+def _manifest_identity(path: str) -> tuple[int, int, int] | None:
     try:
         st = os.stat(os.path.join(path, _MANIFEST))
-        identity = (st.st_dev, st.st_ino, st.st_mtime_ns)
     except OSError:
-        identity = None  # no manifest (an old checkpoint): verified on .metadata alone
-    key = os.path.realpath(path)
-    if identity is not None and _VERIFIED.get(key) == identity:
-        return verify_checkpoint(path, contents=False) is None  # sizes: cheap, every time
-    if verify_checkpoint(path) is not None:
-        return False
+        return None  # no manifest (an old checkpoint): verified on .metadata alone
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def _remember_verified(path: str) -> None:
+    """Record that ``path`` passed a full :func:`verify_checkpoint` in this process."""
+    identity = _manifest_identity(path)
     if identity is not None:
-        _VERIFIED[key] = identity
-    return True
+        _VERIFIED[os.path.realpath(path)] = identity
+
+
+def _problem(path: str) -> str | None:
+    """:func:`verify_checkpoint` of ``path``, its checksums read once per process (a
+    checkpoint verified already gets the size check only)."""
+    identity = _manifest_identity(path)
+    if identity is not None and _VERIFIED.get(os.path.realpath(path)) == identity:
+        return verify_checkpoint(path, contents=False)  # sizes: cheap, every time
+    problem = verify_checkpoint(path)
+    if problem is None:
+        _remember_verified(path)
+    return problem
+
+
+def _verified(path: str) -> bool:
+    """Whether the checkpoint at ``path`` is intact, checksums included (cached)."""
+    return _problem(path) is None
 
 
 def remove_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
@@ -238,8 +256,9 @@ def _latest_on_disk(checkpoint_dir: str) -> tuple[str | None, list[tuple[str, st
     """The newest intact checkpoint (or ``None``) and the damaged ones newer than it."""
     damaged: list[tuple[str, str]] = []
     for _, path in reversed(checkpoint_steps(checkpoint_dir)):
-        problem = verify_checkpoint(path)
+        problem = verify_checkpoint(path)  # always read in full: the one to resume from
         if problem is None:
+            _remember_verified(path)  # its reader (export-hf) need not hash it again
             for bad, bad_problem in damaged:
                 warnings.warn(
                     f"latest_checkpoint: skipping {bad}: {bad_problem}; using the earlier "
@@ -296,6 +315,60 @@ def verify_checkpoint(path: str | os.PathLike[str], *, contents: bool = True) ->
             return f"{file} has {size} bytes, {record['size']} were saved (truncated?)"
         if contents and _crc32(file) != record["crc32"]:
             return f"{file} does not match its saved CRC-32 (corrupted)"
+    return None
+
+
+@contextlib.contextmanager
+def unreadable_as_damaged(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn a failure to read the files of the checkpoint at ``path`` (a torch
+    deserialization error, raw or inside DCP's ``CheckpointException``) into a
+    ``ValueError`` naming the damaged file (from the checksums manifest, else the
+    step folder's files) and the fix. Any other error passes through."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        cause = _read_failure(e)
+        if cause is None:
+            raise
+        path = os.fspath(path)
+        problem = verify_checkpoint(path)
+        if problem is None:
+            files = sorted(n for n in os.listdir(path) if n.endswith(".distcp") or n == _METADATA)
+            which = (
+                "its files match the checksums saved with them: it was written unreadable"
+                if _manifest_identity(path)
+                else "it has no checksums manifest (saved before there were) to tell which"
+            )
+            problem = (
+                f"could not be read ({cause}): one of its files is damaged "
+                f"({', '.join(os.path.join(path, n) for n in files)}); {which}"
+            )
+        else:
+            problem = f"is damaged: {problem}"
+        raise ValueError(
+            f"checkpoint {path} {problem}. Fix: restore it from a copy, or use an earlier "
+            "step folder."
+        ) from None
+
+
+def _read_failure(error: BaseException) -> str | None:
+    """``error`` (or, in a ``CheckpointException``, a rank's failure) as one line when
+    it comes from reading checkpoint bytes (torch's unpickler, its zip reader), else ``None``."""
+    failures = (
+        [exc for exc, _ in error.failures.values()]
+        if isinstance(error, CheckpointException)
+        else [error]
+    )
+    for exc in failures:
+        text = str(exc).strip()
+        # torch's weights-only unpickler puts what it met after a long notice
+        text = re.split(r"WeightsUnpickler error:\s*", text)[-1].strip()
+        text = text.splitlines()[0].split(". ")[0] if text else ""
+        if isinstance(exc, (pickle.UnpicklingError, EOFError)) or (
+            isinstance(exc, RuntimeError)
+            and any(s in str(exc) for s in ("PytorchStreamReader", "zip archive"))
+        ):
+            return f"{type(exc).__name__}: {text}"[:300]
     return None
 
 
@@ -637,7 +710,8 @@ def load_checkpoint(
             f"load_checkpoint: {path!r} is damaged: {problem}. Load an earlier checkpoint "
             "(latest_checkpoint(checkpoint_dir) skips damaged ones)."
         )
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    with unreadable_as_damaged(path):
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     saved_keys = set(metadata)
     if optimizer is not None and not any(k.startswith("optimizer.") for k in saved_keys):
         raise ValueError(
@@ -657,7 +731,7 @@ def load_checkpoint(
     }
     if rng:
         state["rng"] = {f"rank{rank}": rng}
-    with _single_process_notice_muted(distributed):
+    with _single_process_notice_muted(distributed), unreadable_as_damaged(path):
         dcp.load(state, checkpoint_id=path, no_dist=not distributed)
     for (part, part_optimizer), (model_keys, optim_keys) in zip(parts, per_part, strict=True):
         set_model_state_dict(part, {k: state["model"][k] for k in model_keys})
