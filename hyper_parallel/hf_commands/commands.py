@@ -174,7 +174,9 @@ def _export(args: argparse.Namespace) -> int:
 
     model: dict[str, Any] = {}
     if args.model:
-        model = {"model": args.model, "model_overrides": args.model_overrides or {}}
+        model["model"] = args.model
+    if args.model_overrides is not None:  # checked against a recorded model too
+        model["model_overrides"] = args.model_overrides
     if args.hf_config:
         from hyper_parallel.checkpoint_hf.config import load_config_json
 

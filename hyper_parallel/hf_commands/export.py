@@ -129,7 +129,7 @@ def load_trainer_checkpoint(
         path: A step directory (``step_000030``) or a checkpoint directory (its latest
             complete step is used).
         model, model_overrides, hf_config: The model, for a checkpoint that does not
-            record it.
+            record it (one that does refuses any that differ from its record).
 
     Returns:
         ``(model, our config, Hugging Face config or None)``.
@@ -137,7 +137,8 @@ def load_trainer_checkpoint(
     Raises:
         ValueError: No complete checkpoint there, the one there is damaged (a file
             that does not match its saved size or CRC-32, or that torch cannot read:
-            named, with the fix), or no model recorded nor given.
+            named, with the fix), no model recorded nor given, or one given that
+            differs from the recorded one.
     """
     from hyper_parallel.checkpoint_hf.config import read_hf_config
     from hyper_parallel.checkpoint_hf.specs import register_specs
@@ -147,6 +148,8 @@ def load_trainer_checkpoint(
     register_specs()
     path = _step_dir(os.fspath(path))
     record = _saved_record(path)
+    if record is not None:
+        _check_given_model(path, record, model, model_overrides, hf_config)
     if record is None:
         if hf_config is not None:
             cfg = read_hf_config(hf_config)
@@ -171,6 +174,41 @@ def load_trainer_checkpoint(
     built.init_states()
     load_checkpoint(path, model=built, distributed=False)
     return built, config, record["hf_config"]
+
+
+def _check_given_model(
+    path: str,
+    record: dict[str, Any],
+    model: str | None,
+    model_overrides: dict[str, Any] | None,
+    hf_config: dict[str, Any] | None,
+) -> None:
+    """Refuse a model given for a checkpoint that records another: its weights are the
+    recorded model's (the given one used to be ignored without a word)."""
+    given = [
+        ("--model", model, record["model"], model),
+        (
+            "--model-overrides",
+            model_overrides,
+            record["model_overrides"],
+            json.dumps(model_overrides, sort_keys=True),
+        ),
+        ("--hf-config", hf_config, record.get("hf_config"), None),
+    ]
+    for flag, value, recorded, shown in given:
+        if value is None or value == recorded:
+            continue
+        if flag == "--model-overrides":
+            saved = json.dumps(recorded, sort_keys=True)
+        elif flag == "--hf-config":
+            saved = "another config.json" if recorded is not None else "no Hugging Face config"
+        else:
+            saved = recorded
+        raise ValueError(
+            f"{flag}{f' {shown}' if shown else ''} differs from what checkpoint {path} records "
+            f"({saved}), whose weights it holds; these options are for a checkpoint that "
+            f"records no model. Fix: drop {flag} (the recorded model is used)."
+        )
 
 
 def export_hf(

@@ -3,7 +3,8 @@
 A step folder given directly is checked against its checksums manifest as a
 checkpoint directory is (a corrupt shard used to be exported silently), and a
 shard torch cannot read is one message naming the file and the fix, not a
-traceback. Nothing is written.
+traceback. A ``--model`` / ``--model-overrides`` other than the model the checkpoint
+records is refused, not ignored. Nothing is written.
 """
 
 from __future__ import annotations
@@ -93,3 +94,24 @@ def test_a_checkpoint_directory_with_no_intact_step_names_each(ckpt, tmp_path, c
     assert f"export-hf: error: no intact checkpoint in {copy}:" in err
     assert all(str(s) in err for s in shards) and "neither a complete checkpoint" not in err
     assert "restore the damaged step folder(s) from a copy" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--model", "qwen3-debug"], "--model qwen3-debug differs from what checkpoint"),
+        (["--model-overrides", '{"num_layers": 3}'], '--model-overrides {"num_layers": 3} differs'),
+    ],
+)
+def test_export_hf_refuses_a_model_other_than_the_recorded_one(
+    ckpt, tmp_path, capsys, flags, named
+):
+    """--model qwen3-debug on a llama3-debug checkpoint used to be ignored without a word
+    (the export said model_type llama)."""
+    out = tmp_path / "out"
+    assert cli(["export-hf", str(ckpt), str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "records (" in err and f"Fix: drop {flags[0]}" in err
+    assert not out.exists()
+    # The recorded model, given again, is no conflict.
+    assert cli(["export-hf", str(ckpt), str(out), "--model", "llama3-debug"]) == 0
