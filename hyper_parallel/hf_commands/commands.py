@@ -174,7 +174,9 @@ def _export(args: argparse.Namespace) -> int:
 
     model: dict[str, Any] = {}
     if args.model:
-        model = {"model": args.model, "model_overrides": args.model_overrides or {}}
+        model["model"] = args.model
+    if args.model_overrides is not None:  # checked against a recorded model too
+        model["model_overrides"] = args.model_overrides
     if args.hf_config:
         from hyper_parallel.checkpoint_hf.config import load_config_json
 
@@ -310,13 +312,15 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             from hyper_parallel.checkpoint_hf.config import stop_token_ids
             from hyper_parallel.hf_commands.export import (
+                _step_dir,
                 checkpoint_record,
                 load_trainer_checkpoint,
                 recorded_generation_config,
             )
 
-            model, _, hf_config = load_trainer_checkpoint(args.checkpoint)
-            record = checkpoint_record(args.checkpoint) or {}
+            step = _step_dir(args.checkpoint)  # checked once (its checksums: a damaged file)
+            model, _, hf_config = load_trainer_checkpoint(step)
+            record = checkpoint_record(step) or {}
             # As transformers' generate on this checkpoint's export stops.
             eos = stop_token_ids(hf_config, recorded_generation_config(record))
             # The run's tokenizer (recorded), else one next to the checkpoint.

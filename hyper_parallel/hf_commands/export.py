@@ -31,11 +31,43 @@ __all__ = [
 
 
 def _step_dir(path: str) -> str:
-    from hyper_parallel.train.checkpoint import latest_checkpoint
+    """The step directory ``path`` names (itself, or a checkpoint directory's newest
+    intact step), its files checked against the sizes and CRC-32s saved with them.
+
+    Raises:
+        ValueError: No complete checkpoint there, or the one named (every one, for a
+            checkpoint directory) is damaged: the bad file and the fix.
+    """
+    from hyper_parallel.train.checkpoint import (
+        NoIntactCheckpointError,
+        _problem,
+        checkpoint_steps,
+        latest_checkpoint,
+    )
 
     if os.path.isfile(os.path.join(path, ".metadata")):
+        problem = _problem(path)  # hashed once per process: export reads it twice
+        if problem is not None:
+            parent = os.path.dirname(os.path.abspath(path))
+            earlier = [p for _, p in checkpoint_steps(parent) if p != os.path.abspath(path)]
+            alternative = (
+                f", or give the checkpoint directory {parent} (its newest intact step is used)"
+                if earlier
+                else ""
+            )
+            raise ValueError(
+                f"checkpoint {path} is damaged: {problem}. Fix: restore it from a copy"
+                f"{alternative}."
+            )
         return path
-    latest = latest_checkpoint(path, distributed=False)
+    try:
+        latest = latest_checkpoint(path, distributed=False)
+    except NoIntactCheckpointError as e:
+        damaged = "; ".join(f"{p} is damaged: {problem}" for p, problem in e.damaged)
+        raise ValueError(
+            f"no intact checkpoint in {path}: {damaged}. Fix: restore the damaged step "
+            "folder(s) from a copy."
+        ) from None
     if latest is None:
         raise ValueError(
             f"{path} is neither a complete checkpoint (step directory with .metadata) nor a "
@@ -52,11 +84,14 @@ def checkpoint_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 def _saved_record(path: str) -> dict[str, Any] | None:
     import torch.distributed.checkpoint as dcp
 
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    from hyper_parallel.train.checkpoint import unreadable_as_damaged
+
+    with unreadable_as_damaged(path):
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     if f"train.{MODEL_KEY}" not in keys:
         return None
     state: dict[str, Any] = {"train": {MODEL_KEY: None}}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), unreadable_as_damaged(path):
         # DCP's notice that it assumes one process: reading one record is meant to be.
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
         dcp.load(state, checkpoint_id=path, no_dist=True)
@@ -94,13 +129,16 @@ def load_trainer_checkpoint(
         path: A step directory (``step_000030``) or a checkpoint directory (its latest
             complete step is used).
         model, model_overrides, hf_config: The model, for a checkpoint that does not
-            record it.
+            record it (one that does refuses any that differ from its record).
 
     Returns:
         ``(model, our config, Hugging Face config or None)``.
 
     Raises:
-        ValueError: No complete checkpoint there, or no model recorded nor given.
+        ValueError: No complete checkpoint there, the one there is damaged (a file
+            that does not match its saved size or CRC-32, or that torch cannot read:
+            named, with the fix), no model recorded nor given, or one given that
+            differs from the recorded one.
     """
     from hyper_parallel.checkpoint_hf.config import read_hf_config
     from hyper_parallel.checkpoint_hf.specs import register_specs
@@ -110,6 +148,8 @@ def load_trainer_checkpoint(
     register_specs()
     path = _step_dir(os.fspath(path))
     record = _saved_record(path)
+    if record is not None:
+        _check_given_model(path, record, model, model_overrides, hf_config)
     if record is None:
         if hf_config is not None:
             cfg = read_hf_config(hf_config)
@@ -134,6 +174,41 @@ def load_trainer_checkpoint(
     built.init_states()
     load_checkpoint(path, model=built, distributed=False)
     return built, config, record["hf_config"]
+
+
+def _check_given_model(
+    path: str,
+    record: dict[str, Any],
+    model: str | None,
+    model_overrides: dict[str, Any] | None,
+    hf_config: dict[str, Any] | None,
+) -> None:
+    """Refuse a model given for a checkpoint that records another: its weights are the
+    recorded model's (the given one used to be ignored without a word)."""
+    given = [
+        ("--model", model, record["model"], model),
+        (
+            "--model-overrides",
+            model_overrides,
+            record["model_overrides"],
+            json.dumps(model_overrides, sort_keys=True),
+        ),
+        ("--hf-config", hf_config, record.get("hf_config"), None),
+    ]
+    for flag, value, recorded, shown in given:
+        if value is None or value == recorded:
+            continue
+        if flag == "--model-overrides":
+            saved = json.dumps(recorded, sort_keys=True)
+        elif flag == "--hf-config":
+            saved = "another config.json" if recorded is not None else "no Hugging Face config"
+        else:
+            saved = recorded
+        raise ValueError(
+            f"{flag}{f' {shown}' if shown else ''} differs from what checkpoint {path} records "
+            f"({saved}), whose weights it holds; these options are for a checkpoint that "
+            f"records no model. Fix: drop {flag} (the recorded model is used)."
+        )
 
 
 def export_hf(
@@ -177,10 +252,11 @@ def export_hf(
 
     # The step folder read is an input too: OUT may sit inside the checkpoint directory
     # (a new folder there is harmless), but never on the step it reads.
-    inputs = [checkpoint, _step_dir(os.fspath(checkpoint))]
+    step = _step_dir(os.fspath(checkpoint))  # checked once (a checkpoint directory: warned once)
+    inputs = [checkpoint, step]
     check_output(out, overwrite=overwrite, inputs=inputs, what="export-hf OUT")
-    built, config, hf_config = load_trainer_checkpoint(checkpoint, **model)
-    record = checkpoint_record(checkpoint) or {}
+    built, config, hf_config = load_trainer_checkpoint(step, **model)
+    record = checkpoint_record(step) or {}
     if tokenizer is None:
         tokenizer = record.get("tokenizer")
         if tokenizer is not None and not os.path.isfile(tokenizer):

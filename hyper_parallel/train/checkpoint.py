@@ -14,7 +14,9 @@ checksums manifest (``checksums.json``: every file's size and CRC-32, each rank'
 shards hashed by that rank) is in place. :func:`latest_checkpoint` verifies the
 manifest and passes over a checkpoint whose files were truncated or corrupted after
 the save, with a warning naming the bad file, so a restart never picks it again
-(the previous complete checkpoint is used); :func:`load_checkpoint` refuses one.
+(the previous complete checkpoint is used), and refuses a directory where every
+complete checkpoint is damaged (:class:`NoIntactCheckpointError`: a resume there is
+not a fresh start); :func:`load_checkpoint` refuses a damaged one.
 A checkpoint saved before manifests existed (``.metadata`` only) still loads.
 
 Example::
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -42,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -53,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hyper_parallel.checkpoint_hf.outputs import PARTIAL_MARK, staged_output
 
 __all__ = [
+    "NoIntactCheckpointError",
     "PendingSave",
     "async_save_checkpoint",
     "checkpoint_path",
@@ -63,6 +68,7 @@ __all__ = [
     "prune_checkpoints",
     "remove_checkpoints",
     "save_checkpoint",
+    "unreadable_as_damaged",
     "verify_checkpoint",
 ]
 
@@ -129,21 +135,36 @@ def prune_checkpoints(
 _VERIFIED: dict[str, tuple[int, int, int]] = {}
 
 
-def _verified(path: str) -> bool:
-    """Whether the checkpoint at ``path`` is intact, checksums included (cached)."""
+def _manifest_identity(path: str) -> tuple[int, int, int] | None:
     try:
         st = os.stat(os.path.join(path, _MANIFEST))
-        identity = (st.st_dev, st.st_ino, st.st_mtime_ns)
     except OSError:
-        identity = None  # no manifest (an old checkpoint): verified on .metadata alone
-    key = os.path.realpath(path)
-    if identity is not None and _VERIFIED.get(key) == identity:
-        return verify_checkpoint(path, contents=False) is None  # sizes: cheap, every time
-    if verify_checkpoint(path) is not None:
-        return False
+        return None  # no manifest (an old checkpoint): verified on .metadata alone
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def _remember_verified(path: str) -> None:
+    """Record that ``path`` passed a full :func:`verify_checkpoint` in this process."""
+    identity = _manifest_identity(path)
     if identity is not None:
-        _VERIFIED[key] = identity
-    return True
+        _VERIFIED[os.path.realpath(path)] = identity
+
+
+def _problem(path: str) -> str | None:
+    """:func:`verify_checkpoint` of ``path``, its checksums read once per process (a
+    checkpoint verified already gets the size check only)."""
+    identity = _manifest_identity(path)
+    if identity is not None and _VERIFIED.get(os.path.realpath(path)) == identity:
+        return verify_checkpoint(path, contents=False)  # sizes: cheap, every time
+    problem = verify_checkpoint(path)
+    if problem is None:
+        _remember_verified(path)
+    return problem
+
+
+def _verified(path: str) -> bool:
+    """Whether the checkpoint at ``path`` is intact, checksums included (cached)."""
+    return _problem(path) is None
 
 
 def remove_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
@@ -164,43 +185,91 @@ def checkpoint_path(checkpoint_dir: str | os.PathLike[str], step: int) -> str:
     return os.path.join(os.fspath(checkpoint_dir), f"step_{step:06d}")
 
 
+class NoIntactCheckpointError(ValueError):
+    """A checkpoint directory holds complete step folders but every one is damaged.
+
+    Starting over there would silently throw the run away (and its first save would
+    replace a damaged checkpoint the user may still recover), so
+    :func:`latest_checkpoint` refuses instead of answering ``None``.
+
+    Attributes:
+        checkpoint_dir: The directory looked in.
+        damaged: ``(step folder, what is wrong)`` of each, newest first.
+    """
+
+    same_on_every_rank = True  # rank 0 decides and tells the others: one message suffices
+
+    def __init__(self, checkpoint_dir: str, damaged: Sequence[tuple[str, str]]) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.damaged = list(damaged)
+        super().__init__(
+            f"no intact checkpoint to resume from in --checkpoint-dir {checkpoint_dir}: "
+            f"{_damaged_list(self.damaged)}. Fix: restore the damaged step folder(s) from "
+            "a copy and resume again; or delete them to start over at step 0 (with "
+            "hyper-parallel train: drop --resume and pass --overwrite, which removes "
+            "them), or choose another --checkpoint-dir."
+        )
+
+
+def _damaged_list(damaged: Sequence[tuple[str, str]]) -> str:
+    return "; ".join(f"{path} is damaged: {problem}" for path, problem in damaged)
+
+
 def latest_checkpoint(
     checkpoint_dir: str | os.PathLike[str], *, distributed: bool | None = None
 ) -> str | None:
     """The complete checkpoint with the highest step under ``checkpoint_dir``, if any.
 
     A step directory without DCP's ``.metadata`` (a save interrupted by a crash) is
-    skipped; so, with a ``RuntimeWarning`` naming the bad file, is one whose files do
-    not match their saved sizes and checksums (:func:`verify_checkpoint`). With a process group, rank 0 looks and tells the others, so every rank
-    resumes from the same step even if they see the file system at different times.
+    skipped; so, with a ``RuntimeWarning`` naming the bad file and the checkpoint used
+    instead, is one whose files do not match their saved sizes and checksums
+    (:func:`verify_checkpoint`). With a process group, rank 0 looks and tells the
+    others, so every rank resumes from the same step even if they see the file system
+    at different times.
 
     Args:
         checkpoint_dir: The directory holding ``step_*`` checkpoints.
         distributed: Whether all ranks of the default process group call this
             together; defaults to whether one is initialized. Pass ``False`` for a
             one-process model inside a larger job.
+
+    Returns:
+        The step directory, or ``None`` when ``checkpoint_dir`` holds no complete one.
+
+    Raises:
+        NoIntactCheckpointError: It holds complete step directories, but every one is
+            damaged (on every rank): resuming there is not starting over.
     """
     distributed = _distributed(distributed)
-    found: list[str | None] = [None]
+    found: list[Any] = [(None, [])]
     if not distributed or dist.get_rank() == 0:
         found[0] = _latest_on_disk(os.fspath(checkpoint_dir))
     if distributed and dist.get_world_size() > 1:
         dist.broadcast_object_list(found, src=0)
-    return found[0]
+    path, damaged = found[0]
+    if path is None and damaged:
+        raise NoIntactCheckpointError(os.fspath(checkpoint_dir), damaged)
+    return path
 
 
-def _latest_on_disk(checkpoint_dir: str) -> str | None:
+def _latest_on_disk(checkpoint_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest intact checkpoint (or ``None``) and the damaged ones newer than it."""
+    damaged: list[tuple[str, str]] = []
     for _, path in reversed(checkpoint_steps(checkpoint_dir)):
-        problem = verify_checkpoint(path)
+        problem = verify_checkpoint(path)  # always read in full: the one to resume from
         if problem is None:
-            return path
-        warnings.warn(
-            f"latest_checkpoint: skipping {path}: {problem}; using an earlier complete "
-            "checkpoint instead (delete or move the damaged one).",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return None
+            _remember_verified(path)  # its reader (export-hf) need not hash it again
+            for bad, bad_problem in damaged:
+                warnings.warn(
+                    f"latest_checkpoint: skipping {bad}: {bad_problem}; using the earlier "
+                    f"complete checkpoint {path} instead (restore, delete or move the "
+                    "damaged one).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return path, damaged
+        damaged.append((path, problem))
+    return None, damaged
 
 
 def _crc32(path: str) -> int:
@@ -246,6 +315,60 @@ def verify_checkpoint(path: str | os.PathLike[str], *, contents: bool = True) ->
             return f"{file} has {size} bytes, {record['size']} were saved (truncated?)"
         if contents and _crc32(file) != record["crc32"]:
             return f"{file} does not match its saved CRC-32 (corrupted)"
+    return None
+
+
+@contextlib.contextmanager
+def unreadable_as_damaged(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Turn a failure to read the files of the checkpoint at ``path`` (a torch
+    deserialization error, raw or inside DCP's ``CheckpointException``) into a
+    ``ValueError`` naming the damaged file (from the checksums manifest, else the
+    step folder's files) and the fix. Any other error passes through."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        cause = _read_failure(e)
+        if cause is None:
+            raise
+        path = os.fspath(path)
+        problem = verify_checkpoint(path)
+        if problem is None:
+            files = sorted(n for n in os.listdir(path) if n.endswith(".distcp") or n == _METADATA)
+            which = (
+                "its files match the checksums saved with them: it was written unreadable"
+                if _manifest_identity(path)
+                else "it has no checksums manifest (saved before there were) to tell which"
+            )
+            problem = (
+                f"could not be read ({cause}): one of its files is damaged "
+                f"({', '.join(os.path.join(path, n) for n in files)}); {which}"
+            )
+        else:
+            problem = f"is damaged: {problem}"
+        raise ValueError(
+            f"checkpoint {path} {problem}. Fix: restore it from a copy, or use an earlier "
+            "step folder."
+        ) from None
+
+
+def _read_failure(error: BaseException) -> str | None:
+    """``error`` (or, in a ``CheckpointException``, a rank's failure) as one line when
+    it comes from reading checkpoint bytes (torch's unpickler, its zip reader), else ``None``."""
+    failures = (
+        [exc for exc, _ in error.failures.values()]
+        if isinstance(error, CheckpointException)
+        else [error]
+    )
+    for exc in failures:
+        text = str(exc).strip()
+        # torch's weights-only unpickler puts what it met after a long notice
+        text = re.split(r"WeightsUnpickler error:\s*", text)[-1].strip()
+        text = text.splitlines()[0].split(". ")[0] if text else ""
+        if isinstance(exc, (pickle.UnpicklingError, EOFError)) or (
+            isinstance(exc, RuntimeError)
+            and any(s in str(exc) for s in ("PytorchStreamReader", "zip archive"))
+        ):
+            return f"{type(exc).__name__}: {text}"[:300]
     return None
 
 
@@ -587,7 +710,8 @@ def load_checkpoint(
             f"load_checkpoint: {path!r} is damaged: {problem}. Load an earlier checkpoint "
             "(latest_checkpoint(checkpoint_dir) skips damaged ones)."
         )
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    with unreadable_as_damaged(path):
+        metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     saved_keys = set(metadata)
     if optimizer is not None and not any(k.startswith("optimizer.") for k in saved_keys):
         raise ValueError(
@@ -607,7 +731,7 @@ def load_checkpoint(
     }
     if rng:
         state["rng"] = {f"rank{rank}": rng}
-    with _single_process_notice_muted(distributed):
+    with _single_process_notice_muted(distributed), unreadable_as_damaged(path):
         dcp.load(state, checkpoint_id=path, no_dist=not distributed)
     for (part, part_optimizer), (model_keys, optim_keys) in zip(parts, per_part, strict=True):
         set_model_state_dict(part, {k: state["model"][k] for k in model_keys})

@@ -43,6 +43,7 @@ from typing import Any
 import tomllib
 
 __all__ = [
+    "COMMAND_LINE_OUTPUTS",
     "ONE_OFF_ACTIONS",
     "TRAIN_MODULE",
     "load_job_file",
@@ -67,6 +68,10 @@ ONE_OFF_ACTIONS = ("overwrite", "resume")
 an earlier run's checkpoints and record, ``--resume`` continues one): a run's record
 does not keep them, so reading it back with ``--config`` deletes nothing (no flag turns
 a boolean off)."""
+
+COMMAND_LINE_OUTPUTS = ("--metrics-out", "--grads-out")
+"""Files ``train.run`` writes that are flags of its command line, not run options
+(``TrainConfig`` fields): a job file does not set them; said so when one tries."""
 
 Options = Sequence[tuple[str, str, dict[str, Any]]]
 """The run-option table: (flag, TrainConfig field, argparse keywords) per option."""
@@ -157,6 +162,27 @@ def load_job_file(path: str, options: Options) -> dict[str, Any]:
             values[key] = value  # a TrainConfig field (the JSON files of TrainConfig.to_dict)
         else:
             unknown.append(key)
+    command_line = {
+        key: flag
+        for key in unknown
+        for flag in COMMAND_LINE_OUTPUTS
+        if key in (flag.removeprefix("--"), flag.removeprefix("--").replace("-", "_"))
+    }
+    unknown = [key for key in unknown if key not in command_line]
+    outputs = ""
+    if command_line:
+        one = len(command_line) == 1
+        flags = " ".join(f"{f} {shlex.quote(str(raw[k]))}" for k, f in command_line.items())
+        outputs = (
+            f"{' and '.join(command_line.values())} "
+            f"{'is an output' if one else 'are outputs'} of the train command line, not "
+            f"{'a run option' if one else 'run options'} a job file can set: remove the "
+            f"{'key' if one else 'keys'} {', '.join(repr(k) for k in command_line)} and pass "
+            f"{'it as a flag' if one else 'them as flags'} next to --config "
+            f"(--config {shlex.quote(path)} {flags})."
+        )
+    if outputs and not unknown:
+        raise ValueError(f"{where}: {outputs}")
     if unknown:
         names = sorted({k for k in table if "_" not in k} | set(fields))
         hints = []
@@ -174,6 +200,7 @@ def load_job_file(path: str, options: Options) -> dict[str, Any]:
         raise ValueError(
             f"{where}: unknown option(s) {', '.join(hints)}; keys are the long option names "
             f"without dashes (python -m hyper_parallel.train.run --help lists them).{flat}"
+            + (f" Also {outputs}" if outputs else "")
         )
     return values
 

@@ -55,6 +55,8 @@ def slurm_script(
         raise ValueError(
             f"launch: nodes ({nodes}) and GPUs per node ({gpus_per_node}) must be >= 1."
         )
+    if not 1 <= port <= _MAX_PORT:
+        raise ValueError(f"launch: port {port} {_PORT_RANGE}.")
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job_name}",
@@ -110,6 +112,21 @@ def job_file(train_args: Sequence[str], comment: str = "") -> str:
     return head + to_toml(args, RUN_OPTIONS)
 
 
+_MAX_PORT = 65535
+_PORT_RANGE = f"is not a TCP port; give one in 1..{_MAX_PORT} (default {DEFAULT_PORT})"
+
+
+def _port(text: str) -> int:
+    """``argparse`` type of ``--port``: a TCP port, 1..65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= _MAX_PORT:
+        raise argparse.ArgumentTypeError(f"{text!r} {_PORT_RANGE}")
+    return value
+
+
 def build_parser(prog: str = "hyper-parallel launch") -> argparse.ArgumentParser:
     """The launch options; every other option is a train option, passed on as given."""
     parser = argparse.ArgumentParser(
@@ -134,7 +151,7 @@ def build_parser(prog: str = "hyper-parallel launch") -> argparse.ArgumentParser
     parser.add_argument("--job-name", default="hyper-parallel", help="the SLURM job name")
     parser.add_argument(
         "--port",
-        type=positive_int,
+        type=_port,
         default=DEFAULT_PORT,
         help=f"rendezvous port on node 0 in the SLURM script (default {DEFAULT_PORT})",
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,51 @@ def test_keep_checkpoints_after_resuming_past_a_corrupt_newest_keeps_the_new_one
     assert again.fit().losses == losses[3:]  # the run goes on as uninterrupted
     assert sorted(os.listdir(copy)) == ["step_000004", "train.log"]  # saved over the bad 4
     assert verify_checkpoint(copy / "step_000004") is None
+
+
+def test_a_skipped_checkpoint_warning_names_the_one_used_instead(runs, tmp_path):
+    _, ckpt, _, _ = runs
+    copy = tmp_path / "ckpt"
+    _copy_with_a_corrupt_newest(ckpt, copy)
+    with pytest.warns(RuntimeWarning, match=r"using the earlier complete checkpoint .*step_000002"):
+        assert latest_checkpoint(copy) == str(copy / "step_000002")
+
+
+def test_resume_where_every_checkpoint_is_damaged_is_refused_not_a_fresh_start(
+    runs, tmp_path, capsys
+):
+    """The only checkpoint corrupt: --resume used to warn of 'an earlier complete
+    checkpoint' (there was none), start at step 0 and save over the damaged one."""
+    from hyper_parallel.train.checkpoint import NoIntactCheckpointError
+    from hyper_parallel.train.run import main as run
+
+    cfg, ckpt, _, _ = runs
+    copy = tmp_path / "ckpt"
+    bad = _copy_with_a_corrupt_newest(ckpt, copy)
+    shutil.rmtree(copy / "step_000002")  # step 4 (corrupt) is the only one left
+    damaged = bad.read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning claiming an earlier checkpoint
+        with pytest.raises(NoIntactCheckpointError) as e:
+            latest_checkpoint(copy)
+    message = str(e.value)
+    assert f"{copy / 'step_000004'} is damaged: {bad}" in message
+    assert "CRC-32" in message and "restore the damaged step folder" in message
+    assert "drop --resume and pass --overwrite" in message
+    assert e.value.damaged == [(str(copy / "step_000004"), e.value.damaged[0][1])]
+    with pytest.raises(NoIntactCheckpointError):
+        Trainer(cfg.replace(steps=8, checkpoint_dir=str(copy), resume=True), device="cpu")
+    argv = ["--steps", "8", "--batch-size", "4", "--seq-len", "16", "--no-progress"]
+    argv += ["--checkpoint-dir", str(copy), "--checkpoint-every", "4", "--resume"]
+    assert run(argv) == 2
+    err = capsys.readouterr().err
+    assert "no intact checkpoint to resume from in --checkpoint-dir" in err
+    assert "step_000004 is damaged" in err and "Traceback" not in err
+    assert sorted(p.name for p in copy.iterdir() if p.name.startswith("step_")) == ["step_000004"]
+    assert bad.read_bytes() == damaged  # nothing saved over it
+
+
+def test_a_directory_without_complete_checkpoints_still_starts_at_step_0(tmp_path):
+    (tmp_path / "step_000004").mkdir()  # a save that died before .metadata: never complete
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path / "absent") is None

@@ -66,6 +66,23 @@ def test_bad_job_files_name_the_key_and_the_fix(tmp_path, text, message):
         _config(job)
 
 
+@pytest.mark.parametrize("key", ["metrics-out", "metrics_out", "grads-out"])
+def test_a_command_line_output_in_a_job_file_says_to_pass_it_as_a_flag(tmp_path, capsys, key):
+    """--metrics-out / --grads-out are train flags, not TrainConfig fields: a job file
+    setting one used to be told only 'unknown option(s)'."""
+    job = tmp_path / "job.toml"
+    job.write_text(f'steps = 1\n{key} = "out file.json"\n')
+    flag = "--" + key.replace("_", "-")
+    assert run(["--config", str(job), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} is an output of the train command line, not a run option" in err
+    assert f"remove the key '{key}' and pass it as a flag next to --config" in err
+    assert f"(--config {job} {flag} 'out file.json')" in err and "unknown option" not in err
+    job.write_text(f'stpes = 1\n{key} = "m.json"\n')  # with a mistyped key: both said
+    with pytest.raises(ValueError, match=rf"'stpes' \(did you mean 'steps'\?\).* Also {flag} is"):
+        _config(job)
+
+
 @pytest.mark.parametrize(
     ("old", "new"),
     [

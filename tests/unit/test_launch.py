@@ -144,6 +144,29 @@ def test_launch_one_node_is_standalone_and_prints_the_script(capsys) -> None:
     assert "#SBATCH --nodes=1" in out and "srun --nodes=1" in out
 
 
+@pytest.mark.parametrize("port", ["99999", "65536", "0", "-1", "http"])
+def test_launch_refuses_a_port_outside_1_to_65535(capsys, port) -> None:
+    """--port 99999 used to be written into the script as MASTER_PORT=99999."""
+    with pytest.raises(SystemExit) as e:
+        main(["launch", "--nodes", "2", "--gpus-per-node", "1", "--slurm", "-", f"--port={port}"])
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert "MASTER_PORT" not in out
+    assert f"argument --port: '{port}' is not a TCP port; give one in 1..65535" in err
+
+
+def test_launch_takes_the_highest_port_and_the_script_api_checks_it_too(capsys) -> None:
+    from hyper_parallel.train.launch import slurm_script
+
+    code, out, err = _run(
+        capsys, "launch", "--nodes", "2", "--gpus-per-node", "1", "--slurm", "-", "--port", "65535"
+    )
+    assert code == 0, err
+    assert "MASTER_PORT=${MASTER_PORT:-65535}" in out
+    with pytest.raises(ValueError, match=r"port 99999 is not a TCP port; give one in 1\.\.65535"):
+        slurm_script([], nodes=2, gpus_per_node=1, port=99999)
+
+
 def test_launch_carries_a_job_file_and_checks_it(capsys, tmp_path) -> None:
     job = tmp_path / "job.toml"
     job.write_text('mesh = "dp=2,tp=4"\nsteps = 5\nmodel-overrides = { num_layers = 2 }\n')
