@@ -275,8 +275,9 @@ def _parser() -> argparse.ArgumentParser:
     launch = sub.add_parser(
         "launch",
         add_help=False,  # --help goes to the launcher's own parser
-        help="print the torchrun command of each node and a SLURM batch script for a run "
-        "on --nodes N x --gpus-per-node G (starts nothing; launch --help lists its options)",
+        help="print the torchrun command of each node for a run on --nodes N x "
+        "--gpus-per-node G, and with --slurm FILE a SLURM batch script (starts nothing; "
+        "launch --help lists its options)",
     )
     launch.add_argument("options", nargs=argparse.REMAINDER)  # main passes them on itself
     launch.set_defaults(func=lambda args: _launch(args.options))

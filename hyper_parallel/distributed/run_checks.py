@@ -385,8 +385,12 @@ def sharded_subject(
         family = spec.family
         config = spec.config(**dict(overrides or {}))
     except (ValueError, TypeError) as e:  # unknown name, or overrides it refuses
+        # A message that says its own fix keeps it (it had a second, generic one).
+        message, _, fix = str(e).partition(" Fix: ")
         findings.append(
-            Finding("error", "model", model, str(e), "name a registered model and its fields.")
+            Finding(
+                "error", "model", model, message, fix or "name a registered model and its fields."
+            )
         )
     else:
         try:

@@ -321,7 +321,7 @@ def run_plan(
     """
     cfg = _resolved(cfg)
     layout = cfg.layout if layout is None else layout
-    return RunPlan.for_model(
+    plan = RunPlan.for_model(
         cfg.model,
         layout,
         model_overrides=cfg.model_overrides,
@@ -340,6 +340,28 @@ def run_plan(
         stages_per_rank=cfg.stages_per_rank,
         reduce_each_microbatch=cfg.reduce_each_microbatch,
     )
+    return _offer_weights(plan, cfg)
+
+
+def _offer_weights(plan: RunPlan, cfg: TrainConfig) -> RunPlan:
+    """``plan`` whose finding for a ``*-hf`` model given no sizes (no Hugging Face source,
+    no overrides) offers ``--hf-checkpoint`` too: a run has it, ``plan`` and ``validate``
+    (whose finding names only ``--hf-config``) do not."""
+    from hyper_parallel.checkpoint_hf.config import hf_spec_names
+
+    if cfg.model_overrides or cfg.model not in hf_spec_names():
+        return plan
+    fix = (
+        "pass --hf-checkpoint DIR (its config.json and weights) or --hf-config PATH (its "
+        "config.json alone), or name a preset (see 'hyper-parallel models')."
+    )
+    findings = tuple(
+        dataclasses.replace(f, fix=fix)
+        if f.severity == "error" and f.path == "model" and f.field == cfg.model
+        else f
+        for f in plan.findings
+    )
+    return dataclasses.replace(plan, findings=findings)
 
 
 def _resolved(cfg: TrainConfig) -> TrainConfig:

@@ -499,7 +499,7 @@ def lr_line(cfg: Any, done: int) -> str:
         head += f", {cfg.warmup_steps} of warm-up"
     points = [f"{cfg.lr_at(first - 1):.2e} at step {first}"]
     peak = max(cfg.warmup_steps, 1)
-    if first < peak < last:
+    if first < peak < last and peak <= total:  # a warm-up past the schedule stops at its end
         points.append(f"peak {cfg.lr_at(peak - 1):.2e} at step {peak}")
     if last > first:
         points.append(f"{cfg.lr_at(last - 1):.2e} at step {last}")
@@ -584,7 +584,7 @@ class RunReport:
         if saved != cfg.steps and cfg.steps > t.step:
             t.cfg = dataclasses.replace(cfg, lr_schedule_steps=saved)
             # Step k (1-based) runs at lr_at(k - 1): past the schedule's end, at min_lr
-            # (after the warm-up, where the warm-up is longer than the schedule).
+            # (a warm-up longer than the schedule stops at its end too).
             if cfg.steps > saved:
                 rates = [(k, t.cfg.lr_at(k - 1)) for k in range(saved + 1, cfg.steps + 1)]
                 tail = f"; past its end, {_rate_runs(rates)}"

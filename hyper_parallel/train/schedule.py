@@ -11,7 +11,9 @@ Every schedule warms up linearly from ``lr / warmup_steps`` to ``lr`` over
   :data:`WSD_DECAY_FRACTION` of ``total_steps``, then linearly down to ``min_lr``.
 
 Past ``total_steps`` (a resumed run given more steps than the schedule it started
-with) the rate stays at its final value. ``total_steps`` is the schedule's length,
+with) the rate stays at its final value (``min_lr``; ``lr`` for ``constant``), also
+where the warm-up fills the schedule: a warm-up longer than the schedule stops at its
+end. ``total_steps`` is the schedule's length,
 which a resumed run keeps (:mod:`hyper_parallel.train.report` says so).
 
 Example::
@@ -54,15 +56,22 @@ def lr_at(
     min_lr: float,
     schedule: str = "cosine",
 ) -> float:
-    """Learning rate of optimizer step ``step`` (0-based) under ``schedule``."""
+    """Learning rate of optimizer step ``step`` (0-based) under ``schedule``.
+
+    Past the schedule's end (``step >= total_steps``) the rate is the schedule's final
+    one, ``lr`` for ``constant`` and ``min_lr`` for the others, also where the warm-up
+    is longer than the schedule: the warm-up ends with the schedule (it went on to the
+    peak first, then dropped to ``min_lr``).
+    """
+    if step >= total_steps:
+        # Before the warm-up's test: a warm-up that outlasts the schedule stops with it.
+        # (The formulas below give min_lr too, but not when the warm-up fills the
+        # schedule: their decay would start at the peak.)
+        return lr if schedule == "constant" else min_lr
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if schedule == "constant":
         return lr
-    if step >= total_steps:
-        # Past the schedule's end: its final rate. (The formulas below give it too, but
-        # not when the warm-up fills the schedule: their decay would start at the peak.)
-        return min_lr
     if schedule == "wsd":
         decay = max(1, round(WSD_DECAY_FRACTION * total_steps))
         start = max(warmup_steps, total_steps - decay)

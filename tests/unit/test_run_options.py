@@ -226,6 +226,38 @@ def test_a_file_sized_model_without_its_file_is_refused(capsys) -> None:
     assert any("--hf-config PATH" in str(p) for p in problems)
 
 
+def test_a_file_sized_model_without_its_file_names_only_the_commands_options(capsys) -> None:
+    # plan and validate were told "pass --hf-config PATH (or --hf-checkpoint DIR to load its
+    # weights too)" — neither has --hf-checkpoint — and a second, generic "Fix: name a
+    # registered model and its fields." followed.
+    for command in ("plan", "validate", "suggest", "train", "demo"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        takes = {flag for flag in ("--hf-config", "--hf-checkpoint") if flag in out}
+        if command in ("plan", "validate"):
+            argv = ["--model", "llama3-hf", "--mesh", "tp=2"]
+        elif command == "suggest":
+            argv = ["--model", "llama3-hf", "--gpus", "8", "--gpu", "h100-80gb", "--seq",
+                    "1024", "--global-batch-tokens", "65536"]  # fmt: skip
+        elif command == "demo":
+            argv = ["--model", "llama3-hf", "--mesh", "tp=2", "--steps", "1"]
+        else:  # train: one process
+            argv = ["--model", "llama3-hf", "--steps", "1"]
+        code, out, err = _run(capsys, command, *argv)
+        said = out + err
+        assert code != 0 and "takes its sizes from a Hugging Face config.json" in said, said
+        offered = {flag for flag in ("--hf-config", "--hf-checkpoint") if flag in said}
+        assert offered == takes, (command, offered, takes, said)
+        assert said.lower().count("fix:") == 1, said
+    # The trainer's gate (TrainConfig has hf_checkpoint) offers the weights too.
+    from hyper_parallel.train.trainer import TrainConfig, check_config
+
+    (problem,) = check_config(TrainConfig(model="llama3-hf"), 1)
+    assert "--hf-checkpoint DIR" in problem.fix and "--hf-config PATH" in problem.fix
+    assert str(problem).count("Fix:") == 1
+
+
 def test_no_model_or_two_models_are_usage_errors(tmp_path, capsys) -> None:
     code, _, err = _run(capsys, "plan", "--mesh", "dp=2")
     assert code == 2 and "give --model NAME" in err

@@ -44,14 +44,26 @@ def test_each_schedule_warms_up_then_decays_to_min_lr_and_stays_there():
 
 def test_a_schedule_the_warm_up_fills_runs_at_min_lr_past_its_end():
     """warmup_steps >= total_steps leaves no decay: the steps past the end (a resumed
-    run's) run at the final rate, not at the peak and then the final rate."""
-    for warmup, total in ((3, 3), (4, 3)):
+    run's) run at the final rate, not at the peak and then the final rate. A warm-up
+    longer than the schedule stops at its end (it went on to the peak past it: a 2-step
+    run resumed with --steps 3 ran step 3 at the peak, where the docs say --min-lr)."""
+    for warmup, total in ((3, 3), (4, 3), (3, 2)):
         kw = {"lr": 1.0, "warmup_steps": warmup, "total_steps": total, "min_lr": 0.1}
         for name in ("cosine", "linear", "wsd"):
             lrs = [lr_at(s, schedule=name, **kw) for s in range(8)]
-            assert lrs[:warmup] == pytest.approx([(s + 1) / warmup for s in range(warmup)])
-            assert lrs[warmup:] == pytest.approx([0.1] * (8 - warmup)), (name, warmup, total)
-        assert lr_at(warmup, schedule="constant", **kw) == 1.0
+            assert lrs[:total] == pytest.approx([(s + 1) / warmup for s in range(total)])
+            assert lrs[total:] == pytest.approx([0.1] * (8 - total)), (name, warmup, total)
+        assert [lr_at(s, schedule="constant", **kw) for s in range(total, 8)] == [1.0] * (8 - total)
+    # The trainer's default warm-up (3 steps) on a 2-step run: step 3 is past the end.
+    cfg = TrainConfig(steps=2)
+    assert cfg.lr_at(2) == pytest.approx(0.1 * cfg.lr)
+    # The start summary names no peak the warm-up does not reach within the schedule.
+    from hyper_parallel.train.report import lr_line
+
+    cfg = TrainConfig(steps=6, warmup_steps=4, lr_schedule_steps=2)
+    line = lr_line(cfg, 0)
+    assert "peak" not in line, line
+    assert _rates_said(line) == pytest.approx({1: cfg.lr_at(0), 6: cfg.lr_at(5)}), line
 
 
 def test_default_schedule_is_cosine_to_a_tenth_as_before():
@@ -153,9 +165,9 @@ def _note_rates(note):
 def test_a_resume_note_names_each_steps_rate_past_the_schedule(
     tmp_path, capsys, steps, warmup, more
 ):
-    """A warm-up longer than the schedule goes on warming past its end: the note says the
-    rate every resumed step gets (it said 'steps 3-4, past its end, run at 3.00e-03' where
-    step 4 ran at 3.00e-04)."""
+    """The note says the rate every resumed step gets, a warm-up longer than the schedule
+    included (it said 'steps 3-4, past its end, run at 3.00e-03' where step 4 ran at
+    3.00e-04)."""
     cfg = TrainConfig(steps=steps, warmup_steps=warmup, checkpoint_dir=str(tmp_path), **TINY)
     Trainer(cfg, device="cpu").fit()
     capsys.readouterr()

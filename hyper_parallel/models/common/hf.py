@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from hyper_parallel.checkpoint_hf.config import ConfigReader
 from hyper_parallel.checkpoint_hf.mapping import TensorMap
 
-__all__ = ["DecoderHF", "head_dim_of", "hf_sized"]
+__all__ = ["NO_CONFIG_FIX", "DecoderHF", "head_dim_of", "hf_sized"]
 
 
 class DecoderHF(abc.ABC):
@@ -178,6 +178,14 @@ def head_dim_of(reader: ConfigReader, overrides: Mapping[str, Any]) -> int | Non
     return head_dim if head_dim is not None else (dim // heads if dim and heads else None)
 
 
+NO_CONFIG_FIX = (
+    "pass --hf-config PATH (its config.json), or name a preset (see 'hyper-parallel models')."
+)
+"""How a ``*-hf`` spec given no sizes is fixed, in options every command takes (``plan``,
+``validate`` and ``suggest`` have no ``--hf-checkpoint``: the trainer's gate, whose
+``TrainConfig`` has one, offers it too)."""
+
+
 def hf_sized(
     spec: str, factory: Callable[..., Any], defaults: Mapping[str, Any]
 ) -> Callable[..., Any]:
@@ -188,9 +196,8 @@ def hf_sized(
     def build(**kwargs: Any) -> Any:
         if not kwargs:
             raise ValueError(
-                f"{spec} takes its sizes from a Hugging Face config.json, and none was given: "
-                "pass --hf-config PATH (or --hf-checkpoint DIR to load its weights too), or "
-                "name a preset (see 'hyper-parallel models')."
+                f"{spec} takes its sizes from a Hugging Face config.json, and none was given. "
+                f"Fix: {NO_CONFIG_FIX}"
             )
         return factory(**{**defaults, **kwargs})
 
