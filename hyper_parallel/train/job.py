@@ -309,9 +309,16 @@ def write_run_record(
     *,
     world_size: int = 1,
     ranks_per_node: int | None = None,
+    resumed_from: int = 0,
 ) -> list[str]:
     """Write ``config.toml`` (the resolved options) and ``run.json`` (version, commit) to
     ``folder``; returns their paths. Call it on one process (the trainer: rank 0).
+
+    A run resumed at step ``resumed_from`` > 0 keeps the record of the steps before it:
+    ``run.json``'s ``earlier`` lists every earlier start (its time, command and
+    options), and an earlier ``config.toml`` whose options differ from this start's is
+    kept as ``config.before_step_N.toml`` (the command in its header runs those steps;
+    a longer ``steps`` alone is no difference: the resumed run keeps its schedule).
 
     ``config.toml`` leaves out :data:`ONE_OFF_ACTIONS`; its header is the command that
     reads it back (:func:`rerun_command` with ``world_size`` ranks, ``ranks_per_node``
@@ -343,21 +350,62 @@ def write_run_record(
     given = [f"--{dest}" for dest in ONE_OFF_ACTIONS if getattr(cfg, dest, False)]
     if given:
         head.append(f"# Given to this run, one-off actions not kept here: {' '.join(given)}")
+    body = to_toml(cfg, options, leave_out=ONE_OFF_ACTIONS)
+    record = os.path.join(folder, "run.json")
+    earlier: list[Any] = []
+    if resumed_from > 0:
+        earlier = _earlier_starts(record)
+        if os.path.isfile(config) and _options_but_steps(_toml_body(config)) != (
+            _options_but_steps(body)
+        ):
+            os.replace(config, os.path.join(folder, f"config.before_step_{resumed_from:06d}.toml"))
     with open(config, "w", encoding="utf-8") as f:
         f.write("\n".join(head) + "\n")
-        f.write(to_toml(cfg, options, leave_out=ONE_OFF_ACTIONS))
-    record = os.path.join(folder, "run.json")
+        f.write(body)
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    entry: dict[str, Any] = {
+        "hyper_parallel": __version__,
+        "git_commit": _git_commit(),
+        "started": now,
+        "argv": sys.argv,
+        "config": cfg.to_dict(),
+    }
+    if resumed_from > 0:
+        entry.update(resumed_from=resumed_from, earlier=earlier)
     with open(record, "w", encoding="utf-8") as f:
-        json.dump(
-            {
-                "hyper_parallel": __version__,
-                "git_commit": _git_commit(),
-                "started": now,
-                "argv": sys.argv,
-                "config": cfg.to_dict(),
-            },
-            f,
-            indent=1,
-        )
+        json.dump(entry, f, indent=1)
     return [config, record]
+
+
+def _toml_body(path: str) -> str:
+    """A ``config.toml``'s options: the file without its header comment lines."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines(keepends=True)
+    first = next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
+    return "".join(lines[first:])
+
+
+def _options_but_steps(body: str) -> list[str]:
+    """A ``config.toml`` body's option lines but ``steps``: a resumed run told to go on
+    longer keeps its schedule (``lr-schedule-steps``), so its record re-runs the earlier
+    steps as they ran."""
+    lines = body.splitlines()
+    steps = [line.split("=", 1)[1].strip() for line in lines if line.startswith("steps = ")]
+    out = [line for line in lines if not line.startswith("steps = ")]
+    if steps and not any(line.startswith("lr-schedule-steps = ") for line in out):
+        out.append(f"lr-schedule-steps = {steps[0]}")  # unset: the schedule is --steps long
+    return sorted(out)
+
+
+def _earlier_starts(record: str) -> list[Any]:
+    """The starts an existing ``run.json`` records, oldest first (``[]`` when there is
+    none, or it is unreadable: a record is kept, never a reason to stop a run)."""
+    try:
+        with open(record, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    before = old.pop("earlier", [])
+    return [*(before if isinstance(before, list) else []), old]

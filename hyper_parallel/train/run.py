@@ -201,6 +201,7 @@ def main(
                 RUN_OPTIONS,
                 world_size=world,
                 ranks_per_node=per_node,
+                resumed_from=trainer.resumed_from,
             )
         result = trainer.fit()
         rank = dist.get_rank() if dist.is_initialized() else 0

@@ -634,3 +634,33 @@ def test_a_model_the_checkpoint_replaces_is_said(tiny_hf, capsys, no_training):
     with pytest.raises(_Built):  # the checkpoint alone: nothing to say
         run(argv)
     assert "note: --model" not in capsys.readouterr().out
+
+
+def test_resume_keeps_the_record_of_the_steps_before_it(tmp_path, capsys):
+    """A resumed run rewrote config.toml and run.json: the options and command of the
+    steps before the resume were lost (a run resumed with another --lr could not be
+    re-run from its record)."""
+    ckpt = tmp_path / "ckpt"
+    argv = [*TINY, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]
+    assert run([*argv, "--steps", "2", "--lr", "1e-3"]) == 0
+    first = (ckpt / "config.toml").read_text()
+    assert run([*argv, "--steps", "3", "--lr", "5e-4", "--resume"]) == 0
+    kept = ckpt / "config.before_step_000002.toml"
+    assert kept.read_text() == first  # the options of steps 1-2, header and all
+    assert "lr = 0.0005" in (ckpt / "config.toml").read_text()
+    record = json.loads((ckpt / "run.json").read_text())
+    assert record["resumed_from"] == 2 and record["config"]["lr"] == 5e-4
+    assert [e["config"]["lr"] for e in record["earlier"]] == [1e-3]
+    # Resumed again with the same options (longer: the schedule kept, steps 1-3 re-run
+    # from either record alike): nothing else kept aside, one more start listed.
+    assert run([*argv, "--steps", "4", "--lr", "5e-4", "--resume"]) == 0
+    assert sorted(p.name for p in ckpt.glob("config*.toml")) == [kept.name, "config.toml"]
+    record = json.loads((ckpt / "run.json").read_text())
+    assert [e["config"]["lr"] for e in record["earlier"]] == [1e-3, 5e-4]
+    assert record["resumed_from"] == 3
+    # Only --steps longer, from a first run's record (no lr-schedule-steps line): the same.
+    other = tmp_path / "other"
+    argv = [*TINY, "--checkpoint-dir", str(other), "--checkpoint-every", "1"]
+    assert run([*argv, "--steps", "2"]) == 0
+    assert run([*argv, "--steps", "3", "--resume"]) == 0
+    assert [p.name for p in other.glob("config*.toml")] == ["config.toml"]
