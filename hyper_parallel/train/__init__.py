@@ -13,6 +13,7 @@ Under ``torchrun`` the same run is ``python -m hyper_parallel.train.run --mesh d
 
 from __future__ import annotations
 
+from hyper_parallel.train.checkpoint import NoIntactCheckpointError as NoIntactCheckpointError
 from hyper_parallel.train.checkpoint import checkpoint_path as checkpoint_path
 from hyper_parallel.train.checkpoint import latest_checkpoint as latest_checkpoint
 from hyper_parallel.train.checkpoint import load_checkpoint as load_checkpoint
@@ -40,6 +41,7 @@ __all__ = [
     "MODEL_AXES",
     "TRAINER_AXES",
     "VOCAB_SIZE",
+    "NoIntactCheckpointError",
     "TextBatches",
     "TrainConfig",
     "TrainResult",
