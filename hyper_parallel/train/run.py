@@ -123,7 +123,12 @@ def build_parser(prog: str = "python -m hyper_parallel.train.run") -> argparse.A
         "with DCP checkpoints.",
     )
     add_command_arguments(parser, "train")
-    parser.add_argument("--metrics-out", help="rank 0 writes steps, losses and timing here (JSON)")
+    parser.add_argument(
+        "--metrics-out",
+        help="rank 0 writes the steps this run trains, their losses and timing here (JSON); "
+        "kept unless --overwrite, or under --resume, which replaces it with the resumed "
+        "steps (the earlier ones are in train.log)",
+    )
     parser.add_argument(
         "--grads-out",
         help="rank 0 saves the first step's full gradients here (torch.save), before clipping",
