@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Repl
 from hyper_parallel.dmodule import _fast, _regather
 from hyper_parallel.dmodule._checks import (
     BOUNDARY_ATTR,
+    KWARGS_ONLY,
     Finding,
     ParallelizeError,
     PlanEntry,
@@ -674,11 +676,13 @@ def parallelize_entries(
         rank_in_mesh=mesh.get_coordinate() is not None,
         rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else None,
     )
-    errors = errors_of(
-        [*extra_findings, *mesh_findings, *check_entries(entries, axes, sizes, root)]
-    )
+    findings = [*extra_findings, *mesh_findings, *check_entries(entries, axes, sizes, root)]
+    errors = errors_of(findings)
     if errors:
         raise ParallelizeError(errors)
+    for f in findings:
+        if f.severity == "warning" and KWARGS_ONLY in f.message:
+            warnings.warn(f"parallelize: {f}", UserWarning, stacklevel=3)
     assert axes is not None
     # Everything that can fail — boundaries, the path switch, path selection — runs
     # before the first state is distributed: on error the model is left as it was.

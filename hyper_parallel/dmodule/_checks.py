@@ -59,6 +59,12 @@ def forward_signature(module: nn.Module) -> inspect.Signature:
     return inspect.signature(forward)
 
 
+_VAR_KEYWORD = inspect.Parameter.VAR_KEYWORD
+KWARGS_ONLY = "through **kwargs"
+"""Marks the warning for an input key that ``forward`` takes only through ``**kwargs``:
+``parallelize`` says it (warnings.warn), since a misspelled key there configures nothing."""
+
+
 class _Collector:
     def __init__(self, path: str) -> None:
         self.path = path
@@ -324,6 +330,17 @@ def _check_inputs(c: _Collector, module: nn.Module, config: ShardingConfig) -> N
                     f"{type(module).__name__}.forward{sig}.",
                     f"key inputs by forward argument name: one of {names}.",
                 )
+            elif sig is not None and key not in names:
+                named = [n for n in names if sig.parameters[n].kind is not _VAR_KEYWORD]
+                c.warning(
+                    f"{field_name}[{key!r}]",
+                    f"names {key!r}, which is no named argument of "
+                    f"{type(module).__name__}.forward (named: {named}); it arrives only "
+                    f"{KWARGS_ONLY}, so the config applies only to calls that pass {key}=... "
+                    "(a misspelled name applies to none).",
+                    f"key inputs by forward argument name: one of {named}, unless callers pass "
+                    f"{key}= by keyword.",
+                )
 
 
 def _check_local_map(c: _Collector, module: nn.Module, config: ShardingConfig) -> None:
@@ -474,6 +491,61 @@ def _check_ties(entries: Sequence[PlanEntry], axes: tuple[str, ...], out: list[F
                 )
 
 
+def _check_ties_outside_the_plan(
+    entries: Sequence[PlanEntry], root: nn.Module | None, out: list[Finding]
+) -> None:
+    """A state the plan distributes must not also be held (tied) by a module no config
+    covers: parallelize keeps the tie, so that module would get the DTensor while its
+    inputs stay plain tensors ("got mixed torch.Tensor and DTensor" at its first call).
+    Covered: the states a config names (dotted paths too) and its module's own states
+    (replicated implicitly)."""
+    if root is None:
+        return
+    covered: dict[tuple[int, str], str] = {}  # (owner, leaf) -> where the plan places it
+    for e in entries:
+        for key in e.config.state_shardings:
+            found = state_owner(e.module, key)
+            if found is not None:
+                covered[(id(found[0]), found[1])] = f"{e.path}.{key}" if e.path else key
+        for store in (e.module._parameters, e.module._buffers):
+            for name, t in store.items():
+                if t is not None:
+                    covered.setdefault((id(e.module), name), f"{e.path}.{name}" if e.path else name)
+    placed: dict[int, str] = {}  # tensor -> a covered holder
+    for e in entries:
+        for m in e.module.modules():
+            for store in (m._parameters, m._buffers):
+                for leaf, t in store.items():
+                    where = covered.get((id(m), leaf))
+                    if t is not None and where is not None and not isinstance(t, DTensor):
+                        placed.setdefault(id(t), where)
+    if not placed:
+        return
+    seen: set[tuple[int, str]] = set()
+    for path, m in root.named_modules(remove_duplicate=False):
+        for store in (m._parameters, m._buffers):
+            for leaf, t in store.items():
+                key = (id(m), leaf)
+                if t is None or id(t) not in placed or key in covered or key in seen:
+                    continue
+                seen.add(key)
+                here = f"{path}.{leaf}" if path else leaf
+                out.append(
+                    Finding(
+                        "error",
+                        path,
+                        f"state {leaf!r}",
+                        f"{here} is the same tensor as {placed[id(t)]} (tied), which the plan "
+                        f"distributes; {path or '<root>'} has no config, so it would hold "
+                        "that DTensor while its inputs stay plain tensors (torch: 'got mixed "
+                        "torch.Tensor and DTensor' at its first call).",
+                        f"give {path or '<root>'} a config too (its in_dst_shardings, and "
+                        f"state_shardings placing {leaf!r} as {placed[id(t)]} is placed, e.g. "
+                        "a vocab-parallel embedding), or untie the weights.",
+                    )
+                )
+
+
 def _check_partly_named_children(entries: Sequence[PlanEntry], out: list[Finding]) -> None:
     """A config naming some of a submodule's states by dotted path must name them all,
     unless the submodule has a config of its own (whose boundary replicates the rest):
@@ -549,6 +621,16 @@ def check_entries(
                 f"{type(e.module).__name__} is already parallelized.",
                 "parallelize a model once; build a fresh model to apply another plan.",
             )
+        elif getattr(e.module, "_distribute_module_applied", False):
+            # torch's parallelize_module / distribute_module: its hooks would run around
+            # this boundary (each adapting inputs and outputs its own way).
+            c.error(
+                "",
+                f"{type(e.module).__name__} is already parallelized by torch's "
+                "parallelize_module (distribute_module); a second plan on it would stack "
+                "its input and output hooks with torch's.",
+                "apply one plan to a module: this library's or torch's, on a fresh model.",
+            )
         _check_axes(c, e.config, axes, axis_sizes)
         _check_states(c, e.module, e.config, axis_sizes)
         _check_heads(c, root, e.module, e.config, axis_sizes)
@@ -560,6 +642,7 @@ def check_entries(
     _check_nesting(entries, findings)
     _check_partly_named_children(entries, findings)
     _check_ties(entries, axes, findings)
+    _check_ties_outside_the_plan(entries, root, findings)
     return findings
 
 

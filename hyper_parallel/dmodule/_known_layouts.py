@@ -4,7 +4,8 @@ Hugging Face's ``Conv1D`` (GPT-2 and relatives) stores its weight ``(in, out)``,
 transposed from ``nn.Linear``, and GPT-2's ``c_attn`` packs q|k|v into one weight.
 A plan written for ``nn.Linear`` applies cleanly to them yet computes the wrong
 thing once activations are handed on as local tensors, so these are refused with a
-message saying why and what to do. Modules are recognised by class name, so
+message saying why and what to do. An ``nn.Embedding`` whose rows are split over two
+mesh axes fails inside torch at its first call; it is refused here instead. Modules are recognised by class name, so
 ``transformers`` is never imported here.
 """
 
@@ -89,8 +90,30 @@ def _conv1d_findings(path: str, module: nn.Module, config: ShardingConfig) -> li
     return []
 
 
+def _embedding_findings(path: str, config: ShardingConfig) -> list[Finding]:
+    rows = _sharded_axes(config, "weight", 0, 2)
+    if len(rows) < 2:
+        return []
+    return [
+        Finding(
+            "error",
+            path,
+            "state_shardings['weight']",
+            f"a vocab-parallel embedding shards its rows over one mesh axis; this config "
+            f"shards them over {rows}. torch 2.13's embedding on a weight sharded on dim 0 "
+            "over two axes fails at the first call ('MaskBuffer has been materialized with "
+            "conflicting data').",
+            f"shard the rows over one axis (e.g. {{{rows[-1]!r}: Shard(0)}}) and replicate "
+            "the weight over the others (FSDP2 shards it for data parallelism on its own).",
+        )
+    ]
+
+
 def check_known_layouts(path: str, module: nn.Module, config: ShardingConfig) -> list[Finding]:
-    """Findings for a module with a known layout trap (Hugging Face ``Conv1D``)."""
+    """Findings for a module with a known layout trap (Hugging Face ``Conv1D``, an
+    ``nn.Embedding`` whose rows are split over two axes)."""
     if _is_hf_conv1d(module):
         return _conv1d_findings(path, module, config)
+    if isinstance(module, nn.Embedding):
+        return _embedding_findings(path, config)
     return []

@@ -10,6 +10,7 @@ parallelizes. Meshes live on a fake process group (one process, no communication
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +161,30 @@ def _module_fix(model: nn.Module, meshes: dict[str, DeviceMesh]) -> None:
 
 def _parallelize(mesh: str = "tp") -> Callable[[nn.Module, dict[str, DeviceMesh]], Any]:
     return lambda model, meshes: model.parallelize(meshes[mesh])
+
+
+def _distribute_tied(model: nn.Module, mesh: DeviceMesh) -> None:
+    """The tied embedding weight made a DTensor by hand, the tie kept (a first step)."""
+    from hyper_parallel.core.dtensor.dtensor import distribute_tensor
+
+    weight = nn.Parameter(distribute_tensor(model.emb.weight.detach(), mesh, [Shard(0)]))
+    model.emb.weight = weight
+    model.out.weight = weight
+
+
+def _torch_colwise(model: nn.Module, mesh: DeviceMesh, path: str) -> None:
+    """torch's own tensor parallelism on one module (its ColwiseParallel)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    torch_parallelize(model, mesh, {path: ColwiseParallel()})
+
+
+def _untied_configs(config: Any) -> Any:
+    """``config`` with no sharding config on its ``emb`` and ``out`` (the plan gives them)."""
+    return config.replace(
+        emb=config.emb.replace(sharding_config=None), out=config.out.replace(sharding_config=None)
+    )
 
 
 def _plan(plan: Any, mesh: str = "tp") -> Callable[[nn.Module, dict[str, DeviceMesh]], Any]:
@@ -517,7 +542,56 @@ CASES: dict[str, Case] = {
         _plan({"out": _cfg(state_shardings={"weight": {"tp": Shard(1)}})}),
         ["out:", "already a DTensor placed [Shard(dim=0)]", "make the config agree"],
         _plan({"out": _cfg(state_shardings={"weight": {"tp": Shard(0)}})}),
-        prepare=_plan({"emb": _cfg(state_shardings={"weight": {"tp": Shard(0)}})}),
+        prepare=lambda model, meshes: _distribute_tied(model, meshes["tp"]),
+    ),
+    "embedding_rows_over_two_axes": Case(
+        # Accepted, then torch's "MaskBuffer has been materialized with conflicting data"
+        # at the first call, naming no module.
+        lambda: nn.Sequential(nn.Embedding(16, 8)),
+        _plan(
+            {
+                "0": _cfg(
+                    state_shardings={"weight": {"dp": Shard(0), "tp": Shard(0)}},
+                    in_dst_shardings={"input": {"tp": Replicate()}},
+                )
+            },
+            mesh="dp_tp",
+        ),
+        ["0:", "shards them over ['dp', 'tp']", "shard the rows over one axis"],
+        _plan(
+            {
+                "0": _cfg(
+                    state_shardings={"weight": {"tp": Shard(0)}},
+                    in_dst_shardings={"input": {"tp": Replicate()}},
+                )
+            },
+            mesh="dp_tp",
+        ),
+    ),
+    "already_parallelized_by_torch": Case(
+        lambda: Toy(),
+        _plan({"layers.0.mlp.up": colwise()}),
+        ["layers.0.mlp.up:", "already parallelized by torch's parallelize_module", "one plan"],
+        _plan({"layers.0.mlp.down": rowwise()}),
+        prepare=lambda model, meshes: _torch_colwise(model, meshes["tp"], "layers.0.mlp.up"),
+    ),
+    "tied_weight_held_by_a_module_outside_the_plan": Case(
+        # HF's tp_plan {"lm_head": "colwise_rep"} on a tied model: the embedding kept the
+        # tied DTensor with plain inputs, and failed at its first call ("got mixed
+        # torch.Tensor and DTensor", no module named).
+        lambda: _untied_configs(tied_lm_config(12, 8)).build(),
+        _plan({"out": _cfg(state_shardings={"weight": {"tp": Shard(0)}})}),
+        ["emb:", "emb.weight is the same tensor as out.weight (tied)", "emb has no config"],
+        _plan(
+            {
+                "emb": _cfg(
+                    state_shardings={"weight": {"tp": Shard(0)}},
+                    in_dst_shardings={"input": {"tp": Replicate()}},
+                    out_dst_shardings={"tp": Replicate()},
+                ),
+                "out": _cfg(state_shardings={"weight": {"tp": Shard(0)}}),
+            }
+        ),
     ),
     "pattern_matches_nothing": Case(
         lambda: Toy(),
@@ -820,3 +894,31 @@ def test_partial_output_handed_on_local_when_asked_for(meshes):
     parallelize_module(model, meshes["tp"], {"0": presets.colwise(), "2": down})
     out = model(torch.randn(4, 8))
     assert type(out) is torch.Tensor and out.shape == (4, 8)
+
+
+class _KwargsBlock(nn.Module):
+    """A Hugging Face style layer: named arguments, then ``**kwargs``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.proj(hidden_states)
+
+
+def test_an_input_key_only_kwargs_can_carry_is_warned(meshes):
+    # `in_dst_shardings={"x": ...}` on forward(hidden_states, **kwargs) was accepted
+    # without a word and configured nothing (no caller passes x=).
+    model = nn.Sequential(_KwargsBlock())
+    plan = {"0": _cfg(in_dst_shardings={"x": {"tp": Replicate()}})}
+    with pytest.warns(UserWarning, match=r"0: in_dst_shardings\['x'\]: names 'x', which is no"):
+        parallelize_module(model, meshes["tp"], plan)
+    model = nn.Sequential(_KwargsBlock())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a named argument: nothing to say
+        parallelize_module(
+            model,
+            meshes["tp"],
+            {"0": _cfg(in_dst_shardings={"hidden_states": {"tp": Replicate()}})},
+        )
