@@ -40,13 +40,13 @@ def _step_dir(path: str) -> str:
     """
     from hyper_parallel.train.checkpoint import (
         NoIntactCheckpointError,
-        _problem,
+        checkpoint_problem,
         checkpoint_steps,
         latest_checkpoint,
     )
 
     if os.path.isfile(os.path.join(path, ".metadata")):
-        problem = _problem(path)  # hashed once per process: export reads it twice
+        problem = checkpoint_problem(path)  # hashed once per process: export reads it twice
         if problem is not None:
             parent = os.path.dirname(os.path.abspath(path))
             earlier = [p for _, p in checkpoint_steps(parent) if p != os.path.abspath(path)]

@@ -61,6 +61,7 @@ __all__ = [
     "PendingSave",
     "async_save_checkpoint",
     "checkpoint_path",
+    "checkpoint_problem",
     "checkpoint_steps",
     "is_step_folder",
     "latest_checkpoint",
@@ -150,7 +151,7 @@ def _remember_verified(path: str) -> None:
         _VERIFIED[os.path.realpath(path)] = identity
 
 
-def _problem(path: str) -> str | None:
+def checkpoint_problem(path: str) -> str | None:
     """:func:`verify_checkpoint` of ``path``, its checksums read once per process (a
     checkpoint verified already gets the size check only)."""
     identity = _manifest_identity(path)
@@ -164,7 +165,7 @@ def _problem(path: str) -> str | None:
 
 def _verified(path: str) -> bool:
     """Whether the checkpoint at ``path`` is intact, checksums included (cached)."""
-    return _problem(path) is None
+    return checkpoint_problem(path) is None
 
 
 def remove_checkpoints(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
