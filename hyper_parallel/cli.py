@@ -64,7 +64,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
         "--hf-model",
         metavar="FAMILY",
         help="instead of --model: a tiny Hugging Face model built on the meta device: llama, "
-        "qwen2, mistral, gpt2",
+        "qwen2, mistral, gpt2, qwen3_moe, mixtral; --model-overrides sets its config's fields "
+        '(e.g. \'{"tie_word_embeddings": true, "num_attention_heads": 8}\')',
     )
     p.add_argument(
         "--plan",
@@ -338,6 +339,33 @@ class _Subject:
     run: Any = None  # the run plan of a registered model with its own sharding
 
 
+def _check_hf_overrides(family: str, overrides: dict[str, Any]) -> None:
+    """Refuse a ``--model-overrides`` key that is no field of ``--hf-model``'s config
+    (``transformers`` configs keep any keyword as an attribute, so a typo would be ignored)."""
+    if not overrides:
+        return
+    import difflib
+
+    try:
+        from hyper_parallel.hf import hf_config
+
+        fields = set(hf_config(family).to_dict())
+    except (ImportError, ValueError) as e:
+        raise _UsageError(str(e)) from None
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        hints = [
+            f"{k!r} (did you mean {close[0]!r}?)" if close else repr(k)
+            for k in unknown
+            for close in [difflib.get_close_matches(k, sorted(fields), n=1)]
+        ]
+        raise _UsageError(
+            f"--model-overrides: {', '.join(hints)} is no field of the {family} config "
+            "--hf-model builds (a transformers config, e.g. hidden_size, num_attention_heads, "
+            "num_key_value_heads, num_hidden_layers, tie_word_embeddings)."
+        )
+
+
 def _resolve_model(args: argparse.Namespace) -> None:
     """Set ``args.model`` and ``args.model_overrides`` from ``--model``,
     ``--hf-config`` and ``--model-overrides`` (as the trainer resolves them), or
@@ -346,11 +374,12 @@ def _resolve_model(args: argparse.Namespace) -> None:
 
     overrides = dict(args.model_overrides or {})
     if args.hf_model is not None:
-        if args.model or args.hf_config or overrides:
+        if args.model or args.hf_config:
             raise _UsageError(
-                "--hf-model builds a tiny Hugging Face model of its own; give it alone, or "
-                "--model NAME / --hf-config PATH (with --model-overrides) instead."
+                "--hf-model builds a Hugging Face model of its own (its config's fields set "
+                "with --model-overrides); give it without --model NAME / --hf-config PATH."
             )
+        _check_hf_overrides(args.hf_model, overrides)
         return
     if args.hf_config is not None:
         try:
@@ -483,9 +512,18 @@ def _hf_subject(args: argparse.Namespace, layout: Any, plan: Any) -> _Subject:
     try:
         from hyper_parallel.hf import build_hf_model, check_hf_heads, hf_tp_plan
 
-        model = build_hf_model(args.hf_model, device="meta")
+        overrides = dict(args.model_overrides or {})
+        model = build_hf_model(args.hf_model, device="meta", **overrides)
     except (ImportError, ValueError) as e:
         raise _UsageError(str(e)) from None
+    except Exception as e:  # transformers' config validation (huggingface_hub's errors)
+        if not overrides:
+            raise
+        cause = e.__cause__ or e
+        raise _UsageError(
+            f"--model-overrides {json.dumps(overrides)}: transformers refuses the {args.hf_model} "
+            f"config they make: {type(cause).__name__}: {cause}"
+        ) from None
     if plan is None:
         try:
             plan = hf_tp_plan(args.hf_model) if layout.tp > 1 else {}

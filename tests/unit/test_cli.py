@@ -256,3 +256,36 @@ def test_console_entry_point_exit_code():
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
     assert json.loads(result.stdout)["ok"] is False
+
+
+def test_validate_an_hf_plan_against_your_own_config_fields(capsys, tmp_path):
+    """--hf-model refused --model-overrides ("give it alone"), so no command could check a
+    plan against a tied or otherwise shaped Hugging Face config; its config's fields are
+    overrides now, each checked to be one (transformers keeps a typo silently)."""
+    pytest.importorskip("transformers")
+    tied = ["--model-overrides", '{"tie_word_embeddings": true}']
+    good = str(PLANS / "hf_llama_tp.yaml")
+    code, out, err = run_cli(
+        capsys, "validate", "--hf-model", "llama", "--plan", good, "--mesh", "tp=2", *tied
+    )
+    assert code == 0, out + err
+    # HF's tp_plan habit on a tied model: lm_head alone. Its tied weight is the embedding's.
+    lm_head_only = tmp_path / "lm_head.yaml"
+    lm_head_only.write_text(
+        "lm_head:\n"
+        "  state_shardings: {weight: {tp: Shard(0)}}\n"
+        "  in_dst_shardings: {input: {tp: Replicate()}}\n"
+        "  out_dst_shardings: {tp: Replicate()}\n"
+        "  use_local_output: true\n"
+    )
+    argv = ["validate", "--hf-model", "llama", "--plan", str(lm_head_only), "--mesh", "tp=2"]
+    code, out, err = run_cli(capsys, *argv, *tied)
+    assert code == 1, out + err
+    assert "model.embed_tokens.weight is the same tensor as lm_head.weight (tied)" in out, out
+    code, out, err = run_cli(capsys, *argv)  # untied: nothing shared
+    assert "(tied)" not in out, out
+    code, _, err = run_cli(capsys, *argv, "--model-overrides", '{"num_atention_heads": 8}')
+    assert code == 2 and "'num_atention_heads' (did you mean 'num_attention_heads'?)" in err
+    code, _, err = run_cli(capsys, *argv, "--model-overrides", '{"num_attention_heads": 6}')
+    assert code == 2 and "transformers refuses the llama config" in err, err
+    assert "not a multiple of the number of attention heads" in err, err
