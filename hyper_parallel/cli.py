@@ -129,8 +129,6 @@ def _job_file_defaults(parser: argparse.ArgumentParser, argv: list[str]) -> None
     # them. Its overwrite is the run's outputs', not plan --chart's.
     given = {f: values[f] for f in fields if values.get(f) is not None and f != "overwrite"}
     # What the job leaves out is the trainer's default, as the run would take it.
-    import dataclasses
-
     from hyper_parallel.train.config import TrainConfig
 
     default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
