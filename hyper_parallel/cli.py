@@ -62,9 +62,11 @@ def _add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
     add_command_arguments(p, command)
     p.add_argument(
         "--hf-model",
-        metavar="FAMILY",
-        help="instead of --model: a tiny Hugging Face model built on the meta device: llama, "
-        "qwen2, mistral, gpt2, qwen3_moe, mixtral; --model-overrides sets its config's fields "
+        metavar="FAMILY|CONFIG",
+        help="instead of --model: a Hugging Face (transformers) model built on the meta device: "
+        "a tiny one of a family (llama, qwen2, mistral, gpt2, qwen3_moe, mixtral), or the one "
+        "a config.json (or a checkpoint directory) describes; --model-overrides sets its "
+        "config's fields "
         '(e.g. \'{"tie_word_embeddings": true, "num_attention_heads": 8}\')',
     )
     p.add_argument(
@@ -747,6 +749,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         raise _UsageError(str(e)) from None
     report.model = subject.name
+    report.findings = _hf_paths_hint(args, report.findings)
     if subject.run is not None:  # the run plan's findings (its errors are the gate): every one
         report.findings += [f for f in subject.run.findings if f not in report.findings]
     if args.format == "json":
@@ -754,6 +757,26 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     else:
         print(report.to_table(verbose=args.verbose))
     return 0 if report.ok else 1
+
+
+def _hf_paths_hint(args: argparse.Namespace, findings: list[Any]) -> list[Any]:
+    """Point a plan written for the ``transformers`` model, checked with ``--hf-config``
+    (which builds this library's own model of that config), at ``--hf-model CONFIG``."""
+    if args.hf_config is None or args.plan is None:
+        return findings
+    hint = (
+        f"this plan names Hugging Face module paths (model.layers.*, lm_head), but --hf-config "
+        f"builds hyper_parallel's own {args.model} model of that config; check a plan for the "
+        f"transformers model with --hf-model {args.hf_config} (instead of --hf-config), or "
+        "write the plan with this model's module paths."
+    )
+    return [
+        dataclasses.replace(f, fix=hint)
+        if "matches no module of" in f.message
+        and (f.path.startswith("model.") or f.path in ("lm_head", "model"))
+        else f
+        for f in findings
+    ]
 
 
 def _print_validate_failure(args: argparse.Namespace, findings: list[Any]) -> int:

@@ -21,6 +21,8 @@ on (``use_local_output``) and o/down hand a plain replicated residual stream bac
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,7 @@ __all__ = [
     "check_hf_heads",
     "hf_config",
     "hf_ep_plan",
+    "hf_family",
     "hf_tp_plan",
 ]
 
@@ -130,11 +133,69 @@ def _transformers() -> Any:
         ) from None
 
 
+def _config_file(source: str) -> str | None:
+    """The ``config.json`` that ``source`` names (the file, or a directory holding one,
+    as ``save_pretrained`` writes it), or ``None`` when ``source`` is a family name."""
+    if source in _FAMILIES:
+        return None
+    if os.path.isdir(source):
+        path = os.path.join(source, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{source!r} is a directory without a config.json; give a family "
+                f"({', '.join(HF_FAMILIES)}), a Hugging Face config.json, or the checkpoint "
+                "directory save_pretrained wrote."
+            )
+        return path
+    if os.path.isfile(source):
+        return source
+    return None
+
+
+def _config_fields(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path!r} is no readable Hugging Face config.json: {e}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path!r} is no Hugging Face config.json (not a JSON object).")
+    return fields
+
+
+def hf_family(source: str) -> str:
+    """The family of ``source``: a family name itself, or a ``config.json``'s ``model_type``.
+
+    Args:
+        source: One of :data:`HF_FAMILIES`, the path of a Hugging Face ``config.json``, or
+            a checkpoint directory holding one.
+
+    Raises:
+        ValueError: For an unknown family, or a config whose ``model_type`` is none of them.
+
+    Example::
+
+        hf_family("ckpt/")  # "llama" for a LlamaForCausalLM checkpoint
+    """
+    path = _config_file(source)
+    if path is None:
+        _family(source)
+        return source
+    model_type = _config_fields(path).get("model_type")
+    if model_type not in _FAMILIES:
+        raise ValueError(
+            f"{path!r}: model_type {model_type!r} is none of the Hugging Face families "
+            f"hyper_parallel builds ({', '.join(HF_FAMILIES)})."
+        )
+    return str(model_type)
+
+
 def _family(family: str) -> tuple[str, str, dict[str, Any]]:
     if family not in _FAMILIES:
         raise ValueError(
             f"unknown Hugging Face model family {family!r}; known families: "
-            f"{', '.join(HF_FAMILIES)}."
+            f"{', '.join(HF_FAMILIES)} (or give the path of a config.json or of the "
+            "checkpoint directory holding one)."
         )
     return _FAMILIES[family]
 
@@ -143,7 +204,9 @@ def hf_config(family: str, *, attn_implementation: str = "eager", **overrides: A
     """The small ``transformers`` config of a family, with ``overrides`` applied.
 
     Args:
-        family: One of :data:`HF_FAMILIES`.
+        family: One of :data:`HF_FAMILIES`; or the path of a ``config.json`` (or of the
+            checkpoint directory holding one) of such a family: its own fields then, on
+            the config class's defaults (not the small sizes).
         attn_implementation: ``"eager"`` or ``"sdpa"``.
         **overrides: Config fields, e.g. ``num_hidden_layers=4``.
 
@@ -158,8 +221,12 @@ def hf_config(family: str, *, attn_implementation: str = "eager", **overrides: A
 
         cfg = hf_config("llama", num_hidden_layers=1)
     """
-    config_cls, _, defaults = _family(family)
+    config_cls, _, defaults = _family(hf_family(family))
     cls = getattr(_transformers(), config_cls)
+    path = _config_file(family)
+    if path is not None:
+        fields = {**_config_fields(path), **overrides}
+        return cls.from_dict(fields, attn_implementation=attn_implementation)
     return cls(**{**defaults, **overrides}, attn_implementation=attn_implementation)
 
 
@@ -175,7 +242,9 @@ def build_hf_model(
 
     Args:
         family: One of :data:`HF_FAMILIES` (``"llama"``, ``"qwen2"``, ``"mistral"``,
-            ``"gpt2"``).
+            ``"gpt2"``, ``"qwen3_moe"``, ``"mixtral"``); or the path of such a model's
+            ``config.json`` (or of the checkpoint directory holding one): that config,
+            its weights still random (nothing is loaded).
         device: Where to build it; ``"meta"`` allocates nothing (for validation and
             dry runs at any size). Default: the current default device.
         seed: Seeds the initialization, so every rank builds the same weights;
@@ -195,7 +264,7 @@ def build_hf_model(
 
         model = build_hf_model("llama", device="meta", hidden_size=4096)
     """
-    _, model_cls, _ = _family(family)
+    _, model_cls, _ = _family(hf_family(family))
     config = hf_config(family, attn_implementation=attn_implementation, **overrides)
     cls = getattr(_transformers(), model_cls)
     if seed is None:
@@ -216,7 +285,8 @@ def hf_tp_plan(family: str, *, axis: str = MeshAxisName.TP.value) -> dict[str, S
     """The tensor-parallel plan of a Llama-style family (the shipped plan files' content).
 
     Args:
-        family: ``"llama"``, ``"qwen2"`` or ``"mistral"``.
+        family: ``"llama"``, ``"qwen2"`` or ``"mistral"`` (or such a model's config.json, as
+            for :func:`hf_config`).
         axis: Mesh axis to shard over.
 
     Returns:
@@ -230,7 +300,7 @@ def hf_tp_plan(family: str, *, axis: str = MeshAxisName.TP.value) -> dict[str, S
 
         plan = hf_tp_plan("qwen2")
     """
-    _family(family)
+    family = hf_family(family)
     if family in HF_MOE_FAMILIES:
         raise ValueError(
             f"hf_tp_plan({family!r}): a mixture of experts has no gate/up/down MLP to shard "
@@ -273,7 +343,8 @@ def hf_ep_plan(family: str, *, axis: str = MeshAxisName.EP.value) -> dict[str, S
     stays plain (data-parallel over ``axis``).
 
     Args:
-        family: ``"qwen3_moe"`` or ``"mixtral"``.
+        family: ``"qwen3_moe"`` or ``"mixtral"`` (or such a model's config.json, as for
+            :func:`hf_config`).
         axis: Mesh axis the experts are split over.
 
     Returns:
@@ -286,7 +357,7 @@ def hf_ep_plan(family: str, *, axis: str = MeshAxisName.EP.value) -> dict[str, S
 
         plan = hf_ep_plan("qwen3_moe")
     """
-    _family(family)
+    family = hf_family(family)
     if family not in HF_MOE_FAMILIES:
         raise ValueError(
             f"hf_ep_plan({family!r}): {family} has no routed experts; expert-parallel plans "

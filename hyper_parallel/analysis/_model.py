@@ -7,16 +7,19 @@ and lists the plan's entries the way ``parallelize`` would.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import logging
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from hyper_parallel._torch_private import FakeTensorMode, pytree
+from hyper_parallel._torch_private import FakeTensorMode, is_fake, pytree
 from hyper_parallel.config import Configurable
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.dmodule.entries import parallelize_entries
@@ -266,6 +269,41 @@ def _fake_states(model: nn.Module, make: StateFactory) -> list[tuple[torch.Tenso
                 if t is not None and id(t) not in seen:
                     seen[id(t)] = (t, make(t, is_param))
     return list(seen.values())
+
+
+@contextlib.contextmanager
+def fake_trace() -> Iterator[None]:
+    """What the analysis' traces on fake tensors run under.
+
+    - Hugging Face mixtures of experts run on fp32 fake tensors: ``transformers`` runs
+      experts with torch's grouped GEMM where its kernel runs (on CPU too), but that
+      operator's meta kernel, which fake tensors run, takes bf16 only (``plan``/``validate``
+      of an fp32 Qwen3-MoE or Mixtral failed: "Expected inputs of BF16 type"). A fake
+      operand other than bf16 takes transformers' own fallback (a custom operator with a
+      fake kernel: the same shapes, the same tensors saved for backward). Real tensors,
+      and runs without ``transformers`` imported, are untouched.
+    - A kernel that fails on fake tensors is reported once, by the caller (a finding or
+      a note): torch's fake-tensor logger printed its traceback to stderr besides.
+    """
+    moe = sys.modules.get("transformers.integrations.moe")
+    original = getattr(moe, "_can_use_grouped_mm", None)
+
+    def can_use(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
+        if is_fake(weight) and weight.dtype != torch.bfloat16:
+            return False
+        return bool(original(input, weight, offs))
+
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    if original is not None:
+        moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        fake_log.setLevel(level)
+        if original is not None:
+            moe._can_use_grouped_mm = original
 
 
 def _replace_states(model: nn.Module, make: StateFactory) -> None:

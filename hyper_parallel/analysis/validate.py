@@ -78,7 +78,14 @@ from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
 from ._format import human_bytes, layer_pattern, placement_text, table
-from ._model import Target, check_sizes, cp_inputs, default_inputs, resolve_target
+from ._model import (
+    Target,
+    check_sizes,
+    cp_inputs,
+    default_inputs,
+    fake_trace,
+    resolve_target,
+)
 from ._world import MeshShape, fake_world
 from .collectives import ALL_GATHER, redistribution_collectives
 
@@ -848,7 +855,7 @@ def _trace(
             "that have errors."
         )
     try:
-        with fake_world(layout) as world:
+        with fake_world(layout) as world, fake_trace():
             mesh = run.plan_mesh(world)  # the builder's (a plan naming no axis: the dense mesh)
             shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
             return _trace_on(

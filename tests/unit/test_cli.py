@@ -291,3 +291,61 @@ def test_validate_an_hf_plan_against_your_own_config_fields(capsys, tmp_path):
     code, _, err = run_cli(capsys, *argv, "--model-overrides", '{"num_attention_heads": 6}')
     assert code == 2 and "transformers refuses the llama config" in err, err
     assert "not a multiple of the number of attention heads" in err, err
+
+
+def test_validate_and_plan_the_transformers_model_a_config_json_describes(capsys, tmp_path):
+    """A user's checkpoint config was not accepted by --hf-model (only family names), and
+    --hf-config (this library's own model of that config) matched none of a transformers
+    plan's module paths with a fix that said only "use a real module path"."""
+    from transformers import LlamaConfig
+
+    ckpt = tmp_path / "ckpt"
+    # Heads 6 and kv heads 3: tp=2 splits q heads evenly but not the kv heads.
+    LlamaConfig(
+        hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=3, vocab_size=256,
+    ).save_pretrained(ckpt)  # fmt: skip
+    plan = str(PLANS / "hf_llama_tp.yaml")
+    for source in (str(ckpt), str(ckpt / "config.json")):
+        code, out, err = run_cli(
+            capsys, "validate", "--hf-model", source, "--plan", plan, "--mesh", "tp=3",
+            "--format", "json",
+        )  # fmt: skip
+        assert code == 0, out + err
+        assert json.loads(out)["model"] == f"hf:{source}"
+    # The config's own sizes, not the family's small defaults: 3 kv heads on tp=2.
+    code, out, _ = run_cli(capsys, "validate", "--hf-model", str(ckpt), "--mesh", "tp=2")
+    assert code == 1 and "num_key_value_heads=3, not divisible" in out, out
+    code, out, _ = run_cli(
+        capsys, "plan", "--hf-model", str(ckpt), "--mesh", "tp=3", "--format", "json"
+    )
+    assert code == 0, out
+    # The config's 3 layers of hidden 96 (the family's default: 2 of 64), counted by hand:
+    # per layer q,o 96x96, k,v 96x48 (3 kv heads of 16), gate/up/down 96x128, 2 norms of 96.
+    layer = 2 * 96 * 96 + 2 * 96 * 48 + 3 * 96 * 128 + 2 * 96
+    assert json.loads(out)["num_params"] == 3 * layer + 2 * 256 * 96 + 96
+    code, _, err = run_cli(capsys, "validate", "--hf-model", str(tmp_path), "--mesh", "tp=2")
+    assert code == 2 and "a directory without a config.json" in err, err
+    # --hf-config builds this library's model: the transformers paths are pointed at --hf-model.
+    code, out, _ = run_cli(
+        capsys, "validate", "--hf-config", str(ckpt), "--plan", plan, "--mesh", "tp=3"
+    )
+    assert code == 1 and f"with --hf-model {ckpt} (instead of --hf-config)" in out, out
+
+
+def test_plan_and_validate_an_fp32_hugging_face_mixture_of_experts(capsys):
+    """transformers runs experts with torch's grouped GEMM, whose meta kernel takes bf16
+    only: `plan --hf-model qwen3_moe` with the shipped ep plan failed when traced, and
+    validate skipped its boundary analysis; the failing kernel's traceback went to stderr."""
+    for family in ("qwen3_moe", "mixtral"):
+        plan = str(PLANS / f"hf_{family}_ep.yaml")
+        argv = ["--hf-model", family, "--plan", plan, "--mesh", "dp_shard=2,ep=2"]
+        code, out, err = run_cli(capsys, "plan", *argv, "--format", "json")
+        assert code == 0, out + err
+        # Half the experts per rank: their states are counted, and the activations.
+        states = json.loads(out)["per_rank_bytes"]
+        assert states["experts"]["params"] > 0 and states["activations"] > 0, states
+        code, out, err = run_cli(capsys, "validate", *argv)
+        assert code == 0 and "boundary analysis skipped" not in out, out
+        assert "boundary analysis: one forward pass" in out, out
+        assert "Traceback" not in err, err

@@ -39,6 +39,7 @@ from .._model import (
     Target,
     cp_inputs,
     default_inputs,
+    fake_trace,
 )
 from ..collectives import (
     Collective,
@@ -139,7 +140,7 @@ def _trace_step(
     if isinstance(blocks, nn.ModuleDict):
         blocks = nn.ModuleList(blocks.values())
     saved = SavedActivations(model, list(blocks) if isinstance(blocks, nn.ModuleList) else [])
-    with mode, comm, recorder:
+    with mode, comm, recorder, fake_trace():
         with saved:
             out = model(*args, **kwargs)
             loss = loss_fn(out, *args)
