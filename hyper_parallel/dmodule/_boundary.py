@@ -568,7 +568,79 @@ def _parallel_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     itself), so ``torch.compile`` sees the same code in every block and compiles one
     graph for all of them rather than one per block.
     """
-    return module.__dict__[FORWARD_ATTR](*args, **kwargs)
+    forward = module.__dict__[FORWARD_ATTR]
+    if torch.compiler.is_compiling():  # traced code: torch.compile reports its own errors
+        return forward(*args, **kwargs)
+    try:
+        return forward(*args, **kwargs)
+    except Exception as e:
+        error = e
+    if isinstance(forward, _fast.FastPath):
+        # A call the fast path fails steps aside to the DTensor boundary: the result, or
+        # the error, is the one the DTensor path gives (the same errors on both paths).
+        try:
+            return forward.fallback(*args, **kwargs)
+        except Exception as e:
+            error = e
+    located = _located(module, forward, args, kwargs, error)
+    if located is None:
+        raise error
+    raise located from error
+
+
+# The exception types a call's error is rebuilt in (same type, the module named first);
+# any other (a subclass such as torch's DistBackendError included) gets a note instead.
+_REBUILT = (RuntimeError, ValueError, TypeError, IndexError, AssertionError)
+
+
+def _located(
+    module: nn.Module, forward: Any, args: Any, kwargs: Any, error: Exception
+) -> Exception | None:
+    """``error`` of a parallelized module's call, naming the module, its placements and the
+    inputs it got (torch's own message says none of them: "mat1 and mat2 shapes cannot be
+    multiplied" from deep in a model). The same type, the original message kept in full
+    and chained as the cause; ``None`` (re-raise as is) when an inner module named itself.
+    The fast path and the DTensor boundary name the same module, placements and inputs."""
+    if getattr(error, "_hp_located", False):
+        return None
+    boundary = forward if isinstance(forward, Boundary) else getattr(forward, "fallback", None)
+    path = getattr(boundary, "path", None)
+    config = getattr(boundary, "config", None)
+    if path is None or config is None:
+        return None
+    layouts = [f"{key} {_placements_text(named)}" for key, named in config.state_shardings.items()]
+    for field in ("in_src_shardings", "in_dst_shardings"):
+        for name, named in (getattr(config, field) or {}).items():
+            layouts.append(f"{field}[{name!r}] {_placements_text(named)}")
+    inputs = ", ".join(_value_text(a) for a in (*args, *kwargs.values()))
+    message = (
+        f"the call of parallelized module {path or '<root>'!r} ({type(module).__name__}"
+        f"{'; ' + '; '.join(layouts) if layouts else ''}) on inputs [{inputs}] failed: "
+        f"{type(error).__name__}: {error}\n"
+        "If the plan is at fault, hyper_parallel.analysis.validate(model, mesh, plan) (or "
+        "`hyper-parallel validate`) traces every module's boundaries and names the mismatch."
+    )
+    if type(error) in _REBUILT:
+        located: Exception = type(error)(message)
+    else:
+        error.add_note(message)
+        located = error
+    located._hp_located = True  # type: ignore[attr-defined]
+    return located
+
+
+def _placements_text(named: Any) -> str:
+    if isinstance(named, dict):
+        return ", ".join(f"{p} on {axis}" for axis, p in named.items()) or "replicated"
+    return str(named)
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, DTensor):
+        return f"DTensor{tuple(value.shape)} {tuple(value.placements)}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}"
+    return type(value).__name__
 
 
 def installed_forward(module: nn.Module) -> Boundary | _fast.FastPath | None:

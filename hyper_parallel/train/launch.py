@@ -24,6 +24,7 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from hyper_parallel.train.job import TRAIN_MODULE, node_command
 from hyper_parallel.train.job import quoted_args as _quoted
@@ -190,7 +191,22 @@ def _check_train_options(
     if problems:
         lines = "\n".join(f"  {f}" for f in problems)
         return f"{len(problems)} problem(s) on {world_size} ranks:\n{lines}"
-    return None
+    return _split_across_nodes(cfg.layout, gpus_per_node) if world_size > gpus_per_node else None
+
+
+def _split_across_nodes(layout: Any, gpus_per_node: int) -> str | None:
+    """A warning when a tensor-parallel group would span nodes (``tp`` is the innermost
+    axis: its groups are runs of ``tp`` consecutive ranks, whole within a node only when
+    ``tp`` divides the GPUs per node)."""
+    if layout.tp == 1 or gpus_per_node % layout.tp == 0:
+        return None
+    within = [d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0]
+    return (
+        f"warning: tp={layout.tp} does not divide the {gpus_per_node} GPUs per node, so its "
+        "groups span nodes: tensor parallelism's collectives, several per layer, would cross "
+        "the inter-node network. Keep tp within a node (tp in "
+        f"{', '.join(map(str, within))}) and give the other ranks to dp_shard, cp or pp."
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -212,9 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     problem = _check_train_options(train_args, world_size, args.gpus_per_node)
-    if problem is not None:
+    if problem is not None and not problem.startswith("warning: "):
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
+    if problem is not None:  # the commands are still printed: the user decides
+        print(f"{parser.prog}: {problem}", file=sys.stderr)
     command = node_command(train_args, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
     if args.nodes > 1:
         print(

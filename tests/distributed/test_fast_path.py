@@ -344,6 +344,25 @@ def _channels_first_norm_runs() -> dict[str, Any]:
     return out
 
 
+def _swapped_plan_errors() -> dict[str, Any]:
+    """colwise/rowwise swapped (a plan mistake ``parallelize`` cannot see: a plain input's
+    layout is known at the call); what each path raises at the first call."""
+    from hyper_parallel.dmodule import presets
+
+    out: dict[str, Any] = {}
+    for fast in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        with fast_path(fast):
+            parallelize_module(model, _mesh(), {"0": presets.rowwise(), "2": presets.colwise()})
+        kind = "fast" if isinstance(installed_forward(model[0]), FastPath) else "dtensor"
+        try:
+            model(torch.randn(4, 8))
+        except Exception as e:  # recorded, asserted in the test
+            out["fast" if fast else "dtensor"] = (kind, type(e).__name__, str(e), repr(e.__cause__))
+    return out
+
+
 def _mlp_runs(local: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     base = MLP()
@@ -636,3 +655,22 @@ def test_channels_first_norm_keeps_the_dtensor_path(dist):
             assert run["out"] < ATOL and run["input_grad"] < ATOL, (path, run)
             assert set(run["grads"]) == {"weight", "bias"}
             assert max(run["grads"].values()) < ATOL, (path, run["grads"])
+
+
+def test_a_plan_mistake_at_the_first_call_names_the_module_on_both_paths(dist):
+    """torch's own error named no module, placement or input, and differed by path (the
+    fast path's "mat1 and mat2 shapes cannot be multiplied", DTensor's "Sharding
+    propagation failed"). A failing fast call steps aside to the DTensor path; both raise
+    the same type and message, naming them, torch's error kept in it and as the cause."""
+    for runs in dist.run(_swapped_plan_errors):
+        assert runs["fast"][0] == "fast" and runs["dtensor"][0] == "dtensor", runs
+        fast, dtensor = runs["fast"][1:], runs["dtensor"][1:]
+        assert fast == dtensor, runs
+        kind, message, cause = fast
+        assert kind == "RuntimeError" and "Sharding propagation failed" in cause
+        assert message.startswith(
+            "the call of parallelized module '0' (Linear; weight S(1) on tp; "
+            "in_dst_shardings['input'] S(-1) on tp) on inputs [tensor(4, 8)] failed: "
+            "RuntimeError: a and b must have same reduction dim"
+        ), message
+        assert "hyper_parallel.analysis.validate(model, mesh, plan)" in message

@@ -144,6 +144,29 @@ def test_launch_one_node_is_standalone_and_prints_the_script(capsys) -> None:
     assert "#SBATCH --nodes=1" in out and "srun --nodes=1" in out
 
 
+def test_launch_warns_when_tensor_parallel_groups_span_nodes(capsys) -> None:
+    """tp=4 on 2 nodes x 2 GPUs was printed without a word: every tp group's per-layer
+    collectives would cross nodes. tp is the innermost axis (runs of tp consecutive ranks),
+    so a group stays in a node exactly when tp divides the GPUs per node."""
+    model = ["--model", "llama3-debug", "--batch-size", "12"]
+    for nodes, gpus, mesh, spans in [
+        (2, 2, "tp=4", True),  # each group: 2 ranks on each of 2 nodes
+        (2, 6, "dp=3,tp=4", True),  # ranks 4..7: 2 on node 0, 2 on node 1
+        (2, 8, "dp=4,tp=4", False),
+        (2, 4, "dp=2,tp=4", False),
+    ]:
+        argv = ["--nodes", str(nodes), "--gpus-per-node", str(gpus), "--mesh", mesh, *model]
+        code, out, err = _run(capsys, "launch", *argv)
+        assert code == 0 and "torchrun --nnodes" in out, err
+        warned = "groups span nodes" in err
+        assert warned is spans, (mesh, gpus, err)
+    # One node: the world is the node, nothing spans nodes.
+    code, _, err = _run(
+        capsys, "launch", "--nodes", "1", "--gpus-per-node", "4", "--mesh", "tp=4", *model
+    )
+    assert code == 0 and "span" not in err, err
+
+
 @pytest.mark.parametrize("port", ["99999", "65536", "0", "-1", "http"])
 def test_launch_refuses_a_port_outside_1_to_65535(capsys, port) -> None:
     """--port 99999 used to be written into the script as MASTER_PORT=99999."""
