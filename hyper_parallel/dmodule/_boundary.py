@@ -606,8 +606,8 @@ def _located(
     boundary = forward if isinstance(forward, Boundary) else getattr(forward, "fallback", None)
     path = getattr(boundary, "path", None)
     config = getattr(boundary, "config", None)
-    if path is None or config is None:
-        return None
+    if path is None or config is None or str(error).startswith(f"{path or '<root>'}: "):
+        return None  # not ours, or the boundary's own error, which names the module first
     layouts = [f"{key} {_placements_text(named)}" for key, named in config.state_shardings.items()]
     for field in ("in_src_shardings", "in_dst_shardings"):
         for name, named in (getattr(config, field) or {}).items():
