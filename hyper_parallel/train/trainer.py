@@ -402,6 +402,9 @@ class Trainer:
     def load(self, path: str) -> dict[str, Any]:
         """Restore model, optimizer, step, data position and RNG from a checkpoint.
 
+        The optimizer's hyperparameters stay this run's (``lr`` by the schedule at each
+        step, ``weight_decay``), not those the checkpoint's run was given.
+
         Returns:
             The checkpoint's ``train`` record (step, data position, schedule length).
         """
@@ -412,6 +415,11 @@ class Trainer:
             distributed=self.mesh is not None,
         )
         self.step = int(state["step"])
+        # AdamW's state restores the checkpoint's weight decay over this run's (the
+        # learning rate is set at every step): the resumed steps use --weight-decay.
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["weight_decay"] = self.cfg.weight_decay
         try:
             self.data.load_state_dict(
                 {"position": state["data_position"], "epoch": state["data_epoch"]}
