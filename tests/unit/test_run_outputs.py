@@ -664,3 +664,26 @@ def test_resume_keeps_the_record_of_the_steps_before_it(tmp_path, capsys):
     assert run([*argv, "--steps", "2"]) == 0
     assert run([*argv, "--steps", "3", "--resume"]) == 0
     assert [p.name for p in other.glob("config*.toml")] == ["config.toml"]
+
+
+def test_a_second_resume_from_the_same_step_keeps_the_record_of_the_steps_before_it(tmp_path):
+    """A resumed start that stopped before its next checkpoint, resumed again from the
+    same step with other options: its config.toml replaced config.before_step_N.toml, so
+    the record of steps 1-N named the stopped start's options (weight decay 0.05 where
+    those steps ran at 0.1)."""
+    ckpt = tmp_path / "ckpt"
+    argv = [*TINY, "--checkpoint-dir", str(ckpt), "--steps", "4", "--lr-schedule-steps", "4"]
+    assert run([*argv, "--steps", "2"]) == 0
+    first = (ckpt / "config.toml").read_text()
+    # Resumed with --weight-decay 0.05; it stops before any checkpoint (a crash).
+    assert run([*argv, "--weight-decay", "0.05", "--resume"]) == 0
+    kept = ckpt / "config.before_step_000002.toml"
+    assert kept.read_text() == first
+    shutil.rmtree(ckpt / "step_000004")
+    # Resumed again from step 2, with --weight-decay 0.02.
+    assert run([*argv, "--weight-decay", "0.02", "--resume"]) == 0
+    assert kept.read_text() == first  # steps 1-2 ran at 0.1
+    assert "weight-decay = 0.02" in (ckpt / "config.toml").read_text()
+    record = json.loads((ckpt / "run.json").read_text())
+    assert [e["config"]["weight_decay"] for e in record["earlier"]] == [0.1, 0.05]
+    assert record["resumed_from"] == 2 and record["config"]["weight_decay"] == 0.02
