@@ -579,7 +579,12 @@ class Trainer:
         self.report.start()
         steps, losses, grad_norms = [], [], []
         logger = run_hooks.StepLogger(
-            cfg, self.device, self.rank, dist.get_world_size() if self.mesh is not None else 1
+            cfg,
+            self.device,
+            self.rank,
+            dist.get_world_size() if self.mesh is not None else 1,
+            # A resumed run's steps replace those an earlier start logged past its checkpoint.
+            purge_step=self.step + 1 if cfg.resume else None,
         )
         self.report.step_logger = logger
         t0 = time.perf_counter()

@@ -367,6 +367,33 @@ def test_tensorboard_gets_loss_lr_grad_norm_tokens_per_s_mfu_and_memory(tmp_path
     assert 0 < events.Scalars("perf/mfu")[0].value < 1
 
 
+def test_a_resumed_runs_tensorboard_has_one_value_per_step(tmp_path):
+    """A run stopped after logging step 3 but before saving it, resumed from step 2: its
+    events held steps 1, 2, 3, 3 (the stopped start's step 3 beside the resumed one's),
+    so TensorBoard drew the curve back over itself."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    cfg = TrainConfig(
+        steps=3,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=2,
+        tensorboard=tb,
+        **{**TINY, "model_overrides": {"num_layers": 1}},
+    )
+    Trainer(cfg, device="cpu").fit()
+    shutil.rmtree(tmp_path / "ckpt" / "step_000003")  # stopped before that save
+    resumed = Trainer(cfg.replace(resume=True, lr=1e-2), device="cpu")
+    assert resumed.step == 2
+    loss = resumed.fit().losses[-1]
+    events = EventAccumulator(tb)
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [s for s, _ in scalars] == [1, 2, 3]
+    assert scalars[-1][1] == pytest.approx(loss)  # the resumed start's step 3
+    assert [e.step for e in events.Scalars("train/lr")] == [1, 2, 3]
+
+
 def test_demo_passes_hf_checkpoint_and_data_to_both_runs(tmp_path, monkeypatch, capsys):
     # The launcher is replaced by the same run in this process (the real one is torchrun,
     # checked by hand: demo --hf-checkpoint ... --data ... --mesh dp_shard=2,tp=2 PASS).
