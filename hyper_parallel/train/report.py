@@ -250,8 +250,9 @@ def check_run_files(
 
     A file output is never one of the run's inputs (data, tokenizer, the Hugging Face
     checkpoint's files, ``config_file``), even with ``overwrite``, nor a folder, nor a
-    file that is there unless ``overwrite`` (or, for ``--metrics-out``, ``resume``: the
-    run's own earlier metrics); its folder is made. The run directory may
+    file that is there unless ``overwrite`` (or, for ``--metrics-out``, ``resume`` and the
+    file is the metrics of a run into the same ``checkpoint_dir``: the run's own earlier
+    metrics); its folder is made. The run directory may
     not hold another run's record unless ``resume`` (continue it) or ``overwrite``.
 
     Raises:
@@ -278,9 +279,43 @@ def check_run_files(
     for flag, path in (files or {}).items():
         if path:
             # A resumed run's metrics replace those its earlier part wrote (a run continued
-            # to more --steps with the same flags); inputs are refused all the same.
-            replace = cfg.overwrite or (flag == "--metrics-out" and cfg.resume)
+            # to more --steps with the same flags), not another run's; inputs are refused
+            # all the same.
+            replace = cfg.overwrite
+            if flag == "--metrics-out" and cfg.resume and not cfg.overwrite:
+                replace = _own_metrics(path, cfg.checkpoint_dir, inputs)
             check_output_file(path, overwrite=replace, inputs=inputs, what=flag)
+
+
+def _own_metrics(path: str, checkpoint_dir: str, inputs: list[Any]) -> bool:
+    """Whether ``path`` may be replaced by a resumed run: no file there, or the metrics a
+    run into the same ``checkpoint_dir`` wrote (its ``config``). An input is left to
+    :func:`check_output_file` to refuse.
+
+    Raises:
+        OutputError: Another file is there (another run's metrics, or no metrics).
+    """
+    from hyper_parallel.checkpoint_hf.outputs import OutputError
+
+    if not os.path.isfile(path) or any(p and _real(p) == _real(path) for p in inputs):
+        return True
+    try:
+        with open(path, encoding="utf-8") as f:
+            written = json.load(f)["config"]["checkpoint_dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        written = None
+    if isinstance(written, str) and _real(written) == _real(checkpoint_dir):
+        return True
+    whose = (
+        f"the metrics of a run into --checkpoint-dir {written}"
+        if isinstance(written, str)
+        else "not metrics a run wrote"
+    )
+    raise OutputError(
+        f"--metrics-out {path}: a file is there, {whose}; --resume replaces only the "
+        f"metrics of the run it continues (--checkpoint-dir {checkpoint_dir}). Give another "
+        "path, or pass --overwrite to replace it."
+    )
 
 
 def check_files(

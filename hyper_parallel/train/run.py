@@ -126,8 +126,9 @@ def build_parser(prog: str = "python -m hyper_parallel.train.run") -> argparse.A
     parser.add_argument(
         "--metrics-out",
         help="rank 0 writes the steps this run trains, their losses and timing here (JSON); "
-        "kept unless --overwrite, or under --resume, which replaces it with the resumed "
-        "steps (the earlier ones are in train.log)",
+        "kept unless --overwrite, or under --resume when it is the metrics of the run "
+        "resumed (same --checkpoint-dir), which the resumed steps replace (the earlier "
+        "ones are in train.log)",
     )
     parser.add_argument(
         "--grads-out",

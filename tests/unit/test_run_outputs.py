@@ -389,10 +389,42 @@ def test_metrics_and_grads_out_are_checked_with_the_other_outputs_before_any_wor
     # A resumed run replaces its own earlier metrics (continued with the same flags); its
     # inputs stay refused.
     resume = ["--resume", "--checkpoint-dir", str(tmp_path / "ck")]
+    there.write_text(json.dumps({"config": {"checkpoint_dir": str(tmp_path / "ck")}}))
     with pytest.raises(_Built):
         run([*base, "--metrics-out", str(there), *resume])
     err = _refused([*base, "--metrics-out", str(corpus), *resume], capsys)
     assert f"--metrics-out {corpus}: it is the input" in err
+
+
+def test_a_resumed_run_replaces_only_its_own_metrics(tmp_path, capsys, no_training):
+    """--resume let --metrics-out replace any file: a new run into another
+    --checkpoint-dir (--resume with no checkpoint there starts at step 0, as a
+    restarting launcher's command line does) wrote over an earlier run's metrics."""
+    metrics = tmp_path / "metrics.json"
+    earlier = json.dumps({"config": {"checkpoint_dir": str(tmp_path / "a")}, "losses": [1.0]})
+    metrics.write_text(earlier)
+    argv = [*TINY, "--metrics-out", str(metrics), "--resume", "--checkpoint-dir"]
+    err = _refused([*argv, str(tmp_path / "b")], capsys)
+    assert (
+        f"--metrics-out {metrics}: a file is there, the metrics of a run into "
+        f"--checkpoint-dir {tmp_path / 'a'}; --resume replaces only the metrics of the run "
+        f"it continues (--checkpoint-dir {tmp_path / 'b'}). Give another path, or pass "
+        "--overwrite to replace it."
+    ) in err
+    other = tmp_path / "notes.json"
+    other.write_text("[1, 2]")
+    err = _refused(
+        [*TINY, "--metrics-out", str(other), "--resume", "--checkpoint-dir", "b"], capsys
+    )
+    assert f"--metrics-out {other}: a file is there, not metrics a run wrote;" in err
+    assert (metrics.read_text(), other.read_text()) == (earlier, "[1, 2]")
+    # The run's own (its checkpoint folder, as written or as another path to it), or with
+    # --overwrite: the run goes on.
+    for folder in (str(tmp_path / "a"), str(tmp_path / "." / "a")):
+        with pytest.raises(_Built):
+            run([*argv, folder])
+    with pytest.raises(_Built):
+        run([*argv, str(tmp_path / "b"), "--overwrite"])
 
 
 def test_outputs_that_would_replace_one_another_are_refused_before_any_work(
