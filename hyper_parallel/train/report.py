@@ -90,17 +90,27 @@ def log_path(cfg: Any) -> str | None:
 def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> None:
     """Refuse outputs that would clobber something, before anything runs.
 
-    ``save_hf`` must be new or empty (or ``overwrite``) and never one of the run's
-    inputs; a new run (no ``resume``) may not start in a ``checkpoint_dir`` that holds
+    No folder output (``run_dir``, ``checkpoint_dir``, ``tensorboard``, ``save_hf``) may
+    be a file or lie under one; ``save_hf`` must be new or empty (or ``overwrite``) and
+    never one of the run's inputs; a new run (no ``resume``) may not start in a ``checkpoint_dir`` that holds
     checkpoints of another run unless ``overwrite``; no output may replace another
     (:func:`check_overlaps`; ``files``: the file outputs by flag).
 
     Raises:
         OutputError: What is refused and how to proceed.
     """
-    from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output
+    from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output, check_output_folder
     from hyper_parallel.train.checkpoint import checkpoint_steps
 
+    # A folder output where a file is (or above it): refused now, not a traceback when
+    # the run first writes there.
+    for flag, folder in (
+        ("--run-dir", cfg.run_dir),
+        ("--checkpoint-dir", cfg.checkpoint_dir),
+        ("--tensorboard", cfg.tensorboard),
+    ):
+        if folder:
+            check_output_folder(folder, what=flag)
     inputs = [cfg.hf_checkpoint, cfg.tokenizer, cfg.eval_data]
     inputs += (cfg.data or "").split(",")
     if cfg.checkpoint_dir:

@@ -427,6 +427,26 @@ def test_a_resumed_run_replaces_only_its_own_metrics(tmp_path, capsys, no_traini
         run([*argv, str(tmp_path / "b"), "--overwrite"])
 
 
+def test_a_folder_output_where_a_file_is_is_refused_before_any_work(tmp_path, capsys, no_training):
+    """--checkpoint-dir, --run-dir or --tensorboard naming a file (or a path under one) was
+    a FileExistsError / NotADirectoryError traceback once the model was built; --save-hf
+    under a file was one after the last step, the training lost."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    for flag in ("--checkpoint-dir", "--run-dir", "--tensorboard", "--save-hf"):
+        err = _refused([*TINY, flag, str(afile)], capsys)
+        assert f"{flag} {afile}: a file is there; give a directory." in err
+        under = afile / "run" / "x"
+        err = _refused([*TINY, flag, str(under)], capsys)
+        assert (
+            f"{flag} {under}: {afile} is a file, so no directory can be made there; give a "
+            "directory path."
+        ) in err
+    err = _refused([*TINY, "--checkpoint-dir", str(afile), "--resume"], capsys)
+    assert f"--checkpoint-dir {afile}: a file is there; give a directory." in err
+    assert afile.read_text() == "mine"
+
+
 def test_outputs_that_would_replace_one_another_are_refused_before_any_work(
     tmp_path, capsys, no_training
 ):
