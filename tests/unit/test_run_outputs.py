@@ -447,6 +447,21 @@ def test_a_folder_output_where_a_file_is_is_refused_before_any_work(tmp_path, ca
     assert afile.read_text() == "mine"
 
 
+def test_a_resume_with_no_step_to_train_keeps_the_metrics(tmp_path):
+    """A complete run's command run again with --resume (a requeued job) trains nothing:
+    its --metrics-out replaced the run's steps 1-2 with an empty list."""
+    metrics = tmp_path / "m.json"
+    argv = [*TINY, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    assert run([*argv, "--metrics-out", str(metrics)]) == 0
+    written = metrics.read_text()
+    assert json.loads(written)["steps"] == [1, 2]
+    assert run([*argv, "--metrics-out", str(metrics), "--resume"]) == 0
+    assert metrics.read_text() == written
+    # A resumed run that trains replaces them with its steps (as --help says).
+    assert run([*argv, "--steps", "3", "--metrics-out", str(metrics), "--resume"]) == 0
+    assert json.loads(metrics.read_text())["steps"] == [3]
+
+
 def test_outputs_that_would_replace_one_another_are_refused_before_any_work(
     tmp_path, capsys, no_training
 ):
