@@ -820,6 +820,7 @@ _DATA_FLAGS = {
     "tokens": "--data",
     "batch_size": "--batch-size",
     "seq_len": "--seq-len",
+    "eval_split": "--eval-split",
 }
 
 
@@ -836,8 +837,9 @@ def data_mismatch(
     raw = state.get("data_json")
     then = json.loads(raw if isinstance(raw, str) else bytes(raw).decode()) if raw else None
     if isinstance(then, dict):
+        # eval_split is compared where the checkpoint recorded it (not before it did).
         changed = [
-            k for k in ("source", "tokens", "batch_size", "seq_len") if then.get(k) != now[k]
+            k for k in _DATA_FLAGS if (k in then or k != "eval_split") and then.get(k) != now.get(k)
         ]
     else:
         changed = []
@@ -845,9 +847,10 @@ def data_mismatch(
         return ""
 
     def describe(d: dict[str, Any]) -> str:
+        held = f", the last {d['eval_split']:.0%} held out" if d.get("eval_split") else ""
         return (
-            f"{d['source']} ({int(d['tokens']):,} tokens), batches of {d['batch_size']} x "
-            f"{d['seq_len']}"
+            f"{d['source']} ({int(d['tokens']):,} tokens{held}), batches of "
+            f"{d['batch_size']} x {d['seq_len']}"
         )
 
     before = f"the run that wrote {path} read {describe(then)}" if isinstance(then, dict) else ""

@@ -347,6 +347,8 @@ class Trainer:
             "tokens": self.data.tokens.numel() + self.report.held_out,
             "batch_size": cfg.batch_size,
             "seq_len": cfg.seq_len,
+            # Another held-out share trains on another part of the stream.
+            "eval_split": cfg.eval_split,
         }
 
     def save(self, path: str | None = None) -> str:

@@ -341,6 +341,37 @@ def test_resume_on_other_data_is_said_and_past_its_end_refused(tmp_path, capsys)
     assert "Fix: resume with the --batch-size, --data that run used" in text, text
 
 
+def test_resume_with_another_eval_split_is_said(tmp_path, capsys):
+    """--eval-split cuts the training stream; a resume with another share trained on
+    other tokens (its data starts over elsewhere, the old held-out tail trained on or
+    the old training tail held out) and was not told: the checkpoint's record counted
+    the whole stream alike."""
+    path = write_token_file(
+        np.random.default_rng(0).integers(0, 320, 2000).astype(np.uint32), str(tmp_path / "c.bin")
+    )
+    ckpt = tmp_path / "ckpt"
+    cfg = TrainConfig(data=path, steps=2, checkpoint_dir=str(ckpt), eval_split=0.1, **TINY)
+    Trainer(cfg, device="cpu").fit()
+    for i, split in enumerate((0.1, 0.3, None)):
+        copy = tmp_path / f"copy{i}"
+        shutil.copytree(ckpt, copy)
+        capsys.readouterr()
+        again = cfg.replace(
+            resume=True, steps=3, log_every=1, checkpoint_dir=str(copy), eval_split=split
+        )
+        Trainer(again, device="cpu").fit()
+        out = capsys.readouterr().out
+        if split == 0.1:  # the same cut: nothing said
+            assert "does not continue the same stream" not in out, out
+            continue
+        held = f", the last {split:.0%} held out" if split else ""
+        assert (
+            f"read {path} (2,000 tokens, the last 10% held out), batches of 4 x 16; this run "
+            f"reads {path} (2,000 tokens{held}), batches of 4 x 16"
+        ) in out, out
+        assert "does not continue the same stream. Fix: resume with the --eval-split" in out
+
+
 def test_tensorboard_gets_loss_lr_grad_norm_tokens_per_s_mfu_and_memory(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
