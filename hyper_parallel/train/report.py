@@ -262,7 +262,8 @@ def check_run_files(
     checkpoint's files, ``config_file``), even with ``overwrite``, nor a folder, nor a
     file that is there unless ``overwrite`` (or, for ``--metrics-out``, ``resume`` and the
     file is the metrics of a run into the same ``checkpoint_dir``: the run's own earlier
-    metrics); its folder is made. The run directory may
+    metrics; for ``--grads-out``, ``resume`` and an earlier start of the run, as its
+    ``run.json`` lists them, was given the same file); its folder is made. The run directory may
     not hold another run's record unless ``resume`` (continue it) or ``overwrite``.
 
     Raises:
@@ -294,7 +295,33 @@ def check_run_files(
             replace = cfg.overwrite
             if flag == "--metrics-out" and cfg.resume and not cfg.overwrite:
                 replace = _own_metrics(path, cfg.checkpoint_dir, inputs)
+            if flag == "--grads-out" and cfg.resume and folder and not replace:
+                # A start of this run given the same file wrote it; this one (a restart
+                # before the first checkpoint: step 0 again) writes the same gradients.
+                replace = _given_before(os.path.join(folder, "run.json"), flag, path)
             check_output_file(path, overwrite=replace, inputs=inputs, what=flag)
+
+
+def _given_before(record: str, flag: str, path: str) -> bool:
+    """Whether a start that ``record`` (a run directory's ``run.json``) lists was given
+    ``flag`` with ``path`` on its command line."""
+    try:
+        with open(record, encoding="utf-8") as f:
+            run = json.load(f)
+        starts = [run, *run.get("earlier", [])]
+    except (OSError, ValueError, AttributeError):
+        return False
+    for start in starts:
+        argv = start.get("argv") if isinstance(start, dict) else None
+        if not isinstance(argv, list):
+            continue
+        for i, arg in enumerate(argv):
+            value = argv[i + 1] if arg == flag and i + 1 < len(argv) else None
+            if isinstance(arg, str) and arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            if isinstance(value, str) and _real(value) == _real(path):
+                return True
+    return False
 
 
 def _own_metrics(path: str, checkpoint_dir: str, inputs: list[Any]) -> bool:

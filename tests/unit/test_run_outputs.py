@@ -462,6 +462,31 @@ def test_a_resume_with_no_step_to_train_keeps_the_metrics(tmp_path):
     assert json.loads(metrics.read_text())["steps"] == [3]
 
 
+def test_a_restart_before_the_first_checkpoint_writes_its_grads_out_again(
+    tmp_path, capsys, monkeypatch
+):
+    """A run given --resume and --grads-out (a restarting launcher's command line) that
+    stopped before its first checkpoint: the restart, at step 0 again, was refused 'a file
+    is there already' (its first start wrote it), so every restart failed."""
+    grads = tmp_path / "g.pt"
+    ckpt = tmp_path / "ck"
+    argv = [*TINY, "--steps", "1", "--checkpoint-dir", str(ckpt), "--resume"]
+    # run.json records the command line (sys.argv) each start was given.
+    monkeypatch.setattr("sys.argv", ["train", *argv, "--grads-out", str(grads)])
+    assert run([*argv, "--grads-out", str(grads)]) == 0
+    shutil.rmtree(ckpt / "step_000001")  # stopped before that save
+    grads.write_bytes(b"")
+    assert run([*argv, "--grads-out", str(grads)]) == 0
+    assert grads.stat().st_size > 0  # the first step's gradients, written again
+    # A file no start of this run was given stays refused.
+    other = tmp_path / "other.pt"
+    other.write_bytes(b"mine")
+    shutil.rmtree(ckpt / "step_000001")
+    err = _refused([*argv, "--grads-out", str(other)], capsys)
+    assert f"--grads-out {other}: a file is there already" in err
+    assert other.read_bytes() == b"mine"
+
+
 def test_outputs_that_would_replace_one_another_are_refused_before_any_work(
     tmp_path, capsys, no_training
 ):
