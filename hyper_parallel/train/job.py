@@ -217,7 +217,9 @@ def _toml_value(value: Any) -> str:
 
 def to_toml(cfg: Any, options: Options, *, leave_out: Sequence[str] = ()) -> str:
     """The options of ``cfg`` as a job file ``--config`` reads back to an equal config
-    (but for the fields named in ``leave_out``, which it does not write)."""
+    (but for the fields named in ``leave_out``, which it does not write). A field of a
+    dataclass ``cfg`` that no option sets (``compile_backend``, which job files take) is
+    written under its field name where it is not its default."""
     lines = []
     for flag, dest, kwargs in options:
         value = getattr(cfg, dest)
@@ -229,6 +231,13 @@ def to_toml(cfg: Any, options: Options, *, leave_out: Sequence[str] = ()) -> str
         if dest == "mesh":
             value = ",".join(f"{a}={s}" for a, s in value.items())
         lines.append(f"{key} = {_toml_value(value)}")
+    covered = {dest for _, dest, _ in options} | set(leave_out)
+    if dataclasses.is_dataclass(cfg):
+        for field in dataclasses.fields(cfg):
+            value = getattr(cfg, field.name)
+            if field.name in covered or value is None or value == field.default:
+                continue
+            lines.append(f"{field.name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 
