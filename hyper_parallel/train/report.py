@@ -848,7 +848,9 @@ _DATA_FLAGS = {
     "batch_size": "--batch-size",
     "seq_len": "--seq-len",
     "eval_split": "--eval-split",
+    "tokenizer": "--tokenizer",
 }
+_RECORDED_LATER = ("eval_split", "tokenizer")  # compared where a checkpoint recorded them
 
 
 def data_mismatch(
@@ -864,10 +866,13 @@ def data_mismatch(
     raw = state.get("data_json")
     then = json.loads(raw if isinstance(raw, str) else bytes(raw).decode()) if raw else None
     if isinstance(then, dict):
-        # eval_split is compared where the checkpoint recorded it (not before it did).
         changed = [
-            k for k in _DATA_FLAGS if (k in then or k != "eval_split") and then.get(k) != now.get(k)
+            k
+            for k in _DATA_FLAGS
+            if (k in then or k not in _RECORDED_LATER) and then.get(k) != now.get(k)
         ]
+        if "tokenizer" in changed and "source" not in changed and "tokens" in changed:
+            changed.remove("tokens")  # the other tokenizer made other tokens: it is the fix
     else:
         changed = []
     if not changed and not refused:
@@ -875,8 +880,9 @@ def data_mismatch(
 
     def describe(d: dict[str, Any]) -> str:
         held = f", the last {d['eval_split']:.0%} held out" if d.get("eval_split") else ""
+        how = f" tokenized with {d['tokenizer']}" if d.get("tokenizer") else ""
         return (
-            f"{d['source']} ({int(d['tokens']):,} tokens{held}), batches of "
+            f"{d['source']}{how} ({int(d['tokens']):,} tokens{held}), batches of "
             f"{d['batch_size']} x {d['seq_len']}"
         )
 

@@ -334,8 +334,11 @@ class Trainer:
         """What the run reads, as checkpoints record it: a resumed run that reads other
         data (or cuts it otherwise) is told so (:meth:`RunReport.resumed`)."""
         cfg = self.cfg
+        tokenizer = None  # text --data: the tokenizer makes its tokens
         if cfg.data:
             source = cfg.data
+            if all(p.endswith((".txt", ".jsonl")) for p in cfg.data.split(",") if p):
+                tokenizer = run_hooks.tokenizer_path(cfg)
         else:
             tokenizer = run_hooks.tokenizer_path(cfg)
             source = f"the shipped text {cfg.text}" + (
@@ -349,6 +352,7 @@ class Trainer:
             "seq_len": cfg.seq_len,
             # Another held-out share trains on another part of the stream.
             "eval_split": cfg.eval_split,
+            "tokenizer": tokenizer,
         }
 
     def save(self, path: str | None = None) -> str:

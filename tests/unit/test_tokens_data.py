@@ -372,6 +372,32 @@ def test_resume_with_another_eval_split_is_said(tmp_path, capsys):
         assert "does not continue the same stream. Fix: resume with the --eval-split" in out
 
 
+def test_resume_with_another_tokenizer_names_it(corpus, tokenizer, tmp_path, capsys):
+    """Text --data resumed with another --tokenizer was told 'resume with the --data that
+    run used' (the data was the same file): the checkpoint did not record the tokenizer
+    of text data, so the note saw other token counts only (and nothing, had they been
+    equal)."""
+    (tmp_path / "other").mkdir()
+    other = _example().train_tokenizer(str(tmp_path / "other" / "tokenizer.json"), 280)
+    data = str(corpus / "a.jsonl")
+    cfg = TrainConfig(
+        data=data, tokenizer=tokenizer, steps=2, checkpoint_dir=str(tmp_path / "ck"), **TINY
+    )
+    Trainer(cfg, device="cpu").fit()
+    capsys.readouterr()
+    Trainer(cfg.replace(resume=True, steps=3, log_every=1, tokenizer=other), device="cpu").fit()
+    out = capsys.readouterr().out
+    assert (
+        f"the run that wrote {tmp_path / 'ck' / 'step_000002'} read {data} tokenized with "
+        f"{tokenizer} ("
+    ) in out, out
+    assert f"this run reads {data} tokenized with {other} (" in out, out
+    assert "does not continue the same stream. Fix: resume with the --tokenizer that" in out
+    # The same tokenizer: nothing said.
+    Trainer(cfg.replace(resume=True, steps=4, log_every=1, tokenizer=other), device="cpu").fit()
+    assert "does not continue the same stream" not in capsys.readouterr().out
+
+
 def test_tensorboard_gets_loss_lr_grad_norm_tokens_per_s_mfu_and_memory(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
