@@ -340,9 +340,10 @@ class StepLogger:
     ``perf/mfu`` (when the device's peak is known, see :func:`peak_flops`) and
     ``memory/peak_bytes`` (CUDA's max allocated, or the process's peak RSS on CPU).
 
-    ``purge_step``: the first step this run logs when it resumes; the events an earlier
-    start logged from that step on (past its last checkpoint) are purged, so each step
-    has one value (TensorBoard's ``SummaryWriter(purge_step=...)``).
+    ``purge_step``: the first step this run logs when it resumes (or starts over with
+    ``overwrite``); the events an earlier start logged from that step on (past its last
+    checkpoint) are purged, so each step has one value (TensorBoard's
+    ``SummaryWriter(purge_step=...)``).
     """
 
     def __init__(

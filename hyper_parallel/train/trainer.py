@@ -589,8 +589,9 @@ class Trainer:
             self.device,
             self.rank,
             dist.get_world_size() if self.mesh is not None else 1,
-            # A resumed run's steps replace those an earlier start logged past its checkpoint.
-            purge_step=self.step + 1 if cfg.resume else None,
+            # A resumed run's steps replace those an earlier start logged past its
+            # checkpoint; a run started over (--overwrite) replaces every earlier step.
+            purge_step=self.step + 1 if cfg.resume or cfg.overwrite else None,
         )
         self.report.step_logger = logger
         t0 = time.perf_counter()

@@ -449,6 +449,12 @@ def test_a_resumed_runs_tensorboard_has_one_value_per_step(tmp_path):
     assert [s for s, _ in scalars] == [1, 2, 3]
     assert scalars[-1][1] == pytest.approx(loss)  # the resumed start's step 3
     assert [e.step for e in events.Scalars("train/lr")] == [1, 2, 3]
+    # Started over with --overwrite (2 steps): those, not the earlier run's 1, 2, 3 too.
+    again = Trainer(cfg.replace(steps=2, lr=1e-2, overwrite=True), device="cpu").fit().losses
+    events = EventAccumulator(tb)
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert scalars == [(1, pytest.approx(again[0])), (2, pytest.approx(again[1]))]
 
 
 def test_demo_passes_hf_checkpoint_and_data_to_both_runs(tmp_path, monkeypatch, capsys):
