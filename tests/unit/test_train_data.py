@@ -302,6 +302,8 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
         "tokens": 31994,
         "batch_size": 4,
         "seq_len": 16,
+        "eval_split": None,
+        "tokenizer": None,  # the tokenizer of text --data (the shipped text's is in source)
     }
     expected = {"step": 2, "data_position": 2 * 4 * 16, "data_epoch": 0, "lr_schedule_steps": 2}
     assert state == expected  # the schedule's length: a resumed run keeps it
