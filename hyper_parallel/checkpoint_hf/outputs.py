@@ -109,8 +109,8 @@ def check_output(
 
     Raises:
         OutputError: ``path`` is an input, a file (or lies under one), or a non-empty
-            directory without ``overwrite``; or its temporary sibling ``path.partial`` is an input or a
-            folder this module did not make.
+            directory without ``overwrite``; or its temporary sibling ``path.partial`` is
+            an input or a folder this module did not make.
     """
     target = os.path.realpath(os.fspath(path))
     partial = partial_path(target)

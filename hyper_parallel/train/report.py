@@ -92,9 +92,10 @@ def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> No
 
     No folder output (``run_dir``, ``checkpoint_dir``, ``tensorboard``, ``save_hf``) may
     be a file or lie under one; ``save_hf`` must be new or empty (or ``overwrite``) and
-    never one of the run's inputs; a new run (no ``resume``) may not start in a ``checkpoint_dir`` that holds
-    checkpoints of another run unless ``overwrite``; no output may replace another
-    (:func:`check_overlaps`; ``files``: the file outputs by flag).
+    never one of the run's inputs; a new run (no ``resume``) may not start in a
+    ``checkpoint_dir`` that holds checkpoints of another run unless ``overwrite``; no
+    output may replace another (:func:`check_overlaps`; ``files``: the file outputs by
+    flag).
 
     Raises:
         OutputError: What is refused and how to proceed.
@@ -263,8 +264,9 @@ def check_run_files(
     file that is there unless ``overwrite`` (or, for ``--metrics-out``, ``resume`` and the
     file is the metrics of a run into the same ``checkpoint_dir``: the run's own earlier
     metrics; for ``--grads-out``, ``resume`` and an earlier start of the run, as its
-    ``run.json`` lists them, was given the same file); its folder is made. The run directory may
-    not hold another run's record unless ``resume`` (continue it) or ``overwrite``.
+    ``run.json`` lists them, was given the same file); its folder is made. The run
+    directory may not hold another run's record unless ``resume`` (continue it) or
+    ``overwrite``.
 
     Raises:
         OutputError: What is refused and the fix.

@@ -339,10 +339,10 @@ class Trainer:
             source = cfg.data
             if all(p.endswith((".txt", ".jsonl")) for p in cfg.data.split(",") if p):
                 tokenizer = run_hooks.tokenizer_path(cfg)
-        else:
-            tokenizer = run_hooks.tokenizer_path(cfg)
+        else:  # its tokenizer is named in the source
+            shipped = run_hooks.tokenizer_path(cfg)
             source = f"the shipped text {cfg.text}" + (
-                f" tokenized with {tokenizer}" if tokenizer else " as bytes"
+                f" tokenized with {shipped}" if shipped else " as bytes"
             )
         return {
             "source": source,
