@@ -112,6 +112,18 @@ def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> No
     ):
         if folder:
             check_output_folder(folder, what=flag)
+    if cfg.checkpoint_dir:
+        # A step folder given for the folder of checkpoints: no checkpoint is found in it,
+        # so the run started at step 0 and wrote its own into the checkpoint.
+        parent = os.path.dirname(os.path.normpath(cfg.checkpoint_dir)) or "."
+        if any(_real(p) == _real(cfg.checkpoint_dir) for _, p in checkpoint_steps(parent)):
+            then = " (--resume continues from its latest checkpoint)" if cfg.resume else ""
+            raise OutputError(
+                f"--checkpoint-dir {cfg.checkpoint_dir} is a checkpoint (a step folder of "
+                f"{parent}), not the folder that holds them: the run would find no "
+                "checkpoint in it, start at step 0 and write into it. Fix: give the folder "
+                f"that holds it, --checkpoint-dir {parent}{then}."
+            )
     inputs = [cfg.hf_checkpoint, cfg.tokenizer, cfg.eval_data]
     inputs += (cfg.data or "").split(",")
     if cfg.checkpoint_dir:

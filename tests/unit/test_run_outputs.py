@@ -487,6 +487,28 @@ def test_a_restart_before_the_first_checkpoint_writes_its_grads_out_again(
     assert other.read_bytes() == b"mine"
 
 
+def test_a_step_folder_given_as_the_checkpoint_dir_is_refused(tmp_path, capsys, no_training):
+    """--checkpoint-dir ck/step_000001 --resume (the checkpoint, not its folder): 'no
+    checkpoint in ck/step_000001; starting at step 0', and the run wrote its checkpoints,
+    train.log and record into that checkpoint's folder."""
+    step = tmp_path / "ck" / "step_000001"
+    trainer = _tiny_model()
+    save_checkpoint(step, model=trainer.model, optimizer=trainer.optimizer)
+    before = sorted(os.listdir(step))
+    for resume in (["--resume"], []):
+        err = _refused([*TINY, "--checkpoint-dir", str(step), *resume], capsys)
+        assert (
+            f"--checkpoint-dir {step} is a checkpoint (a step folder of {tmp_path / 'ck'}), "
+            "not the folder that holds them: the run would find no checkpoint in it, start "
+            f"at step 0 and write into it. Fix: give the folder that holds it, "
+            f"--checkpoint-dir {tmp_path / 'ck'}"
+        ) in err
+        assert ("(--resume continues from its latest checkpoint)" in err) == bool(resume)
+    assert sorted(os.listdir(step)) == before
+    with pytest.raises(_Built):  # its folder is fine
+        run([*TINY, "--checkpoint-dir", str(tmp_path / "ck"), "--resume"])
+
+
 def test_outputs_that_would_replace_one_another_are_refused_before_any_work(
     tmp_path, capsys, no_training
 ):
