@@ -42,6 +42,7 @@ __all__ = [
     "OutputError",
     "check_output",
     "check_output_file",
+    "check_output_folder",
     "partial_path",
     "staged_output",
 ]
@@ -70,6 +71,26 @@ def _inside(child: str, parent: str) -> bool:
     return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
 
 
+def check_output_folder(path: str | os.PathLike[str], *, what: str = "output") -> None:
+    """Refuse ``path`` as an output directory that cannot be made: a file is there, or
+    at a folder above it (where ``os.makedirs`` fails after the work is done).
+
+    Raises:
+        OutputError: Naming the file and the fix.
+    """
+    given = os.fspath(path)
+    if os.path.exists(given) and not os.path.isdir(given):
+        raise OutputError(f"{what} {given}: a file is there; give a directory.")
+    above = os.path.dirname(os.path.normpath(given))
+    while above and not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if above and os.path.exists(above) and not os.path.isdir(above):
+        raise OutputError(
+            f"{what} {given}: {above} is a file, so no directory can be made there; give a "
+            "directory path."
+        )
+
+
 def check_output(
     path: str | os.PathLike[str],
     *,
@@ -87,9 +108,9 @@ def check_output(
         what: How the user named ``path`` (``--save-hf``, ``export-hf OUT``), for the message.
 
     Raises:
-        OutputError: ``path`` is an input, a file, or a non-empty directory without
-            ``overwrite``; or its temporary sibling ``path.partial`` is an input or a
-            folder this module did not make.
+        OutputError: ``path`` is an input, a file (or lies under one), or a non-empty
+            directory without ``overwrite``; or its temporary sibling ``path.partial`` is
+            an input or a folder this module did not make.
     """
     target = os.path.realpath(os.fspath(path))
     partial = partial_path(target)
@@ -120,8 +141,7 @@ def check_output(
             f"earlier write of {os.path.basename(target)}; it is where the files go before "
             "they are renamed into place. Move or delete it, or choose another directory."
         )
-    if os.path.isfile(target):
-        raise OutputError(f"{what} {os.fspath(path)}: a file is there; give a directory.")
+    check_output_folder(path, what=what)
     if os.path.isdir(target) and os.listdir(target) and not overwrite:
         names = sorted(os.listdir(target))
         shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")

@@ -217,7 +217,9 @@ def _toml_value(value: Any) -> str:
 
 def to_toml(cfg: Any, options: Options, *, leave_out: Sequence[str] = ()) -> str:
     """The options of ``cfg`` as a job file ``--config`` reads back to an equal config
-    (but for the fields named in ``leave_out``, which it does not write)."""
+    (but for the fields named in ``leave_out``, which it does not write). A field of a
+    dataclass ``cfg`` that no option sets (``compile_backend``, which job files take) is
+    written under its field name where it is not its default."""
     lines = []
     for flag, dest, kwargs in options:
         value = getattr(cfg, dest)
@@ -229,6 +231,13 @@ def to_toml(cfg: Any, options: Options, *, leave_out: Sequence[str] = ()) -> str
         if dest == "mesh":
             value = ",".join(f"{a}={s}" for a, s in value.items())
         lines.append(f"{key} = {_toml_value(value)}")
+    covered = {dest for _, dest, _ in options} | set(leave_out)
+    if dataclasses.is_dataclass(cfg):
+        for field in dataclasses.fields(cfg):
+            value = getattr(cfg, field.name)
+            if field.name in covered or value is None or value == field.default:
+                continue
+            lines.append(f"{field.name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -318,7 +327,8 @@ def write_run_record(
     ``run.json``'s ``earlier`` lists every earlier start (its time, command and
     options), and an earlier ``config.toml`` whose options differ from this start's is
     kept as ``config.before_step_N.toml`` (the command in its header runs those steps;
-    a longer ``steps`` alone is no difference: the resumed run keeps its schedule).
+    a longer ``steps`` alone is no difference: the resumed run keeps its schedule). A
+    later start from the same step keeps that file: those steps ran as it says.
 
     ``config.toml`` leaves out :data:`ONE_OFF_ACTIONS`; its header is the command that
     reads it back (:func:`rerun_command` with ``world_size`` ranks, ``ranks_per_node``
@@ -355,10 +365,16 @@ def write_run_record(
     earlier: list[Any] = []
     if resumed_from > 0:
         earlier = _earlier_starts(record)
-        if os.path.isfile(config) and _options_but_steps(_toml_body(config)) != (
-            _options_but_steps(body)
+        before = os.path.join(folder, f"config.before_step_{resumed_from:06d}.toml")
+        # A second start from the same step (the first stopped before its next
+        # checkpoint) keeps the record of the steps that checkpoint holds: config.toml is
+        # then the stopped start's, whose options run.json's ``earlier`` lists.
+        if (
+            os.path.isfile(config)
+            and not os.path.exists(before)
+            and _options_but_steps(_toml_body(config)) != _options_but_steps(body)
         ):
-            os.replace(config, os.path.join(folder, f"config.before_step_{resumed_from:06d}.toml"))
+            os.replace(config, before)
     with open(config, "w", encoding="utf-8") as f:
         f.write("\n".join(head) + "\n")
         f.write(body)

@@ -90,17 +90,40 @@ def log_path(cfg: Any) -> str | None:
 def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> None:
     """Refuse outputs that would clobber something, before anything runs.
 
-    ``save_hf`` must be new or empty (or ``overwrite``) and never one of the run's
-    inputs; a new run (no ``resume``) may not start in a ``checkpoint_dir`` that holds
-    checkpoints of another run unless ``overwrite``; no output may replace another
-    (:func:`check_overlaps`; ``files``: the file outputs by flag).
+    No folder output (``run_dir``, ``checkpoint_dir``, ``tensorboard``, ``save_hf``) may
+    be a file or lie under one; ``save_hf`` must be new or empty (or ``overwrite``) and
+    never one of the run's inputs; a new run (no ``resume``) may not start in a
+    ``checkpoint_dir`` that holds checkpoints of another run unless ``overwrite``; no
+    output may replace another (:func:`check_overlaps`; ``files``: the file outputs by
+    flag).
 
     Raises:
         OutputError: What is refused and how to proceed.
     """
-    from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output
+    from hyper_parallel.checkpoint_hf.outputs import OutputError, check_output, check_output_folder
     from hyper_parallel.train.checkpoint import checkpoint_steps
 
+    # A folder output where a file is (or above it): refused now, not a traceback when
+    # the run first writes there.
+    for flag, folder in (
+        ("--run-dir", cfg.run_dir),
+        ("--checkpoint-dir", cfg.checkpoint_dir),
+        ("--tensorboard", cfg.tensorboard),
+    ):
+        if folder:
+            check_output_folder(folder, what=flag)
+    if cfg.checkpoint_dir:
+        # A step folder given for the folder of checkpoints: no checkpoint is found in it,
+        # so the run started at step 0 and wrote its own into the checkpoint.
+        parent = os.path.dirname(os.path.normpath(cfg.checkpoint_dir)) or "."
+        if any(_real(p) == _real(cfg.checkpoint_dir) for _, p in checkpoint_steps(parent)):
+            then = " (--resume continues from its latest checkpoint)" if cfg.resume else ""
+            raise OutputError(
+                f"--checkpoint-dir {cfg.checkpoint_dir} is a checkpoint (a step folder of "
+                f"{parent}), not the folder that holds them: the run would find no "
+                "checkpoint in it, start at step 0 and write into it. Fix: give the folder "
+                f"that holds it, --checkpoint-dir {parent}{then}."
+            )
     inputs = [cfg.hf_checkpoint, cfg.tokenizer, cfg.eval_data]
     inputs += (cfg.data or "").split(",")
     if cfg.checkpoint_dir:
@@ -250,9 +273,12 @@ def check_run_files(
 
     A file output is never one of the run's inputs (data, tokenizer, the Hugging Face
     checkpoint's files, ``config_file``), even with ``overwrite``, nor a folder, nor a
-    file that is there unless ``overwrite`` (or, for ``--metrics-out``, ``resume``: the
-    run's own earlier metrics); its folder is made. The run directory may
-    not hold another run's record unless ``resume`` (continue it) or ``overwrite``.
+    file that is there unless ``overwrite`` (or, for ``--metrics-out``, ``resume`` and the
+    file is the metrics of a run into the same ``checkpoint_dir``: the run's own earlier
+    metrics; for ``--grads-out``, ``resume`` and an earlier start of the run, as its
+    ``run.json`` lists them, was given the same file); its folder is made. The run
+    directory may not hold another run's record unless ``resume`` (continue it) or
+    ``overwrite``.
 
     Raises:
         OutputError: What is refused and the fix.
@@ -278,9 +304,69 @@ def check_run_files(
     for flag, path in (files or {}).items():
         if path:
             # A resumed run's metrics replace those its earlier part wrote (a run continued
-            # to more --steps with the same flags); inputs are refused all the same.
-            replace = cfg.overwrite or (flag == "--metrics-out" and cfg.resume)
+            # to more --steps with the same flags), not another run's; inputs are refused
+            # all the same.
+            replace = cfg.overwrite
+            if flag == "--metrics-out" and cfg.resume and not cfg.overwrite:
+                replace = _own_metrics(path, cfg.checkpoint_dir, inputs)
+            if flag == "--grads-out" and cfg.resume and folder and not replace:
+                # A start of this run given the same file wrote it; this one (a restart
+                # before the first checkpoint: step 0 again) writes the same gradients.
+                replace = _given_before(os.path.join(folder, "run.json"), flag, path)
             check_output_file(path, overwrite=replace, inputs=inputs, what=flag)
+
+
+def _given_before(record: str, flag: str, path: str) -> bool:
+    """Whether a start that ``record`` (a run directory's ``run.json``) lists was given
+    ``flag`` with ``path`` on its command line."""
+    try:
+        with open(record, encoding="utf-8") as f:
+            run = json.load(f)
+        starts = [run, *run.get("earlier", [])]
+    except (OSError, ValueError, AttributeError):
+        return False
+    for start in starts:
+        argv = start.get("argv") if isinstance(start, dict) else None
+        if not isinstance(argv, list):
+            continue
+        for i, arg in enumerate(argv):
+            value = argv[i + 1] if arg == flag and i + 1 < len(argv) else None
+            if isinstance(arg, str) and arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+            if isinstance(value, str) and _real(value) == _real(path):
+                return True
+    return False
+
+
+def _own_metrics(path: str, checkpoint_dir: str, inputs: list[Any]) -> bool:
+    """Whether ``path`` may be replaced by a resumed run: no file there, or the metrics a
+    run into the same ``checkpoint_dir`` wrote (its ``config``). An input is left to
+    :func:`check_output_file` to refuse.
+
+    Raises:
+        OutputError: Another file is there (another run's metrics, or no metrics).
+    """
+    from hyper_parallel.checkpoint_hf.outputs import OutputError
+
+    if not os.path.isfile(path) or any(p and _real(p) == _real(path) for p in inputs):
+        return True
+    try:
+        with open(path, encoding="utf-8") as f:
+            written = json.load(f)["config"]["checkpoint_dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        written = None
+    if isinstance(written, str) and _real(written) == _real(checkpoint_dir):
+        return True
+    whose = (
+        f"the metrics of a run into --checkpoint-dir {written}"
+        if isinstance(written, str)
+        else "not metrics a run wrote"
+    )
+    raise OutputError(
+        f"--metrics-out {path}: a file is there, {whose}; --resume replaces only the "
+        f"metrics of the run it continues (--checkpoint-dir {checkpoint_dir}). Give another "
+        "path, or pass --overwrite to replace it."
+    )
 
 
 def check_files(
@@ -775,7 +861,10 @@ _DATA_FLAGS = {
     "tokens": "--data",
     "batch_size": "--batch-size",
     "seq_len": "--seq-len",
+    "eval_split": "--eval-split",
+    "tokenizer": "--tokenizer",
 }
+_RECORDED_LATER = ("eval_split", "tokenizer")  # compared where a checkpoint recorded them
 
 
 def data_mismatch(
@@ -792,17 +881,23 @@ def data_mismatch(
     then = json.loads(raw if isinstance(raw, str) else bytes(raw).decode()) if raw else None
     if isinstance(then, dict):
         changed = [
-            k for k in ("source", "tokens", "batch_size", "seq_len") if then.get(k) != now[k]
+            k
+            for k in _DATA_FLAGS
+            if (k in then or k not in _RECORDED_LATER) and then.get(k) != now.get(k)
         ]
+        if "tokenizer" in changed and "source" not in changed and "tokens" in changed:
+            changed.remove("tokens")  # the other tokenizer made other tokens: it is the fix
     else:
         changed = []
     if not changed and not refused:
         return ""
 
     def describe(d: dict[str, Any]) -> str:
+        held = f", the last {d['eval_split']:.0%} held out" if d.get("eval_split") else ""
+        how = f" tokenized with {d['tokenizer']}" if d.get("tokenizer") else ""
         return (
-            f"{d['source']} ({int(d['tokens']):,} tokens), batches of {d['batch_size']} x "
-            f"{d['seq_len']}"
+            f"{d['source']}{how} ({int(d['tokens']):,} tokens{held}), batches of "
+            f"{d['batch_size']} x {d['seq_len']}"
         )
 
     before = f"the run that wrote {path} read {describe(then)}" if isinstance(then, dict) else ""

@@ -126,8 +126,9 @@ def build_parser(prog: str = "python -m hyper_parallel.train.run") -> argparse.A
     parser.add_argument(
         "--metrics-out",
         help="rank 0 writes the steps this run trains, their losses and timing here (JSON); "
-        "kept unless --overwrite, or under --resume, which replaces it with the resumed "
-        "steps (the earlier ones are in train.log)",
+        "kept unless --overwrite, or under --resume when it is the metrics of the run "
+        "resumed (same --checkpoint-dir), which the resumed steps replace (the earlier "
+        "ones are in train.log; a resume with no step to train keeps it)",
     )
     parser.add_argument(
         "--grads-out",
@@ -210,7 +211,10 @@ def main(
             )
         result = trainer.fit()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank == 0 and args.metrics_out:
+        # A resumed run with no step to train (resumed at --steps: a complete run's
+        # command run again) keeps the metrics there; it had replaced them with none.
+        keep = not result.steps and os.path.exists(args.metrics_out or "")
+        if rank == 0 and args.metrics_out and not keep:
             metrics = {
                 "config": cfg.to_dict(),
                 "steps": result.steps,

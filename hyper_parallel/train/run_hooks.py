@@ -339,9 +339,22 @@ class StepLogger:
     Tags: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``perf/tokens_per_s``,
     ``perf/mfu`` (when the device's peak is known, see :func:`peak_flops`) and
     ``memory/peak_bytes`` (CUDA's max allocated, or the process's peak RSS on CPU).
+
+    ``purge_step``: the first step this run logs when it resumes (or starts over with
+    ``overwrite``); the events an earlier start logged from that step on (past its last
+    checkpoint) are purged, so each step has one value (TensorBoard's
+    ``SummaryWriter(purge_step=...)``).
     """
 
-    def __init__(self, cfg: Any, device: torch.device, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        device: torch.device,
+        rank: int,
+        world_size: int,
+        *,
+        purge_step: int | None = None,
+    ) -> None:
         self.writer = None
         if not cfg.tensorboard or rank != 0:
             return
@@ -351,7 +364,7 @@ class StepLogger:
             raise ValueError(
                 f"--tensorboard needs the tensorboard package ({e}); pip install tensorboard."
             ) from None
-        self.writer = SummaryWriter(cfg.tensorboard)
+        self.writer = SummaryWriter(cfg.tensorboard, purge_step=purge_step)
         self.device = device
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         flops = train_flops_per_sequence(cfg)

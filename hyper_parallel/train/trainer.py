@@ -334,12 +334,15 @@ class Trainer:
         """What the run reads, as checkpoints record it: a resumed run that reads other
         data (or cuts it otherwise) is told so (:meth:`RunReport.resumed`)."""
         cfg = self.cfg
+        tokenizer = None  # text --data: the tokenizer makes its tokens
         if cfg.data:
             source = cfg.data
-        else:
-            tokenizer = run_hooks.tokenizer_path(cfg)
+            if all(p.endswith((".txt", ".jsonl")) for p in cfg.data.split(",") if p):
+                tokenizer = run_hooks.tokenizer_path(cfg)
+        else:  # its tokenizer is named in the source
+            shipped = run_hooks.tokenizer_path(cfg)
             source = f"the shipped text {cfg.text}" + (
-                f" tokenized with {tokenizer}" if tokenizer else " as bytes"
+                f" tokenized with {shipped}" if shipped else " as bytes"
             )
         return {
             "source": source,
@@ -347,6 +350,9 @@ class Trainer:
             "tokens": self.data.tokens.numel() + self.report.held_out,
             "batch_size": cfg.batch_size,
             "seq_len": cfg.seq_len,
+            # Another held-out share trains on another part of the stream.
+            "eval_split": cfg.eval_split,
+            "tokenizer": tokenizer,
         }
 
     def save(self, path: str | None = None) -> str:
@@ -402,6 +408,9 @@ class Trainer:
     def load(self, path: str) -> dict[str, Any]:
         """Restore model, optimizer, step, data position and RNG from a checkpoint.
 
+        The optimizer's hyperparameters stay this run's (``lr`` by the schedule at each
+        step, ``weight_decay``), not those the checkpoint's run was given.
+
         Returns:
             The checkpoint's ``train`` record (step, data position, schedule length).
         """
@@ -412,6 +421,11 @@ class Trainer:
             distributed=self.mesh is not None,
         )
         self.step = int(state["step"])
+        # AdamW's state restores the checkpoint's weight decay over this run's (the
+        # learning rate is set at every step): the resumed steps use --weight-decay.
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["weight_decay"] = self.cfg.weight_decay
         try:
             self.data.load_state_dict(
                 {"position": state["data_position"], "epoch": state["data_epoch"]}
@@ -571,7 +585,13 @@ class Trainer:
         self.report.start()
         steps, losses, grad_norms = [], [], []
         logger = run_hooks.StepLogger(
-            cfg, self.device, self.rank, dist.get_world_size() if self.mesh is not None else 1
+            cfg,
+            self.device,
+            self.rank,
+            dist.get_world_size() if self.mesh is not None else 1,
+            # A resumed run's steps replace those an earlier start logged past its
+            # checkpoint; a run started over (--overwrite) replaces every earlier step.
+            purge_step=self.step + 1 if cfg.resume or cfg.overwrite else None,
         )
         self.report.step_logger = logger
         t0 = time.perf_counter()

@@ -121,6 +121,25 @@ def test_the_run_directory_keeps_the_resolved_config_version_and_commit(tmp_path
     assert "train.log" in {p.name for p in run_dir.iterdir()}
 
 
+def test_the_run_record_keeps_a_field_no_flag_sets(tmp_path, capsys):
+    """compile_backend, a TrainConfig field job files take but no flag sets, was left out
+    of config.toml: the record of a run at compile_backend = "aot_eager" ran again under
+    inductor."""
+    job = tmp_path / "job.toml"
+    job.write_text('compile_backend = "aot_eager"\n')
+    run_dir = tmp_path / "run"
+    argv = ["--config", str(job), "--steps", "1", "--batch-size", "2", "--seq-len", "16"]
+    assert run([*argv, "--no-progress", "--run-dir", str(run_dir)]) == 0
+    resolved = TrainConfig.from_dict(json.loads((run_dir / "run.json").read_text())["config"])
+    assert resolved.compile_backend == "aot_eager"
+    again = _config(run_dir / "config.toml")
+    assert again.to_dict() == resolved.to_dict()
+    # At its default it is not written (a record of the flags' options only, as before).
+    assert run(["--steps", "1", "--batch-size", "2", "--seq-len", "16", "--no-progress",
+                "--run-dir", str(tmp_path / "plain")]) == 0  # fmt: skip
+    assert "compile_backend" not in (tmp_path / "plain" / "config.toml").read_text()
+
+
 def _header_command(config) -> list[str]:
     """The command the header of ``config`` gives, as words (``cd DIR && ...``)."""
     import shlex

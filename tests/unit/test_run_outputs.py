@@ -389,10 +389,124 @@ def test_metrics_and_grads_out_are_checked_with_the_other_outputs_before_any_wor
     # A resumed run replaces its own earlier metrics (continued with the same flags); its
     # inputs stay refused.
     resume = ["--resume", "--checkpoint-dir", str(tmp_path / "ck")]
+    there.write_text(json.dumps({"config": {"checkpoint_dir": str(tmp_path / "ck")}}))
     with pytest.raises(_Built):
         run([*base, "--metrics-out", str(there), *resume])
     err = _refused([*base, "--metrics-out", str(corpus), *resume], capsys)
     assert f"--metrics-out {corpus}: it is the input" in err
+
+
+def test_a_resumed_run_replaces_only_its_own_metrics(tmp_path, capsys, no_training):
+    """--resume let --metrics-out replace any file: a new run into another
+    --checkpoint-dir (--resume with no checkpoint there starts at step 0, as a
+    restarting launcher's command line does) wrote over an earlier run's metrics."""
+    metrics = tmp_path / "metrics.json"
+    earlier = json.dumps({"config": {"checkpoint_dir": str(tmp_path / "a")}, "losses": [1.0]})
+    metrics.write_text(earlier)
+    argv = [*TINY, "--metrics-out", str(metrics), "--resume", "--checkpoint-dir"]
+    err = _refused([*argv, str(tmp_path / "b")], capsys)
+    assert (
+        f"--metrics-out {metrics}: a file is there, the metrics of a run into "
+        f"--checkpoint-dir {tmp_path / 'a'}; --resume replaces only the metrics of the run "
+        f"it continues (--checkpoint-dir {tmp_path / 'b'}). Give another path, or pass "
+        "--overwrite to replace it."
+    ) in err
+    other = tmp_path / "notes.json"
+    other.write_text("[1, 2]")
+    err = _refused(
+        [*TINY, "--metrics-out", str(other), "--resume", "--checkpoint-dir", "b"], capsys
+    )
+    assert f"--metrics-out {other}: a file is there, not metrics a run wrote;" in err
+    assert (metrics.read_text(), other.read_text()) == (earlier, "[1, 2]")
+    # The run's own (its checkpoint folder, as written or as another path to it), or with
+    # --overwrite: the run goes on.
+    for folder in (str(tmp_path / "a"), str(tmp_path / "." / "a")):
+        with pytest.raises(_Built):
+            run([*argv, folder])
+    with pytest.raises(_Built):
+        run([*argv, str(tmp_path / "b"), "--overwrite"])
+
+
+def test_a_folder_output_where_a_file_is_is_refused_before_any_work(tmp_path, capsys, no_training):
+    """--checkpoint-dir, --run-dir or --tensorboard naming a file (or a path under one) was
+    a FileExistsError / NotADirectoryError traceback once the model was built; --save-hf
+    under a file was one after the last step, the training lost."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine")
+    for flag in ("--checkpoint-dir", "--run-dir", "--tensorboard", "--save-hf"):
+        err = _refused([*TINY, flag, str(afile)], capsys)
+        assert f"{flag} {afile}: a file is there; give a directory." in err
+        under = afile / "run" / "x"
+        err = _refused([*TINY, flag, str(under)], capsys)
+        assert (
+            f"{flag} {under}: {afile} is a file, so no directory can be made there; give a "
+            "directory path."
+        ) in err
+    err = _refused([*TINY, "--checkpoint-dir", str(afile), "--resume"], capsys)
+    assert f"--checkpoint-dir {afile}: a file is there; give a directory." in err
+    assert afile.read_text() == "mine"
+
+
+def test_a_resume_with_no_step_to_train_keeps_the_metrics(tmp_path):
+    """A complete run's command run again with --resume (a requeued job) trains nothing:
+    its --metrics-out replaced the run's steps 1-2 with an empty list."""
+    metrics = tmp_path / "m.json"
+    argv = [*TINY, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck")]
+    assert run([*argv, "--metrics-out", str(metrics)]) == 0
+    written = metrics.read_text()
+    assert json.loads(written)["steps"] == [1, 2]
+    assert run([*argv, "--metrics-out", str(metrics), "--resume"]) == 0
+    assert metrics.read_text() == written
+    # A resumed run that trains replaces them with its steps (as --help says).
+    assert run([*argv, "--steps", "3", "--metrics-out", str(metrics), "--resume"]) == 0
+    assert json.loads(metrics.read_text())["steps"] == [3]
+
+
+def test_a_restart_before_the_first_checkpoint_writes_its_grads_out_again(
+    tmp_path, capsys, monkeypatch
+):
+    """A run given --resume and --grads-out (a restarting launcher's command line) that
+    stopped before its first checkpoint: the restart, at step 0 again, was refused 'a file
+    is there already' (its first start wrote it), so every restart failed."""
+    grads = tmp_path / "g.pt"
+    ckpt = tmp_path / "ck"
+    argv = [*TINY, "--steps", "1", "--checkpoint-dir", str(ckpt), "--resume"]
+    # run.json records the command line (sys.argv) each start was given.
+    monkeypatch.setattr("sys.argv", ["train", *argv, "--grads-out", str(grads)])
+    assert run([*argv, "--grads-out", str(grads)]) == 0
+    shutil.rmtree(ckpt / "step_000001")  # stopped before that save
+    grads.write_bytes(b"")
+    assert run([*argv, "--grads-out", str(grads)]) == 0
+    assert grads.stat().st_size > 0  # the first step's gradients, written again
+    # A file no start of this run was given stays refused.
+    other = tmp_path / "other.pt"
+    other.write_bytes(b"mine")
+    shutil.rmtree(ckpt / "step_000001")
+    err = _refused([*argv, "--grads-out", str(other)], capsys)
+    assert f"--grads-out {other}: a file is there already" in err
+    assert other.read_bytes() == b"mine"
+
+
+def test_a_step_folder_given_as_the_checkpoint_dir_is_refused(tmp_path, capsys, no_training):
+    """--checkpoint-dir ck/step_000001 --resume (the checkpoint, not its folder): 'no
+    checkpoint in ck/step_000001; starting at step 0', and the run wrote its checkpoints,
+    train.log and record into that checkpoint's folder."""
+    step = tmp_path / "ck" / "step_000001"
+    trainer = _tiny_model()
+    save_checkpoint(step, model=trainer.model, optimizer=trainer.optimizer)
+    before = sorted(os.listdir(step))
+    for resume in (["--resume"], []):
+        err = _refused([*TINY, "--checkpoint-dir", str(step), *resume], capsys)
+        assert (
+            f"--checkpoint-dir {step} is a checkpoint (a step folder of {tmp_path / 'ck'}), "
+            "not the folder that holds them: the run would find no checkpoint in it, start "
+            f"at step 0 and write into it. Fix: give the folder that holds it, "
+            f"--checkpoint-dir {tmp_path / 'ck'}"
+        ) in err
+        assert ("(--resume continues from its latest checkpoint)" in err) == bool(resume)
+    assert sorted(os.listdir(step)) == before
+    with pytest.raises(_Built):  # its folder is fine
+        run([*TINY, "--checkpoint-dir", str(tmp_path / "ck"), "--resume"])
 
 
 def test_outputs_that_would_replace_one_another_are_refused_before_any_work(
@@ -664,3 +778,26 @@ def test_resume_keeps_the_record_of_the_steps_before_it(tmp_path, capsys):
     assert run([*argv, "--steps", "2"]) == 0
     assert run([*argv, "--steps", "3", "--resume"]) == 0
     assert [p.name for p in other.glob("config*.toml")] == ["config.toml"]
+
+
+def test_a_second_resume_from_the_same_step_keeps_the_record_of_the_steps_before_it(tmp_path):
+    """A resumed start that stopped before its next checkpoint, resumed again from the
+    same step with other options: its config.toml replaced config.before_step_N.toml, so
+    the record of steps 1-N named the stopped start's options (weight decay 0.05 where
+    those steps ran at 0.1)."""
+    ckpt = tmp_path / "ckpt"
+    argv = [*TINY, "--checkpoint-dir", str(ckpt), "--steps", "4", "--lr-schedule-steps", "4"]
+    assert run([*argv, "--steps", "2"]) == 0
+    first = (ckpt / "config.toml").read_text()
+    # Resumed with --weight-decay 0.05; it stops before any checkpoint (a crash).
+    assert run([*argv, "--weight-decay", "0.05", "--resume"]) == 0
+    kept = ckpt / "config.before_step_000002.toml"
+    assert kept.read_text() == first
+    shutil.rmtree(ckpt / "step_000004")
+    # Resumed again from step 2, with --weight-decay 0.02.
+    assert run([*argv, "--weight-decay", "0.02", "--resume"]) == 0
+    assert kept.read_text() == first  # steps 1-2 ran at 0.1
+    assert "weight-decay = 0.02" in (ckpt / "config.toml").read_text()
+    record = json.loads((ckpt / "run.json").read_text())
+    assert [e["config"]["weight_decay"] for e in record["earlier"]] == [0.1, 0.05]
+    assert record["resumed_from"] == 2 and record["config"]["weight_decay"] == 0.02

@@ -341,6 +341,63 @@ def test_resume_on_other_data_is_said_and_past_its_end_refused(tmp_path, capsys)
     assert "Fix: resume with the --batch-size, --data that run used" in text, text
 
 
+def test_resume_with_another_eval_split_is_said(tmp_path, capsys):
+    """--eval-split cuts the training stream; a resume with another share trained on
+    other tokens (its data starts over elsewhere, the old held-out tail trained on or
+    the old training tail held out) and was not told: the checkpoint's record counted
+    the whole stream alike."""
+    path = write_token_file(
+        np.random.default_rng(0).integers(0, 320, 2000).astype(np.uint32), str(tmp_path / "c.bin")
+    )
+    ckpt = tmp_path / "ckpt"
+    cfg = TrainConfig(data=path, steps=2, checkpoint_dir=str(ckpt), eval_split=0.1, **TINY)
+    Trainer(cfg, device="cpu").fit()
+    for i, split in enumerate((0.1, 0.3, None)):
+        copy = tmp_path / f"copy{i}"
+        shutil.copytree(ckpt, copy)
+        capsys.readouterr()
+        again = cfg.replace(
+            resume=True, steps=3, log_every=1, checkpoint_dir=str(copy), eval_split=split
+        )
+        Trainer(again, device="cpu").fit()
+        out = capsys.readouterr().out
+        if split == 0.1:  # the same cut: nothing said
+            assert "does not continue the same stream" not in out, out
+            continue
+        held = f", the last {split:.0%} held out" if split else ""
+        assert (
+            f"read {path} (2,000 tokens, the last 10% held out), batches of 4 x 16; this run "
+            f"reads {path} (2,000 tokens{held}), batches of 4 x 16"
+        ) in out, out
+        assert "does not continue the same stream. Fix: resume with the --eval-split" in out
+
+
+def test_resume_with_another_tokenizer_names_it(corpus, tokenizer, tmp_path, capsys):
+    """Text --data resumed with another --tokenizer was told 'resume with the --data that
+    run used' (the data was the same file): the checkpoint did not record the tokenizer
+    of text data, so the note saw other token counts only (and nothing, had they been
+    equal)."""
+    (tmp_path / "other").mkdir()
+    other = _example().train_tokenizer(str(tmp_path / "other" / "tokenizer.json"), 280)
+    data = str(corpus / "a.jsonl")
+    cfg = TrainConfig(
+        data=data, tokenizer=tokenizer, steps=2, checkpoint_dir=str(tmp_path / "ck"), **TINY
+    )
+    Trainer(cfg, device="cpu").fit()
+    capsys.readouterr()
+    Trainer(cfg.replace(resume=True, steps=3, log_every=1, tokenizer=other), device="cpu").fit()
+    out = capsys.readouterr().out
+    assert (
+        f"the run that wrote {tmp_path / 'ck' / 'step_000002'} read {data} tokenized with "
+        f"{tokenizer} ("
+    ) in out, out
+    assert f"this run reads {data} tokenized with {other} (" in out, out
+    assert "does not continue the same stream. Fix: resume with the --tokenizer that" in out
+    # The same tokenizer: nothing said.
+    Trainer(cfg.replace(resume=True, steps=4, log_every=1, tokenizer=other), device="cpu").fit()
+    assert "does not continue the same stream" not in capsys.readouterr().out
+
+
 def test_tensorboard_gets_loss_lr_grad_norm_tokens_per_s_mfu_and_memory(tmp_path, monkeypatch):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -365,6 +422,39 @@ def test_tensorboard_gets_loss_lr_grad_norm_tokens_per_s_mfu_and_memory(tmp_path
     }
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     assert 0 < events.Scalars("perf/mfu")[0].value < 1
+
+
+def test_a_resumed_runs_tensorboard_has_one_value_per_step(tmp_path):
+    """A run stopped after logging step 3 but before saving it, resumed from step 2: its
+    events held steps 1, 2, 3, 3 (the stopped start's step 3 beside the resumed one's),
+    so TensorBoard drew the curve back over itself."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    cfg = TrainConfig(
+        steps=3,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=2,
+        tensorboard=tb,
+        **{**TINY, "model_overrides": {"num_layers": 1}},
+    )
+    Trainer(cfg, device="cpu").fit()
+    shutil.rmtree(tmp_path / "ckpt" / "step_000003")  # stopped before that save
+    resumed = Trainer(cfg.replace(resume=True, lr=1e-2), device="cpu")
+    assert resumed.step == 2
+    loss = resumed.fit().losses[-1]
+    events = EventAccumulator(tb)
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [s for s, _ in scalars] == [1, 2, 3]
+    assert scalars[-1][1] == pytest.approx(loss)  # the resumed start's step 3
+    assert [e.step for e in events.Scalars("train/lr")] == [1, 2, 3]
+    # Started over with --overwrite (2 steps): those, not the earlier run's 1, 2, 3 too.
+    again = Trainer(cfg.replace(steps=2, lr=1e-2, overwrite=True), device="cpu").fit().losses
+    events = EventAccumulator(tb)
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert scalars == [(1, pytest.approx(again[0])), (2, pytest.approx(again[1]))]
 
 
 def test_demo_passes_hf_checkpoint_and_data_to_both_runs(tmp_path, monkeypatch, capsys):

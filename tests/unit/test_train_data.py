@@ -302,6 +302,8 @@ def test_checkpoint_round_trip_in_one_process(tmp_path):
         "tokens": 31994,
         "batch_size": 4,
         "seq_len": 16,
+        "eval_split": None,
+        "tokenizer": None,  # the tokenizer of text --data (the shipped text's is in source)
     }
     expected = {"step": 2, "data_position": 2 * 4 * 16, "data_epoch": 0, "lr_schedule_steps": 2}
     assert state == expected  # the schedule's length: a resumed run keeps it
@@ -331,6 +333,26 @@ def test_resume_in_one_process_equals_an_uninterrupted_run(tmp_path):
     assert result.losses == whole_result.losses[2:]
     for p, q in zip(whole.model.parameters(), resumed.model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_resumed_run_trains_with_the_weight_decay_it_is_given(tmp_path):
+    """AdamW's state restored the checkpoint's weight decay over the run's own: resumed
+    with --weight-decay 0, steps 3-4 decayed at 0.1 (losses bitwise those of 0.1)."""
+    cfg = TrainConfig(steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, **TINY)
+    Trainer(cfg, device="cpu").fit(until_step=2)
+    # The uninterrupted run: 0.1 for steps 1-2, then 0 (as the resumed run is told).
+    whole = Trainer(cfg.replace(checkpoint_dir=None), device="cpu")
+    whole.fit(until_step=2)
+    for group in whole.optimizer.param_groups:
+        group["weight_decay"] = 0.0
+    expected = whole.fit().losses
+    resumed = Trainer(cfg.replace(resume=True, weight_decay=0.0), device="cpu")
+    assert [g["weight_decay"] for g in resumed.optimizer.param_groups] == [0.0]
+    assert resumed.fit().losses == expected
+    for p, q in zip(whole.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q)
+    # Steps 3-4 at 0.1 (what the resumed run trained) differ from those at 0.
+    assert Trainer(cfg.replace(checkpoint_dir=None), device="cpu").fit().losses[2:] != expected
 
 
 def test_run_entry_explains_a_run_that_cannot_start(capsys):
