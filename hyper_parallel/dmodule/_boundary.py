@@ -569,16 +569,19 @@ def _parallel_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     graph for all of them rather than one per block.
     """
     forward = module.__dict__[FORWARD_ATTR]
+    # Only these: other exceptions pass untouched (activation checkpointing stops its
+    # recomputation by raising one of its own through the module's forward).
     try:  # free unless it raises (no call added per forward: the op-count budgets)
         return forward(*args, **kwargs)
-    except Exception as e:
+    except _REBUILT as e:
         error = e
-    if isinstance(forward, _fast.FastPath):
+    if type(error) in _REBUILT and isinstance(forward, _fast.FastPath):
         # A call the fast path fails steps aside to the DTensor boundary: the result, or
         # the error, is the one the DTensor path gives (the same errors on both paths).
+        # Not for a subclass (out of memory, a collective's failure): that is no mistake.
         try:
             return forward.fallback(*args, **kwargs)
-        except Exception as e:
+        except _REBUILT as e:
             error = e
     located = _located(module, forward, args, kwargs, error)
     if located is None:
@@ -588,7 +591,7 @@ def _parallel_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 # The exception types a call's error is rebuilt in (same type, the module named first);
 # any other (a subclass such as torch's DistBackendError included) gets a note instead.
-_REBUILT = (RuntimeError, ValueError, TypeError, IndexError, AssertionError)
+_REBUILT = (RuntimeError, ValueError, TypeError, IndexError)
 
 
 def _located(
