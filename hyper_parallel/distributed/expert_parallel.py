@@ -328,6 +328,7 @@ def _check(
         ep = axis_sizes[axis]
         if count % ep:
             out.append(_indivisible(path, count, axis, ep))
+    out.extend(_unnamed_states(path, module, config, axis, set(num_experts.values())))
     try:
         params = [
             p
@@ -344,6 +345,47 @@ def _check(
             "apply the dispatch to the experts module itself (the one called with the router's "
             "indices and weights), not to the block around it.",
         )
+    return out
+
+
+def _unnamed_states(
+    path: str, module: nn.Module, config: ShardingConfig, axis: str, counts: set[int]
+) -> list[Finding]:
+    """The module's own states the config leaves out: each one an error.
+
+    The boundary replicates a configured module's unnamed states, but the dispatch
+    runs ``forward`` on local expert weights: a replicated DTensor there meets plain
+    tensors (torch: "got mixed torch.Tensor and DTensor" at the first call), and a
+    per-expert state read whole would index the wrong experts.
+    """
+    out = []
+    for store in (module._parameters, module._buffers):
+        for name, t in store.items():
+            if t is None or name in config.state_shardings:
+                continue
+            shape = list(t.shape)
+            if t.ndim >= 1 and t.shape[0] in counts:
+                fix = (
+                    f"it holds one row per expert: name it too, {{{name!r}: {{{axis!r}: "
+                    f"Shard(0)}}}} (e.g. expert_parallel((..., {name!r})))."
+                )
+            else:
+                fix = (
+                    "a routed-experts module holds only [num_experts, ...] states; move it to "
+                    "the module around the experts."
+                )
+            out.append(
+                Finding(
+                    "error",
+                    path,
+                    "state_shardings",
+                    f"does not name {type(module).__name__}.{name} (shape {shape}); the "
+                    "routed-experts dispatch runs forward on each rank's local experts, where "
+                    "an unnamed state would be replicated whole (a DTensor among local "
+                    "tensors: torch's 'got mixed torch.Tensor and DTensor' at the first call).",
+                    fix,
+                )
+            )
     return out
 
 
