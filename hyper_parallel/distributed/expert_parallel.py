@@ -27,7 +27,10 @@ which replaces the module's forward at parallelize time with:
 Forward: three all-to-alls (counts, dispatch, combine); backward: the two transposes.
 In eager mode they are c10d's in-place ``all_to_all_single``; under ``torch.compile``
 (or on fake tensors) torch's functional collectives. Zero tokens for an expert, or
-for a whole rank, is normal. Everything that does not depend on the data (group,
+for a whole rank, is normal. The three arguments may be passed by position or by the
+module's own names for them (``experts(h, router_indices=i, routing_weights=w)``); a
+call with indices and weights swapped, or not shaped ``(tokens, top_k)``, is one
+``ValueError`` naming the module. Everything that does not depend on the data (group,
 shapes, slots, local expert ids, which forward runs, the gradients' specs) is
 resolved once; per call only the split sizes are computed.
 
@@ -432,6 +435,14 @@ class RoutedExpertsDispatch:
         # Face's experts do) see the local count while they run on local weights.
         self.count_attr = getattr(module, "num_experts", None) == num_experts
         self.module = module
+        # The forward's own names for (x, top_k_index, top_k_weights): a caller may pass
+        # them by keyword, as to the module's forward (checked to take three).
+        self.signature = inspect.signature(forward)
+        self.arg_names = tuple(
+            p.name
+            for p in self.signature.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )[:3]
         self._local_ids: dict[torch.device, torch.Tensor] = {}
         # The module's experts on expert-major tokens, if it has them and its forward is
         # its class's own (a replaced forward is run as it is).
@@ -448,15 +459,18 @@ class RoutedExpertsDispatch:
             self._local_ids[device] = ids
         return ids
 
-    def __call__(
-        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if len(args) == 3 and not kwargs:
+            x, top_k_index, top_k_weights = args
+        else:
+            x, top_k_index, top_k_weights = self._bind(args, kwargs)
         if isinstance(x, DTensor) or isinstance(top_k_index, DTensor):
             raise ValueError(
-                f"{self.path}: the routed-experts dispatch takes the rank's tokens as plain "
+                f"{self.path or '<root>'}: the routed-experts dispatch takes the rank's tokens as plain "
                 "tensors, got a DTensor; hand the activations over as local tensors "
                 "(use_local_output=True on the module that produces them)."
             )
+        self._check_routing(x, top_k_index, top_k_weights)
         top_k = top_k_index.shape[1]
         flat_index = top_k_index.reshape(-1)
         order = torch.argsort(flat_index, stable=True)
@@ -487,6 +501,48 @@ class RoutedExpertsDispatch:
         back = self._exchange(y, send_splits, recv_splits, eager)
         weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, token_of, weighted.to(x.dtype))
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """``(x, top_k_index, top_k_weights)`` from a call as the module's forward takes it."""
+        try:
+            bound = self.signature.bind(*args, **kwargs).arguments
+        except TypeError as e:
+            raise TypeError(
+                f"{self.path or '<root>'}: {e} (the arguments of {self.signature})"
+            ) from None
+        extra = [name for name in bound if name not in self.arg_names]
+        missing = [name for name in self.arg_names if bound.get(name) is None]
+        if extra or missing:
+            raise ValueError(
+                f"{self.path or '<root>'}: the routed-experts dispatch sends each token to its experts "
+                f"with ({', '.join(self.arg_names)}) only; got "
+                + (f"{extra} besides them" if extra else f"no {missing}")
+                + ". Pass exactly those three (the tokens, the chosen experts, their "
+                "weights); anything else cannot travel with the tokens."
+            )
+        return tuple(bound[name] for name in self.arg_names)  # type: ignore[return-value]
+
+    def _check_routing(
+        self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> None:
+        """The shapes and dtypes the dispatch relies on: a wrong call is one clear error."""
+        x_name, index_name, weights_name = self.arg_names
+        if (
+            x.ndim == 2
+            and top_k_index.ndim == 2
+            and top_k_index.shape[0] == x.shape[0]
+            and not (top_k_index.is_floating_point() or top_k_index.dtype == torch.bool)
+            and top_k_weights.shape == top_k_index.shape
+        ):
+            return
+        raise ValueError(
+            f"{self.path or '<root>'}: the routed-experts dispatch takes {x_name} (tokens, dim), "
+            f"{index_name} (tokens, top_k) integer expert ids and {weights_name} (tokens, "
+            f"top_k) router weights, in that order; got {x_name} {tuple(x.shape)} {x.dtype}, "
+            f"{index_name} {tuple(top_k_index.shape)} {top_k_index.dtype}, {weights_name} "
+            f"{tuple(top_k_weights.shape)} {top_k_weights.dtype}. Flatten the tokens to 2-D "
+            "and pass the router's top-k indices and weights as (tokens, top_k) each."
+        )
 
     def _exchange(
         self, x: torch.Tensor, out_splits: list[int], in_splits: list[int], eager: bool

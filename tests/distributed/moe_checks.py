@@ -205,6 +205,72 @@ def experts_parity(
     }
 
 
+class KeywordExperts(torch.nn.Module):
+    """A user's experts module: its own argument names, a per-expert bias, a plain loop."""
+
+    def __init__(self, num_experts: int = 4, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w_in = torch.nn.Parameter(torch.randn(num_experts, hidden, dim, generator=g) / 3)
+        self.w_out = torch.nn.Parameter(torch.randn(num_experts, dim, hidden, generator=g) / 3)
+        self.b_out = torch.nn.Parameter(torch.randn(num_experts, dim, generator=g))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_indices: torch.Tensor,
+        routing_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.w_in.shape[0]):
+            token, choice = torch.where(router_indices == e)
+            h = torch.relu(hidden_states[token] @ self.w_in[e].T) @ self.w_out[e].T + self.b_out[e]
+            out.index_add_(0, token, h * routing_weights[token, choice, None])
+        return out
+
+
+def experts_called_by_keyword(mesh_text: str) -> dict[str, Any]:
+    """:class:`KeywordExperts` at ep, called with its own keyword names, against one device.
+
+    Also the messages of the calls the dispatch refuses: indices and weights swapped,
+    and an argument besides the three.
+    """
+    from hyper_parallel.distributed.expert_parallel import expert_parallel
+    from hyper_parallel.dmodule import parallelize_module
+
+    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, model = KeywordExperts(), torch.nn.Module()
+    model.experts = experts = KeywordExperts()
+    parallelize_module(model, mesh["ep"], {"experts": expert_parallel(("w_in", "w_out", "b_out"))})
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(6 * world, 8, generator=generator)
+    weights, index = torch.rand(6 * world, 4, generator=generator).topk(2, dim=-1)
+    ref_out = reference(x, router_indices=index, routing_weights=weights)
+    probe = torch.randn(ref_out.shape, generator=generator)
+    (ref_out * probe).sum().backward()
+    rows = slice(rank * 6, (rank + 1) * 6)
+    out = experts(x[rows], router_indices=index[rows], routing_weights=weights[rows])
+    (out * probe[rows]).sum().backward()
+    per = experts.w_in.to_local().shape[0]
+    first = mesh["ep"].get_local_rank() * per
+    grads = {
+        name: diff(p.grad.to_local(), ref.grad[first : first + per])
+        for (name, p), ref in zip(experts.named_parameters(), reference.parameters())
+    }
+    refused = {}
+    for case, args, kwargs in (
+        ("swapped", (x[rows], weights[rows], index[rows]), {}),
+        ("extra", (x[rows], index[rows], weights[rows]), {"scale": 2.0}),
+    ):
+        try:
+            experts(*args, **kwargs)
+            refused[case] = ""
+        except (TypeError, ValueError) as e:
+            refused[case] = f"{type(e).__name__}: {e}"
+    return {"out": diff(out, ref_out[rows]), "grads": grads, "refused": refused}
+
+
 def hf_plan_parity(family: str, plan_file: str) -> dict[str, Any]:
     """An unmodified Hugging Face MoE parallelized from a plan file on a 1-D ``ep`` mesh.
 

@@ -68,6 +68,19 @@ def test_experts_with_zero_tokens_for_some_experts_and_ranks(dist, routes) -> No
         assert r["paths_equal"], "grouped_forward and the module's forward differ"
 
 
+def test_experts_module_called_by_its_own_keyword_names_equals_one_device(dist) -> None:
+    # The dispatch took (x, top_k_index, top_k_weights) by those names only: a block
+    # calling experts(h, router_indices=..., routing_weights=...) met a raw TypeError.
+    for r in dist.run(moe_checks.experts_called_by_keyword, "dp_shard=2,ep=2"):
+        check({"out": r["out"], **r["grads"]}, atol=TOL, rtol=FP32_RTOL)
+        swapped, extra = r["refused"]["swapped"], r["refused"]["extra"]
+        # Indices and weights swapped: index_add_'s dtype error, naming nothing.
+        assert swapped.startswith("ValueError: experts: the routed-experts dispatch takes"), swapped
+        assert "router_indices (6, 2) torch.float32" in swapped, swapped
+        # As Python refuses it for the module's own forward, with the module's path.
+        assert extra.startswith("TypeError: experts: got an unexpected keyword argument 'scale'")
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_hugging_face_moe_from_plan_file_equals_one_device(dist, family) -> None:
     pytest.importorskip("transformers", reason="transformers is in the test extra")
