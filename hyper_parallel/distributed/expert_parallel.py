@@ -562,20 +562,23 @@ class RoutedExpertsDispatch:
         """
         # Read on every call: FSDP and checkpoint loading swap the parameters.
         params = [owner._parameters[leaf] for owner, leaf in self.slots]
-        for (owner, leaf), local in zip(self.slots, self._local_params(params)):
+        local_params = self._local_params(params)
+        for (owner, leaf), local in zip(self.slots, local_params):
             owner._parameters[leaf] = local
         if self.count_attr:
             self.module.num_experts = self.num_local
         try:
             if self.grouped_forward is not None:
-                return self._run_grouped(tokens, recv_counts, num_tokens)
-            local_ids = torch.repeat_interleave(
-                self._local_expert_ids(tokens.device), recv_counts, output_size=num_tokens
-            )
-            # The module sorts its tokens expert-major itself and returns them in the
-            # order given, so the received blocks go in and come back as they are.
-            ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
-            return self.forward(tokens, local_ids.unsqueeze(1), ones)
+                y = self._run_grouped(tokens, recv_counts, num_tokens)
+            else:
+                local_ids = torch.repeat_interleave(
+                    self._local_expert_ids(tokens.device), recv_counts, output_size=num_tokens
+                )
+                # The module sorts its tokens expert-major itself and returns them in the
+                # order given, so the received blocks go in and come back as they are.
+                ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
+                y = self.forward(tokens, local_ids.unsqueeze(1), ones)
+            return _on_graph(y, (tokens, *local_params))
         finally:
             if self.count_attr:
                 self.module.num_experts = self.num_experts
@@ -644,6 +647,38 @@ class RoutedExpertsDispatch:
             f"RoutedExpertsDispatch(path={self.path!r}, num_experts={self.num_experts}, "
             f"ep={self.ep_size})"
         )
+
+
+def _on_graph(y: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``y``, joined to the autograd graph of ``inputs`` when it is not on it already.
+
+    An experts forward that receives no tokens may return a tensor made afresh (Hugging
+    Face's eager experts skip every expert without tokens and return ``zeros_like``).
+    That rank's combine would then need no gradient, and it would skip the two backward
+    all-to-alls the other ranks run (they wait on it: a hang), dropping the gradients
+    its own tokens get from the other ranks' experts. Joined, every rank runs them; its
+    local experts get zero gradients, as the grouped path gives them.
+    """
+    if y.requires_grad or not torch.is_grad_enabled():
+        return y
+    needing = [t for t in inputs if t.requires_grad]
+    return _Joined.apply(y, *needing) if needing else y
+
+
+class _Joined(torch.autograd.Function):
+    """Identity on its first input; zero gradients for the others."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.metas = [(t.shape, t.dtype, t.device) for t in inputs]
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        zeros = (
+            torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.metas
+        )
+        return (grad, *zeros)
 
 
 class _AllToAll(torch.autograd.Function):

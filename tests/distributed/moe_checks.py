@@ -206,7 +206,11 @@ def experts_parity(
 
 
 class KeywordExperts(torch.nn.Module):
-    """A user's experts module: its own argument names, a per-expert bias, a plain loop."""
+    """A user's experts module: its own argument names, a per-expert bias, a plain loop.
+
+    Experts without tokens are skipped, as Hugging Face's eager experts do: with no
+    tokens at all it returns a fresh ``zeros_like``, on no autograd graph.
+    """
 
     def __init__(self, num_experts: int = 4, dim: int = 8, hidden: int = 16) -> None:
         super().__init__()
@@ -224,6 +228,8 @@ class KeywordExperts(torch.nn.Module):
         out = torch.zeros_like(hidden_states)
         for e in range(self.w_in.shape[0]):
             token, choice = torch.where(router_indices == e)
+            if token.numel() == 0:
+                continue
             h = torch.relu(hidden_states[token] @ self.w_in[e].T) @ self.w_out[e].T + self.b_out[e]
             out.index_add_(0, token, h * routing_weights[token, choice, None])
         return out
@@ -269,6 +275,46 @@ def experts_called_by_keyword(mesh_text: str) -> dict[str, Any]:
         except (TypeError, ValueError) as e:
             refused[case] = f"{type(e).__name__}: {e}"
     return {"out": diff(out, ref_out[rows]), "grads": grads, "refused": refused}
+
+
+def idle_rank_with_skipping_experts(mesh_text: str) -> dict[str, Any]:
+    """:class:`KeywordExperts` at ep=2 with every token routed to rank 0's experts.
+
+    Rank 1's experts receive nothing, so its forward returns a tensor on no graph; its
+    own tokens' gradients come back from rank 0's experts.
+    """
+    from hyper_parallel.distributed.expert_parallel import expert_parallel
+    from hyper_parallel.dmodule import parallelize_module
+
+    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference, model = KeywordExperts(), torch.nn.Module()
+    model.experts = experts = KeywordExperts()
+    parallelize_module(model, mesh["ep"], {"experts": expert_parallel(("w_in", "w_out", "b_out"))})
+    generator = torch.Generator().manual_seed(1)
+    x_all = torch.randn(5 * world, 8, generator=generator, requires_grad=True)
+    weights_all = torch.rand(5 * world, 2, generator=generator, requires_grad=True)
+    index_all = torch.tensor([[0, 1], [1, 0]] * (5 * world // 2) + [[0, 1]] * (5 * world % 2))
+    ref_out = reference(x_all, index_all, weights_all)
+    probe = torch.randn(ref_out.shape, generator=generator)
+    (ref_out * probe).sum().backward()
+    rows = slice(rank * 5, (rank + 1) * 5)
+    x = x_all.detach()[rows].clone().requires_grad_()
+    weights = weights_all.detach()[rows].clone().requires_grad_()
+    out = experts(x, index_all[rows], weights)
+    (out * probe[rows]).sum().backward()
+    per = experts.w_in.to_local().shape[0]
+    first = mesh["ep"].get_local_rank() * per
+    grads = {
+        name: diff(p.grad.to_local() if p.grad is not None else None, ref.grad[first : first + per])
+        for (name, p), ref in zip(experts.named_parameters(), reference.parameters())
+    }
+    return {
+        "out": diff(out, ref_out[rows]),
+        "x_grad": diff(x.grad, x_all.grad[rows]),
+        "weights_grad": diff(weights.grad, weights_all.grad[rows]),
+        "grads": grads,
+    }
 
 
 def hf_plan_parity(family: str, plan_file: str) -> dict[str, Any]:

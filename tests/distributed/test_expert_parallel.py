@@ -81,6 +81,16 @@ def test_experts_module_called_by_its_own_keyword_names_equals_one_device(dist) 
         assert extra.startswith("TypeError: experts: got an unexpected keyword argument 'scale'")
 
 
+def test_rank_whose_experts_get_no_tokens_and_return_no_graph_still_runs_backward(dist) -> None:
+    # An experts forward that returns a fresh zeros_like without tokens (Hugging Face's
+    # eager experts) left rank 1 off the graph: its x.grad was None, and it skipped the
+    # two backward all-to-alls rank 0 waits in (a hang).
+    results = dist.run(moe_checks.idle_rank_with_skipping_experts, "dp_shard=2,ep=2")
+    check(merge_ranks([r["grads"] for r in results]), atol=TOL, rtol=FP32_RTOL)
+    for r in results:
+        check({k: r[k] for k in ("out", "x_grad", "weights_grad")}, atol=TOL, rtol=FP32_RTOL)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_hugging_face_moe_from_plan_file_equals_one_device(dist, family) -> None:
     pytest.importorskip("transformers", reason="transformers is in the test extra")
