@@ -349,7 +349,10 @@ def _check_hf_overrides(family: str, overrides: dict[str, Any]) -> None:
     try:
         from hyper_parallel.hf import hf_config
 
-        fields = set(hf_config(family).to_dict())
+        config = hf_config(family)
+        # The aliases transformers maps to a field (Qwen3-MoE's num_experts is
+        # num_local_experts, as the Hub's config.json files spell it) set that field.
+        fields = set(config.to_dict()) | set(getattr(config, "attribute_map", None) or {})
     except (ImportError, ValueError) as e:
         raise _UsageError(str(e)) from None
     unknown = sorted(set(overrides) - fields)

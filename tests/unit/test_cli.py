@@ -258,6 +258,20 @@ def test_console_entry_point_exit_code():
     assert json.loads(result.stdout)["ok"] is False
 
 
+def test_hf_model_overrides_take_the_aliases_transformers_maps(capsys):
+    """Qwen3-MoE's ``num_experts`` (its name in the Hub's config.json files) is an alias
+    transformers maps to ``num_local_experts``; it was refused as no field of the config."""
+    import transformers  # noqa: F401
+
+    plan = str(PLANS / "hf_qwen3_moe_ep.yaml")
+    argv = ["validate", "--hf-model", "qwen3_moe", "--plan", plan, "--mesh", "dp_shard=2,ep=2"]
+    code, out, err = run_cli(capsys, *argv, "--model-overrides", '{"num_experts": 3}')
+    assert code == 1, out + err
+    assert "3 experts cannot be split over ep=2 ranks" in out, out
+    code, _, err = run_cli(capsys, *argv, "--model-overrides", '{"num_expert": 3}')
+    assert code == 2 and "'num_expert' (did you mean" in err, err
+
+
 def test_validate_an_hf_plan_against_your_own_config_fields(capsys, tmp_path):
     """--hf-model refused --model-overrides ("give it alone"), so no command could check a
     plan against a tied or otherwise shaped Hugging Face config; its config's fields are
