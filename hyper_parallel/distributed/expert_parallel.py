@@ -759,17 +759,25 @@ def shard_experts(
 def expert_shard_placement(
     module: nn.Module, efsdp_size: int
 ) -> Callable[[nn.Parameter], Shard | None] | None:
-    """FSDP2's ``shard_placement_fn`` for an experts module: dim 1 when dim 0 would pad.
+    """FSDP2's ``shard_placement_fn`` for an experts module: another dim when dim 0 would pad.
 
     A rank's local experts (``num_experts / ep``) often number fewer than the ``efsdp``
     ranks; sharding them on dim 0 would pad most ranks' shards to a whole expert
-    (rank 0 holding ``1 / num_local`` of them instead of ``1 / efsdp``). Dim 1 (the
-    expert's hidden or model width) divides evenly then, as torchtitan does.
+    (rank 0 holding ``1 / num_local`` of them instead of ``1 / efsdp``). Each weight is
+    then split on its first later dim that ``efsdp`` divides (the expert's hidden or
+    model width, as torchtitan's dim 1). FSDP2 splits only dim 0 unevenly (padding
+    it), so a weight with no such dim stays on dim 0.
     """
     counts = {_local(p).shape[0] for p in module.parameters(recurse=False)}
     if all(c % efsdp_size == 0 for c in counts):
         return None
-    return lambda p: Shard(1)
+
+    def placement(p: nn.Parameter) -> Shard:
+        shape = _local(p).shape
+        dim = next((d for d in range(1, len(shape)) if shape[d] % efsdp_size == 0), 0)
+        return Shard(dim)
+
+    return placement
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

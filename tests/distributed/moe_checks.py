@@ -405,18 +405,21 @@ def dcp_load(path: str, mesh_text: str) -> list[str]:
     return wrong
 
 
-def trainer_parity(mesh_text: str) -> dict[str, Diff]:
+def trainer_parity(mesh_text: str, overrides: dict[str, Any] | None = None) -> dict[str, Diff]:
     """The trainer's build (experts on ep, FSDP2 on fsdp/efsdp) vs its one-device build.
 
     One forward/backward on the same global batch; gradients after the trainer's
-    expert-gradient rescaling, gathered with ``full_tensor``.
+    expert-gradient rescaling, gathered with ``full_tensor``. ``overrides``: the
+    model's (``TrainConfig.model_overrides``).
     """
     from hyper_parallel.distributed.expert_parallel import rescale_expert_grads
     from hyper_parallel.train import TrainConfig, build_parallel_model
     from hyper_parallel.train.trainer import build_mesh
 
     layout = MeshLayout.parse(mesh_text)
-    cfg = TrainConfig(model="qwen3-moe-debug", mesh=layout.active())
+    cfg = TrainConfig(
+        model="qwen3-moe-debug", mesh=layout.active(), model_overrides=overrides or {}
+    )
     mesh = build_mesh(layout, device="cpu")
     model = build_parallel_model(cfg, mesh, device="cpu")
     reference = build_parallel_model(cfg, None, device="cpu")

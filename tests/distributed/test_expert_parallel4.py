@@ -103,6 +103,15 @@ def test_trainer_build_with_fsdp_over_efsdp_equals_one_device(dist, mesh: str) -
         check(diffs, atol=TOL, rtol=FP32_RTOL)
 
 
+def test_one_local_expert_over_efsdp2_with_an_odd_hidden_width_equals_one_device(dist) -> None:
+    # One local expert, efsdp=2: the experts were FSDP-sharded on dim 1 whatever its size;
+    # w1's dim 1 (moe_hidden_dim=15) made FSDP2 raise "does not support uneven sharding on
+    # dim 1" on every rank of a run validate accepted. Each weight takes a dim 2 divides.
+    overrides = {"num_experts": 2, "top_k": 1, "moe_hidden_dim": 15}
+    for diffs in dist.run(moe_checks.trainer_parity, "dp_shard=4,ep=2", overrides):
+        check(diffs, atol=TOL, rtol=FP32_RTOL)
+
+
 @pytest.mark.parametrize("mesh", ["dp_shard=2,cp=2,ep=2", "dp_shard=2,cp=2,ep=4"])
 def test_context_parallel_moe_with_ep_borrowing_cp_equals_one_device(dist, mesh: str) -> None:
     # ep=2: the ep groups are the cp groups; ep=4: one ep group spans cp and dp_shard.

@@ -17,7 +17,7 @@ from hyper_parallel.distributed.expert_parallel import RoutedExpertsDispatch, ex
 from hyper_parallel.dmodule import ParallelizeError, ShardingConfig, load_plan, parallelize_module
 from hyper_parallel.dmodule.dispatch import DispatchConfig
 from hyper_parallel.dmodule.plan_file import plan_from_dict, plan_to_dict
-from hyper_parallel.models.qwen3_moe import apply_ep, preset_config
+from hyper_parallel.models.qwen3_moe import GroupedExperts, apply_ep, preset_config
 
 PLANS = Path(__file__).resolve().parents[2] / "examples" / "plans"
 
@@ -140,6 +140,30 @@ def test_every_state_of_the_experts_module_must_be_named(ep_mesh) -> None:
     plan = {"layers.*.moe.experts": expert_parallel(("w1", "w2", "w3"))}
     _refused(model, ep_mesh, plan, "GroupedExperts.scale (shape [3])",
              "move it to the module around the experts")  # fmt: skip
+
+
+def test_experts_fsdp_placement_takes_a_dim_efsdp_divides() -> None:
+    from hyper_parallel.distributed.expert_parallel import expert_shard_placement
+
+    def experts(hidden: int, dim: int, num_experts: int = 1) -> torch.nn.Module:
+        config = GroupedExperts.Config(num_experts=num_experts, dim=dim, hidden_dim=hidden)
+        with torch.device("meta"):
+            return config.build()
+
+    assert expert_shard_placement(experts(15, 64, num_experts=2), 2) is None  # dim 0 divides
+    # One local expert over efsdp=2: w1, w3 (1, 15, 64) on dim 2, w2 (1, 64, 15) on dim 1;
+    # dim 1 for all (FSDP2: "does not support uneven sharding on dim 1") was the rule.
+    module = experts(15, 64)
+    placement = expert_shard_placement(module, 2)
+    assert {n: placement(p) for n, p in module.named_parameters()} == {
+        "w1": Shard(2),
+        "w2": Shard(1),
+        "w3": Shard(2),
+    }
+    # No later dim divides: dim 0, which FSDP2 pads.
+    module = experts(15, 33)
+    placement = expert_shard_placement(module, 2)
+    assert {placement(p) for p in module.parameters()} == {Shard(0)}
 
 
 def test_router_and_expert_shapes_must_agree(ep_mesh) -> None:
