@@ -418,20 +418,49 @@ def model_findings(
     ``memo`` (per model structure, from a :class:`PlanCache`) keeps the model's MoE
     layers, found once by walking its modules."""
     out: list[Finding] = []
-    if layout.ep > 1:
-        out += ep_plan_findings(layout, entries)
-        layers = None
+    layers = None
+    if layout.ep > 1 or layout.tp > 1:
         if memo is not None:
             if "moe_layers" not in memo:
                 memo["moe_layers"] = moe_layers(model)
             layers = memo["moe_layers"]
+        else:
+            layers = moe_layers(model)
+    if layout.ep > 1:
+        out += ep_plan_findings(layout, entries)
         out += ep_findings(model, layout, layers=layers)
+    if layout.tp > 1 and layers:
+        out += _moe_sequence_findings(layout, layers[0][0].rpartition(".")[0], seq_len)
     out += plan_axis_findings(layout, axes, fsdp=fsdp, states_on_data=states_on_data)
     if layout.cp > 1:
         found = cp_findings(model if isinstance(subject, nn.Module) else subject, layout, seq_len)
         # The sequence against the positions is position_findings' (at every cp size).
         out += [f for f in found if (f.path, f.field) != ("rope", "max_seq_len")]
     return out
+
+
+def _moe_sequence_findings(layout: MeshLayout, moe: str, seq_len: int | None) -> list[Finding]:
+    """A mixture of experts under ``tp`` routes each tp rank's slice of the sequence (of
+    its cp part): the slices must be equal, ``seq_len`` a multiple of cp x tp, else the
+    block's output re-enters the residual stream one token too long (torch: "Attempting
+    to broadcast a dimension of length 16" at the residual add)."""
+    unit = layout.cp * layout.tp
+    if seq_len is None or seq_len % unit == 0:
+        return []
+    what = f"tp={layout.tp}" if layout.cp == 1 else f"cp x tp = {unit}"
+    below = seq_len - seq_len % unit
+    lengths = " or ".join(str(n) for n in (below, below + unit) if n)
+    return [
+        Finding(
+            "error",
+            "switches",
+            "seq_len",
+            f"the mixture of experts ({moe}, ...) runs on each tp rank's slice of the "
+            f"sequence, so seq_len must be a multiple of {what}; got seq_len={seq_len}.",
+            "set the sequence length (--seq; --seq-len on train.run and demo) to a multiple "
+            f"of {unit} (e.g. {lengths}), or use a tp that divides {seq_len}.",
+        )
+    ]
 
 
 def position_findings(

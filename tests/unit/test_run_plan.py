@@ -95,6 +95,7 @@ RUNS = [
     Run(MOE, "pp=2,dp_shard=2,ep=2", schedule="ZBVZeroBubble", bad=("ep",)),
     Run(MOE, "tp=4,ep=2", bad=("ep",)),
     Run(MOE, "dp_shard=6,ep=3", batch=6, bad=("ep",)),
+    Run(MOE, "dp_shard=2,cp=2,tp=2", seq=12, batch=4),  # each cp part (6) splits over tp
     Run(LLAMA, "pp=2", microbatches=4, batch=6, bad=("num_microbatches",), plan_can_say_it=False),
     Run(LLAMA, "dp_shard=2", microbatches=3, bad=("num_microbatches",), plan_can_say_it=False),
 ]
@@ -161,6 +162,23 @@ def test_bad_runs_get_the_same_findings_from_trainer_validate_and_plan(
     assert _validate(run, capsys) == trainer
     if run.plan_can_say_it:
         assert _plan(run, capsys) == trainer
+
+
+@pytest.mark.parametrize(
+    "run", [Run(MOE, "tp=2,ep=2", seq=15), Run(MOE, "cp=2,tp=4", seq=20)], ids=str
+)
+def test_a_sequence_the_moe_cannot_split_over_tp_is_refused_by_every_gate(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The MoE routes each tp rank's slice of the sequence (of its cp part): seq 15 at tp=2
+    # was accepted and failed on every rank at the first residual add (torch: "Attempting
+    # to broadcast a dimension of length 16"). validate also traces that failure.
+    trainer = _trainer(run)
+    unit = run.layout.cp * run.layout.tp
+    assert len(trainer) == 1 and "switches: seq_len:" in next(iter(trainer)), trainer
+    assert f"seq_len must be a multiple of {'tp=2' if unit == 2 else 'cp x tp = 8'}" in str(trainer)
+    assert _plan(run, capsys) == trainer
+    assert trainer <= _validate(run, capsys)
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if not r.bad], ids=str)
