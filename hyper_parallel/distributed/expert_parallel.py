@@ -416,6 +416,7 @@ class RoutedExpertsDispatch:
     ) -> None:
         axis = config.dispatch.axis  # type: ignore[union-attr]
         self.path = path
+        self.where = path or "<root>"  # for messages
         self.forward = forward
         self.group = mesh.get_group(axis)
         self.ep_size = mesh.size(list(mesh.mesh_dim_names or ()).index(axis))
@@ -466,7 +467,7 @@ class RoutedExpertsDispatch:
             x, top_k_index, top_k_weights = self._bind(args, kwargs)
         if isinstance(x, DTensor) or isinstance(top_k_index, DTensor):
             raise ValueError(
-                f"{self.path or '<root>'}: the routed-experts dispatch takes the rank's tokens as plain "
+                f"{self.where}: the routed-experts dispatch takes the rank's tokens as plain "
                 "tensors, got a DTensor; hand the activations over as local tensors "
                 "(use_local_output=True on the module that produces them)."
             )
@@ -507,14 +508,12 @@ class RoutedExpertsDispatch:
         try:
             bound = self.signature.bind(*args, **kwargs).arguments
         except TypeError as e:
-            raise TypeError(
-                f"{self.path or '<root>'}: {e} (the arguments of {self.signature})"
-            ) from None
+            raise TypeError(f"{self.where}: {e} (the arguments of {self.signature})") from None
         extra = [name for name in bound if name not in self.arg_names]
         missing = [name for name in self.arg_names if bound.get(name) is None]
         if extra or missing:
             raise ValueError(
-                f"{self.path or '<root>'}: the routed-experts dispatch sends each token to its experts "
+                f"{self.where}: the routed-experts dispatch sends each token to its experts "
                 f"with ({', '.join(self.arg_names)}) only; got "
                 + (f"{extra} besides them" if extra else f"no {missing}")
                 + ". Pass exactly those three (the tokens, the chosen experts, their "
@@ -536,7 +535,7 @@ class RoutedExpertsDispatch:
         ):
             return
         raise ValueError(
-            f"{self.path or '<root>'}: the routed-experts dispatch takes {x_name} (tokens, dim), "
+            f"{self.where}: the routed-experts dispatch takes {x_name} (tokens, dim), "
             f"{index_name} (tokens, top_k) integer expert ids and {weights_name} (tokens, "
             f"top_k) router weights, in that order; got {x_name} {tuple(x.shape)} {x.dtype}, "
             f"{index_name} {tuple(top_k_index.shape)} {top_k_index.dtype}, {weights_name} "
