@@ -32,6 +32,7 @@ from hyper_parallel.dmodule._checks import (
     check_mesh,
     describe,
     errors_of,
+    implicit_state_slots,
     state_owner,
 )
 from hyper_parallel.dmodule._placements import has_dtensor, normalize_placements
@@ -136,15 +137,11 @@ class Boundary:
             assert found is not None, "state paths are checked before boundaries are built"
             owner, leaf = found
             self.states.append((owner, leaf, leaf in owner._parameters, _layout(named, axes)))
-        # The module's own states that the config does not name are replicated, so its
-        # forward never mixes plain tensors with DTensors.
-        named_states = {(id(o), leaf) for o, leaf, _, _ in self.states}
+        # The states the config does not name are replicated (see implicit_state_slots).
         replicated = _Layout([Replicate()] * len(axes))
         self.implicit_states: list[tuple[nn.Module, str, bool, _Layout]] = [
-            (module, name, is_param, replicated)
-            for is_param, store in ((True, module._parameters), (False, module._buffers))
-            for name, t in store.items()
-            if t is not None and (id(module), name) not in named_states
+            (owner, name, is_param, replicated)
+            for owner, name, is_param in implicit_state_slots(module, config)
         ]
 
         self._inputs = self._resolve_inputs(config, axes, path or "<root>")

@@ -22,7 +22,14 @@ from hyper_parallel.dmodule.findings import Finding, ParallelizeError, PlanEntry
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
-__all__ = ["Finding", "ParallelizeError", "PlanEntry", "check_entries", "check_mesh"]
+__all__ = [
+    "Finding",
+    "ParallelizeError",
+    "PlanEntry",
+    "check_entries",
+    "check_mesh",
+    "implicit_state_slots",
+]
 
 # Attribute set on a module once its boundary is installed.
 BOUNDARY_ATTR = "_hp_boundary"
@@ -38,6 +45,33 @@ def state_owner(module: nn.Module, state_path: str) -> tuple[nn.Module, str] | N
     if leaf in owner._parameters or leaf in owner._buffers:
         return owner, leaf
     return None
+
+
+def implicit_state_slots(
+    module: nn.Module, config: ShardingConfig
+) -> list[tuple[nn.Module, str, bool]]:
+    """``(owner, name, is_param)`` of the states a config replicates without naming them.
+
+    A boundary replicates its module's own unnamed parameters and buffers, so its
+    forward never mixes plain tensors with DTensors. A ``local_map`` region also runs
+    its submodules (they cannot have configs of their own there) on the region's local
+    tensors: their unnamed states are replicated too, so that their gradients, like
+    the module's own, are summed over the ranks that split the region's output (left
+    plain, each rank would keep the gradient of its own part only).
+    """
+    named = set()
+    for key in config.state_shardings:
+        found = state_owner(module, key)
+        if found is not None:
+            named.add((id(found[0]), found[1]))
+    owners = module.modules() if config.local_map is not None else (module,)
+    return [
+        (owner, name, is_param)
+        for owner in owners
+        for is_param, store in ((True, owner._parameters), (False, owner._buffers))
+        for name, t in store.items()
+        if t is not None and (id(owner), name) not in named
+    ]
 
 
 def get_state(module: nn.Module, state_path: str) -> torch.Tensor | None:
@@ -507,10 +541,9 @@ def _check_ties_outside_the_plan(
             found = state_owner(e.module, key)
             if found is not None:
                 covered[(id(found[0]), found[1])] = f"{e.path}.{key}" if e.path else key
-        for store in (e.module._parameters, e.module._buffers):
-            for name, t in store.items():
-                if t is not None:
-                    covered.setdefault((id(e.module), name), f"{e.path}.{name}" if e.path else name)
+        for owner, name, _ in implicit_state_slots(e.module, e.config):
+            where = ".".join(n for n in (e.path, _relative_path(e.module, owner), name) if n)
+            covered.setdefault((id(owner), name), where)
     placed: dict[int, str] = {}  # tensor -> a covered holder
     for e in entries:
         for m in e.module.modules():
@@ -546,12 +579,20 @@ def _check_ties_outside_the_plan(
                 )
 
 
+def _relative_path(module: nn.Module, owner: nn.Module) -> str:
+    """``owner``'s path inside ``module`` (``""`` for ``module`` itself)."""
+    return next((path for path, m in module.named_modules() if m is owner), "")
+
+
 def _check_partly_named_children(entries: Sequence[PlanEntry], out: list[Finding]) -> None:
     """A config naming some of a submodule's states by dotted path must name them all,
     unless the submodule has a config of its own (whose boundary replicates the rest):
-    its forward would mix the DTensors made with the plain tensors left."""
+    its forward would mix the DTensors made with the plain tensors left. (A local_map
+    region replicates the rest itself.)"""
     configured = {id(e.module) for e in entries}
     for e in entries:
+        if e.config.local_map is not None:
+            continue
         named: dict[int, tuple[nn.Module, str, set[str]]] = {}
         for key in e.config.state_shardings:
             prefix, _, leaf = key.rpartition(".")

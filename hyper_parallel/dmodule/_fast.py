@@ -72,6 +72,7 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.dmodule import _regather
+from hyper_parallel.dmodule._checks import implicit_state_slots
 from hyper_parallel.dmodule._placements import ArgumentBinder, has_dtensor, normalize_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
@@ -959,9 +960,9 @@ class _ConfigView:
         return self.resolve(named, f"state_shardings[{name!r}]")
 
     def all_states(self) -> list[tuple[nn.Module, str, bool, tuple[Placement, ...]]]:
-        """Every state the boundary distributes: named ones, then the module's own others."""
+        """Every state the boundary distributes: named ones, then those it replicates
+        without naming (:func:`implicit_state_slots`)."""
         out = []
-        seen = set()
         for key in self.config.state_shardings:
             owner: nn.Module = self.module
             *path, leaf = key.split(".")
@@ -969,11 +970,9 @@ class _ConfigView:
                 owner = getattr(owner, part)
             is_param = leaf in owner._parameters
             out.append((owner, leaf, is_param, self.state(key)))
-            seen.add((id(owner), leaf))
-        for is_param, store in ((True, self.module._parameters), (False, self.module._buffers)):
-            for leaf, t in store.items():
-                if t is not None and (id(self.module), leaf) not in seen:
-                    out.append((self.module, leaf, is_param, tuple(Replicate() for _ in self.axes)))
+        replicated = tuple(Replicate() for _ in self.axes)
+        for owner, leaf, is_param in implicit_state_slots(self.module, self.config):
+            out.append((owner, leaf, is_param, replicated))
         return out
 
     @property
