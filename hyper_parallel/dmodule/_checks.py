@@ -377,7 +377,60 @@ def _check_inputs(c: _Collector, module: nn.Module, config: ShardingConfig) -> N
                 )
 
 
-def _check_local_map(c: _Collector, module: nn.Module, config: ShardingConfig) -> None:
+def _check_local_map_input_grads(
+    c: _Collector, config: ShardingConfig, inputs: Sequence[str], axes: tuple[str, ...]
+) -> None:
+    """A replicated input of a region whose output is split must have a Partial gradient.
+
+    Where the output is split over an axis (sharded, or partial sums), each rank's
+    region computes its own part from the whole input, so its gradient of that input
+    covers only that part: the sum over the ranks is the gradient (torch's
+    ColwiseParallel input). Declared ``Replicate``, local_map keeps each rank's piece
+    as if it were the whole: every gradient upstream of the region is wrong, silently.
+    The region's unnamed states follow the same rule on their own (``Boundary``).
+    """
+    lm = config.local_map
+    assert lm is not None
+    out = (
+        config.out_src_shardings
+        if config.out_src_shardings is not None
+        else (config.out_dst_shardings)
+    )
+    outs = out if isinstance(out, tuple) else () if out is None else (out,)
+    src, dst = config.in_src_shardings or {}, config.in_dst_shardings or {}
+    try:
+        out_placements = [resolve_placements(o, axes) for o in outs]
+        split = [
+            axis
+            for i, axis in enumerate(axes)
+            if any(not o[i].is_replicate() for o in out_placements)
+        ]
+        for i, (name, grad) in enumerate(zip(inputs, lm.in_grad_placements)):
+            named = dst.get(name) if dst.get(name) is not None else src.get(name)
+            placed = resolve_placements(named or {}, axes)
+            grads = resolve_placements(grad, axes)
+            wrong = [
+                axis
+                for j, axis in enumerate(axes)
+                if axis in split and placed[j].is_replicate() and grads[j].is_replicate()
+            ]
+            if wrong:
+                c.error(
+                    f"local_map.in_grad_placements[{i}]",
+                    f"declares the gradient of input {name!r} Replicate() on axis "
+                    f"{wrong[0]!r}, where {name!r} enters the region replicated and the "
+                    "region's output is split: each rank's gradient covers only its own "
+                    "part of the output, so every gradient upstream would be wrong.",
+                    f"declare it Partial() on {wrong[0]!r} (summed over the ranks), e.g. "
+                    f"in_grad_placements[{i}] = {{{wrong[0]!r}: Partial()}}.",
+                )
+    except (ValueError, TypeError):  # an axis not on the mesh: reported by _check_axes
+        return
+
+
+def _check_local_map(
+    c: _Collector, module: nn.Module, config: ShardingConfig, axes: tuple[str, ...]
+) -> None:
     lm = config.local_map
     if lm is None:
         return
@@ -402,6 +455,8 @@ def _check_local_map(c: _Collector, module: nn.Module, config: ShardingConfig) -
             "a local_map region needs the placement of its output(s).",
             "set out_src_shardings (or out_dst_shardings).",
         )
+    elif len(lm.in_grad_placements) == len(inputs):
+        _check_local_map_input_grads(c, config, inputs, axes)
 
 
 def _check_dispatch(
@@ -676,7 +731,7 @@ def check_entries(
         _check_states(c, e.module, e.config, axis_sizes)
         _check_heads(c, root, e.module, e.config, axis_sizes)
         _check_inputs(c, e.module, e.config)
-        _check_local_map(c, e.module, e.config)
+        _check_local_map(c, e.module, e.config, axes)
         _check_dispatch(c, e.module, e.config, axes, axis_sizes)
         findings.extend(c.findings)
         findings.extend(check_known_layouts(e.path, e.module, e.config))

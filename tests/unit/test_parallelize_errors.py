@@ -187,6 +187,16 @@ def _untied_configs(config: Any) -> Any:
     )
 
 
+def _local_colwise(input_grad: Any) -> ShardingConfig:
+    """A column-wise Linear written as a local_map region, its input's gradient as given."""
+    return _cfg(
+        state_shardings={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}},
+        in_dst_shardings={"input": TP_R},
+        out_src_shardings={"tp": Shard(-1)},
+        local_map=LocalMapConfig(in_grad_placements=(input_grad,)),
+    )
+
+
 def _plan(plan: Any, mesh: str = "tp") -> Callable[[nn.Module, dict[str, DeviceMesh]], Any]:
     return lambda model, meshes: parallelize_module(model, meshes[mesh], plan)
 
@@ -505,6 +515,20 @@ CASES: dict[str, Case] = {
         ),
         ["layers.0.mlp:", "local_map.in_grad_placements[0]", "['cp']", "mesh's axes"],
         _plan(GOOD_PLAN),
+    ),
+    "local_map_replicated_input_with_replicated_gradient": Case(
+        # A column-wise Linear as a local_map region. Accepted, then every gradient
+        # upstream of it was wrong: each rank kept the gradient from its own output
+        # columns as the whole (the input's off by 1.4 on 2 ranks).
+        lambda: Toy(),
+        _plan({"layers.0.mlp.up": _local_colwise(TP_R)}),
+        [
+            "layers.0.mlp.up: local_map.in_grad_placements[0]:",
+            "gradient of input 'input' Replicate() on axis 'tp'",
+            "output is split",
+            "declare it Partial() on 'tp'",
+        ],
+        _plan({"layers.0.mlp.up": _local_colwise({"tp": Partial()})}),
     ),
     "nested_config_inside_local_map": Case(
         lambda: Toy(),
