@@ -33,6 +33,7 @@ from hyper_parallel.dmodule._checks import (
     describe,
     errors_of,
     implicit_state_slots,
+    region_output_problem,
     state_owner,
 )
 from hyper_parallel.dmodule._placements import has_dtensor, normalize_placements
@@ -211,6 +212,10 @@ class Boundary:
                 tuple(list(s.placements) for s in src)
                 if isinstance(src, tuple)
                 else list(src.placements)  # type: ignore[union-attr]  # checked: out_* set
+            )
+            self._local_map_num_outputs = len(src) if isinstance(src, tuple) else None
+            self._local_map_out_field = (
+                "out_src_shardings" if config.out_src_shardings is not None else "out_dst_shardings"
             )
         # Inputs gathered at this boundary are kept as shards for backward (_regather);
         # not inside a local_map region, nor where no input is adapted.
@@ -449,10 +454,16 @@ class Boundary:
                 saved.append((store, leaf, store[leaf]))
                 store[leaf] = value
             try:
-                return self.original_forward(*call_args, **call_kwargs)
+                out = self.original_forward(*call_args, **call_kwargs)
             finally:
                 for store, leaf, value in saved:
                     store[leaf] = value
+            problem = region_output_problem(
+                out, self._local_map_num_outputs, self._local_map_out_field
+            )
+            if problem is not None:
+                self._raise(problem)
+            return out
 
         fn = local_map(
             region,

@@ -29,6 +29,7 @@ __all__ = [
     "check_entries",
     "check_mesh",
     "implicit_state_slots",
+    "region_output_problem",
 ]
 
 # Attribute set on a module once its boundary is installed.
@@ -748,6 +749,53 @@ def errors_of(findings: Iterable[Finding]) -> list[Finding]:
 
 def as_placement_list(named: NamedPlacement, axes: tuple[str, ...]) -> tuple[Placement, ...]:
     return tuple(resolve_placements(named, axes))
+
+
+def region_output_problem(out: Any, num_declared: int | None, field: str) -> str | None:
+    """Why a local_map region's output does not fit its declared placements, else ``None``.
+
+    Both boundary paths ask this before wrapping the output, so a mismatch is the same
+    error on either (torch's local_map would stop at its own assertion, naming no module).
+
+    Args:
+        out: What the region's ``forward`` returned.
+        num_declared: The number of placements a tuple declares; ``None`` for one
+            NamedPlacement (a single tensor output).
+        field: The config field the placements come from (``out_src_shardings``, or
+            ``out_dst_shardings`` when that is all the config gives).
+    """
+    if isinstance(out, torch.Tensor):
+        if num_declared is None:
+            return None
+        return (
+            f"{field} has {num_declared} entries but the local_map region returned one "
+            "tensor; use a single NamedPlacement for a single output."
+        )
+    if not isinstance(out, (tuple, list)):
+        return (
+            f"the local_map region returned {describe(out)}, but a region's output must be a "
+            f"tensor or a tuple/list of tensors to be placed by {field}; return tensors from "
+            "this module's forward (a wrapper module can build other structures from them)."
+        )
+    values = ", ".join(describe(v) for v in out)
+    if num_declared is None:
+        return (
+            f"the local_map region returned {len(out)} values ({values}) but {field} is a "
+            f"single NamedPlacement; give a tuple of {len(out)} NamedPlacements, one per output."
+        )
+    if len(out) != num_declared:
+        return (
+            f"{field} has {num_declared} entries but the local_map region returned "
+            f"{len(out)} values ({values}); give one NamedPlacement per output."
+        )
+    others = [i for i, v in enumerate(out) if not isinstance(v, torch.Tensor)]
+    if others:
+        return (
+            f"the local_map region returned {values}: output {others[0]} is not a tensor, "
+            "and torch's local_map places every output of a region; return only tensors "
+            "from this module's forward (a wrapper module can add the others)."
+        )
+    return None
 
 
 def describe(value: Any) -> str:

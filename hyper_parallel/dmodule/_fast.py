@@ -72,7 +72,7 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.dmodule import _regather
-from hyper_parallel.dmodule._checks import implicit_state_slots
+from hyper_parallel.dmodule._checks import implicit_state_slots, region_output_problem
 from hyper_parallel.dmodule._placements import ArgumentBinder, has_dtensor, normalize_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
@@ -371,6 +371,7 @@ class FastPath:
         self.size = view.mesh.size(view.axis)
         self.use_local_output = view.config.use_local_output
         self.fallback: Callable[..., Any] = _unattached
+        self.path = ""  # the module's path in the model, from the boundary it falls back to
         self._placements_by_dim: dict[Shard1D, tuple[Placement, ...]] = {}
         self._partial_grad = self._with_axis(Partial())
         self._specs: dict[tuple[Any, ...], DTensorSpec] = {}
@@ -382,6 +383,7 @@ class FastPath:
     def attach(self, fallback: Callable[..., Any]) -> FastPath:
         """Set the DTensor boundary that runs the calls this path declines; returns ``self``."""
         self.fallback = fallback
+        self.path = getattr(fallback, "path", "")
         self._param_keys = {
             name: tuple(_placement_key(x) for x in placements)
             for name, placements, _ in self._params
@@ -793,6 +795,7 @@ class _LocalMapRegion(FastPath):
         out = config.out_src_shardings or config.out_dst_shardings
         if out is None:
             raise _Reject("no output placement")
+        self._out_field = "out_src_shardings" if config.out_src_shardings else "out_dst_shardings"
         if isinstance(out, tuple):
             if config.out_dst_shardings is not None:
                 raise _Reject("tuple outputs are redistributed to out_dst")
@@ -854,34 +857,20 @@ class _LocalMapRegion(FastPath):
         finally:
             for store, leaf, value in saved:
                 store[leaf] = value
+        problem = region_output_problem(
+            out, len(self._out) if isinstance(self._out, tuple) else None, self._out_field
+        )
+        if problem is not None:  # the same error as the DTensor path's
+            raise ValueError(f"{self.path or '<root>'}: {problem}")
         declared = self._out if isinstance(self._out, tuple) else (self._out,)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for v, d in zip(outs, declared):  # a loop, not any(): no generator call per step
-            if d is not None and isinstance(v, torch.Tensor) and not -v.ndim <= d < v.ndim:
+            if d is not None and not -v.ndim <= d < v.ndim:
                 # The DTensor path names the field (the region runs again there, then raises).
                 return self.fallback(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and not isinstance(self._out, tuple):
-            return self._output(out, _norm_dim(self._out, out.ndim))
-        if isinstance(out, (tuple, list)) and isinstance(self._out, tuple):
-            if len(out) != len(self._out):
-                raise ValueError(
-                    f"{type(self.module).__name__}: the local_map region returned {len(out)} "
-                    f"values but out_src_shardings gives {len(self._out)} placements; give "
-                    "one NamedPlacement per output."
-                )
-            wrapped = [
-                self._output(v, _norm_dim(d, v.ndim)) if isinstance(v, torch.Tensor) else v
-                for v, d in zip(out, self._out)
-            ]
-            return type(out)(wrapped)
-        if isinstance(out, (torch.Tensor, tuple, list)):
-            raise ValueError(
-                f"{type(self.module).__name__}: the local_map region returned "
-                f"{type(out).__name__} but out_src_shardings is "
-                f"{'a tuple' if isinstance(self._out, tuple) else 'a single NamedPlacement'}; "
-                "give one NamedPlacement for a single tensor, a tuple for a tuple of outputs."
-            )
-        return out
+        if isinstance(out, torch.Tensor):
+            return self._output(out, _norm_dim(self._out, out.ndim))  # type: ignore[arg-type]
+        return type(out)(self._output(v, _norm_dim(d, v.ndim)) for v, d in zip(out, self._out))
 
 
 # --------------------------------------------------------------------------- selection

@@ -906,6 +906,66 @@ FAST_AT_FAULT = {
 }
 
 
+class _Region(nn.Module):
+    """Returns ``x * 2`` as the given structure (a local_map region's body)."""
+
+    def __init__(self, shape: str) -> None:
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = x * 2
+        return {
+            "one": y,
+            "two": (y, y + 1),
+            "three": (y, y + 1, y - 1),
+            "dict": {"y": y},
+            "with_none": (y, None),
+        }[self.shape]
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+@pytest.mark.parametrize(
+    ("shape", "outputs", "expect"),
+    [
+        (
+            "one",
+            (TP_R, TP_R),
+            "out_src_shardings has 2 entries but the local_map region returned one",
+        ),
+        ("two", TP_R, "returned 2 values (Tensor(4, 8), Tensor(4, 8)) but out_src_shardings is a"),
+        (
+            "three",
+            (TP_R, TP_R),
+            "out_src_shardings has 2 entries but the local_map region returned 3",
+        ),
+        ("dict", TP_R, "the local_map region returned dict, but a region's output must be"),
+        ("with_none", (TP_R, TP_R), "output 1 is not a tensor"),
+    ],
+    ids=["tuple-declared", "single-declared", "count", "dict", "none"],
+)
+def test_local_map_region_output_mismatch_names_the_module(
+    shape, outputs, expect, fast, meshes, monkeypatch
+):
+    """A region's output that does not fit its declared placements: the same ValueError,
+    naming the module and the field, on both paths. The DTensor path stopped at torch's
+    local_map assertion ("local_map requires one PlacementType be provided for each output
+    value", "Non-tensor output None expects None placements"), naming no module; the fast
+    path named the class, not the path, and handed a dict of local tensors on silently."""
+    monkeypatch.setenv(ENV_VAR, fast)
+    model = nn.Sequential(nn.Identity(), _Region(shape))
+    config = _cfg(
+        in_dst_shardings={"x": TP_R},
+        out_src_shardings=outputs,
+        local_map=LocalMapConfig(in_grad_placements=({"tp": Partial()},)),
+    )
+    parallelize_module(model, meshes["tp"], {"1": config})
+    with pytest.raises(ValueError) as info:
+        model(torch.randn(4, 8))
+    assert str(info.value).startswith("1: "), str(info.value)
+    assert expect in str(info.value), str(info.value)
+
+
 def test_partial_output_handed_on_local_when_asked_for(meshes):
     """out_dst Partial() says the partial sums are wanted: no error, each rank's own part."""
     model = _mlp()
