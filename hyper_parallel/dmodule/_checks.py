@@ -19,7 +19,7 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Shard
 from hyper_parallel.dmodule._placements import normalize_placements
 from hyper_parallel.dmodule.findings import Finding, ParallelizeError, PlanEntry, named_placements
-from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
+from hyper_parallel.dmodule.sharding import ShardingConfig, placement_to_str, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
 __all__ = [
@@ -379,58 +379,99 @@ def _check_inputs(c: _Collector, module: nn.Module, config: ShardingConfig) -> N
 
 
 def _check_local_map_input_grads(
-    c: _Collector, config: ShardingConfig, inputs: Sequence[str], axes: tuple[str, ...]
+    c: _Collector,
+    config: ShardingConfig,
+    inputs: Sequence[str],
+    axes: tuple[str, ...],
+    axis_sizes: Mapping[str, int] | None,
 ) -> None:
-    """A replicated input of a region whose output is split must have a Partial gradient.
+    """Each input's declared gradient placement must fit how the input enters the region.
 
-    Where the output is split over an axis (sharded, or partial sums), each rank's
-    region computes its own part from the whole input, so its gradient of that input
-    covers only that part: the sum over the ranks is the gradient (torch's
-    ColwiseParallel input). Declared ``Replicate``, local_map keeps each rank's piece
-    as if it were the whole: every gradient upstream of the region is wrong, silently.
-    The region's unnamed states follow the same rule on their own (``Boundary``).
+    - Each rank's gradient of an input has the shape of its own piece of the input, so
+      a sharded input's gradient is sharded the same way and a replicated input's is
+      not sharded (any other declaration fails in backward, inside torch:
+      "returned an invalid gradient", "narrow unexpectedly changed concrete size").
+    - Where the output is split over an axis (sharded, or partial sums), each rank's
+      region computes its own part from the whole of a replicated input, so its
+      gradient of that input covers only that part: the sum over the ranks is the
+      gradient (torch's ColwiseParallel input). Declared ``Replicate``, local_map keeps
+      each rank's piece as the whole: every gradient upstream of the region is wrong,
+      silently. The region's unnamed states follow this rule on their own (``Boundary``).
+
+    Axes of size 1 are skipped: every piece there is the whole.
     """
     lm = config.local_map
     assert lm is not None
-    out = (
-        config.out_src_shardings
-        if config.out_src_shardings is not None
-        else (config.out_dst_shardings)
-    )
+    out = config.out_src_shardings
+    out = config.out_dst_shardings if out is None else out
     outs = out if isinstance(out, tuple) else () if out is None else (out,)
     src, dst = config.in_src_shardings or {}, config.in_dst_shardings or {}
     try:
         out_placements = [resolve_placements(o, axes) for o in outs]
-        split = [
-            axis
-            for i, axis in enumerate(axes)
-            if any(not o[i].is_replicate() for o in out_placements)
+        resolved = [
+            (
+                resolve_placements(
+                    (dst.get(name) if dst.get(name) is not None else src.get(name)) or {}, axes
+                ),
+                resolve_placements(grad, axes),
+            )
+            for name, grad in zip(inputs, lm.in_grad_placements)
         ]
-        for i, (name, grad) in enumerate(zip(inputs, lm.in_grad_placements)):
-            named = dst.get(name) if dst.get(name) is not None else src.get(name)
-            placed = resolve_placements(named or {}, axes)
-            grads = resolve_placements(grad, axes)
-            wrong = [
-                axis
-                for j, axis in enumerate(axes)
-                if axis in split and placed[j].is_replicate() and grads[j].is_replicate()
-            ]
-            if wrong:
-                c.error(
-                    f"local_map.in_grad_placements[{i}]",
-                    f"declares the gradient of input {name!r} Replicate() on axis "
-                    f"{wrong[0]!r}, where {name!r} enters the region replicated and the "
-                    "region's output is split: each rank's gradient covers only its own "
-                    "part of the output, so every gradient upstream would be wrong.",
-                    f"declare it Partial() on {wrong[0]!r} (summed over the ranks), e.g. "
-                    f"in_grad_placements[{i}] = {{{wrong[0]!r}: Partial()}}.",
-                )
     except (ValueError, TypeError):  # an axis not on the mesh: reported by _check_axes
         return
+    for i, (name, (placed, grads)) in enumerate(zip(inputs, resolved)):
+        field = f"local_map.in_grad_placements[{i}]"
+        for j, axis in enumerate(axes):
+            if axis_sizes is not None and axis_sizes.get(axis) == 1:
+                continue
+            p, g = placed[j], grads[j]
+            ps, gs = placement_to_str(p), placement_to_str(g)
+            split = any(not o[j].is_replicate() for o in out_placements)
+            if p.is_shard() and not _same_shard(p, g):
+                c.error(
+                    field,
+                    f"declares the gradient of input {name!r} {gs} on axis {axis!r}, where "
+                    f"{name!r} enters the region {ps}: each rank's gradient has the shape of "
+                    "its own piece of the input (torch fails in backward: 'returned an "
+                    "invalid gradient').",
+                    f"declare it {ps} on {axis!r}, as the input is placed.",
+                )
+            elif p.is_replicate() and g.is_shard():
+                c.error(
+                    field,
+                    f"declares the gradient of input {name!r} {gs} on axis {axis!r}, where "
+                    f"{name!r} enters the region replicated: each rank's gradient has the "
+                    "input's whole shape (torch fails in backward).",
+                    f"declare it {'Partial()' if split else 'Replicate()'} on {axis!r}"
+                    + (" (the region's output is split there)." if split else "."),
+                )
+            elif p.is_replicate() and g.is_replicate() and split:
+                c.error(
+                    field,
+                    f"declares the gradient of input {name!r} Replicate() on axis "
+                    f"{axis!r}, where {name!r} enters the region replicated and the "
+                    "region's output is split: each rank's gradient covers only its own "
+                    "part of the output, so every gradient upstream would be wrong.",
+                    f"declare it Partial() on {axis!r} (summed over the ranks), e.g. "
+                    f"in_grad_placements[{i}] = {{{axis!r}: Partial()}}.",
+                )
+
+
+def _same_shard(p: Placement, g: Placement) -> bool:
+    """Whether gradient placement ``g`` is input placement ``p``'s ``Shard`` (a dim of
+    the other sign may name the same dim: the tensor's rank is not known here)."""
+    if not isinstance(g, Shard) or type(g) is not type(p):
+        return False
+    d, e = p.dim, g.dim  # type: ignore[attr-defined]
+    return d == e or (d < 0) != (e < 0)
 
 
 def _check_local_map(
-    c: _Collector, module: nn.Module, config: ShardingConfig, axes: tuple[str, ...]
+    c: _Collector,
+    module: nn.Module,
+    config: ShardingConfig,
+    axes: tuple[str, ...],
+    axis_sizes: Mapping[str, int] | None,
 ) -> None:
     lm = config.local_map
     if lm is None:
@@ -457,7 +498,7 @@ def _check_local_map(
             "set out_src_shardings (or out_dst_shardings).",
         )
     elif len(lm.in_grad_placements) == len(inputs):
-        _check_local_map_input_grads(c, config, inputs, axes)
+        _check_local_map_input_grads(c, config, inputs, axes, axis_sizes)
 
 
 def _check_dispatch(
@@ -732,7 +773,7 @@ def check_entries(
         _check_states(c, e.module, e.config, axis_sizes)
         _check_heads(c, root, e.module, e.config, axis_sizes)
         _check_inputs(c, e.module, e.config)
-        _check_local_map(c, e.module, e.config, axes)
+        _check_local_map(c, e.module, e.config, axes, axis_sizes)
         _check_dispatch(c, e.module, e.config, axes, axis_sizes)
         findings.extend(c.findings)
         findings.extend(check_known_layouts(e.path, e.module, e.config))

@@ -197,6 +197,15 @@ def _local_colwise(input_grad: Any) -> ShardingConfig:
     )
 
 
+def _batch_region(placed: Any, input_grad: Any) -> ShardingConfig:
+    """A local_map region over a block, its input and output placed ``placed``."""
+    return _cfg(
+        in_dst_shardings={"x": placed},
+        out_src_shardings=placed,
+        local_map=LocalMapConfig(in_grad_placements=(input_grad,)),
+    )
+
+
 def _plan(plan: Any, mesh: str = "tp") -> Callable[[nn.Module, dict[str, DeviceMesh]], Any]:
     return lambda model, meshes: parallelize_module(model, meshes[mesh], plan)
 
@@ -232,6 +241,7 @@ def _cfg(**kw: Any) -> ShardingConfig:
 
 
 TP_R = {"tp": Replicate()}
+TP_S0 = {"tp": Shard(0)}
 
 
 def _shared_toy() -> Toy:
@@ -529,6 +539,29 @@ CASES: dict[str, Case] = {
             "declare it Partial() on 'tp'",
         ],
         _plan({"layers.0.mlp.up": _local_colwise({"tp": Partial()})}),
+    ),
+    "local_map_sharded_input_with_replicated_gradient": Case(
+        # Accepted, then torch's "returned an invalid gradient ... got [2, 4] but expected
+        # shape compatible with [4, 4]" in backward, naming no module.
+        lambda: Toy(),
+        _plan({"layers.0.mlp": _batch_region(TP_S0, TP_R)}),
+        [
+            "layers.0.mlp: local_map.in_grad_placements[0]:",
+            "gradient of input 'x' Replicate() on axis 'tp', where 'x' enters the region Shard(0)",
+            "declare it Shard(0) on 'tp'",
+        ],
+        _plan({"layers.0.mlp": _batch_region(TP_S0, TP_S0)}),
+    ),
+    "local_map_replicated_input_with_sharded_gradient": Case(
+        # Accepted, then torch's "narrow unexpectedly changed concrete size" in backward.
+        lambda: Toy(),
+        _plan({"layers.0.mlp": _batch_region(TP_R, TP_S0)}),
+        [
+            "layers.0.mlp: local_map.in_grad_placements[0]:",
+            "gradient of input 'x' Shard(0) on axis 'tp', where 'x' enters the region replicated",
+            "declare it Replicate() on 'tp'",
+        ],
+        _plan({"layers.0.mlp": _batch_region(TP_R, TP_R)}),
     ),
     "nested_config_inside_local_map": Case(
         lambda: Toy(),
