@@ -478,9 +478,22 @@ def _check_local_map(
         return
     declared = set(config.in_dst_shardings or {}) | set(config.in_src_shardings or {})
     try:
-        order = list(forward_signature(module).parameters)
+        params = forward_signature(module).parameters
     except (TypeError, ValueError):
-        order = []
+        params = {}
+    order = list(params)
+    for name in order:
+        kind = params[name].kind
+        if name in declared and kind in (kind.VAR_POSITIONAL, kind.VAR_KEYWORD):
+            star = "*" if kind is kind.VAR_POSITIONAL else "**"
+            c.error(
+                f"in_dst/in_src_shardings[{name!r}]",
+                f"names forward's {star}{name}, but a local_map region takes each input as "
+                "one named tensor argument with one placement and one in_grad_placements "
+                f"entry (a call's {star}{name} reached the region as no tensor).",
+                "give forward named tensor arguments (def forward(self, a, b)) and key "
+                "them, or drop local_map (a boundary places each element of *args).",
+            )
     # In forward-argument order, the order in_grad_placements follows.
     inputs = [n for n in order if n in declared] + sorted(declared.difference(order))
     if len(lm.in_grad_placements) != len(inputs):

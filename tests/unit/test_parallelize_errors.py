@@ -197,10 +197,17 @@ def _local_colwise(input_grad: Any) -> ShardingConfig:
     )
 
 
-def _batch_region(placed: Any, input_grad: Any) -> ShardingConfig:
+class _Sum(nn.Module):
+    """Sums any number of positional tensors."""
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return sum(xs)
+
+
+def _batch_region(placed: Any, input_grad: Any, name: str = "x") -> ShardingConfig:
     """A local_map region over a block, its input and output placed ``placed``."""
     return _cfg(
-        in_dst_shardings={"x": placed},
+        in_dst_shardings={name: placed},
         out_src_shardings=placed,
         local_map=LocalMapConfig(in_grad_placements=(input_grad,)),
     )
@@ -562,6 +569,13 @@ CASES: dict[str, Case] = {
             "declare it Replicate() on 'tp'",
         ],
         _plan({"layers.0.mlp": _batch_region(TP_R, TP_R)}),
+    ),
+    "local_map_input_through_var_positional": Case(
+        # Accepted, then "local_map input 'xs' is NoneType" at a call passing two tensors.
+        lambda: nn.Sequential(_Sum()),
+        _plan({"0": _batch_region(TP_S0, TP_S0, "xs")}),
+        ["0: in_dst/in_src_shardings['xs']:", "names forward's *xs", "named tensor arguments"],
+        None,
     ),
     "nested_config_inside_local_map": Case(
         lambda: Toy(),
