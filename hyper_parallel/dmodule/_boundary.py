@@ -13,7 +13,7 @@ import inspect
 import types
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -124,6 +124,7 @@ class Boundary:
         self.mesh = mesh
         self.config = config
         self.original_forward: Callable[..., Any] = module.forward
+        self.module = module
         # torch's own Linear acts token-wise on the last dim; only meshes of 3+ dims need
         # its sharded token dim moved first (see _tokens_first), decided here, not per call.
         self._token_wise = (
@@ -277,9 +278,46 @@ class Boundary:
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._local_map_grads is not None:
             return self._run_local_map(args, kwargs)
+        if torch.compiler.is_compiling():
+            return self._run_body(args, kwargs)
+        try:
+            return self._run_body(args, kwargs)
+        except RuntimeError as e:
+            if _MIXED not in str(e):
+                raise
+            self._raise_mixed(e)
+
+    def _run_body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._token_wise and len(args) == 1 and not kwargs:
             return _tokens_first(self.original_forward, args[0])
         return self.original_forward(*args, **kwargs)
+
+    def _raise_mixed(self, error: RuntimeError) -> NoReturn:
+        """torch's "got mixed torch.Tensor and DTensor" inside this module's forward, said
+        with the module's path and the submodules that hold plain parameters."""
+        plain = [
+            f"{path} ({type(m).__name__})"
+            for path, m in self.module.named_modules()
+            if path
+            and getattr(m, BOUNDARY_ATTR, None) is None
+            and any(p is not None and not isinstance(p, DTensor) for p in m._parameters.values())
+        ]
+        where = (
+            f"submodule(s) {', '.join(plain)} hold plain parameters that no config places"
+            if plain
+            else "a plain tensor met them (one made inside forward, or an argument the "
+            "config does not name)"
+        )
+        fix = (
+            "give each of them a config of its own, or name their states in this config's "
+            "state_shardings (e.g. {'" + plain[0].split(" ")[0] + ".weight': {...}})"
+            if plain
+            else "name that argument in in_dst_shardings, or make the tensor a DTensor"
+        )
+        raise ValueError(
+            f"{self.path or '<root>'}: this config makes forward run on DTensors, and "
+            f"{where} (torch: {str(error).splitlines()[0]}); {fix}."
+        ) from error
 
     def _adapt_inputs(
         self,
@@ -522,6 +560,7 @@ class Boundary:
 
 
 FORWARD_ATTR = "_hp_forward"
+_MIXED = "got mixed torch.Tensor and DTensor"  # torch's error for a plain tensor among DTensors
 
 
 def _tokens_first(linear: Callable[[Any], Any], x: Any) -> Any:

@@ -1013,6 +1013,23 @@ def test_local_map_region_output_mismatch_names_the_module(
     assert expect in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_plain_submodule_under_a_config_names_the_module(fast, meshes, monkeypatch):
+    """A config on a block whose plain children keep plain parameters: its forward runs on
+    DTensors, and the first child call failed with torch's bare "aten.addmm.default got
+    mixed torch.Tensor and DTensor", naming no module. Now the block's path, the children
+    holding plain parameters and the fix."""
+    monkeypatch.setenv(ENV_VAR, fast)
+    model = Toy()
+    parallelize_module(model, meshes["tp"], {"layers.0.mlp": _cfg(in_dst_shardings={"x": TP_R})})
+    with pytest.raises(ValueError) as info:
+        model(torch.randn(4, 8))
+    message = str(info.value)
+    assert message.startswith("layers.0.mlp: this config makes forward run on DTensors"), message
+    assert "submodule(s) up (Linear), down (Linear) hold plain parameters" in message
+    assert "got mixed torch.Tensor and DTensor" in message and "config of its own" in message
+
+
 def test_partial_output_handed_on_local_when_asked_for(meshes):
     """out_dst Partial() says the partial sums are wanted: no error, each rank's own part."""
     model = _mlp()
