@@ -278,19 +278,14 @@ class Boundary:
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._local_map_grads is not None:
             return self._run_local_map(args, kwargs)
-        if torch.compiler.is_compiling():
-            return self._run_body(args, kwargs)
-        try:
-            return self._run_body(args, kwargs)
+        try:  # no cost per call unless it raises
+            if self._token_wise and len(args) == 1 and not kwargs:
+                return _tokens_first(self.original_forward, args[0])
+            return self.original_forward(*args, **kwargs)
         except RuntimeError as e:
-            if _MIXED not in str(e):
+            if _MIXED not in str(e) or torch.compiler.is_compiling():
                 raise
             self._raise_mixed(e)
-
-    def _run_body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._token_wise and len(args) == 1 and not kwargs:
-            return _tokens_first(self.original_forward, args[0])
-        return self.original_forward(*args, **kwargs)
 
     def _raise_mixed(self, error: RuntimeError) -> NoReturn:
         """torch's "got mixed torch.Tensor and DTensor" inside this module's forward, said
@@ -496,10 +491,10 @@ class Boundary:
             finally:
                 for store, leaf, value in saved:
                     store[leaf] = value
-            problem = region_output_problem(
-                out, self._local_map_num_outputs, self._local_map_out_field
-            )
-            if problem is not None:
+            num = self._local_map_num_outputs
+            if not _fits(out, num):
+                problem = region_output_problem(out, num, self._local_map_out_field)
+                assert problem is not None, "region_output_problem agrees with _fits"
                 self._raise(problem)
             return out
 
@@ -557,6 +552,16 @@ class Boundary:
 
     def __repr__(self) -> str:
         return f"Boundary(path={self.path!r}, config={self.config!r})"
+
+
+def _fits(out: Any, num_outputs: int | None) -> bool:
+    """Whether a local_map region's output is a tensor (``num_outputs`` ``None``) or a
+    tuple/list of ``num_outputs`` tensors; inlined where the fast path calls it per step."""
+    if num_outputs is None:
+        return isinstance(out, torch.Tensor)
+    if not isinstance(out, (tuple, list)) or len(out) != num_outputs:
+        return False
+    return all(isinstance(v, torch.Tensor) for v in out)
 
 
 FORWARD_ATTR = "_hp_forward"

@@ -857,20 +857,31 @@ class _LocalMapRegion(FastPath):
         finally:
             for store, leaf, value in saved:
                 store[leaf] = value
-        problem = region_output_problem(
-            out, len(self._out) if isinstance(self._out, tuple) else None, self._out_field
-        )
-        if problem is not None:  # the same error as the DTensor path's
-            raise ValueError(f"{self.path or '<root>'}: {problem}")
         declared = self._out if isinstance(self._out, tuple) else (self._out,)
+        single = not isinstance(self._out, tuple)
+        # What the DTensor path's region checks (region_output_problem), inline: no call
+        # per step when the output fits.
+        fits = (
+            isinstance(out, torch.Tensor)
+            if single
+            else (isinstance(out, (tuple, list)) and len(out) == len(declared))
+        )
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        if fits and not single:
+            for v in outs:
+                if not isinstance(v, torch.Tensor):
+                    fits = False
+        if not fits:  # the same error as the DTensor path's
+            problem = region_output_problem(out, None if single else len(declared), self._out_field)
+            raise ValueError(f"{self.path or '<root>'}: {problem}")
         for v, d in zip(outs, declared):  # a loop, not any(): no generator call per step
             if d is not None and not -v.ndim <= d < v.ndim:
                 # The DTensor path names the field (the region runs again there, then raises).
                 return self.fallback(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             return self._output(out, _norm_dim(self._out, out.ndim))  # type: ignore[arg-type]
-        return type(out)(self._output(v, _norm_dim(d, v.ndim)) for v, d in zip(out, self._out))
+        wrapped = [self._output(v, _norm_dim(d, v.ndim)) for v, d in zip(out, self._out)]
+        return type(out)(wrapped)
 
 
 # --------------------------------------------------------------------------- selection
