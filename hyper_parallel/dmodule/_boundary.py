@@ -13,7 +13,7 @@ import inspect
 import types
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ from hyper_parallel.dmodule._checks import (
     check_mesh,
     describe,
     errors_of,
+    implicit_state_slots,
+    region_output_problem,
     state_owner,
 )
 from hyper_parallel.dmodule._placements import has_dtensor, normalize_placements
@@ -122,6 +124,7 @@ class Boundary:
         self.mesh = mesh
         self.config = config
         self.original_forward: Callable[..., Any] = module.forward
+        self.module = module
         # torch's own Linear acts token-wise on the last dim; only meshes of 3+ dims need
         # its sharded token dim moved first (see _tokens_first), decided here, not per call.
         self._token_wise = (
@@ -136,15 +139,11 @@ class Boundary:
             assert found is not None, "state paths are checked before boundaries are built"
             owner, leaf = found
             self.states.append((owner, leaf, leaf in owner._parameters, _layout(named, axes)))
-        # The module's own states that the config does not name are replicated, so its
-        # forward never mixes plain tensors with DTensors.
-        named_states = {(id(o), leaf) for o, leaf, _, _ in self.states}
+        # The states the config does not name are replicated (see implicit_state_slots).
         replicated = _Layout([Replicate()] * len(axes))
         self.implicit_states: list[tuple[nn.Module, str, bool, _Layout]] = [
-            (module, name, is_param, replicated)
-            for is_param, store in ((True, module._parameters), (False, module._buffers))
-            for name, t in store.items()
-            if t is not None and (id(module), name) not in named_states
+            (owner, name, is_param, replicated)
+            for owner, name, is_param in implicit_state_slots(module, config)
         ]
 
         self._inputs = self._resolve_inputs(config, axes, path or "<root>")
@@ -215,6 +214,10 @@ class Boundary:
                 if isinstance(src, tuple)
                 else list(src.placements)  # type: ignore[union-attr]  # checked: out_* set
             )
+            self._local_map_num_outputs = len(src) if isinstance(src, tuple) else None
+            self._local_map_out_field = (
+                "out_src_shardings" if config.out_src_shardings is not None else "out_dst_shardings"
+            )
         # Inputs gathered at this boundary are kept as shards for backward (_regather);
         # not inside a local_map region, nor where no input is adapted.
         self._keeps_shards = bool(self._inputs) and self._local_map_grads is None
@@ -275,9 +278,41 @@ class Boundary:
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._local_map_grads is not None:
             return self._run_local_map(args, kwargs)
-        if self._token_wise and len(args) == 1 and not kwargs:
-            return _tokens_first(self.original_forward, args[0])
-        return self.original_forward(*args, **kwargs)
+        try:  # no cost per call unless it raises
+            if self._token_wise and len(args) == 1 and not kwargs:
+                return _tokens_first(self.original_forward, args[0])
+            return self.original_forward(*args, **kwargs)
+        except RuntimeError as e:
+            if _MIXED not in str(e) or torch.compiler.is_compiling():
+                raise
+            self._raise_mixed(e)
+
+    def _raise_mixed(self, error: RuntimeError) -> NoReturn:
+        """torch's "got mixed torch.Tensor and DTensor" inside this module's forward, said
+        with the module's path and the submodules that hold plain parameters."""
+        plain = [
+            f"{path} ({type(m).__name__})"
+            for path, m in self.module.named_modules()
+            if path
+            and getattr(m, BOUNDARY_ATTR, None) is None
+            and any(p is not None and not isinstance(p, DTensor) for p in m._parameters.values())
+        ]
+        where = (
+            f"submodule(s) {', '.join(plain)} hold plain parameters that no config places"
+            if plain
+            else "a plain tensor met them (one made inside forward, or an argument the "
+            "config does not name)"
+        )
+        fix = (
+            "give each of them a config of its own, or name their states in this config's "
+            "state_shardings (e.g. {'" + plain[0].split(" ")[0] + ".weight': {...}})"
+            if plain
+            else "name that argument in in_dst_shardings, or make the tensor a DTensor"
+        )
+        raise ValueError(
+            f"{self.path or '<root>'}: this config makes forward run on DTensors, and "
+            f"{where} (torch: {str(error).splitlines()[0]}); {fix}."
+        ) from error
 
     def _adapt_inputs(
         self,
@@ -452,10 +487,16 @@ class Boundary:
                 saved.append((store, leaf, store[leaf]))
                 store[leaf] = value
             try:
-                return self.original_forward(*call_args, **call_kwargs)
+                out = self.original_forward(*call_args, **call_kwargs)
             finally:
                 for store, leaf, value in saved:
                     store[leaf] = value
+            num = self._local_map_num_outputs
+            if not _fits(out, num):
+                problem = region_output_problem(out, num, self._local_map_out_field)
+                assert problem is not None, "region_output_problem agrees with _fits"
+                self._raise(problem)
+            return out
 
         fn = local_map(
             region,
@@ -513,7 +554,18 @@ class Boundary:
         return f"Boundary(path={self.path!r}, config={self.config!r})"
 
 
+def _fits(out: Any, num_outputs: int | None) -> bool:
+    """Whether a local_map region's output is a tensor (``num_outputs`` ``None``) or a
+    tuple/list of ``num_outputs`` tensors; inlined where the fast path calls it per step."""
+    if num_outputs is None:
+        return isinstance(out, torch.Tensor)
+    if not isinstance(out, (tuple, list)) or len(out) != num_outputs:
+        return False
+    return all(isinstance(v, torch.Tensor) for v in out)
+
+
 FORWARD_ATTR = "_hp_forward"
+_MIXED = "got mixed torch.Tensor and DTensor"  # torch's error for a plain tensor among DTensors
 
 
 def _tokens_first(linear: Callable[[Any], Any], x: Any) -> Any:

@@ -19,10 +19,18 @@ from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Shard
 from hyper_parallel.dmodule._placements import normalize_placements
 from hyper_parallel.dmodule.findings import Finding, ParallelizeError, PlanEntry, named_placements
-from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
+from hyper_parallel.dmodule.sharding import ShardingConfig, placement_to_str, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
 
-__all__ = ["Finding", "ParallelizeError", "PlanEntry", "check_entries", "check_mesh"]
+__all__ = [
+    "Finding",
+    "ParallelizeError",
+    "PlanEntry",
+    "check_entries",
+    "check_mesh",
+    "implicit_state_slots",
+    "region_output_problem",
+]
 
 # Attribute set on a module once its boundary is installed.
 BOUNDARY_ATTR = "_hp_boundary"
@@ -38,6 +46,33 @@ def state_owner(module: nn.Module, state_path: str) -> tuple[nn.Module, str] | N
     if leaf in owner._parameters or leaf in owner._buffers:
         return owner, leaf
     return None
+
+
+def implicit_state_slots(
+    module: nn.Module, config: ShardingConfig
+) -> list[tuple[nn.Module, str, bool]]:
+    """``(owner, name, is_param)`` of the states a config replicates without naming them.
+
+    A boundary replicates its module's own unnamed parameters and buffers, so its
+    forward never mixes plain tensors with DTensors. A ``local_map`` region also runs
+    its submodules (they cannot have configs of their own there) on the region's local
+    tensors: their unnamed states are replicated too, so that their gradients, like
+    the module's own, are summed over the ranks that split the region's output (left
+    plain, each rank would keep the gradient of its own part only).
+    """
+    named = set()
+    for key in config.state_shardings:
+        found = state_owner(module, key)
+        if found is not None:
+            named.add((id(found[0]), found[1]))
+    owners = module.modules() if config.local_map is not None else (module,)
+    return [
+        (owner, name, is_param)
+        for owner in owners
+        for is_param, store in ((True, owner._parameters), (False, owner._buffers))
+        for name, t in store.items()
+        if t is not None and (id(owner), name) not in named
+    ]
 
 
 def get_state(module: nn.Module, state_path: str) -> torch.Tensor | None:
@@ -343,15 +378,122 @@ def _check_inputs(c: _Collector, module: nn.Module, config: ShardingConfig) -> N
                 )
 
 
-def _check_local_map(c: _Collector, module: nn.Module, config: ShardingConfig) -> None:
+def _check_local_map_input_grads(
+    c: _Collector,
+    config: ShardingConfig,
+    inputs: Sequence[str],
+    axes: tuple[str, ...],
+    axis_sizes: Mapping[str, int] | None,
+) -> None:
+    """Each input's declared gradient placement must fit how the input enters the region.
+
+    - Each rank's gradient of an input has the shape of its own piece of the input, so
+      a sharded input's gradient is sharded the same way and a replicated input's is
+      not sharded (any other declaration fails in backward, inside torch:
+      "returned an invalid gradient", "narrow unexpectedly changed concrete size").
+    - Where the output is split over an axis (sharded, or partial sums), each rank's
+      region computes its own part from the whole of a replicated input, so its
+      gradient of that input covers only that part: the sum over the ranks is the
+      gradient (torch's ColwiseParallel input). Declared ``Replicate``, local_map keeps
+      each rank's piece as the whole: every gradient upstream of the region is wrong,
+      silently. The region's unnamed states follow this rule on their own (``Boundary``).
+
+    Axes of size 1 are skipped: every piece there is the whole.
+    """
+    lm = config.local_map
+    assert lm is not None
+    out = config.out_src_shardings
+    out = config.out_dst_shardings if out is None else out
+    outs = out if isinstance(out, tuple) else () if out is None else (out,)
+    src, dst = config.in_src_shardings or {}, config.in_dst_shardings or {}
+    try:
+        out_placements = [resolve_placements(o, axes) for o in outs]
+        resolved = [
+            (
+                resolve_placements(
+                    (dst.get(name) if dst.get(name) is not None else src.get(name)) or {}, axes
+                ),
+                resolve_placements(grad, axes),
+            )
+            for name, grad in zip(inputs, lm.in_grad_placements)
+        ]
+    except (ValueError, TypeError):  # an axis not on the mesh: reported by _check_axes
+        return
+    for i, (name, (placed, grads)) in enumerate(zip(inputs, resolved)):
+        field = f"local_map.in_grad_placements[{i}]"
+        for j, axis in enumerate(axes):
+            if axis_sizes is not None and axis_sizes.get(axis) == 1:
+                continue
+            p, g = placed[j], grads[j]
+            ps, gs = placement_to_str(p), placement_to_str(g)
+            split = any(not o[j].is_replicate() for o in out_placements)
+            if p.is_shard() and not _same_shard(p, g):
+                c.error(
+                    field,
+                    f"declares the gradient of input {name!r} {gs} on axis {axis!r}, where "
+                    f"{name!r} enters the region {ps}: each rank's gradient has the shape of "
+                    "its own piece of the input (torch fails in backward: 'returned an "
+                    "invalid gradient').",
+                    f"declare it {ps} on {axis!r}, as the input is placed.",
+                )
+            elif p.is_replicate() and g.is_shard():
+                c.error(
+                    field,
+                    f"declares the gradient of input {name!r} {gs} on axis {axis!r}, where "
+                    f"{name!r} enters the region replicated: each rank's gradient has the "
+                    "input's whole shape (torch fails in backward).",
+                    f"declare it {'Partial()' if split else 'Replicate()'} on {axis!r}"
+                    + (" (the region's output is split there)." if split else "."),
+                )
+            elif p.is_replicate() and g.is_replicate() and split:
+                c.error(
+                    field,
+                    f"declares the gradient of input {name!r} Replicate() on axis "
+                    f"{axis!r}, where {name!r} enters the region replicated and the "
+                    "region's output is split: each rank's gradient covers only its own "
+                    "part of the output, so every gradient upstream would be wrong.",
+                    f"declare it Partial() on {axis!r} (summed over the ranks), e.g. "
+                    f"in_grad_placements[{i}] = {{{axis!r}: Partial()}}.",
+                )
+
+
+def _same_shard(p: Placement, g: Placement) -> bool:
+    """Whether gradient placement ``g`` is input placement ``p``'s ``Shard`` (a dim of
+    the other sign may name the same dim: the tensor's rank is not known here)."""
+    if not isinstance(g, Shard) or type(g) is not type(p):
+        return False
+    d, e = p.dim, g.dim  # type: ignore[attr-defined]
+    return d == e or (d < 0) != (e < 0)
+
+
+def _check_local_map(
+    c: _Collector,
+    module: nn.Module,
+    config: ShardingConfig,
+    axes: tuple[str, ...],
+    axis_sizes: Mapping[str, int] | None,
+) -> None:
     lm = config.local_map
     if lm is None:
         return
     declared = set(config.in_dst_shardings or {}) | set(config.in_src_shardings or {})
     try:
-        order = list(forward_signature(module).parameters)
+        params = forward_signature(module).parameters
     except (TypeError, ValueError):
-        order = []
+        params = {}
+    order = list(params)
+    for name in order:
+        kind = params[name].kind
+        if name in declared and kind in (kind.VAR_POSITIONAL, kind.VAR_KEYWORD):
+            star = "*" if kind is kind.VAR_POSITIONAL else "**"
+            c.error(
+                f"in_dst/in_src_shardings[{name!r}]",
+                f"names forward's {star}{name}, but a local_map region takes each input as "
+                "one named tensor argument with one placement and one in_grad_placements "
+                f"entry (a call's {star}{name} reached the region as no tensor).",
+                "give forward named tensor arguments (def forward(self, a, b)) and key "
+                "them, or drop local_map (a boundary places each element of *args).",
+            )
     # In forward-argument order, the order in_grad_placements follows.
     inputs = [n for n in order if n in declared] + sorted(declared.difference(order))
     if len(lm.in_grad_placements) != len(inputs):
@@ -368,6 +510,8 @@ def _check_local_map(c: _Collector, module: nn.Module, config: ShardingConfig) -
             "a local_map region needs the placement of its output(s).",
             "set out_src_shardings (or out_dst_shardings).",
         )
+    elif len(lm.in_grad_placements) == len(inputs):
+        _check_local_map_input_grads(c, config, inputs, axes, axis_sizes)
 
 
 def _check_dispatch(
@@ -507,10 +651,9 @@ def _check_ties_outside_the_plan(
             found = state_owner(e.module, key)
             if found is not None:
                 covered[(id(found[0]), found[1])] = f"{e.path}.{key}" if e.path else key
-        for store in (e.module._parameters, e.module._buffers):
-            for name, t in store.items():
-                if t is not None:
-                    covered.setdefault((id(e.module), name), f"{e.path}.{name}" if e.path else name)
+        for owner, name, _ in implicit_state_slots(e.module, e.config):
+            where = ".".join(n for n in (e.path, _relative_path(e.module, owner), name) if n)
+            covered.setdefault((id(owner), name), where)
     placed: dict[int, str] = {}  # tensor -> a covered holder
     for e in entries:
         for m in e.module.modules():
@@ -546,12 +689,20 @@ def _check_ties_outside_the_plan(
                 )
 
 
+def _relative_path(module: nn.Module, owner: nn.Module) -> str:
+    """``owner``'s path inside ``module`` (``""`` for ``module`` itself)."""
+    return next((path for path, m in module.named_modules() if m is owner), "")
+
+
 def _check_partly_named_children(entries: Sequence[PlanEntry], out: list[Finding]) -> None:
     """A config naming some of a submodule's states by dotted path must name them all,
     unless the submodule has a config of its own (whose boundary replicates the rest):
-    its forward would mix the DTensors made with the plain tensors left."""
+    its forward would mix the DTensors made with the plain tensors left. (A local_map
+    region replicates the rest itself.)"""
     configured = {id(e.module) for e in entries}
     for e in entries:
+        if e.config.local_map is not None:
+            continue
         named: dict[int, tuple[nn.Module, str, set[str]]] = {}
         for key in e.config.state_shardings:
             prefix, _, leaf = key.rpartition(".")
@@ -635,7 +786,7 @@ def check_entries(
         _check_states(c, e.module, e.config, axis_sizes)
         _check_heads(c, root, e.module, e.config, axis_sizes)
         _check_inputs(c, e.module, e.config)
-        _check_local_map(c, e.module, e.config)
+        _check_local_map(c, e.module, e.config, axes, axis_sizes)
         _check_dispatch(c, e.module, e.config, axes, axis_sizes)
         findings.extend(c.findings)
         findings.extend(check_known_layouts(e.path, e.module, e.config))
@@ -652,6 +803,53 @@ def errors_of(findings: Iterable[Finding]) -> list[Finding]:
 
 def as_placement_list(named: NamedPlacement, axes: tuple[str, ...]) -> tuple[Placement, ...]:
     return tuple(resolve_placements(named, axes))
+
+
+def region_output_problem(out: Any, num_declared: int | None, field: str) -> str | None:
+    """Why a local_map region's output does not fit its declared placements, else ``None``.
+
+    Both boundary paths ask this before wrapping the output, so a mismatch is the same
+    error on either (torch's local_map would stop at its own assertion, naming no module).
+
+    Args:
+        out: What the region's ``forward`` returned.
+        num_declared: The number of placements a tuple declares; ``None`` for one
+            NamedPlacement (a single tensor output).
+        field: The config field the placements come from (``out_src_shardings``, or
+            ``out_dst_shardings`` when that is all the config gives).
+    """
+    if isinstance(out, torch.Tensor):
+        if num_declared is None:
+            return None
+        return (
+            f"{field} has {num_declared} entries but the local_map region returned one "
+            "tensor; use a single NamedPlacement for a single output."
+        )
+    if not isinstance(out, (tuple, list)):
+        return (
+            f"the local_map region returned {describe(out)}, but a region's output must be a "
+            f"tensor or a tuple/list of tensors to be placed by {field}; return tensors from "
+            "this module's forward (a wrapper module can build other structures from them)."
+        )
+    values = ", ".join(describe(v) for v in out)
+    if num_declared is None:
+        return (
+            f"the local_map region returned {len(out)} values ({values}) but {field} is a "
+            f"single NamedPlacement; give a tuple of {len(out)} NamedPlacements, one per output."
+        )
+    if len(out) != num_declared:
+        return (
+            f"{field} has {num_declared} entries but the local_map region returned "
+            f"{len(out)} values ({values}); give one NamedPlacement per output."
+        )
+    others = [i for i, v in enumerate(out) if not isinstance(v, torch.Tensor)]
+    if others:
+        return (
+            f"the local_map region returned {values}: output {others[0]} is not a tensor, "
+            "and torch's local_map places every output of a region; return only tensors "
+            "from this module's forward (a wrapper module can add the others)."
+        )
+    return None
 
 
 def describe(value: Any) -> str:

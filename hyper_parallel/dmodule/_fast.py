@@ -72,6 +72,7 @@ from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
 from hyper_parallel.core.dtensor.placement_types import Partial, Placement, Replicate, Shard
 from hyper_parallel.dmodule import _regather
+from hyper_parallel.dmodule._checks import implicit_state_slots, region_output_problem
 from hyper_parallel.dmodule._placements import ArgumentBinder, has_dtensor, normalize_placements
 from hyper_parallel.dmodule.sharding import ShardingConfig, resolve_placements
 from hyper_parallel.dmodule.types import NamedPlacement
@@ -370,6 +371,7 @@ class FastPath:
         self.size = view.mesh.size(view.axis)
         self.use_local_output = view.config.use_local_output
         self.fallback: Callable[..., Any] = _unattached
+        self.path = ""  # the module's path in the model, from the boundary it falls back to
         self._placements_by_dim: dict[Shard1D, tuple[Placement, ...]] = {}
         self._partial_grad = self._with_axis(Partial())
         self._specs: dict[tuple[Any, ...], DTensorSpec] = {}
@@ -381,6 +383,7 @@ class FastPath:
     def attach(self, fallback: Callable[..., Any]) -> FastPath:
         """Set the DTensor boundary that runs the calls this path declines; returns ``self``."""
         self.fallback = fallback
+        self.path = getattr(fallback, "path", "")
         self._param_keys = {
             name: tuple(_placement_key(x) for x in placements)
             for name, placements, _ in self._params
@@ -792,6 +795,7 @@ class _LocalMapRegion(FastPath):
         out = config.out_src_shardings or config.out_dst_shardings
         if out is None:
             raise _Reject("no output placement")
+        self._out_field = "out_src_shardings" if config.out_src_shardings else "out_dst_shardings"
         if isinstance(out, tuple):
             if config.out_dst_shardings is not None:
                 raise _Reject("tuple outputs are redistributed to out_dst")
@@ -854,33 +858,30 @@ class _LocalMapRegion(FastPath):
             for store, leaf, value in saved:
                 store[leaf] = value
         declared = self._out if isinstance(self._out, tuple) else (self._out,)
+        single = not isinstance(self._out, tuple)
+        # What the DTensor path's region checks (region_output_problem), inline: no call
+        # per step when the output fits.
+        fits = (
+            isinstance(out, torch.Tensor)
+            if single
+            else (isinstance(out, (tuple, list)) and len(out) == len(declared))
+        )
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        if fits and not single:
+            for v in outs:
+                if not isinstance(v, torch.Tensor):
+                    fits = False
+        if not fits:  # the same error as the DTensor path's
+            problem = region_output_problem(out, None if single else len(declared), self._out_field)
+            raise ValueError(f"{self.path or '<root>'}: {problem}")
         for v, d in zip(outs, declared):  # a loop, not any(): no generator call per step
-            if d is not None and isinstance(v, torch.Tensor) and not -v.ndim <= d < v.ndim:
+            if d is not None and not -v.ndim <= d < v.ndim:
                 # The DTensor path names the field (the region runs again there, then raises).
                 return self.fallback(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and not isinstance(self._out, tuple):
-            return self._output(out, _norm_dim(self._out, out.ndim))
-        if isinstance(out, (tuple, list)) and isinstance(self._out, tuple):
-            if len(out) != len(self._out):
-                raise ValueError(
-                    f"{type(self.module).__name__}: the local_map region returned {len(out)} "
-                    f"values but out_src_shardings gives {len(self._out)} placements; give "
-                    "one NamedPlacement per output."
-                )
-            wrapped = [
-                self._output(v, _norm_dim(d, v.ndim)) if isinstance(v, torch.Tensor) else v
-                for v, d in zip(out, self._out)
-            ]
-            return type(out)(wrapped)
-        if isinstance(out, (torch.Tensor, tuple, list)):
-            raise ValueError(
-                f"{type(self.module).__name__}: the local_map region returned "
-                f"{type(out).__name__} but out_src_shardings is "
-                f"{'a tuple' if isinstance(self._out, tuple) else 'a single NamedPlacement'}; "
-                "give one NamedPlacement for a single tensor, a tuple for a tuple of outputs."
-            )
-        return out
+        if isinstance(out, torch.Tensor):
+            return self._output(out, _norm_dim(self._out, out.ndim))  # type: ignore[arg-type]
+        wrapped = [self._output(v, _norm_dim(d, v.ndim)) for v, d in zip(out, self._out)]
+        return type(out)(wrapped)
 
 
 # --------------------------------------------------------------------------- selection
@@ -959,9 +960,9 @@ class _ConfigView:
         return self.resolve(named, f"state_shardings[{name!r}]")
 
     def all_states(self) -> list[tuple[nn.Module, str, bool, tuple[Placement, ...]]]:
-        """Every state the boundary distributes: named ones, then the module's own others."""
+        """Every state the boundary distributes: named ones, then those it replicates
+        without naming (:func:`implicit_state_slots`)."""
         out = []
-        seen = set()
         for key in self.config.state_shardings:
             owner: nn.Module = self.module
             *path, leaf = key.split(".")
@@ -969,11 +970,9 @@ class _ConfigView:
                 owner = getattr(owner, part)
             is_param = leaf in owner._parameters
             out.append((owner, leaf, is_param, self.state(key)))
-            seen.add((id(owner), leaf))
-        for is_param, store in ((True, self.module._parameters), (False, self.module._buffers)):
-            for leaf, t in store.items():
-                if t is not None and (id(self.module), leaf) not in seen:
-                    out.append((self.module, leaf, is_param, tuple(Replicate() for _ in self.axes)))
+        replicated = tuple(Replicate() for _ in self.axes)
+        for owner, leaf, is_param in implicit_state_slots(self.module, self.config):
+            out.append((owner, leaf, is_param, replicated))
         return out
 
     @property

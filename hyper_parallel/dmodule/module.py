@@ -206,8 +206,11 @@ class Module(nn.Module, Configurable):
 
         Raises:
             ValueError: A parameter has no initializer and the class no
-                ``reset_parameters``; the message names module path and parameter.
+                ``reset_parameters`` (a plain ``nn.Module`` in the tree included,
+                checked before anything is initialized); the message names module
+                path and parameter.
         """
+        _check_plain_initializers(self)
         self._init_states("", buffer_device)
 
     def _init_states(self, path: str, buffer_device: torch.device | str | None) -> None:
@@ -283,6 +286,29 @@ def _check_param_init(module: nn.Module, param_init: dict[str, ParamInit] | None
             f"{type(module).__name__}.Config.param_init names {unknown}, which are not "
             f"parameters of {type(module).__name__} (has: {has}); {hint}key param_init by "
             "the module's own parameter names (a child's parameters go in the child's config)."
+        )
+
+
+def _check_plain_initializers(root: Module) -> None:
+    """Refuse plain ``nn.Module``s in the tree whose parameters nothing would initialize.
+
+    A plain module is initialized only by its own ``reset_parameters``; without one,
+    ``init_states`` would pass over its parameters and leave whatever ``to_empty``
+    allocated (a model built on the meta device would silently differ from one device).
+    """
+    missing = []
+    for path, module in root.named_modules():
+        if isinstance(module, Module) or getattr(module, "reset_parameters", None) is not None:
+            continue
+        names = [n for n, p in module._parameters.items() if p is not None]
+        if names:
+            missing.append(f"{path or '<root>'} ({type(module).__name__}: {', '.join(names)})")
+    if missing:
+        raise ValueError(
+            f"init_states: {'; '.join(missing)}: plain nn.Module(s) with parameters and no "
+            "reset_parameters(), so nothing would initialize them (after to_empty() they "
+            "hold uninitialized memory); give the class a reset_parameters() that sets them, "
+            "or make it a Module and name initializers in its Config.param_init."
         )
 
 

@@ -351,6 +351,45 @@ def tempered_attention_config(num_heads: int) -> TemperedAttentionCore.Config:
     )
 
 
+class ProjectedAttentionCore(AttentionCore):
+    """:class:`AttentionCore` followed by ``post``, a plain ``nn.Linear`` child on each head.
+
+    ``post`` has no config of its own (none is allowed inside a local_map region).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(AttentionCore.Config):
+        head_dim: int
+
+    def __init__(self, config: ProjectedAttentionCore.Config) -> None:
+        super().__init__(config)
+        self.post = nn.Linear(config.head_dim, config.head_dim)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = True
+    ) -> torch.Tensor:
+        return self.post(super().forward(q, k, v, is_causal=is_causal))
+
+
+def projected_attention_config(num_heads: int, head_dim: int) -> ProjectedAttentionCore.Config:
+    """q, k, v arrive as this rank's heads; the child ``post``'s states are not named.
+
+    Each rank's gradient of ``post.weight`` and ``post.bias`` covers only its heads: it
+    must be summed, as for the module's own unnamed states.
+    """
+    heads = {"tp": Shard(1)}
+    return ProjectedAttentionCore.Config(
+        num_heads=num_heads,
+        head_dim=head_dim,
+        sharding_config=ShardingConfig(
+            state_shardings={"head_scale": {"tp": Shard(0)}},
+            in_dst_shardings={"q": heads, "k": heads, "v": heads},
+            out_src_shardings=heads,
+            local_map=LocalMapConfig(in_grad_placements=(heads, heads, heads)),
+        ),
+    )
+
+
 def attention_core_config(num_heads: int) -> AttentionCore.Config:
     """q, k, v arrive replicated, are split by head (dim 1); the output is gathered."""
     heads = {"tp": Shard(1)}
@@ -544,7 +583,10 @@ def compare(
         "out": [(full(o) - r).abs().max().item() for o, r in zip(outs, ref_outs)],
         "out_placements": [tuple(o.placements) for o in outs],
         "grads": max_grad_diffs(model, reference),
-        "grad_placements": {n: tuple(p.grad.placements) for n, p in model.named_parameters()},
+        "grad_placements": {
+            n: tuple(p.grad.placements) if isinstance(p.grad, DTensor) else None
+            for n, p in model.named_parameters()
+        },
         "input_grads": input_diffs,
         "paths": {p: (log.installed[p], sorted(k)) for p, k in log.ran().items()},
     }

@@ -36,6 +36,7 @@ from tests.distributed.models import (
     on_both_paths,
     parallelize_on,
     placements_of,
+    projected_attention_config,
     rowwise,
     sequence_parallel_config,
     sharded_buffer_config,
@@ -194,6 +195,23 @@ def _replicated_state_in_local_map(fast: bool) -> dict[str, Any]:
     return result
 
 
+def _child_states_in_local_map(fast: bool) -> dict[str, Any]:
+    mesh = mesh_1d(2)
+    rank = c10d.get_rank()
+    model, ref = build_with_twin(projected_attention_config(num_heads=4, head_dim=8))
+    parallelize_on(model, mesh, fast)
+    q, k, v = torch.randn(3, 2, 4, 5, 8, generator=torch.Generator().manual_seed(8)).unbind(0)
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(2, 1)[rank]
+
+    result = compare(
+        model, ref, [mine(q), mine(k), mine(v)], [q, k, v], local_grad=lambda i, g: mine(g)
+    )
+    result["placements"] = placements_of(model)
+    return result
+
+
 def _uneven_runs(fast: bool) -> dict[str, Any]:
     mesh = mesh_1d(2)
     out: dict[str, Any] = {}
@@ -225,6 +243,7 @@ def _meta_init_runs(fast: bool) -> dict[str, Any]:
         "tied": tied_lm_config(10, 8),
         "dotted": gated_config(8, 6),
         "attention": attention_core_config(num_heads=4),
+        "local_map_child": projected_attention_config(num_heads=4, head_dim=8),
         "sequence_parallel": sequence_parallel_config(8, norm="layer"),
     }
     for name, config in configs.items():
@@ -429,6 +448,24 @@ def test_local_map_replicated_state_gradient_is_summed(dist, path):
         assert res["fwd"] == {} and res["bwd"] == {}  # all inputs local: no collective
         assert res["placements"] == {"head_scale": S0, "temperature": R}
         assert res["grad_placements"] == {"head_scale": S0, "temperature": (Partial(),)}
+
+
+@pytest.mark.parametrize("path", ["dtensor", "fast"])
+def test_local_map_child_state_gradients_are_summed(dist, path):
+    """A plain child's states inside a local_map region are replicated like the module's
+    own: their gradients are summed over the ranks that split the output. (They were
+    left plain tensors, each rank keeping the gradient of its own heads: post.weight's
+    gradient missed the other rank's heads: off by 12.7 for post.weight, 6.4 for post.bias.)
+    """
+    for res in dist.run(_child_states_in_local_map, path == "fast"):
+        assert_numerics(res)
+        assert res["fwd"] == {} and res["bwd"] == {}  # all inputs local: no collective
+        assert res["placements"] == {"head_scale": S0, "post.weight": R, "post.bias": R}
+        assert res["grad_placements"] == {
+            "head_scale": S0,
+            "post.weight": (Partial(),),
+            "post.bias": (Partial(),),
+        }
 
 
 def test_dimension_not_divisible_by_axis(dist):

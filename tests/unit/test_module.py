@@ -228,6 +228,33 @@ def test_init_states_children_first_through_plain_wrappers():
     assert net.head.weight.abs().max() <= 3**-0.5
 
 
+class _PlainScale(nn.Module):
+    """A plain module with a parameter and no ``reset_parameters`` (nothing can init it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+
+def test_init_states_refuses_plain_child_it_cannot_initialize():
+    """A plain child's parameters without reset_parameters were passed over: after a meta
+    build and to_empty() they kept uninitialized memory (NaN here, where one device has
+    ones), silently. Refused before anything is initialized, naming path and parameter."""
+    with torch.device("meta"):
+        net = _net({"weight": nn.init.zeros_, "gate": nn.init.zeros_}, {"bias": nn.init.zeros_})
+        net.blocks.append(_PlainScale())
+    net.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in net.parameters():
+            p.fill_(float("nan"))
+    with pytest.raises(ValueError) as info:
+        net.init_states()
+    message = str(info.value)
+    assert message.startswith("init_states: blocks.2 (_PlainScale: scale): plain nn.Module")
+    assert "reset_parameters()" in message and "Config.param_init" in message
+    assert all(p.isnan().all() for p in net.parameters())  # nothing initialized
+
+
 def test_init_states_param_init_overrides_reset_parameters():
     layer = Linear.Config(in_features=4, out_features=2, param_init={"bias": nn.init.ones_}).build()
     with torch.no_grad():

@@ -187,6 +187,32 @@ def _untied_configs(config: Any) -> Any:
     )
 
 
+def _local_colwise(input_grad: Any) -> ShardingConfig:
+    """A column-wise Linear written as a local_map region, its input's gradient as given."""
+    return _cfg(
+        state_shardings={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}},
+        in_dst_shardings={"input": TP_R},
+        out_src_shardings={"tp": Shard(-1)},
+        local_map=LocalMapConfig(in_grad_placements=(input_grad,)),
+    )
+
+
+class _Sum(nn.Module):
+    """Sums any number of positional tensors."""
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return sum(xs)
+
+
+def _batch_region(placed: Any, input_grad: Any, name: str = "x") -> ShardingConfig:
+    """A local_map region over a block, its input and output placed ``placed``."""
+    return _cfg(
+        in_dst_shardings={name: placed},
+        out_src_shardings=placed,
+        local_map=LocalMapConfig(in_grad_placements=(input_grad,)),
+    )
+
+
 def _plan(plan: Any, mesh: str = "tp") -> Callable[[nn.Module, dict[str, DeviceMesh]], Any]:
     return lambda model, meshes: parallelize_module(model, meshes[mesh], plan)
 
@@ -222,6 +248,7 @@ def _cfg(**kw: Any) -> ShardingConfig:
 
 
 TP_R = {"tp": Replicate()}
+TP_S0 = {"tp": Shard(0)}
 
 
 def _shared_toy() -> Toy:
@@ -505,6 +532,50 @@ CASES: dict[str, Case] = {
         ),
         ["layers.0.mlp:", "local_map.in_grad_placements[0]", "['cp']", "mesh's axes"],
         _plan(GOOD_PLAN),
+    ),
+    "local_map_replicated_input_with_replicated_gradient": Case(
+        # A column-wise Linear as a local_map region. Accepted, then every gradient
+        # upstream of it was wrong: each rank kept the gradient from its own output
+        # columns as the whole (the input's off by 1.4 on 2 ranks).
+        lambda: Toy(),
+        _plan({"layers.0.mlp.up": _local_colwise(TP_R)}),
+        [
+            "layers.0.mlp.up: local_map.in_grad_placements[0]:",
+            "gradient of input 'input' Replicate() on axis 'tp'",
+            "output is split",
+            "declare it Partial() on 'tp'",
+        ],
+        _plan({"layers.0.mlp.up": _local_colwise({"tp": Partial()})}),
+    ),
+    "local_map_sharded_input_with_replicated_gradient": Case(
+        # Accepted, then torch's "returned an invalid gradient ... got [2, 4] but expected
+        # shape compatible with [4, 4]" in backward, naming no module.
+        lambda: Toy(),
+        _plan({"layers.0.mlp": _batch_region(TP_S0, TP_R)}),
+        [
+            "layers.0.mlp: local_map.in_grad_placements[0]:",
+            "gradient of input 'x' Replicate() on axis 'tp', where 'x' enters the region Shard(0)",
+            "declare it Shard(0) on 'tp'",
+        ],
+        _plan({"layers.0.mlp": _batch_region(TP_S0, TP_S0)}),
+    ),
+    "local_map_replicated_input_with_sharded_gradient": Case(
+        # Accepted, then torch's "narrow unexpectedly changed concrete size" in backward.
+        lambda: Toy(),
+        _plan({"layers.0.mlp": _batch_region(TP_R, TP_S0)}),
+        [
+            "layers.0.mlp: local_map.in_grad_placements[0]:",
+            "gradient of input 'x' Shard(0) on axis 'tp', where 'x' enters the region replicated",
+            "declare it Replicate() on 'tp'",
+        ],
+        _plan({"layers.0.mlp": _batch_region(TP_R, TP_R)}),
+    ),
+    "local_map_input_through_var_positional": Case(
+        # Accepted, then "local_map input 'xs' is NoneType" at a call passing two tensors.
+        lambda: nn.Sequential(_Sum()),
+        _plan({"0": _batch_region(TP_S0, TP_S0, "xs")}),
+        ["0: in_dst/in_src_shardings['xs']:", "names forward's *xs", "named tensor arguments"],
+        None,
     ),
     "nested_config_inside_local_map": Case(
         lambda: Toy(),
@@ -880,6 +951,83 @@ FAST_AT_FAULT = {
     "0: in_src_shardings['input']: Shard(4) on axis 'tp' is out of range for the 2-d": ("0",),
     "2: out_dst_shardings: Shard(5) on axis 'tp' is out of range": ("2",),
 }
+
+
+class _Region(nn.Module):
+    """Returns ``x * 2`` as the given structure (a local_map region's body)."""
+
+    def __init__(self, shape: str) -> None:
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = x * 2
+        return {
+            "one": y,
+            "two": (y, y + 1),
+            "three": (y, y + 1, y - 1),
+            "dict": {"y": y},
+            "with_none": (y, None),
+        }[self.shape]
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+@pytest.mark.parametrize(
+    ("shape", "outputs", "expect"),
+    [
+        (
+            "one",
+            (TP_R, TP_R),
+            "out_src_shardings has 2 entries but the local_map region returned one",
+        ),
+        ("two", TP_R, "returned 2 values (Tensor(4, 8), Tensor(4, 8)) but out_src_shardings is a"),
+        (
+            "three",
+            (TP_R, TP_R),
+            "out_src_shardings has 2 entries but the local_map region returned 3",
+        ),
+        ("dict", TP_R, "the local_map region returned dict, but a region's output must be"),
+        ("with_none", (TP_R, TP_R), "output 1 is not a tensor"),
+    ],
+    ids=["tuple-declared", "single-declared", "count", "dict", "none"],
+)
+def test_local_map_region_output_mismatch_names_the_module(
+    shape, outputs, expect, fast, meshes, monkeypatch
+):
+    """A region's output that does not fit its declared placements: the same ValueError,
+    naming the module and the field, on both paths. The DTensor path stopped at torch's
+    local_map assertion ("local_map requires one PlacementType be provided for each output
+    value", "Non-tensor output None expects None placements"), naming no module; the fast
+    path named the class, not the path, and handed a dict of local tensors on silently."""
+    monkeypatch.setenv(ENV_VAR, fast)
+    model = nn.Sequential(nn.Identity(), _Region(shape))
+    config = _cfg(
+        in_dst_shardings={"x": TP_R},
+        out_src_shardings=outputs,
+        local_map=LocalMapConfig(in_grad_placements=({"tp": Partial()},)),
+    )
+    parallelize_module(model, meshes["tp"], {"1": config})
+    with pytest.raises(ValueError) as info:
+        model(torch.randn(4, 8))
+    assert str(info.value).startswith("1: "), str(info.value)
+    assert expect in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("fast", ["1", "0"])
+def test_plain_submodule_under_a_config_names_the_module(fast, meshes, monkeypatch):
+    """A config on a block whose plain children keep plain parameters: its forward runs on
+    DTensors, and the first child call failed with torch's bare "aten.addmm.default got
+    mixed torch.Tensor and DTensor", naming no module. Now the block's path, the children
+    holding plain parameters and the fix."""
+    monkeypatch.setenv(ENV_VAR, fast)
+    model = Toy()
+    parallelize_module(model, meshes["tp"], {"layers.0.mlp": _cfg(in_dst_shardings={"x": TP_R})})
+    with pytest.raises(ValueError) as info:
+        model(torch.randn(4, 8))
+    message = str(info.value)
+    assert message.startswith("layers.0.mlp: this config makes forward run on DTensors"), message
+    assert "submodule(s) up (Linear), down (Linear) hold plain parameters" in message
+    assert "got mixed torch.Tensor and DTensor" in message and "config of its own" in message
 
 
 def test_partial_output_handed_on_local_when_asked_for(meshes):
