@@ -235,20 +235,26 @@ class KeywordExperts(torch.nn.Module):
         return out
 
 
+def _keyword_experts_on_ep(mesh_text: str) -> tuple[Any, KeywordExperts, KeywordExperts]:
+    """The mesh, a single-device :class:`KeywordExperts` and its twin split over ``ep``."""
+    from hyper_parallel.distributed.expert_parallel import expert_parallel
+    from hyper_parallel.dmodule import parallelize_module
+
+    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    reference, model = KeywordExperts(), torch.nn.Module()
+    model.experts = experts = KeywordExperts()
+    parallelize_module(model, mesh["ep"], {"experts": expert_parallel(("w_in", "w_out", "b_out"))})
+    return mesh, reference, experts
+
+
 def experts_called_by_keyword(mesh_text: str) -> dict[str, Any]:
     """:class:`KeywordExperts` at ep, called with its own keyword names, against one device.
 
     Also the messages of the calls the dispatch refuses: indices and weights swapped,
     and an argument besides the three.
     """
-    from hyper_parallel.distributed.expert_parallel import expert_parallel
-    from hyper_parallel.dmodule import parallelize_module
-
-    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    mesh, reference, experts = _keyword_experts_on_ep(mesh_text)
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference, model = KeywordExperts(), torch.nn.Module()
-    model.experts = experts = KeywordExperts()
-    parallelize_module(model, mesh["ep"], {"experts": expert_parallel(("w_in", "w_out", "b_out"))})
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(6 * world, 8, generator=generator)
     weights, index = torch.rand(6 * world, 4, generator=generator).topk(2, dim=-1)
@@ -283,14 +289,8 @@ def idle_rank_with_skipping_experts(mesh_text: str) -> dict[str, Any]:
     Rank 1's experts receive nothing, so its forward returns a tensor on no graph; its
     own tokens' gradients come back from rank 0's experts.
     """
-    from hyper_parallel.distributed.expert_parallel import expert_parallel
-    from hyper_parallel.dmodule import parallelize_module
-
-    mesh = MeshLayout.parse(mesh_text).build("cpu")
+    mesh, reference, experts = _keyword_experts_on_ep(mesh_text)
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference, model = KeywordExperts(), torch.nn.Module()
-    model.experts = experts = KeywordExperts()
-    parallelize_module(model, mesh["ep"], {"experts": expert_parallel(("w_in", "w_out", "b_out"))})
     generator = torch.Generator().manual_seed(1)
     x_all = torch.randn(5 * world, 8, generator=generator, requires_grad=True)
     weights_all = torch.rand(5 * world, 2, generator=generator, requires_grad=True)

@@ -178,12 +178,13 @@ def _argument_runs(fast: bool) -> dict[str, Any]:
     return out
 
 
-def _replicated_state_in_local_map(fast: bool) -> dict[str, Any]:
+def _local_map_attention(fast: bool, config: Any, seed: int) -> dict[str, Any]:
+    """A local_map attention on tp=2 (heads split) against its single-device twin."""
     mesh = mesh_1d(2)
     rank = c10d.get_rank()
-    model, ref = build_with_twin(tempered_attention_config(num_heads=4))
+    model, ref = build_with_twin(config)
     parallelize_on(model, mesh, fast)
-    q, k, v = torch.randn(3, 2, 4, 5, 8, generator=torch.Generator().manual_seed(6)).unbind(0)
+    q, k, v = torch.randn(3, 2, 4, 5, 8, generator=torch.Generator().manual_seed(seed)).unbind(0)
 
     def mine(t: torch.Tensor) -> torch.Tensor:
         return t.chunk(2, 1)[rank]
@@ -193,23 +194,14 @@ def _replicated_state_in_local_map(fast: bool) -> dict[str, Any]:
     )
     result["placements"] = placements_of(model)
     return result
+
+
+def _replicated_state_in_local_map(fast: bool) -> dict[str, Any]:
+    return _local_map_attention(fast, tempered_attention_config(num_heads=4), seed=6)
 
 
 def _child_states_in_local_map(fast: bool) -> dict[str, Any]:
-    mesh = mesh_1d(2)
-    rank = c10d.get_rank()
-    model, ref = build_with_twin(projected_attention_config(num_heads=4, head_dim=8))
-    parallelize_on(model, mesh, fast)
-    q, k, v = torch.randn(3, 2, 4, 5, 8, generator=torch.Generator().manual_seed(8)).unbind(0)
-
-    def mine(t: torch.Tensor) -> torch.Tensor:
-        return t.chunk(2, 1)[rank]
-
-    result = compare(
-        model, ref, [mine(q), mine(k), mine(v)], [q, k, v], local_grad=lambda i, g: mine(g)
-    )
-    result["placements"] = placements_of(model)
-    return result
+    return _local_map_attention(fast, projected_attention_config(num_heads=4, head_dim=8), seed=8)
 
 
 def _uneven_runs(fast: bool) -> dict[str, Any]:
