@@ -209,6 +209,15 @@ def test_debug_spec_trains() -> None:
     assert losses[-1] < losses[0] - 1.0
 
 
+def test_config_refuses_a_negative_or_nan_balance_loss_weight() -> None:
+    """aux_loss_coef=-0.01 was accepted and silently turned the balance loss off (the layer
+    adds it only when the weight is > 0); 0 is the documented way to turn it off."""
+    for bad in (-0.01, float("nan")):
+        with pytest.raises(ValueError, match=r"aux_loss_coef=.* must be >= 0"):
+            preset_config("qwen3-moe-debug", aux_loss_coef=bad)
+    assert preset_config("qwen3-moe-debug", aux_loss_coef=0.0) is not None
+
+
 def test_config_rejects_top_k_above_num_experts_and_ep_that_does_not_divide() -> None:
     with pytest.raises(ValueError, match=r"top_k=9 must be between 1 and num_experts=8"):
         preset_config("qwen3-moe-debug", top_k=9)

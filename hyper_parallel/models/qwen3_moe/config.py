@@ -100,7 +100,7 @@ def qwen3_moe_config(
 
     Raises:
         ValueError: For head counts that do not divide each other, an odd ``head_dim``,
-            or ``top_k`` outside ``1..num_experts``.
+            ``top_k`` outside ``1..num_experts``, or a negative ``aux_loss_coef``.
 
     Example:
         >>> from hyper_parallel.models.qwen3_moe import PRESETS, qwen3_moe_config
@@ -116,6 +116,12 @@ def qwen3_moe_config(
         raise ValueError(
             f"qwen3_moe_config: top_k={top_k} must be between 1 and num_experts="
             f"{num_experts}; route each token to at most as many experts as there are."
+        )
+    if not aux_loss_coef >= 0:  # NaN too
+        raise ValueError(
+            f"qwen3_moe_config: aux_loss_coef={aux_loss_coef} must be >= 0; the router's balance "
+            "loss is weighted by it (0 turns it off, a negative weight would reward imbalance): "
+            "give a value >= 0, e.g. 0.001."
         )
 
     shape = dict(dim=dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
