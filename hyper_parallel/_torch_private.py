@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch._functorch.config as functorch_config
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
@@ -35,6 +36,12 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+# Also here, public names torch renamed: 2.13 deprecates all_gather_into_tensor /
+# reduce_scatter_tensor (a FutureWarning in every run that calls them) for *_single, which
+# older torch lacks. The same c10d ops either way (_allgather_base_, _reduce_scatter_base_).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 __all__ = [
     "ATTRIBUTES",
     "MODULES",
@@ -43,6 +50,7 @@ __all__ = [
     "StridedShard",
     "TensorMeta",
     "TorchDispatchMode",
+    "all_gather_single",
     "c10d_functional",
     "compute_global_tensor_info",
     "dynamo_config",
@@ -55,6 +63,7 @@ __all__ = [
     "mark_unbacked",
     "missing",
     "pytree",
+    "reduce_scatter_single",
     "resolve_process_group",
     "saved_tensors_hooks_enabled",
     "strided_shard_sizes_concrete",

@@ -63,6 +63,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
+from hyper_parallel._torch_private import all_gather_single, reduce_scatter_single
+
 __all__ = ["calibrate"]
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
@@ -88,11 +90,11 @@ def _collective(kind: str, numel: int, world: int, rank: int, group: Any = None)
     if kind == "all_gather":
         shard = torch.ones(numel // world)
         out = torch.empty(numel)
-        return lambda: dist.all_gather_into_tensor(out, shard, group=group)
+        return lambda: all_gather_single(out, shard, group=group)
     if kind == "reduce_scatter":
         full = torch.ones(numel)
         out = torch.empty(numel // world)
-        return lambda: dist.reduce_scatter_tensor(out, full, group=group)
+        return lambda: reduce_scatter_single(out, full, group=group)
     if kind == "all_reduce":
         t = torch.ones(numel)
         return lambda: dist.all_reduce(t, group=group)
@@ -275,7 +277,7 @@ def _comm_overlap(world: int, repeats: int) -> float:
     a = torch.randn(256, 256)
 
     def gather() -> None:
-        dist.all_gather_into_tensor(out, shard)
+        all_gather_single(out, shard)
 
     alone = _timed(gather, repeats)
     count = torch.tensor(
@@ -289,7 +291,7 @@ def _comm_overlap(world: int, repeats: int) -> float:
             torch.mm(a, a)
 
     def both() -> None:
-        work = dist.all_gather_into_tensor(out, shard, async_op=True)
+        work = all_gather_single(out, shard, async_op=True)
         compute()
         work.wait()
 

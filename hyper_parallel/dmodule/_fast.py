@@ -65,8 +65,10 @@ from torch import nn
 from hyper_parallel._torch_private import (
     DTensorSpec,
     TensorMeta,
+    all_gather_single,
     compute_global_tensor_info,
     funcol,
+    reduce_scatter_single,
 )
 from hyper_parallel.core.dtensor.device_mesh import DeviceMesh
 from hyper_parallel.core.dtensor.dtensor import DTensor
@@ -174,12 +176,12 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: Group, size: int) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (one ``all_gather_into_tensor``)."""
+    """Concatenate every rank's ``x`` along ``dim`` (one all-gather into one tensor)."""
     if isinstance(group, str):
         return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), dim, group))
     front = x.movedim(dim, 0).contiguous() if dim else x.contiguous()
     out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
-    dist.all_gather_into_tensor(out, front, group=group)
+    all_gather_single(out, front, group=group)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
@@ -189,7 +191,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group, size: int) -> torch
         return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
     front = x.movedim(dim, 0).contiguous() if dim else x.contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    dist.reduce_scatter_tensor(out, front, group=group)
+    reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
