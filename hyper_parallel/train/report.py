@@ -93,7 +93,8 @@ def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> No
     No folder output (``run_dir``, ``checkpoint_dir``, ``tensorboard``, ``save_hf``) may
     be a file or lie under one; ``save_hf`` must be new or empty (or ``overwrite``) and
     never one of the run's inputs; a new run (no ``resume``) may not start in a
-    ``checkpoint_dir`` that holds checkpoints of another run unless ``overwrite``; no
+    ``checkpoint_dir`` that holds checkpoints of another run, nor write into a
+    ``tensorboard`` folder that holds another run's events, unless ``overwrite``; no
     output may replace another (:func:`check_overlaps`; ``files``: the file outputs by
     flag).
 
@@ -147,7 +148,27 @@ def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> No
                 f"({len(steps)}, the latest {os.path.basename(steps[-1][1])}); pass --resume to "
                 "continue it, --overwrite to replace them, or choose another directory."
             )
+    if cfg.tensorboard and not cfg.resume and not cfg.overwrite:
+        events = _tensorboard_events(cfg.tensorboard)
+        if events:
+            raise OutputError(
+                f"--tensorboard {cfg.tensorboard} holds TensorBoard events of an earlier run "
+                f"({len(events)} file(s), e.g. {events[0]}); TensorBoard reads one folder as one "
+                "run, so this run's curves would be drawn over that run's. Fix: give each run "
+                f"a folder of its own (e.g. --tensorboard {os.path.join(cfg.tensorboard, 'NAME')}"
+                "; TensorBoard pointed at the parent lists each as a run), pass --resume to "
+                "continue that run, or --overwrite to start it over (its events are purged)."
+            )
     check_overlaps(cfg, files)
+
+
+def _tensorboard_events(folder: str) -> list[str]:
+    """The TensorBoard event files directly in ``folder`` (where ``SummaryWriter`` writes)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [n for n in names if n.startswith("events.out.tfevents.")]
 
 
 def check_resume(cfg: Any) -> None:

@@ -801,3 +801,26 @@ def test_a_second_resume_from_the_same_step_keeps_the_record_of_the_steps_before
     record = json.loads((ckpt / "run.json").read_text())
     assert [e["config"]["weight_decay"] for e in record["earlier"]] == [0.1, 0.05]
     assert record["resumed_from"] == 2 and record["config"]["weight_decay"] == 0.02
+
+
+def test_a_new_run_refuses_a_tensorboard_folder_holding_another_runs_events(tmp_path, capsys):
+    """Two runs given the same --tensorboard folder: TensorBoard read both event files as
+    one run, the second run's steps 1, 2 drawn over the first's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    argv = [*TINY, "--steps", "2", "--tensorboard", str(tb)]
+    assert run(argv) == 0
+    before = sorted(os.listdir(tb))
+    assert len(before) == 1
+    err = _refused([*argv, "--lr", "1e-2"], capsys)
+    assert f"--tensorboard {tb} holds TensorBoard events of an earlier run (1 file(s)" in err
+    assert os.path.join(str(tb), "NAME") in err and "--resume" in err and "--overwrite" in err
+    assert sorted(os.listdir(tb)) == before  # nothing written
+    # A folder of its own for the second run: its own curve.
+    assert run([*argv[:-1], str(tb / "second"), "--lr", "1e-2"]) == 0
+    # --overwrite starts the run over: one value per step.
+    assert run([*argv, "--overwrite"]) == 0
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
