@@ -319,6 +319,7 @@ def write_run_record(
     world_size: int = 1,
     ranks_per_node: int | None = None,
     resumed_from: int = 0,
+    argv: Sequence[str] | None = None,
 ) -> list[str]:
     """Write ``config.toml`` (the resolved options) and ``run.json`` (version, commit) to
     ``folder``; returns their paths. Call it on one process (the trainer: rank 0).
@@ -333,7 +334,8 @@ def write_run_record(
     ``config.toml`` leaves out :data:`ONE_OFF_ACTIONS`; its header is the command that
     reads it back (:func:`rerun_command` with ``world_size`` ranks, ``ranks_per_node``
     on each node) from the working directory of this process, which its relative paths
-    (``folder`` among them) are relative to.
+    (``folder`` among them) are relative to. ``run.json`` keeps ``argv``, the command
+    the run was given (default ``sys.argv``).
     """
     from hyper_parallel import __version__
 
@@ -383,7 +385,7 @@ def write_run_record(
         "hyper_parallel": __version__,
         "git_commit": _git_commit(),
         "started": now,
-        "argv": sys.argv,
+        "argv": list(sys.argv if argv is None else argv),
         "config": cfg.to_dict(),
     }
     if resumed_from > 0:

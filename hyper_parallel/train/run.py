@@ -208,6 +208,8 @@ def main(
                 world_size=world,
                 ranks_per_node=per_node,
                 resumed_from=trainer.resumed_from,
+                # The command this run was given (a caller's own sys.argv is not it).
+                argv=list(sys.argv) if argv is None else [prog, *argv],
             )
         result = trainer.fit()
         rank = dist.get_rank() if dist.is_initialized() else 0

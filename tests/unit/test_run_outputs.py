@@ -858,3 +858,11 @@ def test_a_resumed_run_replaces_its_own_export_and_no_other_folder(tmp_path, cap
     assert f"--save-hf {other}: the directory is not empty" in err
     assert os.listdir(other) == ["notes.txt"]
     assert [s for s, _ in checkpoint_steps(ckpt)] == [1, 2]
+
+
+def test_run_json_records_the_command_the_run_was_given(tmp_path):
+    # train.run.main(argv) from Python recorded its caller's sys.argv (pytest's options).
+    argv = [*TINY, "--steps", "1", "--run-dir", str(tmp_path / "run")]
+    assert run(argv) == 0
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["argv"] == ["python -m hyper_parallel.train.run", *argv]
