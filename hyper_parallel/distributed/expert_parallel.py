@@ -175,10 +175,15 @@ def _router_of(module: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def _experts_of(module: nn.Module) -> tuple[str, nn.Module, dict[str, int]] | None:
-    """A child whose own parameters are all stacked ``[num_experts, ...]`` 3-D weights."""
+    """A child whose own parameters are stacked per expert: 3-D weights
+    ``[num_experts, ...]``, and 2-D biases ``[num_experts, out]`` beside them (GPT-OSS)
+    whose first dim is the weights' (else it is not taken for the experts)."""
     for name, child in module.named_children():
         params = {n: p for n, p in child.named_parameters(recurse=False)}
-        if params and all(p.ndim == 3 for p in params.values()):
+        weights = {p.shape[0] for p in params.values() if p.ndim == 3}
+        if not weights or not all(p.ndim in (2, 3) for p in params.values()):
+            continue
+        if all(p.ndim == 3 or p.shape[0] in weights for p in params.values()):
             return name, child, {n: p.shape[0] for n, p in params.items()}
     return None
 
@@ -187,8 +192,9 @@ def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Module]]:
     """Every mixture-of-experts block of ``model``: ``(router path, router, experts path, experts)``.
 
     Recognised by contract, not by name: a module with a router child (an int
-    ``top_k`` and a 2-D ``weight``) and an experts child (stacked 3-D weights) — our
-    ``MoE`` and Hugging Face's sparse MoE blocks alike.
+    ``top_k`` and a 2-D ``weight``) and an experts child (stacked 3-D weights, with
+    per-expert 2-D biases or none) — our ``MoE`` and Hugging Face's sparse MoE blocks
+    (GPT-OSS's too) alike.
 
     Example::
 

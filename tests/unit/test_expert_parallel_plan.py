@@ -251,6 +251,35 @@ def test_ep_findings_on_a_hugging_face_moe() -> None:
     assert ep_findings(build_hf_model("mixtral", device="meta"), 4) == []
 
 
+def test_ep_findings_on_experts_with_per_expert_biases() -> None:
+    """GPT-OSS's experts hold 2-D biases ``[num_experts, out]`` beside their 3-D weights:
+    they were not recognised as experts, so validate skipped every ep/top_k check."""
+    import transformers
+
+    from hyper_parallel.distributed.expert_parallel import ep_findings, moe_layers
+
+    config = transformers.GptOssConfig(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=64, layer_types=["full_attention"] * 2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.GptOssForCausalLM(config)
+    assert [(r, e) for r, _, e, _ in moe_layers(model)] == [
+        ("model.layers.0.mlp.router", "model.layers.0.mlp.experts"),
+        ("model.layers.1.mlp.router", "model.layers.1.mlp.experts"),
+    ]
+    assert ep_findings(model, 2) == []
+    assert [(f.path, f.field) for f in ep_findings(model, 3)] == [
+        ("model.layers.0.mlp.experts", "ep"),
+        ("model.layers.1.mlp.experts", "ep"),
+    ]
+    # A 2-D parameter that is not per expert (another first dim): not taken for experts.
+    experts = model.model.layers[0].mlp.experts
+    experts.other = torch.nn.Parameter(torch.empty(5, 32, device="meta"))
+    assert [r for r, *_ in moe_layers(model)] == ["model.layers.1.mlp.router"]
+
+
 def test_validate_reports_expert_problems_once_each() -> None:
     from hyper_parallel.analysis import validate
 
