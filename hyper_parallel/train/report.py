@@ -91,9 +91,8 @@ def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> No
     """Refuse outputs that would clobber something, before anything runs.
 
     No folder output (``run_dir``, ``checkpoint_dir``, ``tensorboard``, ``save_hf``) may
-    be a file or lie under one; ``save_hf`` must be new or empty (or ``overwrite``, or
-    the run's own export when it is resumed: :func:`own_export`) and never one of the
-    run's inputs; a new run (no ``resume``) may not start in a
+    be a file or lie under one; ``save_hf`` must be new or empty (or ``overwrite``) and
+    never one of the run's inputs; a new run (no ``resume``) may not start in a
     ``checkpoint_dir`` that holds checkpoints of another run, nor write into a
     ``tensorboard`` folder that holds another run's events, unless ``overwrite``; no
     output may replace another (:func:`check_overlaps`; ``files``: the file outputs by
@@ -133,8 +132,7 @@ def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> No
         # the directory holding them), even with --overwrite.
         inputs += [cfg.checkpoint_dir] + [p for _, p in checkpoint_steps(cfg.checkpoint_dir)]
     if cfg.save_hf:
-        overwrite = cfg.overwrite or own_export(cfg)
-        check_output(cfg.save_hf, overwrite=overwrite, inputs=inputs, what="--save-hf")
+        check_output(cfg.save_hf, overwrite=cfg.overwrite, inputs=inputs, what="--save-hf")
         if cfg.checkpoint_dir and os.path.realpath(cfg.save_hf) == os.path.realpath(
             cfg.checkpoint_dir
         ):
@@ -162,26 +160,6 @@ def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> No
                 "continue that run, or --overwrite to start it over (its events are purged)."
             )
     check_overlaps(cfg, files)
-
-
-def own_export(cfg: Any) -> bool:
-    """Whether ``cfg.save_hf`` is this run's own export: ``resume`` and an earlier start
-    of the run (its record's ``run.json``) was given the same ``save_hf``. A resumed run
-    replaces it at its end as ``overwrite`` would (written aside, renamed into place);
-    it was refused as "not empty", so the command the run's ``config.toml`` gives to
-    continue it failed whenever the run had exported. Call it before this start's record
-    is written (every start it lists is an earlier one)."""
-    from hyper_parallel.train.job import _earlier_starts
-
-    log = log_path(cfg)
-    if not (cfg.resume and cfg.save_hf) or log is None:
-        return False
-    for start in _earlier_starts(os.path.join(os.path.dirname(log) or ".", "run.json")):
-        config = start.get("config") if isinstance(start, dict) else None
-        given = config.get("save_hf") if isinstance(config, dict) else None
-        if isinstance(given, str) and _real(given) == _real(cfg.save_hf):
-            return True
-    return False
 
 
 def _tensorboard_events(folder: str) -> list[str]:

@@ -271,14 +271,13 @@ def _generation_config(cfg: Any) -> dict[str, Any] | None:
     return None if source is None else load_generation_config(os.path.dirname(source))
 
 
-def save_weights(cfg: Any, parts: list[Any], hf: Any = None, *, replace: bool = False) -> None:
+def save_weights(cfg: Any, parts: list[Any], hf: Any = None) -> None:
     """Write the model parts to ``cfg.save_hf`` in Hugging Face format (every rank calls it).
 
     The tokenizer files the run used (and those of its Hugging Face checkpoint) are
     copied next to them, so ``generate`` finds them; the directory is written aside and
     renamed into place when complete, and refused when it is not empty (unless
-    ``cfg.overwrite``, or ``replace``: it is the run's own export,
-    :func:`~hyper_parallel.train.report.own_export`) or is one of the run's inputs.
+    ``cfg.overwrite``) or is one of the run's inputs.
     """
     if not cfg.save_hf:
         return
@@ -293,7 +292,7 @@ def save_weights(cfg: Any, parts: list[Any], hf: Any = None, *, replace: bool = 
         cfg.save_hf,
         hf_config=hf_config,
         model_config=config,
-        overwrite=cfg.overwrite or replace,
+        overwrite=cfg.overwrite,
         inputs=[cfg.hf_checkpoint, cfg.tokenizer, cfg.eval_data, *(cfg.data or "").split(",")],
         extra_files=tokenizer_files(tokenizer_path(cfg), [cfg.hf_checkpoint]),
         what="--save-hf",

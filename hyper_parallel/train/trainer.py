@@ -237,8 +237,6 @@ class Trainer:
         self.run = run_plan(cfg, world)
         self.run.raise_for_errors(f"Trainer (mesh {layout.describe()})")
         report.check_outputs(cfg)
-        # Decided before this start's record is written (the record then lists it too).
-        self._own_export = report.own_export(cfg)
         self.mesh = build_mesh(layout, self.device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         # Rows of the global batch are split over `batch` (dp_replicate x dp_shard);
@@ -631,7 +629,7 @@ class Trainer:
         logger.close()
         if self.step == cfg.steps and cfg.save_hf:
             saving = time.perf_counter()
-            run_hooks.save_weights(cfg, self.model_parts, self.hf, replace=self._own_export)
+            run_hooks.save_weights(cfg, self.model_parts, self.hf)
             self.report.exported(cfg.save_hf, time.perf_counter() - saving)
         return TrainResult(
             steps=steps,

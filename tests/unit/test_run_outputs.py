@@ -195,10 +195,7 @@ def test_a_new_run_refuses_another_runs_checkpoints_and_save_hf_into_a_full_fold
     err = capsys.readouterr().err
     assert "holds checkpoints of an earlier run" in err and "--resume" in err
     assert "--overwrite" in err
-    # Resumed, its own export may be replaced (below); another full folder may not.
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "notes.txt").write_text("mine")
-    assert run([*argv, "--resume", "--steps", "3", "--save-hf", str(tmp_path / "full")]) == 2
+    assert run([*argv, "--resume", "--steps", "3", "--save-hf", str(hf)]) == 2
     err = capsys.readouterr().err
     assert "--save-hf" in err and "not empty" in err
     assert [s for s, _ in checkpoint_steps(ckpt)] == [2]  # nothing ran
@@ -828,36 +825,6 @@ def test_a_new_run_refuses_a_tensorboard_folder_holding_another_runs_events(tmp_
     events = EventAccumulator(str(tb))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
-
-
-def test_a_resumed_run_replaces_its_own_export_and_no_other_folder(tmp_path, capsys):
-    """A run that exported with --save-hf, continued the way its config.toml says
-    (--resume, more --steps): refused at its start, "--save-hf out: the directory is not
-    empty", as was a restarting launcher's second start of a complete run."""
-    from safetensors.torch import load_file
-
-    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    argv = [*TINY, "--checkpoint-dir", str(ckpt), "--save-hf", str(out)]
-    assert run([*argv, "--steps", "1"]) == 0
-    (weights,) = [n for n in os.listdir(out) if n.endswith(".safetensors")]
-    first, files = load_file(str(out / weights)), sorted(os.listdir(out))
-    # Continued to step 2: its export replaced by step 2's weights.
-    assert run([*argv, "--steps", "2", "--resume"]) == 0
-    second = load_file(str(out / weights))
-    assert sorted(os.listdir(out)) == files
-    assert any(not torch.equal(first[k], second[k]) for k in first)
-    # Run again complete (a launcher's restart): the export written again, the same.
-    assert run([*argv, "--steps", "2", "--resume"]) == 0
-    again = load_file(str(out / weights))
-    assert all(torch.equal(second[k], again[k]) for k in second)
-    # Another full folder is still refused under --resume, nothing written.
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "notes.txt").write_text("mine")
-    err = _refused([*argv[:-1], str(other), "--steps", "3", "--resume"], capsys)
-    assert f"--save-hf {other}: the directory is not empty" in err
-    assert os.listdir(other) == ["notes.txt"]
-    assert [s for s, _ in checkpoint_steps(ckpt)] == [1, 2]
 
 
 def test_run_json_records_the_command_the_run_was_given(tmp_path):
