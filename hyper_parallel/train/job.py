@@ -349,6 +349,11 @@ def write_run_record(
             f"#   {command} --resume",
             "# (--overwrite instead of --resume starts it over, deleting its checkpoints).",
         ]
+        if getattr(cfg, "save_hf", None):
+            how += [
+                "# Once its --save-hf export is written, continuing it replaces that export",
+                f"# (the checkpoints are kept): {command} --resume --overwrite",
+            ]
     else:
         how = [
             "# to run it again, from there (replacing this record and its log):",

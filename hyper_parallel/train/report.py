@@ -132,7 +132,16 @@ def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> No
         # the directory holding them), even with --overwrite.
         inputs += [cfg.checkpoint_dir] + [p for _, p in checkpoint_steps(cfg.checkpoint_dir)]
     if cfg.save_hf:
-        check_output(cfg.save_hf, overwrite=cfg.overwrite, inputs=inputs, what="--save-hf")
+        try:
+            check_output(cfg.save_hf, overwrite=cfg.overwrite, inputs=inputs, what="--save-hf")
+        except OutputError as e:
+            if not _own_export(cfg):
+                raise
+            raise OutputError(
+                f"{e} It holds the export of an earlier start of this run (its run.json): "
+                "to continue the run and replace its export at the end, pass --resume "
+                "--overwrite (with --resume the checkpoints are continued, not deleted)."
+            ) from None
         if cfg.checkpoint_dir and os.path.realpath(cfg.save_hf) == os.path.realpath(
             cfg.checkpoint_dir
         ):
@@ -160,6 +169,22 @@ def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> No
                 "continue that run, or --overwrite to start it over (its events are purged)."
             )
     check_overlaps(cfg, files)
+
+
+def _own_export(cfg: Any) -> bool:
+    """Whether a resumed run's ``save_hf`` is the one an earlier start of it was given
+    (the starts its ``run.json`` lists)."""
+    from hyper_parallel.train.job import _earlier_starts
+
+    log = log_path(cfg)
+    if not (cfg.resume and cfg.save_hf) or log is None:
+        return False
+    for start in _earlier_starts(os.path.join(os.path.dirname(log) or ".", "run.json")):
+        config = start.get("config") if isinstance(start, dict) else None
+        given = config.get("save_hf") if isinstance(config, dict) else None
+        if isinstance(given, str) and _real(given) == _real(cfg.save_hf):
+            return True
+    return False
 
 
 def _tensorboard_events(folder: str) -> list[str]:

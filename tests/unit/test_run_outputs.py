@@ -198,7 +198,12 @@ def test_a_new_run_refuses_another_runs_checkpoints_and_save_hf_into_a_full_fold
     assert run([*argv, "--resume", "--steps", "3", "--save-hf", str(hf)]) == 2
     err = capsys.readouterr().err
     assert "--save-hf" in err and "not empty" in err
+    assert "export of an earlier start of this run" in err and "--resume --overwrite" in err
+    assert "--resume --overwrite" in (ckpt / "config.toml").read_text()
     assert [s for s, _ in checkpoint_steps(ckpt)] == [2]  # nothing ran
+    # The fix it names: the run continued, its export replaced.
+    assert run([*argv, "--resume", "--overwrite", "--steps", "3", "--save-hf", str(hf)]) == 0
+    assert [s for s, _ in checkpoint_steps(ckpt)] == [2, 3]
     # --overwrite: a fresh run, nothing of the old one left.
     assert run([*TINY, "--steps", "1", "--checkpoint-dir", str(ckpt), "--overwrite"]) == 0
     assert [s for s, _ in checkpoint_steps(ckpt)] == [1]
