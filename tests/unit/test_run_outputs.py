@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from hyper_parallel.checkpoint_hf import HFCheckpointError, load_hf, read_hf_config, save_hf
 from hyper_parallel.checkpoint_hf.io import safetensors_problem
