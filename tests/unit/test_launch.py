@@ -268,6 +268,12 @@ def test_suggest_prints_each_nodes_command_and_a_slurm_script(capsys, tiny_hf, t
     assert srun[srun.index("-m") + 2 :] == top_train  # the top plan's options, each one
     assert _option(srun, "--rdzv-endpoint") == "gpu-a:29500"
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=2" in script
+    # Each suggestion carries its own script (DESIGN §9), running its own options.
+    assert len(report["plans"]) == 2 and report["plans"][0]["slurm"] == script
+    for i, plan in enumerate(report["plans"]):
+        (tmp_path / f"plan{i}").mkdir()
+        srun = _run_slurm_script(plan["slurm"], tmp_path / f"plan{i}", ["gpu-a", "gpu-b"])
+        assert srun[srun.index("-m") + 2 :] == _launcher_and_train(plan["command"])[1]
     # The table shows both.
     code, out, err = _run(
         capsys, "suggest", "--hf-config", tiny_hf, "--gpu", "h100-80gb", "--seq", "128",
@@ -281,6 +287,7 @@ def test_suggest_prints_each_nodes_command_and_a_slurm_script(capsys, tiny_hf, t
     launcher, _ = _launcher_and_train(report["plans"][0]["command"])
     assert launcher == ["torchrun", "--standalone", "--nproc-per-node", "2"]
     assert report["nodes"] == 1 and report["slurm"] is None
+    assert report["plans"][0]["slurm"] is None
 
 
 def test_suggest_hf_config_commands_start_from_the_weights(capsys, tiny_hf, tmp_path) -> None:

@@ -369,6 +369,7 @@ def test_model_that_fits_one_gpu_gets_plain_data_parallel() -> None:
         "sp",
         "predicted",
         "command",
+        "slurm",
         "why",
         "equivalent",
     }

@@ -158,6 +158,8 @@ class SuggestReport:
     """Per plan: the same layout with dp split otherwise (predicted no faster)."""
     slurm: str | None = None
     """The SLURM batch script of plan 1 when it needs more than one node."""
+    slurms: list[str | None] = dataclasses.field(default_factory=list)
+    """Per plan: its SLURM batch script when it needs more than one node."""
     needs: dict[str, bool] = dataclasses.field(default_factory=dict)
     """``{"pp": ..., "cp": ...}``: whether every layout that fits uses the axis (the states
     or the sequence need it); empty when nothing fits."""
@@ -187,6 +189,7 @@ class SuggestReport:
                     "sp": c.sp,
                     "predicted": p.to_dict(),
                     "command": cmd,
+                    "slurm": self.slurms[i] if i < len(self.slurms) else None,
                     "why": self.why[i] if i < len(self.why) else "",
                     "equivalent": self.equivalents[i] if i < len(self.equivalents) else [],
                 }

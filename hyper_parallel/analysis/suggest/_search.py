@@ -576,7 +576,7 @@ def suggest(
     plans = [
         (c, p, _command(source, c, gpus, node, seq_len, global_batch, dtype)) for c, p in ranked
     ]
-    slurm = _slurm(plans[0][2], gpus, node) if plans else None
+    slurms = [_slurm(cmd, gpus, node) for _, _, cmd in plans]
     report = SuggestReport(
         model=source.name,
         gpus=gpus,
@@ -596,7 +596,8 @@ def suggest(
         assumptions=_assumptions(hw, max_seq, seq_len, ctx.factors),
         why=why,
         equivalents=equivalents,
-        slurm=slurm,
+        slurm=slurms[0] if slurms else None,
+        slurms=slurms,
         needs={} if needs is None else {"pp": needs.pp, "cp": needs.cp},
     )
     if not plans and fixed is not None:
