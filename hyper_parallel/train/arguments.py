@@ -346,7 +346,7 @@ class CommandOptions:
 
 COMMAND_OPTIONS: dict[str, CommandOptions] = {
     "train": CommandOptions(config_file=True),
-    "demo": CommandOptions(defaults={"mesh": {"dp_shard": 2, "tp": 2}}),
+    "demo": CommandOptions(config_file=True, defaults={"mesh": {"dp_shard": 2, "tp": 2}}),
     # The planners need a model named (--model, --hf-config, or plan's --hf-model) and a
     # mesh given (required there).
     "plan": CommandOptions(
@@ -409,6 +409,10 @@ def add_command_arguments(parser: argparse.ArgumentParser, command: str) -> None
         config_file=spec.config_file,
         required=spec.required,
     )
+    if spec.config_file and spec.defaults:
+        # Shown in the help, but parsed unset: a --config file's value comes first
+        # (config_from_args(..., defaults=spec.defaults) applies them beneath it).
+        parser.set_defaults(**dict.fromkeys(spec.defaults))
 
 
 def add_train_arguments(
@@ -486,18 +490,25 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-def config_from_args(args: argparse.Namespace, world_size: int = 1, **fixed: Any) -> Any:
+def config_from_args(
+    args: argparse.Namespace,
+    world_size: int = 1,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    **fixed: Any,
+) -> Any:
     """The :class:`~hyper_parallel.train.TrainConfig` of parsed options.
 
-    ``--config`` file first, then every option given, then ``fixed``. Without a mesh,
-    all ``world_size`` ranks are data parallel.
+    ``defaults`` (the command's own, by field) first, then the ``--config`` file, then
+    every option given, then ``fixed``. Without a mesh, all ``world_size`` ranks are
+    data parallel.
 
     Raises:
         ValueError: An unreadable ``--config`` file, or a bad value (TrainConfig's error).
     """
     from hyper_parallel.train.trainer import TrainConfig
 
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(defaults or {})
     if getattr(args, "config", None):
         from hyper_parallel.train.job import load_job_file
 

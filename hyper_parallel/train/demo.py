@@ -279,12 +279,22 @@ def _plot(
     return True
 
 
+def _in_job_file(args: argparse.Namespace, name: str) -> bool:
+    """Whether ``--config``'s job file sets the option of field ``name``."""
+    if not getattr(args, "config", None):
+        return False
+    from hyper_parallel.train.arguments import RUN_OPTIONS
+    from hyper_parallel.train.job import load_job_file
+
+    return name in load_job_file(args.config, RUN_OPTIONS)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed options; returns the exit status (0 when parity holds)."""
     t0 = time.perf_counter()
     try:
-        cfg = config_from_args(args, progress=False)
-        if getattr(args, "log_every", None) is None:
+        cfg = config_from_args(args, defaults=COMMAND_OPTIONS["demo"].defaults, progress=False)
+        if getattr(args, "log_every", None) is None and not _in_job_file(args, "log_every"):
             cfg = cfg.replace(log_every=max(1, cfg.steps // 3))
         # A Hugging Face source's config.json, read once here (the one-device run takes it).
         replaced = run_hooks.replaced_model_note(cfg)

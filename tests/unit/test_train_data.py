@@ -189,6 +189,31 @@ def test_demo_checks_the_run_before_starting_ranks(capsys):
     assert "at least two" in capsys.readouterr().err
 
 
+def test_demo_takes_a_job_file_under_its_options(tmp_path, monkeypatch):
+    """DESIGN §9: --config FILE.toml on train.run and demo. The demo had no --config."""
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    seen = []
+
+    def launch(cfg, out_dir):
+        seen.append(cfg)
+        return 1, None  # stop there: the options are what is checked
+
+    monkeypatch.setattr(demo, "_launch_ranks", launch)
+    job = tmp_path / "job.toml"
+    job.write_text('mesh = "dp_shard=2"\nsteps = 2\nlog-every = 1\nseq-len = 32\n')
+    out = ["--output-dir", str(tmp_path / "out")]
+    demo.run(parser.parse_args(["--config", str(job), *out]))
+    demo.run(parser.parse_args(["--config", str(job), "--mesh", "tp=2", "--steps", "3", *out]))
+    (tmp_path / "empty.toml").write_text("")
+    demo.run(parser.parse_args(["--config", str(tmp_path / "empty.toml"), *out]))
+    demo.run(parser.parse_args(out))
+    got = [(str(c.layout), c.steps, c.log_every, c.seq_len) for c in seen]
+    # The job file's values; the command line's over them; the demo's mesh without either.
+    assert got[:2] == [("dp_shard=2", 2, 1, 32), ("tp=2", 3, 1, 32)]
+    assert got[2] == got[3] and got[2][0] == "dp_shard=2,tp=2"
+
+
 def test_demo_refuses_resume_before_starting_ranks(tmp_path, monkeypatch, capsys):
     """It compares from step 0: resumed, the ranks' first-step gradients were never
     written and the run was reported failed with parity nan FAIL."""
