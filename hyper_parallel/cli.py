@@ -480,7 +480,8 @@ def _run_plan(args: argparse.Namespace, layout: Any) -> Any:
     else:
         batch = args.batch if args.batch is not None or microbatches == 1 else microbatches
         seq_len = args.seq
-        switches = {"ac": args.ac}  # what the gate refuses of it (ac='op' with ep, ...)
+        # What the gate refuses of them (ac='op' with ep, ...).
+        switches = {"ac": args.ac, "dtype": args.dtype}
     return RunPlan.for_model(
         args.model,
         layout,

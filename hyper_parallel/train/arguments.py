@@ -355,7 +355,7 @@ COMMAND_OPTIONS: dict[str, CommandOptions] = {
         required=("mesh",),
     ),
     "validate": CommandOptions(
-        fields=(*MODEL_FIELDS, "mesh", *SWITCHES, "ac"),
+        fields=(*MODEL_FIELDS, "mesh", *SWITCHES, "dtype", "ac"),
         defaults={"model": None, "mesh": None},
         required=("mesh",),
     ),
