@@ -46,6 +46,50 @@ def _matches(pattern: list[str], path: list[str]) -> bool:
     return len(pattern) == len(path) and all(p in ("*", s) for p, s in zip(pattern, path))
 
 
+def _placement(p: object) -> str:
+    dim = getattr(p, "dim", None)
+    return f"Shard({dim})" if isinstance(dim, int) else f"{type(p).__name__}()"
+
+
+def _torch_style_equivalent(style: object, module: nn.Module | None) -> str | None:
+    """The preset call that places ``module`` as torch's tensor-parallel ``style``
+    (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``) does, with the
+    arguments that differ from the preset's defaults; ``None`` for anything else."""
+    kind = type(style).__name__
+    if type(style).__module__.split(".")[:4] != ["torch", "distributed", "tensor", "parallel"]:
+        return None
+
+    def first(name: str) -> str | None:
+        layouts = getattr(style, name, None)
+        return _placement(layouts[0]) if layouts else None
+
+    local = bool(getattr(style, "use_local_output", False))
+    inp, out = first("input_layouts"), first("output_layouts")
+    args: list[str] = []
+    if kind == "SequenceParallel":
+        seq = first("sequence_sharding")
+        if seq and seq != "Shard(1)":
+            args += [f"input={seq}", f"output={seq}"]
+        name = "sequence_parallel_norm"
+    elif isinstance(module, nn.Embedding) and kind == "RowwiseParallel":
+        args += [f"output={out}"] if out and out != "Replicate()" else []
+        name = "vocab_parallel_embedding"
+    elif isinstance(module, nn.Linear) and kind in ("ColwiseParallel", "RowwiseParallel"):
+        colwise = kind == "ColwiseParallel"
+        default_in, default_out = ("Replicate()", "Shard(-1)") if colwise else ("Shard(-1)",) * 2
+        default_out = default_out if colwise else "Replicate()"
+        args += [f"input={inp}"] if inp and inp != default_in else []
+        args += [f"output={out}"] if out and out != default_out else []
+        if colwise and module.bias is None:
+            args.append("bias=False")
+        name = "colwise" if colwise else "rowwise"
+    else:
+        return None
+    if local:
+        args.append("use_local_output=True")
+    return f"{name}({', '.join(args)})"
+
+
 def match_plan(model: nn.Module, plan: Plan) -> tuple[list[PlanEntry], list[Finding]]:
     """Expand a plan's patterns against a model's module paths.
 
@@ -74,6 +118,16 @@ def match_plan(model: nn.Module, plan: Plan) -> tuple[list[PlanEntry], list[Find
     configs: dict[str, ShardingConfig] = {}
     for pattern, config in plan.items():
         if not isinstance(config, ShardingConfig):
+            parts = pattern.split(".") if pattern else []
+            hit = next((m for p, m in modules.items() if _matches(parts, p.split("."))), None)
+            same = _torch_style_equivalent(config, hit)
+            fix = (
+                f"write {same} instead: the preset (hyper_parallel.dmodule.presets) that "
+                f"places this module as torch's {type(config).__name__} does; axis='tp' "
+                "names the mesh axis torch's 1-D mesh was (the default)."
+                if same
+                else "map each module path to a ShardingConfig (or a preset such as colwise())."
+            )
             findings.append(
                 Finding(
                     "error",
@@ -81,7 +135,7 @@ def match_plan(model: nn.Module, plan: Plan) -> tuple[list[PlanEntry], list[Find
                     "plan",
                     f"the plan maps {pattern!r} to a {type(config).__name__}, not a "
                     "ShardingConfig.",
-                    "map each module path to a ShardingConfig (or a preset such as colwise()).",
+                    fix,
                 )
             )
             continue

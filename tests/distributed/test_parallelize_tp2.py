@@ -495,3 +495,77 @@ def test_meta_build_parallelize_to_empty_init_states(dist):
             assert result["states"] == result["ref_states"], (path, name)
             assert result["to_empty_shapes_are_shards"], (path, name)
         assert res["tied"]["tied"]
+
+
+def _torch_styles_runs(fast: bool) -> dict[str, Any]:
+    """A plan of torch's tensor-parallel styles is refused; the presets the refusal names
+    run the model as torch's parallelize_module runs it (and as one device)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    from hyper_parallel.dmodule import ParallelizeError, presets
+
+    mesh = mesh_1d(2)
+    torch.manual_seed(5)
+    ref = torch.nn.Sequential(
+        torch.nn.Embedding(16, 8),
+        torch.nn.LayerNorm(8),
+        torch.nn.Linear(8, 12, bias=False),
+        torch.nn.ReLU(),
+        torch.nn.Linear(12, 8),
+    )
+    theirs, ours = copy.deepcopy(ref), copy.deepcopy(ref)
+    torch_plan = {
+        "0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "1": SequenceParallel(),
+        "2": ColwiseParallel(input_layouts=Shard(1)),
+        "4": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    with pytest.raises(ParallelizeError) as refused:
+        parallelize_module(ours, mesh, torch_plan)
+    fixes = {f.path: f.fix for f in refused.value.findings}
+    named = {p: fixes[p].split("write ", 1)[1].split(" instead", 1)[0] for p in torch_plan}
+    scope = {**vars(presets), "Shard": Shard, "Replicate": Replicate}
+    plan = {p: eval(expr, scope) for p, expr in named.items()}
+    torch_parallelize(theirs, mesh, torch_plan)
+    with fast_path(fast):
+        parallelize_module(ours, mesh, plan)
+    ids = torch.randint(0, 16, (2, 6))
+    rank = c10d.get_rank()
+    outs, grads = {}, {}
+    for name, model in (("ref", ref), ("torch", theirs), ("ours", ours)):
+        out = model(ids)  # ref: the whole sequence; the others: this rank's half
+        out.square().sum().backward()  # summed over the ranks: the whole sequence's
+        outs[name] = (out.chunk(2, 1)[rank] if name == "ref" else out).detach()
+        grads[name] = {
+            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+            for n, p in model.named_parameters()
+        }
+    return {"named": named, "outs": outs, "grads": grads}
+
+
+@pytest.mark.parametrize("path", ["dtensor", "fast"])
+def test_a_plan_of_torch_styles_names_presets_that_run_as_torch_does(dist, path):
+    """torch's ColwiseParallel / RowwiseParallel / SequenceParallel in a plan: the refusal
+    named only "a ShardingConfig (or a preset such as colwise())"; it names the preset
+    call, and that call runs as torch's style does: outputs and every gradient."""
+    for res in dist.run(_torch_styles_runs, path == "fast"):
+        assert res["named"] == {
+            "0": "vocab_parallel_embedding(output=Shard(1), use_local_output=True)",
+            "1": "sequence_parallel_norm()",
+            "2": "colwise(input=Shard(1), bias=False, use_local_output=True)",
+            "4": "rowwise(output=Shard(1), use_local_output=True)",
+        }
+        outs, grads = res["outs"], res["grads"]
+        for got, want in [(outs["ours"], outs["torch"]), (outs["ours"], outs["ref"])] + [
+            (grads["ours"][n], grads[other][n]) for n in grads["ref"] for other in ("torch", "ref")
+        ]:
+            _close_to_fp32_rounding(got, want)
+        assert set(grads["ours"]) == set(grads["ref"])
+
+
+def _close_to_fp32_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for the order of fp32 sums: each value is a sum of at most 16 terms (12
+    features, 8 positions, 2 ranks), each rounding at most one eps of the tensor's scale."""
+    bound = 16 * torch.finfo(torch.float32).eps * want.abs().max().item()
+    assert (got - want).abs().max().item() <= bound, ((got - want).abs().max(), bound)
