@@ -174,12 +174,10 @@ def check_outputs(cfg: Any, files: Mapping[str, str | None] | None = None) -> No
 def _own_export(cfg: Any) -> bool:
     """Whether a resumed run's ``save_hf`` is the one an earlier start of it was given
     (the starts its ``run.json`` lists)."""
-    from hyper_parallel.train.job import _earlier_starts
-
     log = log_path(cfg)
     if not (cfg.resume and cfg.save_hf) or log is None:
         return False
-    for start in _earlier_starts(os.path.join(os.path.dirname(log) or ".", "run.json")):
+    for start in _starts(os.path.join(os.path.dirname(log) or ".", "run.json")):
         config = start.get("config") if isinstance(start, dict) else None
         given = config.get("save_hf") if isinstance(config, dict) else None
         if isinstance(given, str) and _real(given) == _real(cfg.save_hf):
@@ -362,16 +360,22 @@ def check_run_files(
             check_output_file(path, overwrite=replace, inputs=inputs, what=flag)
 
 
-def _given_before(record: str, flag: str, path: str) -> bool:
-    """Whether a start that ``record`` (a run directory's ``run.json``) lists was given
-    ``flag`` with ``path`` on its command line."""
+def _starts(record: str) -> list[Any]:
+    """The starts ``record`` (a run directory's ``run.json``) lists: the latest and its
+    ``earlier`` ones (``[]`` when there is none or it is unreadable)."""
     try:
         with open(record, encoding="utf-8") as f:
             run = json.load(f)
-        starts = [run, *run.get("earlier", [])]
+        earlier = run.get("earlier", [])
+        return [run, *(earlier if isinstance(earlier, list) else [])]
     except (OSError, ValueError, AttributeError):
-        return False
-    for start in starts:
+        return []
+
+
+def _given_before(record: str, flag: str, path: str) -> bool:
+    """Whether a start that ``record`` (a run directory's ``run.json``) lists was given
+    ``flag`` with ``path`` on its command line."""
+    for start in _starts(record):
         argv = start.get("argv") if isinstance(start, dict) else None
         if not isinstance(argv, list):
             continue
