@@ -131,3 +131,25 @@ def test_cli_validate_with_pp(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["mesh"]["pp"] == 2 and out["num_errors"] == 1
     assert out["findings"][0]["field"] == "num_microbatches"
+
+
+def test_a_split_that_is_not_a_dict_is_refused_naming_the_field(config, tmp_path, capsys):
+    # A job file's array (the natural TOML for stage lists) reached the split as a list:
+    # AttributeError "'list' object has no attribute 'balance'" in validate and train.
+    stages = [["tok_embeddings", "layers.0"], ["layers.1", "norm+output"]]
+    for split in (stages, "units_per_stage=2", 2):
+        cfg = TrainConfig(mesh={"pp": 2}, batch_size=4, seq_len=32, pipeline_split=split)
+        (error,) = [f for f in check_config(cfg, 2) if f.severity == "error"]
+        assert (error.path, error.field) == ("pipeline", "pipeline_split")
+        assert f"is {type(split).__name__}" in error.message and "units_per_stage" in error.fix
+        report = validate(config, {"pp": 2}, pipeline_split=split)
+        assert ("pipeline", "pipeline_split") in _errors(report)
+    job = tmp_path / "job.toml"
+    job.write_text(f'mesh = "pp=2"\nbatch_size = 4\npipeline_split = {json.dumps(stages)}\n')
+    assert main(["validate", "--model", "llama3-debug", "--config", str(job)]) == 1
+    assert "pipeline_split" in capsys.readouterr().out
+    # The inline table the fix names is a split.
+    job.write_text(
+        f'mesh = "pp=2"\nbatch_size = 4\npipeline_split = {{stages = {json.dumps(stages)}}}\n'
+    )
+    assert main(["validate", "--model", "llama3-debug", "--config", str(job)]) == 0
