@@ -144,6 +144,30 @@ def test_empty_stage_unknown_unit_and_order(units):
     assert "model order" in findings[0].message
 
 
+def test_a_stage_that_is_not_a_list_of_unit_names_is_refused_as_such(units):
+    # {"stages": [[...], "layers.1"]} was read letter by letter: eight findings "names
+    # 'l'", "names 'a'", ... and none saying the stage must be a list.
+    def found(stages):
+        split = PipelineSplit.from_dict({"stages": stages})
+        return pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=2, split=split)
+
+    (error,) = found([["tok_embeddings", "layers.0"], "layers.1"])
+    assert error.field == "split.stages[1]" and error.message.startswith("is 'layers.1';")
+    assert '["layers.1"]' in error.fix and '"tok_embeddings"' in error.fix
+    (error,) = found("tok_embeddings")
+    assert error.field == "split.stages" and error.message.startswith("is 'tok_embeddings';")
+    (error,) = found([["tok_embeddings", 1], ["layers.1"]])
+    assert error.field == "split.stages[0]"
+    (error,) = found(3)
+    assert error.field == "split.stages"
+    good = [["tok_embeddings", "layers.0"], ["layers.1", "norm+output"]]
+    assert found(good) == [] and found([tuple(s) for s in good]) == []
+    # JSON's true is no unit count (it was read as 1).
+    split = PipelineSplit.from_dict({"units_per_stage": True})
+    findings = pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=2, split=split)
+    assert _fields(findings) == ["split.units_per_stage"] and "is True" in findings[0].message
+
+
 def test_batch_not_divisible_into_microbatches(units):
     findings = pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=4, batch_size=6)
     assert _fields(findings) == ["num_microbatches"]

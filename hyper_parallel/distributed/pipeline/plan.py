@@ -107,9 +107,12 @@ class PipelineSplit:
                 "or 'balance'."
             )
         stages = values.get("stages")
+        if isinstance(stages, (list, tuple)):
+            # A stage given as one string stays one (refused by name), never its letters.
+            stages = tuple(s if isinstance(s, str) else tuple(s) for s in stages)
         return cls(
             units_per_stage=values.get("units_per_stage"),
-            stages=None if stages is None else tuple(tuple(s) for s in stages),
+            stages=stages,
             balance=values.get("balance", "params"),
         )
 
@@ -256,7 +259,7 @@ def _resolve_split(
         ]
     if split.units_per_stage is not None:
         size = split.units_per_stage
-        if not isinstance(size, int) or size < 1:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             return None, [
                 _error(
                     "split.units_per_stage",
@@ -266,6 +269,16 @@ def _resolve_split(
             ]
         return [names[i : i + size] for i in range(0, len(names), size)], []
     if split.stages is not None:
+        where, value = _malformed_stages(split.stages)
+        if where:
+            return None, [
+                _error(
+                    where,
+                    f"is {value!r}; each stage is a list of unit names, stages a list of them.",
+                    f'write e.g. {{"stages": [["{units[0].name}", "{units[1].name}"], '
+                    f'[..., "{units[-1].name}"]]}} (a one-unit stage too: ["layers.1"]).',
+                )
+            ]
         return _explicit_stages(units, split.stages)
     assert num_stages is not None
     if num_stages > len(units):
@@ -303,6 +316,17 @@ def _resolve_split(
         out.append(names[start : start + size])
         start += size
     return out, []
+
+
+def _malformed_stages(stages: Any) -> tuple[str, Any]:
+    """The field and value of ``stages`` that is not a list of lists of unit names
+    (``("", None)`` when it is one)."""
+    if not isinstance(stages, (list, tuple)):
+        return "split.stages", stages
+    for i, items in enumerate(stages):
+        if not isinstance(items, (list, tuple)) or not all(isinstance(n, str) for n in items):
+            return f"split.stages[{i}]", items
+    return "", None
 
 
 def _explicit_stages(
