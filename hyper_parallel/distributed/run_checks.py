@@ -568,7 +568,13 @@ def pipeline_plan_findings(
         ]
     if model is None:  # the model's sharding was refused: reported already
         return None, []
-    flops = split is not None and split.balance == "flops"
+    # FLOPs are counted for a balanced split only (an explicit one with a balance is refused).
+    flops = (
+        split is not None
+        and split.balance == "flops"
+        and split.units_per_stage is None
+        and split.stages is None
+    )
     units_key = ("units", seq_len or 2048) if flops else ("units",)
     try:
         if memo is not None and units_key in memo:

@@ -307,6 +307,30 @@ def test_balance_errors(units):
     assert _fields(uncounted) == ["split.balance"] and "seq_len" in uncounted[0].fix
 
 
+def test_a_balance_beside_an_explicit_split_is_refused(units):
+    # {"units_per_stage": 2, "balance": "flops"} planned by units_per_stage and said
+    # nothing of the balance (any value, "bogus" too, was accepted and unused).
+    for explicit in ({"units_per_stage": 2}, {"stages": [["tok_embeddings"], ["layers.0"]]}):
+        for balance in ("flops", "bogus"):
+            split = PipelineSplit.from_dict({**explicit, "balance": balance})
+            findings = pipeline_findings(
+                units, pp=2, schedule="GPipe", num_microbatches=2, split=split
+            )
+            assert _fields(findings) == ["split.balance"], findings
+            assert f"is {balance!r} beside an explicit split" in findings[0].message
+            assert "drop 'balance'" in findings[0].fix
+    plain = PipelineSplit.from_dict({"units_per_stage": 2, "balance": "params"})  # the default
+    assert pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=2, split=plain) == []
+    # The trainer's gate says so before counting FLOPs (which refused the debug model's
+    # 512 positions at validate's 2048-token count, a problem of a balance not used).
+    from hyper_parallel.train.trainer import TrainConfig, check_config
+
+    cfg = TrainConfig(
+        mesh={"pp": 2}, batch_size=2, pipeline_split={"units_per_stage": 2, "balance": "flops"}
+    )
+    assert [(f.field, f.severity) for f in check_config(cfg, 2)] == [("split.balance", "error")]
+
+
 def test_the_trainer_balances_by_flops_when_asked():
     from hyper_parallel.train.trainer import TrainConfig, run_plan
 

@@ -90,7 +90,8 @@ class PipelineSplit:
     With neither, stages are balanced (:func:`balanced_split`) by ``balance``:
     ``"params"`` (parameter count, the default) or ``"flops"`` (each unit's forward
     FLOPs, :func:`count_unit_flops`: attention's cost grows with the sequence, the
-    embedding costs none).
+    embedding costs none). A ``balance`` other than ``"params"`` beside either field is
+    refused: the explicit split places the units itself.
     """
 
     units_per_stage: int | None = None
@@ -255,6 +256,18 @@ def _resolve_split(
                 "split",
                 "both units_per_stage and stages are given.",
                 "give one: units per stage, or explicit stage lists.",
+            )
+        ]
+    if split.balance != "params" and (
+        split.units_per_stage is not None or split.stages is not None
+    ):
+        return None, [
+            _error(
+                "split.balance",
+                f"is {split.balance!r} beside an explicit split (units_per_stage or stages), "
+                "which places the units itself: the balance would do nothing.",
+                "drop 'balance' to keep the explicit split, or drop units_per_stage / stages "
+                f"to balance by {split.balance!r}.",
             )
         ]
     if split.units_per_stage is not None:
