@@ -691,8 +691,10 @@ def tied_parameter_findings(
                     "split",
                     f"parameters {where} are one tied tensor split across pipeline stages; "
                     "each stage would train its own copy.",
-                    "untie the weights (e.g. tie_word_embeddings=False), or place the units "
-                    "that share them on the same stage.",
+                    "untie the weights (a registered model: --model-overrides "
+                    "'{\"tie_embeddings\": false}'; a Hugging Face config: "
+                    '"tie_word_embeddings": false), place the units that share them on the '
+                    "same stage, or train without pp.",
                     path=names[0].rsplit(".", 1)[0],
                 )
             )
