@@ -129,6 +129,21 @@ def test_layer_count_the_split_cannot_place(units):
         split=PipelineSplit(units_per_stage=2),
     )
     assert _fields(findings) == ["split"] and "at least 2 per rank" in findings[0].message
+    # ZBVZeroBubble takes a V of exactly 2 stages per rank: 6 stages (1 unit each) at pp=2
+    # were refused as not "a multiple of pp=2, at least 2 per rank", which 6 is: the
+    # message named the interleaved schedules' rule, not the V's (exactly 4).
+    deeper = PIPELINE.units(preset_config("llama3-debug", num_layers=4))
+    for pp, size in ((2, 1), (1, 2)):  # 6 stages at pp=2; 3 at pp=1
+        findings = pipeline_findings(
+            deeper,
+            pp=pp,
+            schedule="ZBVZeroBubble",
+            num_microbatches=4,
+            split=PipelineSplit(units_per_stage=size),
+        )
+        assert _fields(findings) == ["split"]
+        assert f"needs exactly {2 * pp} (pp={pp} x 2 per rank, a V)" in findings[0].message
+        assert "a multiple of" not in findings[0].message
 
 
 def test_empty_stage_unknown_unit_and_order(units):

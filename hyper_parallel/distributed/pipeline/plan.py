@@ -565,6 +565,7 @@ def check_pipeline(
     )
     if schedule in _V_SHAPE:
         good_count = num_stages == 2 * pp
+        expected = f"exactly {2 * pp} (pp={pp} x 2 per rank, a V)"
     if not good_count:
         findings.append(
             _error(
