@@ -166,3 +166,15 @@ def test_the_tied_weights_fix_names_an_override_that_unties_them():
     fix = error.fix.split("--model-overrides '", 1)[1].split("'", 1)[0]
     untied = tied.replace(model_overrides={**tied.model_overrides, **json.loads(fix)})
     assert [f for f in check_config(untied, 2) if f.severity == "error"] == []
+
+
+def test_a_flops_balance_without_a_sequence_names_the_flag(capsys):
+    # validate without --seq counted FLOPs at 2,048 tokens, past llama3-debug's 512
+    # positions, and said only "use a sequence length the model takes" (no flag; the
+    # user gave none): the same split ran in demo at its 64 tokens.
+    argv = ["validate", "--model", "llama3-debug", "--mesh", "pp=2"]
+    argv += ["--pipeline-split", '{"balance": "flops"}']
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "(no sequence length given: 2,048 assumed)" in out and "--seq N" in out
+    assert main([*argv, "--seq", "64"]) == 0
