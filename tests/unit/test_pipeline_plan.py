@@ -373,3 +373,42 @@ def test_stage_width_comes_from_the_layout_or_a_clear_refusal():
     silent = dataclasses.replace(PIPELINE, activation_dim=None)
     with pytest.raises(ValueError, match="declares no activation_dim"):
         silent.stage_width(config)
+
+
+def test_the_package_example_calls_each_function_as_it_is_defined():
+    # The package's example called pipeline_step(schedule, plan, pp_rank, tokens,
+    # targets, mesh["pp"]): six arguments to a function of five, pp_rank where the pp
+    # mesh goes (TypeError when copied). Each call of the example binds to its signature.
+    import ast
+    import inspect
+
+    import hyper_parallel.distributed.builder as builder
+    import hyper_parallel.distributed.pipeline as pipeline
+
+    doc = pipeline.__doc__
+    code = doc[doc.index("Example::") :].split("\n", 1)[1]
+    lines = [ln.strip().removeprefix("# ").split("  #")[0] for ln in code.splitlines()]
+    trees = []
+    for line in lines:  # each line of code, commented or not; prose is skipped
+        try:
+            trees.append(ast.parse(line))
+        except SyntaxError:
+            continue
+    calls = [
+        node
+        for tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    ]
+    functions = {"build_stages": builder.build_stages}
+    functions |= {n: getattr(pipeline, n) for n in pipeline.__all__}
+    bound = []
+    for call in calls:
+        if call.func.id in functions:
+            args = [ast.unparse(a) for a in call.args]
+            kwargs = {k.arg: ast.unparse(k.value) for k in call.keywords}
+            sig = inspect.signature(functions[call.func.id]).bind(*args, **kwargs)
+            bound.append((call.func.id, sig.arguments))
+    names = [name for name, _ in bound]
+    assert names == ["plan_pipeline", "build_stages", "build_schedule", "pipeline_step"]
+    assert dict(bound)["pipeline_step"]["pp_mesh"] == "mesh['pp']"
