@@ -178,3 +178,35 @@ def test_a_flops_balance_without_a_sequence_names_the_flag(capsys):
     out = capsys.readouterr().out
     assert "(no sequence length given: 2,048 assumed)" in out and "--seq N" in out
     assert main([*argv, "--seq", "64"]) == 0
+
+
+def test_pp_on_a_transformers_model_points_at_hf_config(tmp_path, capsys):
+    # validate --hf-model with pp said "register the model's PipelineLayout, or pass
+    # validate(..., pipeline=PipelineLayout(...))", nothing a command-line user can do for
+    # transformers' model, and plan printed no fix at all; --hf-config of the same config
+    # builds this library's model, which is cut into stages (and validates at pp=2).
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": 256,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 128,
+                "rms_norm_eps": 1e-5,
+            }
+        )
+    )
+    argv = ["validate", "--mesh", "pp=2", "--format", "json"]
+    assert main([*argv, "--hf-model", str(tmp_path)]) == 1
+    (error,) = [f for f in json.loads(capsys.readouterr().out)["findings"] if f["field"] == "pp"]
+    assert f"--hf-config {tmp_path} instead of --hf-model" in error["fix"]
+    assert main([*argv, "--hf-config", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--hf-model", "llama", "--mesh", "pp=2"]) == 1
+    assert "Fix: leave pp out of the mesh, or check" in capsys.readouterr().err
