@@ -187,6 +187,29 @@ def test_batch_not_divisible_into_microbatches(units):
     findings = pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=4, batch_size=6)
     assert _fields(findings) == ["num_microbatches"]
     assert "does not split into 4 equal micro-batches" in findings[0].message
+    assert "(e.g. 1, 2, 3)" in findings[0].fix  # GPipe runs any count
+
+
+def test_the_batch_fix_names_only_counts_the_schedule_runs():
+    # pp=4 at 1F1B, 2 sequences per rank: the fix said "use a micro-batch count that
+    # divides 2", and 1 or 2 micro-batches are then refused by 1F1B (fewer than 4 stages).
+    deeper = PIPELINE.units(preset_config("llama3-debug", num_layers=4))
+
+    def fix(**options):
+        findings = pipeline_findings(deeper, pp=4, schedule="1F1B", **options)
+        (finding,) = findings
+        assert finding.field == "num_microbatches" and "equal micro-batches" in finding.message
+        return finding.fix
+
+    assert "runs no micro-batch count that divides 2" in fix(num_microbatches=4, batch_size=2)
+    assert "a multiple of 4" in fix(num_microbatches=4, batch_size=2)
+    # 12 sequences, 8 micro-batches: 1F1B at pp=4 runs 4, 6 and 12 of its divisors.
+    assert "(e.g. 4, 6, 12)" in fix(num_microbatches=8, batch_size=12)
+    for m in (4, 6, 12):
+        assert (
+            pipeline_findings(deeper, pp=4, schedule="1F1B", num_microbatches=m, batch_size=12)
+            == []
+        )
 
 
 def test_schedule_names_and_stages_per_rank(units):

@@ -598,11 +598,35 @@ def check_pipeline(
                 "num_microbatches",
                 f"the batch of {batch_size} sequences per data-parallel rank does not split "
                 f"into {num_microbatches} equal micro-batches.",
-                f"use a micro-batch count that divides {batch_size}, or a batch size that is a "
-                f"multiple of {num_microbatches}.",
+                _batch_fix(plan, batch_size),
             )
         )
     return plan, findings
+
+
+def _batch_fix(plan: PipelinePlan, batch_size: int) -> str:
+    """The fix of a batch the micro-batch count does not divide: the (up to 3 smallest)
+    counts that divide it and that the schedule runs (a divisor it refuses is no fix),
+    else a larger batch. The smallest only: torch builds a schedule in up to quadratic
+    time in its micro-batches (memoized)."""
+    counts: list[int] = []
+    for m in range(1, batch_size + 1):
+        if len(counts) == 3:
+            break
+        if batch_size % m == 0 and (
+            _schedule_refusal(plan.schedule, plan.pp, m, plan.stages_per_rank) is None
+        ):
+            counts.append(m)
+    larger = f"a batch size that is a multiple of {plan.num_microbatches}"
+    if not counts:
+        return (
+            f"use {larger}: {plan.schedule} with {plan.num_stages} stages on pp={plan.pp} runs "
+            f"no micro-batch count that divides {batch_size}."
+        )
+    return (
+        f"use a micro-batch count that divides {batch_size} and {plan.schedule} runs (e.g. "
+        f"{', '.join(map(str, counts))}), or {larger}."
+    )
 
 
 def _microbatch_findings(plan: PipelinePlan) -> list[Finding]:
