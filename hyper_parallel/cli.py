@@ -677,10 +677,13 @@ def _pipeline_part(args: argparse.Namespace, layout: Any, subject: _Subject) -> 
 
     stages = get_spec(args.model).family.pipeline if args.model else None
     if stages is None or args.plan is not None:
+        fix = (
+            _hf_pipeline_fix(args) if args.hf_model is not None else "leave pp out, or use --model."
+        )
         raise _PlanError(
             f"pp={layout.pp}: the dry run cuts registered models into pipeline stages; "
-            f"{args.model or args.hf_model!r} with this plan declares none.",
-            [_finding("", "mesh", "no pipeline stages", "leave pp out, or use --model.")],
+            f"{args.model or args.hf_model!r} with this plan declares none. Fix: {fix}",
+            [_finding("", "mesh", "no pipeline stages", fix)],
         )
     assert subject.run is not None
     microbatches = subject.run.num_microbatches  # the run plan's count
@@ -763,9 +766,28 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _hf_pipeline_fix(args: argparse.Namespace) -> str:
+    """The fix of ``pp`` on a ``transformers`` model (``--hf-model``), which is not cut into
+    stages: this library's own model of that config is (``--hf-config``)."""
+    source = args.hf_model if os.path.exists(args.hf_model) else "DIR (its config.json)"
+    return (
+        "leave pp out of the mesh, or check this library's own model of that config, which "
+        f"is cut into pipeline stages and trains under pp: --hf-config {source} instead of "
+        "--hf-model (Llama / Mistral, Qwen3, Qwen3-MoE)."
+    )
+
+
 def _hf_paths_hint(args: argparse.Namespace, findings: list[Any]) -> list[Any]:
     """Point a plan written for the ``transformers`` model, checked with ``--hf-config``
-    (which builds this library's own model of that config), at ``--hf-model CONFIG``."""
+    (which builds this library's own model of that config), at ``--hf-model CONFIG``; and
+    ``pp`` on the ``transformers`` model (``--hf-model``) at ``--hf-config``."""
+    if args.hf_model is not None:
+        return [
+            dataclasses.replace(f, fix=_hf_pipeline_fix(args))
+            if (f.path, f.field) == ("mesh", "pp") and "declares no pipeline stages" in f.message
+            else f
+            for f in findings
+        ]
     if args.hf_config is None or args.plan is None:
         return findings
     hint = (

@@ -568,7 +568,13 @@ def pipeline_plan_findings(
         ]
     if model is None:  # the model's sharding was refused: reported already
         return None, []
-    flops = split is not None and split.balance == "flops"
+    # FLOPs are counted for a balanced split only (an explicit one with a balance is refused).
+    flops = (
+        split is not None
+        and split.balance == "flops"
+        and split.units_per_stage is None
+        and split.stages is None
+    )
     units_key = ("units", seq_len or 2048) if flops else ("units",)
     try:
         if memo is not None and units_key in memo:
@@ -586,8 +592,10 @@ def pipeline_plan_findings(
                 "error",
                 "pipeline",
                 "split.balance",
-                f"counting each unit's FLOPs on a sequence of {seq_len or 2048} tokens failed: {e}",
-                "use a sequence length the model takes, or balance by 'params'.",
+                f"counting each unit's FLOPs on a sequence of {seq_len or 2048:,} tokens"
+                f"{'' if seq_len else ' (no sequence length given: 2,048 assumed)'} failed: {e}",
+                "give the run's sequence length, one the model takes (--seq N for validate "
+                "and plan, --seq-len N for train and demo), or balance by 'params'.",
             )
         ]
     except AttributeError as e:

@@ -435,8 +435,21 @@ class RunPlan:
                         "{'balance': 'params' | 'flops'}.",
                     )
                 )
-        else:
+        elif pipeline_split is None or isinstance(pipeline_split, PipelineSplit):
             split = pipeline_split
+        else:  # a job file's array, a number: refused here, never read as a split
+            findings.append(
+                Finding(
+                    "error",
+                    "pipeline",
+                    "pipeline_split",
+                    f"is {type(pipeline_split).__name__} {pipeline_split!r}; the split is a "
+                    "dict (or a PipelineSplit).",
+                    "give {'units_per_stage': n} or {'stages': [[unit, ...], ...]} (a job "
+                    'file: pipeline_split = {stages = [["tok_embeddings", "layers.0"], '
+                    '["layers.1", "norm+output"]]}).',
+                )
+            )
         if num_microbatches is None:
             num_microbatches = default_num_microbatches(layout.pp, schedule, stages_per_rank)
         findings += compile_findings(

@@ -129,6 +129,21 @@ def test_layer_count_the_split_cannot_place(units):
         split=PipelineSplit(units_per_stage=2),
     )
     assert _fields(findings) == ["split"] and "at least 2 per rank" in findings[0].message
+    # ZBVZeroBubble takes a V of exactly 2 stages per rank: 6 stages (1 unit each) at pp=2
+    # were refused as not "a multiple of pp=2, at least 2 per rank", which 6 is: the
+    # message named the interleaved schedules' rule, not the V's (exactly 4).
+    deeper = PIPELINE.units(preset_config("llama3-debug", num_layers=4))
+    for pp, size in ((2, 1), (1, 2)):  # 6 stages at pp=2; 3 at pp=1
+        findings = pipeline_findings(
+            deeper,
+            pp=pp,
+            schedule="ZBVZeroBubble",
+            num_microbatches=4,
+            split=PipelineSplit(units_per_stage=size),
+        )
+        assert _fields(findings) == ["split"]
+        assert f"needs exactly {2 * pp} (pp={pp} x 2 per rank, a V)" in findings[0].message
+        assert "a multiple of" not in findings[0].message
 
 
 def test_empty_stage_unknown_unit_and_order(units):
@@ -144,10 +159,57 @@ def test_empty_stage_unknown_unit_and_order(units):
     assert "model order" in findings[0].message
 
 
+def test_a_stage_that_is_not_a_list_of_unit_names_is_refused_as_such(units):
+    # {"stages": [[...], "layers.1"]} was read letter by letter: eight findings "names
+    # 'l'", "names 'a'", ... and none saying the stage must be a list.
+    def found(stages):
+        split = PipelineSplit.from_dict({"stages": stages})
+        return pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=2, split=split)
+
+    (error,) = found([["tok_embeddings", "layers.0"], "layers.1"])
+    assert error.field == "split.stages[1]" and error.message.startswith("is 'layers.1';")
+    assert '["layers.1"]' in error.fix and '"tok_embeddings"' in error.fix
+    (error,) = found("tok_embeddings")
+    assert error.field == "split.stages" and error.message.startswith("is 'tok_embeddings';")
+    (error,) = found([["tok_embeddings", 1], ["layers.1"]])
+    assert error.field == "split.stages[0]"
+    (error,) = found(3)
+    assert error.field == "split.stages"
+    good = [["tok_embeddings", "layers.0"], ["layers.1", "norm+output"]]
+    assert found(good) == [] and found([tuple(s) for s in good]) == []
+    # JSON's true is no unit count (it was read as 1).
+    split = PipelineSplit.from_dict({"units_per_stage": True})
+    findings = pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=2, split=split)
+    assert _fields(findings) == ["split.units_per_stage"] and "is True" in findings[0].message
+
+
 def test_batch_not_divisible_into_microbatches(units):
     findings = pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=4, batch_size=6)
     assert _fields(findings) == ["num_microbatches"]
     assert "does not split into 4 equal micro-batches" in findings[0].message
+    assert "(e.g. 1, 2, 3)" in findings[0].fix  # GPipe runs any count
+
+
+def test_the_batch_fix_names_only_counts_the_schedule_runs():
+    # pp=4 at 1F1B, 2 sequences per rank: the fix said "use a micro-batch count that
+    # divides 2", and 1 or 2 micro-batches are then refused by 1F1B (fewer than 4 stages).
+    deeper = PIPELINE.units(preset_config("llama3-debug", num_layers=4))
+
+    def fix(**options):
+        findings = pipeline_findings(deeper, pp=4, schedule="1F1B", **options)
+        (finding,) = findings
+        assert finding.field == "num_microbatches" and "equal micro-batches" in finding.message
+        return finding.fix
+
+    assert "runs no micro-batch count that divides 2" in fix(num_microbatches=4, batch_size=2)
+    assert "a multiple of 4" in fix(num_microbatches=4, batch_size=2)
+    # 12 sequences, 8 micro-batches: 1F1B at pp=4 runs 4, 6 and 12 of its divisors.
+    assert "(e.g. 4, 6, 12)" in fix(num_microbatches=8, batch_size=12)
+    for m in (4, 6, 12):
+        assert (
+            pipeline_findings(deeper, pp=4, schedule="1F1B", num_microbatches=m, batch_size=12)
+            == []
+        )
 
 
 def test_schedule_names_and_stages_per_rank(units):
@@ -283,6 +345,30 @@ def test_balance_errors(units):
     assert _fields(uncounted) == ["split.balance"] and "seq_len" in uncounted[0].fix
 
 
+def test_a_balance_beside_an_explicit_split_is_refused(units):
+    # {"units_per_stage": 2, "balance": "flops"} planned by units_per_stage and said
+    # nothing of the balance (any value, "bogus" too, was accepted and unused).
+    for explicit in ({"units_per_stage": 2}, {"stages": [["tok_embeddings"], ["layers.0"]]}):
+        for balance in ("flops", "bogus"):
+            split = PipelineSplit.from_dict({**explicit, "balance": balance})
+            findings = pipeline_findings(
+                units, pp=2, schedule="GPipe", num_microbatches=2, split=split
+            )
+            assert _fields(findings) == ["split.balance"], findings
+            assert f"is {balance!r} beside an explicit split" in findings[0].message
+            assert "drop 'balance'" in findings[0].fix
+    plain = PipelineSplit.from_dict({"units_per_stage": 2, "balance": "params"})  # the default
+    assert pipeline_findings(units, pp=2, schedule="GPipe", num_microbatches=2, split=plain) == []
+    # The trainer's gate says so before counting FLOPs (which refused the debug model's
+    # 512 positions at validate's 2048-token count, a problem of a balance not used).
+    from hyper_parallel.train.trainer import TrainConfig, check_config
+
+    cfg = TrainConfig(
+        mesh={"pp": 2}, batch_size=2, pipeline_split={"units_per_stage": 2, "balance": "flops"}
+    )
+    assert [(f.field, f.severity) for f in check_config(cfg, 2)] == [("split.balance", "error")]
+
+
 def test_the_trainer_balances_by_flops_when_asked():
     from hyper_parallel.train.trainer import TrainConfig, run_plan
 
@@ -310,3 +396,42 @@ def test_stage_width_comes_from_the_layout_or_a_clear_refusal():
     silent = dataclasses.replace(PIPELINE, activation_dim=None)
     with pytest.raises(ValueError, match="declares no activation_dim"):
         silent.stage_width(config)
+
+
+def test_the_package_example_calls_each_function_as_it_is_defined():
+    # The package's example called pipeline_step(schedule, plan, pp_rank, tokens,
+    # targets, mesh["pp"]): six arguments to a function of five, pp_rank where the pp
+    # mesh goes (TypeError when copied). Each call of the example binds to its signature.
+    import ast
+    import inspect
+
+    import hyper_parallel.distributed.builder as builder
+    import hyper_parallel.distributed.pipeline as pipeline
+
+    doc = pipeline.__doc__
+    code = doc[doc.index("Example::") :].split("\n", 1)[1]
+    lines = [ln.strip().removeprefix("# ").split("  #")[0] for ln in code.splitlines()]
+    trees = []
+    for line in lines:  # each line of code, commented or not; prose is skipped
+        try:
+            trees.append(ast.parse(line))
+        except SyntaxError:
+            continue
+    calls = [
+        node
+        for tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    ]
+    functions = {"build_stages": builder.build_stages}
+    functions |= {n: getattr(pipeline, n) for n in pipeline.__all__}
+    bound = []
+    for call in calls:
+        if call.func.id in functions:
+            args = [ast.unparse(a) for a in call.args]
+            kwargs = {k.arg: ast.unparse(k.value) for k in call.keywords}
+            sig = inspect.signature(functions[call.func.id]).bind(*args, **kwargs)
+            bound.append((call.func.id, sig.arguments))
+    names = [name for name, _ in bound]
+    assert names == ["plan_pipeline", "build_stages", "build_schedule", "pipeline_step"]
+    assert dict(bound)["pipeline_step"]["pp_mesh"] == "mesh['pp']"

@@ -36,7 +36,7 @@ Example::
     # on each rank of a mesh with a pp axis:
     # modules = build_stages(run, mesh, "cpu", seed=0)  # hyper_parallel.distributed.builder
     # schedule = build_schedule(modules, plan, mesh["pp"], "cpu", loss_fn)
-    # loss = pipeline_step(schedule, plan, pp_rank, tokens, targets, mesh["pp"])
+    # loss = pipeline_step(schedule, plan, mesh["pp"], tokens, targets)
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ class PipelineSplit:
     With neither, stages are balanced (:func:`balanced_split`) by ``balance``:
     ``"params"`` (parameter count, the default) or ``"flops"`` (each unit's forward
     FLOPs, :func:`count_unit_flops`: attention's cost grows with the sequence, the
-    embedding costs none).
+    embedding costs none). A ``balance`` other than ``"params"`` beside either field is
+    refused: the explicit split places the units itself.
     """
 
     units_per_stage: int | None = None
@@ -107,9 +108,12 @@ class PipelineSplit:
                 "or 'balance'."
             )
         stages = values.get("stages")
+        if isinstance(stages, (list, tuple)):
+            # A stage given as one string stays one (refused by name), never its letters.
+            stages = tuple(s if isinstance(s, str) else tuple(s) for s in stages)
         return cls(
             units_per_stage=values.get("units_per_stage"),
-            stages=None if stages is None else tuple(tuple(s) for s in stages),
+            stages=stages,
             balance=values.get("balance", "params"),
         )
 
@@ -254,9 +258,21 @@ def _resolve_split(
                 "give one: units per stage, or explicit stage lists.",
             )
         ]
+    if split.balance != "params" and (
+        split.units_per_stage is not None or split.stages is not None
+    ):
+        return None, [
+            _error(
+                "split.balance",
+                f"is {split.balance!r} beside an explicit split (units_per_stage or stages), "
+                "which places the units itself: the balance would do nothing.",
+                "drop 'balance' to keep the explicit split, or drop units_per_stage / stages "
+                f"to balance by {split.balance!r}.",
+            )
+        ]
     if split.units_per_stage is not None:
         size = split.units_per_stage
-        if not isinstance(size, int) or size < 1:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             return None, [
                 _error(
                     "split.units_per_stage",
@@ -266,6 +282,16 @@ def _resolve_split(
             ]
         return [names[i : i + size] for i in range(0, len(names), size)], []
     if split.stages is not None:
+        where, value = _malformed_stages(split.stages)
+        if where:
+            return None, [
+                _error(
+                    where,
+                    f"is {value!r}; each stage is a list of unit names, stages a list of them.",
+                    f'write e.g. {{"stages": [["{units[0].name}", "{units[1].name}"], '
+                    f'[..., "{units[-1].name}"]]}} (a one-unit stage too: ["layers.1"]).',
+                )
+            ]
         return _explicit_stages(units, split.stages)
     assert num_stages is not None
     if num_stages > len(units):
@@ -303,6 +329,17 @@ def _resolve_split(
         out.append(names[start : start + size])
         start += size
     return out, []
+
+
+def _malformed_stages(stages: Any) -> tuple[str, Any]:
+    """The field and value of ``stages`` that is not a list of lists of unit names
+    (``("", None)`` when it is one)."""
+    if not isinstance(stages, (list, tuple)):
+        return "split.stages", stages
+    for i, items in enumerate(stages):
+        if not isinstance(items, (list, tuple)) or not all(isinstance(n, str) for n in items):
+            return f"split.stages[{i}]", items
+    return "", None
 
 
 def _explicit_stages(
@@ -528,6 +565,7 @@ def check_pipeline(
     )
     if schedule in _V_SHAPE:
         good_count = num_stages == 2 * pp
+        expected = f"exactly {2 * pp} (pp={pp} x 2 per rank, a V)"
     if not good_count:
         findings.append(
             _error(
@@ -560,11 +598,35 @@ def check_pipeline(
                 "num_microbatches",
                 f"the batch of {batch_size} sequences per data-parallel rank does not split "
                 f"into {num_microbatches} equal micro-batches.",
-                f"use a micro-batch count that divides {batch_size}, or a batch size that is a "
-                f"multiple of {num_microbatches}.",
+                _batch_fix(plan, batch_size),
             )
         )
     return plan, findings
+
+
+def _batch_fix(plan: PipelinePlan, batch_size: int) -> str:
+    """The fix of a batch the micro-batch count does not divide: the (up to 3 smallest)
+    counts that divide it and that the schedule runs (a divisor it refuses is no fix),
+    else a larger batch. The smallest only: torch builds a schedule in up to quadratic
+    time in its micro-batches (memoized)."""
+    counts: list[int] = []
+    for m in range(1, batch_size + 1):
+        if len(counts) == 3:
+            break
+        if batch_size % m == 0 and (
+            _schedule_refusal(plan.schedule, plan.pp, m, plan.stages_per_rank) is None
+        ):
+            counts.append(m)
+    larger = f"a batch size that is a multiple of {plan.num_microbatches}"
+    if not counts:
+        return (
+            f"use {larger}: {plan.schedule} with {plan.num_stages} stages on pp={plan.pp} runs "
+            f"no micro-batch count that divides {batch_size}."
+        )
+    return (
+        f"use a micro-batch count that divides {batch_size} and {plan.schedule} runs (e.g. "
+        f"{', '.join(map(str, counts))}), or {larger}."
+    )
 
 
 def _microbatch_findings(plan: PipelinePlan) -> list[Finding]:
@@ -654,8 +716,10 @@ def tied_parameter_findings(
                     "split",
                     f"parameters {where} are one tied tensor split across pipeline stages; "
                     "each stage would train its own copy.",
-                    "untie the weights (e.g. tie_word_embeddings=False), or place the units "
-                    "that share them on the same stage.",
+                    "untie the weights (a registered model: --model-overrides "
+                    "'{\"tie_embeddings\": false}'; a Hugging Face config: "
+                    '"tie_word_embeddings": false), place the units that share them on the '
+                    "same stage, or train without pp.",
                     path=names[0].rsplit(".", 1)[0],
                 )
             )
