@@ -17,10 +17,11 @@ side of that layout, and its checks:
   ``_HeadTailLoadBalancer``.
 - :func:`positions` is each rank's global token positions, passed to the model as
   ``model(tokens, positions=positions)``.
-- The loss on a rank is the mean over its own tokens; every rank holds the same number
-  of tokens, so the mean of the ranks' losses is the global mean, and averaging the
-  gradients over ``cp`` (what FSDP2 does over ``fsdp = dp_shard x cp``) gives the
-  one-device gradient.
+- The loss on a rank (``cross_entropy_loss``) is the sum over its own tokens times ``cp``
+  over the non-ignored targets of the whole sequence (one count all-reduced over
+  ``cp``), so the mean of the ranks' losses is the global mean even where the ranks
+  hold different numbers of ignored (-100) targets, and averaging the gradients over
+  ``cp`` (what FSDP2 does over ``fsdp = dp_shard x cp``) gives the one-device gradient.
 - :func:`cp_findings` reports every problem of a model + layout + sequence length as
   :class:`~hyper_parallel.dmodule.Finding` s, before anything runs.
 
