@@ -272,6 +272,29 @@ def unshard_round_trip(seq_len: int) -> dict[str, Any]:
     }
 
 
+def unshard_placed_otherwise() -> dict[str, str]:
+    """unshard_sequence given DTensors that are not Shard(seq) on cp: the errors."""
+    from hyper_parallel.core.dtensor.dtensor import distribute_tensor
+    from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+
+    mesh = MeshLayout.from_sizes({"cp": c10d.get_world_size()}).build("cpu")
+    full = torch.arange(16.0).view(2, 8)
+    out = {}
+    for name, placement, dim in (
+        ("replicated", Replicate(), 1),
+        ("batch_split", Shard(0), 1),
+        ("wrong_dim", Shard(1), 0),
+    ):
+        try:
+            got = cp.unshard_sequence(
+                distribute_tensor(full, mesh["cp"], [placement]), mesh["cp"], dim
+            )
+            out[name] = f"returned {got.tolist()}"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
 def compare_with_fsdp(mesh_text: str, tp_layout: str | None, seq_len: int) -> dict[str, Any]:
     """CP under FSDP2 sharding over ``cp``: the gradients FSDP leaves equal one device's.
 

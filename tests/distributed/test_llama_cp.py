@@ -19,6 +19,7 @@ from tests.distributed.cp_checks import (
     expected_cp_collectives,
     forward_without_positions,
     positions_not_the_split,
+    unshard_placed_otherwise,
     unshard_round_trip,
 )
 
@@ -118,6 +119,16 @@ def test_shard_then_unshard_round_trip_with_gradients(dist):
             assert grad[pos] == [float(pos)] * 3
         others = [p for p in range(seq_len) if p not in r["mine"]]
         assert all(grad[p] == [0.0] * 3 for p in others)
+
+
+def test_unshard_refuses_a_dtensor_that_is_not_split_on_cp(dist):
+    # A replicated DTensor was already whole; "undoing" the head-tail order scrambled it
+    # ([0, 1, 4, 5, 6, 7, 2, 3] for arange(8)).
+    for r in dist.run(unshard_placed_otherwise):
+        for name, dim in (("replicated", 1), ("batch_split", 1), ("wrong_dim", 0)):
+            assert f"not Shard({dim}) on the cp axis ('cp',)" in r[name], r[name]
+        assert "placed [Replicate()]" in r["replicated"]
+        assert "full_tensor()" in r["replicated"]
 
 
 def test_fsdp_over_cp_averages_the_gradients_to_one_device(dist):
