@@ -425,7 +425,12 @@ def validate(
     elif trace:
         if seq_len is None:
             seq_len = _default_seq_len(layout)
-        findings += _trace(target, run, layout, findings, report, inputs, batch_size, seq_len)
+        # The run's own findings at the model's root (path "": the micro-batch count, the
+        # sequence length) say nothing of the root module's config, which under cp carries
+        # the positions: dropping it for them made the trace fail with a finding of its own.
+        run_level = {id(f) for f in [*mesh_findings, *run.findings] if not f.path}
+        broken = {f.path for f in findings if f.severity == "error" and id(f) not in run_level}
+        findings += _trace(target, run, layout, broken, report, inputs, batch_size, seq_len)
     order = {"error": 0, "warning": 1, "info": 2}
     report.findings = sorted(_unique(findings), key=lambda f: order.get(f.severity, 3))
     return report
@@ -829,7 +834,7 @@ def _trace(
     target: Target,
     run: RunPlan,
     layout: MeshLayout,
-    static: Sequence[Finding],
+    broken: set[str],
     report: ValidationReport,
     inputs: Sequence[torch.Tensor] | None,
     batch_size: int,
@@ -842,7 +847,6 @@ def _trace(
     if any(getattr(e.module, BOUNDARY_ATTR, None) is not None for e in entries):
         report.notes.append("boundary analysis skipped: the model is already parallelized.")
         return []
-    broken = {f.path for f in static if f.severity == "error"}
     kept = [e for e in entries if e.path not in broken and e.config.dispatch is None]
     if any(e.config.dispatch is not None for e in entries):
         report.notes.append(
