@@ -884,6 +884,7 @@ def _trace_on(
     seq_len: int,
     mode: FakeTensorMode,
 ) -> list[Finding]:
+    plain: tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]] | None = None
     try:
         args = _fake_inputs(inputs, mode) if inputs is not None else None
         kwargs: dict[str, torch.Tensor] = {}
@@ -894,6 +895,9 @@ def _trace_on(
             # the rows, whose sharding DTensor cannot propagate on fake tensors (a
             # data-dependent size): a batch > 1 refused runs the trainer runs.
             args, kwargs = cp_inputs(model, 1, seq_len, layout.cp, mode)
+            # Without its plan the model runs on one device: the whole sequence, its own
+            # positions (a rank's part would pass checks of the global length, the rope's).
+            plain = default_inputs(model, 1, seq_len, mode), {}
         if args is None:
             args = default_inputs(model, batch_size, seq_len, mode)
     except ValueError as e:
@@ -910,7 +914,7 @@ def _trace_on(
             model(*args, **kwargs)
     except Exception as e:  # any failure of the forward is a finding
         path = tracer.current_path()
-        reason = _plain_forward_failure(target, args, mode, kwargs)
+        reason = _plain_forward_failure(target, *(plain or (args, kwargs)), mode=mode)
         if reason is not None:
             report.notes.append(
                 f"boundary analysis skipped: the example inputs do not fit the model even "
@@ -965,8 +969,9 @@ def _forward_failure_fix(model: nn.Module, path: str | None, error: str) -> str:
 def _plain_forward_failure(
     target: Target,
     args: Sequence[torch.Tensor],
-    mode: FakeTensorMode,
     kwargs: Mapping[str, torch.Tensor] | None = None,
+    *,
+    mode: FakeTensorMode,
 ) -> str | None:
     """Why the model without its plan cannot run on ``args`` (``None`` when it can)."""
     model = target.build_fake(mode)

@@ -439,3 +439,19 @@ def test_a_run_level_error_under_cp_keeps_the_root_config_in_the_trace():
     errors = [(f.path, f.field) for f in report.findings if f.severity == "error"]
     assert errors == [("", "num_microbatches")], report.to_table()
     assert not any("ran without" in n for n in report.notes), report.notes
+
+
+def test_a_sequence_past_the_rope_under_cp_is_one_error_not_a_failed_trace_too():
+    """Under cp the trace feeds a rank's half of the sequence: the model without its plan
+    ran on that half (32 tokens fit max_seq_len=32), so the parallelized forward's failure
+    on the global 64 was reported as the plan's, with the fix "fix the placements of this
+    module". The plain forward now runs on the whole sequence, as one device would."""
+    from hyper_parallel.distributed.axes import apply_model_axes
+
+    spec = get_spec("llama3-debug")
+    mesh = {"cp": 2}
+    config = apply_model_axes(spec, spec.config(max_seq_len=32), MeshLayout.from_sizes(mesh))
+    report = validate(config, mesh, seq_len=64)
+    fields = {f.field for f in report.findings if f.severity == "error"}
+    assert fields == {"max_seq_len"}, report.to_table()
+    assert any("do not fit the model even without the plan" in n for n in report.notes)
