@@ -420,8 +420,16 @@ def validate(
     )
     if model_axes:
         findings += _coverage(model, entries, model_axes)
+    # A sequence the run cannot split (head-tail over cp, over tp under SP or the MoE's
+    # slices) fails the traced forward too: one error, not a second one blaming placements.
+    unsplit = [f for f in run.findings if f.severity == "error" and f.field == "seq_len"]
     if trace and pipeline_errors:
         report.notes.append("boundary analysis skipped: the pipeline plan has errors.")
+    elif trace and unsplit:
+        report.notes.append(
+            "boundary analysis skipped: the sequence length cannot be split as the run "
+            "needs (the seq_len error above)."
+        )
     elif trace:
         if seq_len is None:
             seq_len = _default_seq_len(layout)
