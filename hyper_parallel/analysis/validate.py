@@ -420,12 +420,25 @@ def validate(
     )
     if model_axes:
         findings += _coverage(model, entries, model_axes)
+    # A sequence the run cannot split (head-tail over cp, over tp under SP or the MoE's
+    # slices) fails the traced forward too: one error, not a second one blaming placements.
+    unsplit = [f for f in run.findings if f.severity == "error" and f.field == "seq_len"]
     if trace and pipeline_errors:
         report.notes.append("boundary analysis skipped: the pipeline plan has errors.")
+    elif trace and unsplit:
+        report.notes.append(
+            "boundary analysis skipped: the sequence length cannot be split as the run "
+            "needs (the seq_len error above)."
+        )
     elif trace:
         if seq_len is None:
             seq_len = _default_seq_len(layout)
-        findings += _trace(target, run, layout, findings, report, inputs, batch_size, seq_len)
+        # The run's own findings at the model's root (path "": the micro-batch count, the
+        # sequence length) say nothing of the root module's config, which under cp carries
+        # the positions: dropping it for them made the trace fail with a finding of its own.
+        run_level = {id(f) for f in [*mesh_findings, *run.findings] if not f.path}
+        broken = {f.path for f in findings if f.severity == "error" and id(f) not in run_level}
+        findings += _trace(target, run, layout, broken, report, inputs, batch_size, seq_len)
     order = {"error": 0, "warning": 1, "info": 2}
     report.findings = sorted(_unique(findings), key=lambda f: order.get(f.severity, 3))
     return report
@@ -829,7 +842,7 @@ def _trace(
     target: Target,
     run: RunPlan,
     layout: MeshLayout,
-    static: Sequence[Finding],
+    broken: set[str],
     report: ValidationReport,
     inputs: Sequence[torch.Tensor] | None,
     batch_size: int,
@@ -842,7 +855,6 @@ def _trace(
     if any(getattr(e.module, BOUNDARY_ATTR, None) is not None for e in entries):
         report.notes.append("boundary analysis skipped: the model is already parallelized.")
         return []
-    broken = {f.path for f in static if f.severity == "error"}
     kept = [e for e in entries if e.path not in broken and e.config.dispatch is None]
     if any(e.config.dispatch is not None for e in entries):
         report.notes.append(
@@ -880,6 +892,7 @@ def _trace_on(
     seq_len: int,
     mode: FakeTensorMode,
 ) -> list[Finding]:
+    plain: tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]] | None = None
     try:
         args = _fake_inputs(inputs, mode) if inputs is not None else None
         kwargs: dict[str, torch.Tensor] = {}
@@ -890,6 +903,9 @@ def _trace_on(
             # the rows, whose sharding DTensor cannot propagate on fake tensors (a
             # data-dependent size): a batch > 1 refused runs the trainer runs.
             args, kwargs = cp_inputs(model, 1, seq_len, layout.cp, mode)
+            # Without its plan the model runs on one device: the whole sequence, its own
+            # positions (a rank's part would pass checks of the global length, the rope's).
+            plain = default_inputs(model, 1, seq_len, mode), {}
         if args is None:
             args = default_inputs(model, batch_size, seq_len, mode)
     except ValueError as e:
@@ -906,7 +922,7 @@ def _trace_on(
             model(*args, **kwargs)
     except Exception as e:  # any failure of the forward is a finding
         path = tracer.current_path()
-        reason = _plain_forward_failure(target, args, mode, kwargs)
+        reason = _plain_forward_failure(target, *(plain or (args, kwargs)), mode=mode)
         if reason is not None:
             report.notes.append(
                 f"boundary analysis skipped: the example inputs do not fit the model even "
@@ -961,8 +977,9 @@ def _forward_failure_fix(model: nn.Module, path: str | None, error: str) -> str:
 def _plain_forward_failure(
     target: Target,
     args: Sequence[torch.Tensor],
-    mode: FakeTensorMode,
     kwargs: Mapping[str, torch.Tensor] | None = None,
+    *,
+    mode: FakeTensorMode,
 ) -> str | None:
     """Why the model without its plan cannot run on ``args`` (``None`` when it can)."""
     model = target.build_fake(mode)

@@ -17,10 +17,11 @@ side of that layout, and its checks:
   ``_HeadTailLoadBalancer``.
 - :func:`positions` is each rank's global token positions, passed to the model as
   ``model(tokens, positions=positions)``.
-- The loss on a rank is the mean over its own tokens; every rank holds the same number
-  of tokens, so the mean of the ranks' losses is the global mean, and averaging the
-  gradients over ``cp`` (what FSDP2 does over ``fsdp = dp_shard x cp``) gives the
-  one-device gradient.
+- The loss on a rank (``cross_entropy_loss``) is the sum over its own tokens times ``cp``
+  over the non-ignored targets of the whole sequence (one count all-reduced over
+  ``cp``), so the mean of the ranks' losses is the global mean even where the ranks
+  hold different numbers of ignored (-100) targets, and averaging the gradients over
+  ``cp`` (what FSDP2 does over ``fsdp = dp_shard x cp``) gives the one-device gradient.
 - :func:`cp_findings` reports every problem of a model + layout + sequence length as
   :class:`~hyper_parallel.dmodule.Finding` s, before anything runs.
 
@@ -82,6 +83,29 @@ def _check_split(length: int, cp_size: int, what: str) -> None:
         )
 
 
+def _sequence_dim(t: torch.Tensor, dim: int, what: str) -> int:
+    """``dim`` as a dim of ``t`` (negative counts from the end), refused out of range.
+
+    Wrapping it modulo ``t.ndim`` instead would cut another dim without a word (dim=2 of
+    ``[batch, seq]`` tokens is the batch).
+    """
+    if t.ndim == 0 or not -t.ndim <= dim < t.ndim:
+        raise ValueError(
+            f"{what}: dim={dim} is not a dim of a tensor of shape {tuple(t.shape)} "
+            f"({t.ndim}-D); pass the sequence dim (dim=1 for [batch, seq, ...], dim=0 for "
+            "one sequence)."
+        )
+    return dim % t.ndim
+
+
+def _check_rank(cp_rank: int, cp_size: int, what: str) -> None:
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(
+            f"{what}: cp_rank={cp_rank!r} is not a rank of a cp axis of size {cp_size}; "
+            f"use mesh['cp'].get_local_rank() (an int, 0..{cp_size - 1})."
+        )
+
+
 def chunk_order(cp_size: int) -> list[int]:
     """The chunks of the sequence in rank order (what an all-gather over ``cp`` of each
     rank's part holds): ``[0, 2 cp - 1, 1, 2 cp - 2, ...]``.
@@ -90,6 +114,8 @@ def chunk_order(cp_size: int) -> list[int]:
         >>> chunk_order(2)
         [0, 3, 1, 2]
     """
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"chunk_order: cp_size={cp_size!r}; it must be an integer >= 1.")
     return [c for r in range(cp_size) for c in (r, 2 * cp_size - 1 - r)]
 
 
@@ -103,24 +129,22 @@ def shard_sequence(t: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) ->
         dim: The sequence dim of ``t``.
 
     Returns:
-        A tensor with ``S / cp`` entries on ``dim`` (a copy; ``t`` is unchanged).
+        A tensor with ``S / cp`` entries on ``dim`` (a copy, at ``cp_size=1`` too; ``t``
+        is unchanged).
 
     Raises:
-        ValueError: ``S`` is not divisible by ``2 * cp_size``, or ``cp_rank`` is out of range.
+        ValueError: ``S`` is not divisible by ``2 * cp_size``, ``cp_rank`` is not an int
+            in range, or ``dim`` is not a dim of ``t``.
 
     Example:
         >>> shard_sequence(torch.arange(8), 0, 2, dim=0)
         tensor([0, 1, 6, 7])
     """
-    dim = dim % t.ndim if t.ndim else dim
+    dim = _sequence_dim(t, dim, "shard_sequence")
     _check_split(t.shape[dim], cp_size, "shard_sequence")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(
-            f"shard_sequence: cp_rank={cp_rank} is not a rank of a cp axis of size {cp_size}; "
-            f"use mesh['cp'].get_local_rank() (0..{cp_size - 1})."
-        )
+    _check_rank(cp_rank, cp_size, "shard_sequence")
     if cp_size == 1:
-        return t
+        return t.clone()
     chunks = t.chunk(2 * cp_size, dim)
     return torch.cat((chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]), dim)
 
@@ -141,6 +165,11 @@ def positions(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
         >>> positions(8, 1, 2)
         tensor([2, 3, 4, 5])
     """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(
+            f"positions: seq_len={seq_len!r}; it must be the global sequence length, an int "
+            ">= 0 (tokens.shape[1] * cp_size for a rank's tokens)."
+        )
     return shard_sequence(torch.arange(seq_len), cp_rank, cp_size, dim=0)
 
 
@@ -171,8 +200,9 @@ def unshard_sequence(local: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> 
             "the 1-D cp mesh (mesh['cp'])."
         )
     cp_size = cp_mesh.size()
-    dim = dim % local.ndim
+    dim = _sequence_dim(local, dim, "unshard_sequence")
     if isinstance(local, DTensor):
+        _check_split_on_cp(local, cp_mesh, dim)
         full = local.full_tensor()
     else:
         full = DTensor.from_local(local, cp_mesh, [Shard(dim)], run_check=False).redistribute(
@@ -185,6 +215,25 @@ def unshard_sequence(local: torch.Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> 
     chunks = full.chunk(2 * cp_size, dim)
     where = {chunk: i for i, chunk in enumerate(chunk_order(cp_size))}
     return torch.cat([chunks[where[c]] for c in range(2 * cp_size)], dim)
+
+
+def _check_split_on_cp(local: DTensor, cp_mesh: DeviceMesh, dim: int) -> None:
+    """A DTensor is taken whole only where it is ``Shard(dim)`` on the ``cp`` axis: any
+    other placement there is not a head-tail split, and reordering its chunks would
+    scramble it (a replicated one is already whole)."""
+    mesh, placements = local.device_mesh, local.placements
+    names, cp_names = mesh.mesh_dim_names, cp_mesh.mesh_dim_names
+    if names is not None and cp_names is not None:
+        on_cp = [p for name, p in zip(names, placements) if name == cp_names[0]]
+    else:
+        on_cp = list(placements) if mesh.ndim == 1 and mesh == cp_mesh else []
+    if len(on_cp) != 1 or not on_cp[0].is_shard(dim):
+        raise ValueError(
+            f"unshard_sequence: the DTensor is placed {list(placements)} on mesh axes "
+            f"{names}, not Shard({dim}) on the cp axis {cp_names}: it is not this rank's "
+            "head-tail part of the sequence. Take a tensor that is already whole with "
+            f"full_tensor(), or pass the sequence dim (dim={dim} given)."
+        )
 
 
 def causal_work(seq_len: int, cp_size: int, *, balanced: bool = True) -> list[int]:
@@ -210,6 +259,8 @@ def causal_work(seq_len: int, cp_size: int, *, balanced: bool = True) -> list[in
         _check_split(seq_len, cp_size, "causal_work")
         per_rank = [positions(seq_len, r, cp_size) for r in range(cp_size)]
     else:
+        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"causal_work: cp_size={cp_size!r}; it must be an integer >= 1.")
         if seq_len % cp_size:
             raise ValueError(
                 f"causal_work: {seq_len} tokens do not split into cp={cp_size} equal pieces."

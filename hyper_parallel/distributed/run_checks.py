@@ -448,8 +448,17 @@ def _moe_sequence_findings(layout: MeshLayout, moe: str, seq_len: int | None) ->
     if seq_len is None or seq_len % unit == 0:
         return []
     what = f"tp={layout.tp}" if layout.cp == 1 else f"cp x tp = {unit}"
-    below = seq_len - seq_len % unit
-    lengths = " or ".join(str(n) for n in (below, below + unit) if n)
+    # Lengths that also split head-tail over cp (2 x cp chunks), so the fix is one fix.
+    step = unit if layout.cp == 1 else layout.cp * math.lcm(2, layout.tp)
+    below = seq_len - seq_len % step
+    lengths = " or ".join(str(n) for n in (below, below + step) if n)
+    # The tp ranks split each cp rank's part, not the whole sequence.
+    if layout.cp == 1:
+        other_tp = f", or use a tp that divides {seq_len}"
+    elif seq_len % (2 * layout.cp) == 0:
+        other_tp = f", or use a tp that divides the {seq_len // layout.cp} tokens of each cp rank"
+    else:
+        other_tp = ""
     return [
         Finding(
             "error",
@@ -458,7 +467,7 @@ def _moe_sequence_findings(layout: MeshLayout, moe: str, seq_len: int | None) ->
             f"the mixture of experts ({moe}, ...) runs on each tp rank's slice of the "
             f"sequence, so seq_len must be a multiple of {what}; got seq_len={seq_len}.",
             "set the sequence length (--seq; --seq-len on train.run and demo) to a multiple "
-            f"of {unit} (e.g. {lengths}), or use a tp that divides {seq_len}.",
+            f"of {step} (e.g. {lengths}){other_tp}.",
         )
     ]
 

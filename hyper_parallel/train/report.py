@@ -426,7 +426,7 @@ def check_files(
     config_file: str | None = None,
 ) -> None:
     """Before any rank builds: outputs that would clobber something, a ``resume`` past
-    ``steps``, a damaged checkpoint.
+    ``steps``, a damaged checkpoint, bytes for a model whose vocabulary cannot hold them.
 
     Args:
         cfg: The run's ``TrainConfig``.
@@ -435,12 +435,16 @@ def check_files(
 
     Raises:
         OutputError: See :func:`check_outputs` and :func:`check_run_files`.
-        ValueError: See :func:`check_resume`.
+        ValueError: See :func:`check_resume` and
+            :func:`~hyper_parallel.train.run_hooks.check_byte_data`.
         HFCheckpointError: A safetensors file of ``hf_checkpoint`` is missing,
             truncated or corrupt (each named, with what is wrong).
     """
     check_outputs(cfg, files)
     check_resume(cfg)
+    from hyper_parallel.train import run_hooks
+
+    run_hooks.check_byte_data(cfg)
     if cfg.hf_checkpoint:
         from hyper_parallel.checkpoint_hf.io import (
             HFCheckpointError,

@@ -215,6 +215,32 @@ def _eos(cfg: Any, hf: Any) -> Any:
     return ids[0] if ids else None
 
 
+def check_byte_data(cfg: Any) -> None:
+    """Without ``--data`` or a tokenizer the run trains on the shipped text as bytes: the
+    model's vocabulary must hold every byte. Asked before any rank builds (``demo``,
+    ``train.run``) and by the trainer, the same check.
+
+    Raises:
+        ValueError: The model's vocabulary is smaller than the bytes' (a Hugging Face
+            checkpoint's, or ``vocab_size`` overridden), naming the fixes.
+    """
+    if cfg.data or tokenizer_path(cfg) is not None:
+        return
+    from hyper_parallel.dmodule.model_spec import get_spec
+    from hyper_parallel.train.data import VOCAB_SIZE
+
+    spec = get_spec(cfg.model)
+    if spec.family.vocab_size is None:
+        return
+    vocab_size = spec.family.vocab_size(spec.config(**cfg.model_overrides))
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(
+            f"model {cfg.model!r} has a vocabulary of {vocab_size} but the data is bytes "
+            f"(vocabulary {VOCAB_SIZE}); override vocab_size >= {VOCAB_SIZE} "
+            "(--model-overrides), or train on --data with a tokenizer."
+        )
+
+
 def build_data(cfg: Any, vocab_size: int | None, hf: Any = None) -> Any:
     """The run's data stream: ``cfg.data`` (checked against ``vocab_size``), else ``None``.
 

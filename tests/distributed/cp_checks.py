@@ -100,13 +100,16 @@ def compare_with_one_device(
     batch_positions: bool = False,
     order: str = "cp_last",
     num_kv_heads: int | None = None,
+    num_ignored: int = 0,
 ) -> dict[str, Any]:
     """Parallelize on the (cp[, tp]) mesh; compare logits, loss and every gradient.
 
-    The rank's loss is the mean over its tokens; the global loss is their mean over
+    The rank's loss is its share of the global mean; the global loss is their mean over
     ``cp`` and the gradient the mean of the ranks' gradients over ``cp`` (what FSDP2
     over ``dp_shard x cp`` computes), both compared with one device. ``num_kv_heads``
-    overrides the model's key/value heads (1: multi-query attention).
+    overrides the model's key/value heads (1: multi-query attention); ``num_ignored``
+    sets each sequence's first targets to -100 (``ignore_index``: a prompt or padding),
+    which the head-tail split leaves to the ranks in different numbers.
     """
     overrides = {} if num_kv_heads is None else {"num_kv_heads": num_kv_heads}
     layout, mesh, model_mesh, config = build(mesh_text, tp_layout, order, **overrides)
@@ -126,7 +129,8 @@ def compare_with_one_device(
 
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (2, seq_len + 1), generator=generator)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    targets[:, :num_ignored] = -100
     local_inputs = cp.shard_sequence(inputs, cp_rank, cp_size)
     local_targets = cp.shard_sequence(targets, cp_rank, cp_size)
     pos = cp.positions(seq_len, cp_rank, cp_size)
@@ -190,11 +194,13 @@ def compare_with_one_device(
 def _local_reference_loss_diff(
     ref_logits: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor, rank: int, size: int
 ) -> float:
-    """The rank's loss vs one device's mean over the same tokens (the rank's part)."""
+    """The rank's loss vs one device's sum over the same tokens (the rank's part) times
+    ``cp`` over the whole sequence's non-ignored targets (the rank's share of the mean)."""
     mine = cp.shard_sequence(ref_logits, rank, size)
-    expected = torch.nn.functional.cross_entropy(
-        mine.flatten(0, -2), cp.shard_sequence(targets, rank, size).flatten()
+    total = torch.nn.functional.cross_entropy(
+        mine.flatten(0, -2), cp.shard_sequence(targets, rank, size).flatten(), reduction="sum"
     )
+    expected = total * size / (targets != -100).sum()
     return abs(loss.item() - expected.item())
 
 
@@ -205,11 +211,12 @@ def expected_cp_collectives(num_layers: int) -> dict[str, dict[str, int]]:
     layer); nothing else (positions stay each rank's own: attention is computed by
     chunks, without a mask of every position). Backward: the keys' and values'
     gradients, declared ``Partial`` on ``cp``, are reduce-scattered back to their
-    sequence shards (2 per layer). The loss is each rank's own mean: nothing on ``cp``.
+    sequence shards (2 per layer). The loss all-reduces one count over ``cp``: the
+    non-ignored targets of the whole sequence, which divide each rank's sum.
     """
     return {
         "forward": {"all_gather": 2 * num_layers},
-        "loss": {},
+        "loss": {"all_reduce": 1},
         "backward": {"reduce_scatter": 2 * num_layers},
     }
 
@@ -263,6 +270,29 @@ def unshard_round_trip(seq_len: int) -> dict[str, Any]:
         "grad": full.grad.tolist(),
         "mine": cp.positions(seq_len, rank, size).tolist(),
     }
+
+
+def unshard_placed_otherwise() -> dict[str, str]:
+    """unshard_sequence given DTensors that are not Shard(seq) on cp: the errors."""
+    from hyper_parallel.core.dtensor.dtensor import distribute_tensor
+    from hyper_parallel.core.dtensor.placement_types import Replicate, Shard
+
+    mesh = MeshLayout.from_sizes({"cp": c10d.get_world_size()}).build("cpu")
+    full = torch.arange(16.0).view(2, 8)
+    out = {}
+    for name, placement, dim in (
+        ("replicated", Replicate(), 1),
+        ("batch_split", Shard(0), 1),
+        ("wrong_dim", Shard(1), 0),
+    ):
+        try:
+            got = cp.unshard_sequence(
+                distribute_tensor(full, mesh["cp"], [placement]), mesh["cp"], dim
+            )
+            out[name] = f"returned {got.tolist()}"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
 
 
 def compare_with_fsdp(mesh_text: str, tp_layout: str | None, seq_len: int) -> dict[str, Any]:

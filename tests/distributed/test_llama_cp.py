@@ -19,6 +19,7 @@ from tests.distributed.cp_checks import (
     expected_cp_collectives,
     forward_without_positions,
     positions_not_the_split,
+    unshard_placed_otherwise,
     unshard_round_trip,
 )
 
@@ -40,10 +41,15 @@ def results(dist):
     out["one_kv_head"] = dist.run(
         compare_with_one_device, "cp=2", None, True, SEQ_LEN, False, "cp_last", 1
     )
+    # Targets 0..9 ignored: rank 0 (positions 0-3, 12-15) keeps 4 per sequence, rank 1
+    # (4-11) 2; a mean of the ranks' own means weighs rank 1's tokens twice.
+    out["ignored_targets"] = dist.run(
+        compare_with_one_device, "cp=2", None, True, SEQ_LEN, False, "cp_last", None, 10
+    )
     return out
 
 
-@pytest.mark.parametrize("case", [*PATHS, "batch_positions", "one_kv_head"])
+@pytest.mark.parametrize("case", [*PATHS, "batch_positions", "one_kv_head", "ignored_targets"])
 def test_logits_loss_and_every_gradient_match_one_device(results, case):
     for r in results[case]:
         assert r["local_seq"] == SEQ_LEN // 2
@@ -59,8 +65,9 @@ def test_collectives_on_cp_are_the_declared_ones(results, case):
     expected = expected_cp_collectives(NUM_LAYERS)
     for r in results[case]:
         counts = r["counts"]
-        assert set(counts["forward"]) == {"cp"} and not counts["loss"]
+        assert set(counts["forward"]) == {"cp"}
         assert counts["forward"]["cp"] == expected["forward"]
+        assert counts["loss"] == {"cp": expected["loss"]}
         assert counts["backward"] == {"cp": expected["backward"]}
 
 
@@ -112,6 +119,16 @@ def test_shard_then_unshard_round_trip_with_gradients(dist):
             assert grad[pos] == [float(pos)] * 3
         others = [p for p in range(seq_len) if p not in r["mine"]]
         assert all(grad[p] == [0.0] * 3 for p in others)
+
+
+def test_unshard_refuses_a_dtensor_that_is_not_split_on_cp(dist):
+    # A replicated DTensor was already whole; "undoing" the head-tail order scrambled it
+    # ([0, 1, 4, 5, 6, 7, 2, 3] for arange(8)).
+    for r in dist.run(unshard_placed_otherwise):
+        for name, dim in (("replicated", 1), ("batch_split", 1), ("wrong_dim", 0)):
+            assert f"not Shard({dim}) on the cp axis ('cp',)" in r[name], r[name]
+        assert "placed [Replicate()]" in r["replicated"]
+        assert "full_tensor()" in r["replicated"]
 
 
 def test_fsdp_over_cp_averages_the_gradients_to_one_device(dist):

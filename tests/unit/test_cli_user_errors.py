@@ -415,3 +415,17 @@ def test_export_hf_states_its_default_dtype_as_save_hf_picks_it(capsys):
         assert "Hugging Face checkpoint the run started from" in text
         assert "says bf16 or fp16, else fp32" in text
     assert "as trained" not in doc
+
+
+def test_bytes_for_a_vocabulary_too_small_are_refused_before_any_rank_starts(capsys, monkeypatch):
+    # A model (a Hugging Face checkpoint's, or vocab_size overridden) whose vocabulary cannot
+    # hold the shipped text's bytes: each rank refused it once launched, so the demo ended
+    # in torchrun's traceback, exit 1 and "parity: ... nan ... FAIL".
+    overrides = ["--model-overrides", '{"vocab_size": 128}']
+    code, _, err = _run(capsys, ["demo", "--mesh", "cp=2", "--steps", "1", *overrides])
+    assert code == 2, err
+    assert "has a vocabulary of 128 but the data is bytes (vocabulary 256)" in err
+    assert "override vocab_size >= 256 (--model-overrides), or train on --data" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _train(["--mesh", "cp=2", "--steps", "1", *overrides]) == 2
+    assert "has a vocabulary of 128" in capsys.readouterr().err

@@ -55,6 +55,33 @@ def test_uneven_sequence_is_refused_with_the_fix():
         cp.positions(8, 0, 0)
 
 
+def test_odd_arguments_are_refused_not_wrapped_or_aliased():
+    batch = torch.arange(16).view(2, 8)
+    # dim=2 of [batch, seq] wrapped modulo 2 was the batch dim, cut without a word.
+    with pytest.raises(ValueError, match=r"dim=2 is not a dim of a tensor of shape \(2, 8\)"):
+        cp.shard_sequence(batch, 0, 2, dim=2)
+    with pytest.raises(ValueError, match=r"dim=1 is not a dim of a tensor of shape \(8,\)"):
+        cp.shard_sequence(torch.arange(8), 0, 2)
+    with pytest.raises(ValueError, match=r"dim=1 is not a dim of a tensor of shape \(\)"):
+        cp.shard_sequence(torch.tensor(3), 0, 2)
+    with pytest.raises(ValueError, match=r"cp_rank=0.0 is not a rank .* \(an int, 0..1\)"):
+        cp.shard_sequence(batch, 0.0, 2)
+    with pytest.raises(ValueError, match=r"positions: seq_len=-4; .* an int >= 0"):
+        cp.positions(-4, 0, 2)
+    with pytest.raises(ValueError, match=r"positions: seq_len=8.0"):
+        cp.positions(8.0, 0, 2)
+    with pytest.raises(ValueError, match=r"causal_work: cp_size=0"):
+        cp.causal_work(8, 0, balanced=False)
+    for size in (0, -1):
+        with pytest.raises(ValueError, match=rf"chunk_order: cp_size={size}"):
+            cp.chunk_order(size)
+    # A copy at cp=1 too, as documented: writing into the result leaves the batch alone.
+    part = cp.shard_sequence(batch, 0, 1)
+    part[:, :2] = -100
+    assert batch[:, :2].tolist() == [[0, 1], [8, 9]]
+    assert cp.shard_sequence(batch, 1, 2, dim=-1).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+
+
 # --------------------------------------------------------------------------- load balance
 
 

@@ -68,8 +68,9 @@ def test_plan_traces_cp_with_a_data_axis_and_several_sequences_a_rank(capsys):
     ``_StridedShard`` size computation, which reads an arange with ``.tolist()``; the
     attention input ``(batch, seq/cp, dim)`` flattened for its matmuls is one when batch > 1.
 
-    Against batch 1: the same collectives, cp's carrying twice the bytes (the keys and
-    values of two sequences), and the activations twice less the part no batch scales.
+    Against batch 1: the same collectives, cp's gathers carrying twice the bytes (the keys
+    and values of two sequences), the loss's one all-reduce on cp (the count of non-ignored
+    targets) the same 4, and the activations twice less the part no batch scales.
     """
     from hyper_parallel.cli import main
 
@@ -84,9 +85,16 @@ def test_plan_traces_cp_with_a_data_axis_and_several_sequences_a_rank(capsys):
         return {(c["phase"], c["kind"], c["axis"]): c["count"] for c in report["collectives"]}
 
     assert counts(two) == counts(one)
-    cp_bytes = {
-        b: [c["bytes"] for c in r["collectives"] if c["axis"] == "cp"] for b, r in reports.items()
-    }
-    assert cp_bytes[2] == [2 * b for b in cp_bytes[1]] and cp_bytes[1]
+
+    def cp_bytes(report, kinds):
+        return [
+            c["bytes"] for c in report["collectives"] if c["axis"] == "cp" and c["kind"] in kinds
+        ]
+
+    gathers = ("all_gather", "reduce_scatter")
+    assert cp_bytes(two, gathers) == [2 * b for b in cp_bytes(one, gathers)] and cp_bytes(
+        one, gathers
+    )
+    assert cp_bytes(two, ("all_reduce",)) == cp_bytes(one, ("all_reduce",)) == [4]
     act_one, act_two = one["per_rank_bytes"]["activations"], two["per_rank_bytes"]["activations"]
     assert 1.95 * act_one < act_two <= 2 * act_one

@@ -422,3 +422,36 @@ def test_a_mesh_without_tp_reports_no_parameter_as_uncovered(model, mesh):
     uncovered = validate(toy(), {"dp": 2, "tp": 4}, {"head": colwise(bias=False)}, trace=False)
     norms = [f for f in uncovered.findings if "covered by no sharding config" in f.message]
     assert norms and all("a full copy on every rank of tp" in f.message for f in norms)
+
+
+def test_a_run_level_error_under_cp_keeps_the_root_config_in_the_trace():
+    """A run-level error at the model's root (here micro-batches that do not divide the
+    batch) is the run's, not the root module's config: that config carries cp's positions,
+    and tracing without it failed in the attention with a second, wrong error ("fix the
+    placements of this module")."""
+    from hyper_parallel.distributed.axes import apply_model_axes
+
+    spec = get_spec("llama3-debug")
+    mesh = {"cp": 2}
+    config = apply_model_axes(spec, spec.config(), MeshLayout.from_sizes(mesh))  # as the CLI
+    report = validate(config, mesh, batch_size=1, num_microbatches=2)
+    assert report.traced
+    errors = [(f.path, f.field) for f in report.findings if f.severity == "error"]
+    assert errors == [("", "num_microbatches")], report.to_table()
+    assert not any("ran without" in n for n in report.notes), report.notes
+
+
+def test_a_sequence_past_the_rope_under_cp_is_one_error_not_a_failed_trace_too():
+    """Under cp the trace feeds a rank's half of the sequence: the model without its plan
+    ran on that half (32 tokens fit max_seq_len=32), so the parallelized forward's failure
+    on the global 64 was reported as the plan's, with the fix "fix the placements of this
+    module". The plain forward now runs on the whole sequence, as one device would."""
+    from hyper_parallel.distributed.axes import apply_model_axes
+
+    spec = get_spec("llama3-debug")
+    mesh = {"cp": 2}
+    config = apply_model_axes(spec, spec.config(max_seq_len=32), MeshLayout.from_sizes(mesh))
+    report = validate(config, mesh, seq_len=64)
+    fields = {f.field for f in report.findings if f.severity == "error"}
+    assert fields == {"max_seq_len"}, report.to_table()
+    assert any("do not fit the model even without the plan" in n for n in report.notes)

@@ -90,8 +90,8 @@ def apply_cp(
     :func:`~hyper_parallel.distributed.context_parallel.shard_sequence` (head-tail
     balanced) and its :func:`~hyper_parallel.distributed.context_parallel.positions`.
     Logits come back ``Shard(1)`` on ``axis`` in that order;
-    :func:`~hyper_parallel.models.llama.cross_entropy_loss` gives the mean over the
-    rank's tokens.
+    :func:`~hyper_parallel.models.llama.cross_entropy_loss` gives the rank's share of the
+    mean over the whole sequence (the ranks' mean is the one-device loss).
 
     Args:
         config: The model config; it is not changed.
