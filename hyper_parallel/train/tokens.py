@@ -208,7 +208,15 @@ def _jsonl_text(line: str, path: str, n: int, text_field: str) -> str:
             f"{path}:{n}: no field {text_field!r} (fields: {sorted(record)}); "
             "pass --text-field NAME."
         )
-    return str(record[text_field])
+    text = record[text_field]
+    if not isinstance(text, str):
+        # str() would train on "None", "12" or "['a', 'b']" in place of the document.
+        kind = _JSON_KINDS.get(type(text), "null" if text is None else "object")
+        raise ValueError(
+            f"{path}:{n}: field {text_field!r} is a JSON {kind}, not a string; each document "
+            f"is a string: fix or remove the line (or pass --text-field NAME)."
+        )
+    return text
 
 
 def tokenize_documents(tokenizer: Any, documents: Iterable[str], eos: int) -> np.ndarray:

@@ -264,8 +264,21 @@ def test_clear_errors(corpus, tokenizer, tmp_path):
             r"u\.jsonl:2: not UTF-8 text \(byte 11 ",
         ),
         ("u.txt", b"ab\ncd\xffef", r"u\.txt:2: not UTF-8 text \(byte offset 5: b'\\xff'"),
+        # A text field that is not a string was tokenized as its repr ("None", "12").
+        ("n.jsonl", b'{"text": "a"}\n{"text": null}\n', r"n\.jsonl:2: field 'text' is a JSON null"),
+        ("i.jsonl", b'{"text": 12}\n', r"i\.jsonl:1: field 'text' is a JSON number, not a"),
+        ("l.jsonl", b'{"text": ["a", "b"]}\n', r"l\.jsonl:1: field 'text' is a JSON array"),
     ],
-    ids=["string", "array", "not-json", "jsonl-not-utf8", "txt-not-utf8"],
+    ids=[
+        "string",
+        "array",
+        "not-json",
+        "jsonl-not-utf8",
+        "txt-not-utf8",
+        "null-text",
+        "number-text",
+        "array-text",
+    ],
 )
 def test_bad_text_names_the_file_and_line(tokenizer, tmp_path, capsys, name, content, expected):
     """A line that is not a JSON object, not JSON, or not UTF-8: a ValueError naming
@@ -277,7 +290,7 @@ def test_bad_text_names_the_file_and_line(tokenizer, tmp_path, capsys, name, con
     path.write_bytes(content)
     with pytest.raises(ValueError, match=expected) as info:
         open_corpus(str(path), vocab_size=320, tokenizer=tokenizer)
-    assert "UTF-8" in str(info.value) or '{"text": "..."}' in str(info.value)
+    assert any(fix in str(info.value) for fix in ("UTF-8", '{"text": "..."}', "fix or remove"))
     base = ["tokenize", str(path), "--tokenizer", tokenizer, "--no-progress"]
     for workers in ("1", "2"):
         out = tmp_path / f"out{workers}.bin"
