@@ -210,7 +210,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _tokenize(args: argparse.Namespace) -> int:
     from hyper_parallel.checkpoint_hf.outputs import check_output_file
-    from hyper_parallel.train.tokens import tokenize_files
+    from hyper_parallel.train.tokens import token_file_paths, tokenize_files
 
     tokenizer = args.tokenizer
     if tokenizer is None and args.hf_checkpoint:
@@ -223,12 +223,14 @@ def _tokenize(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        check_output_file(
-            args.out,
-            overwrite=args.overwrite,
-            inputs=[*args.inputs, tokenizer],
-            what="tokenize --out",
-        )
+        # A .bin comes with its sidecar (PATH.json): a file there is kept as --out is.
+        for out in token_file_paths(args.out):
+            check_output_file(
+                out,
+                overwrite=args.overwrite,
+                inputs=[*args.inputs, tokenizer],
+                what="tokenize --out" if out == args.out else "tokenize --out's sidecar",
+            )
         count = tokenize_files(
             args.inputs,
             args.out,

@@ -43,6 +43,7 @@ __all__ = [
     "load_token_file",
     "load_tokenizer",
     "open_corpus",
+    "token_file_paths",
     "tokenize_documents",
     "tokenize_files",
     "write_token_file",
@@ -271,6 +272,12 @@ def load_token_file(path: str) -> np.ndarray:
     return tokens
 
 
+def token_file_paths(path: str) -> list[str]:
+    """The files :func:`write_token_file` writes for ``path``: it, and for a ``.bin`` its
+    sidecar ``PATH.json`` (the dtype), so a command can refuse either before any work."""
+    return [path, path + ".json"] if path.endswith(".bin") else [path]
+
+
 def write_token_file(tokens: np.ndarray, path: str) -> str:
     """Write ``tokens`` as ``.npy``, or ``.bin`` (uint16 when every id fits, else uint32 + sidecar)."""
     if path.endswith(".npy"):
@@ -280,7 +287,7 @@ def write_token_file(tokens: np.ndarray, path: str) -> str:
         raise ValueError(f"--out {path}: write .bin or .npy.")
     dtype = np.uint16 if tokens.size == 0 or int(tokens.max()) < 2**16 else np.uint32
     tokens.astype(dtype).tofile(path)
-    with open(path + ".json", "w", encoding="utf-8") as f:
+    with open(token_file_paths(path)[1], "w", encoding="utf-8") as f:
         json.dump({"dtype": np.dtype(dtype).name, "tokens": int(tokens.size)}, f)
     return path
 

@@ -201,6 +201,14 @@ def test_tokenize_and_calibrate_keep_a_file_that_is_there(corpus, tokenizer, tmp
     assert main([*base, str(src), "--overwrite"]) == 2
     assert "it is the input" in capsys.readouterr().err and src.read_bytes() == before
     assert main([*base, str(out), "--overwrite"]) == 0 and load_token_file(str(out)).size > 0
+    # A .bin's sidecar (PATH.json) is an output too: a file of that name was replaced unasked.
+    fresh, sidecar = tmp_path / "s.bin", tmp_path / "s.bin.json"
+    sidecar.write_text("mine\n")
+    assert main([*base, str(fresh)]) == 2
+    err = capsys.readouterr().err
+    assert f"tokenize --out's sidecar {sidecar}: a file is there already" in err
+    assert sidecar.read_text() == "mine\n" and not fresh.exists()
+    assert main([*base, str(fresh), "--overwrite"]) == 0 and load_token_file(str(fresh)).size > 0
     assert main([*base, str(tmp_path / "new" / "t.bin")]) == 0
     assert load_token_file(str(tmp_path / "new" / "t.bin")).size == load_token_file(str(out)).size
     hardware = tmp_path / "hw.yaml"
