@@ -223,13 +223,13 @@ def _tokenize(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        # A .bin comes with its sidecar (PATH.json): a file there is kept as --out is.
-        for out in token_file_paths(args.out):
+        inputs = [*args.inputs, tokenizer]
+        check_output_file(args.out, overwrite=args.overwrite, inputs=inputs, what="tokenize --out")
+        # Then its kind (.bin/.npy) and a .bin's sidecar (PATH.json), kept as --out is: all
+        # before the corpus is read.
+        for sidecar in token_file_paths(args.out)[1:]:
             check_output_file(
-                out,
-                overwrite=args.overwrite,
-                inputs=[*args.inputs, tokenizer],
-                what="tokenize --out" if out == args.out else "tokenize --out's sidecar",
+                sidecar, overwrite=args.overwrite, inputs=inputs, what="tokenize --out's sidecar"
             )
         count = tokenize_files(
             args.inputs,

@@ -274,20 +274,25 @@ def load_token_file(path: str) -> np.ndarray:
 
 def token_file_paths(path: str) -> list[str]:
     """The files :func:`write_token_file` writes for ``path``: it, and for a ``.bin`` its
-    sidecar ``PATH.json`` (the dtype), so a command can refuse either before any work."""
+    sidecar ``PATH.json`` (the dtype), so a command can refuse either before any work.
+
+    Raises:
+        ValueError: ``path`` is neither ``.bin`` nor ``.npy``.
+    """
+    if not path.endswith(_TOKEN_SUFFIXES):
+        raise ValueError(f"--out {path}: write .bin or .npy.")
     return [path, path + ".json"] if path.endswith(".bin") else [path]
 
 
 def write_token_file(tokens: np.ndarray, path: str) -> str:
     """Write ``tokens`` as ``.npy``, or ``.bin`` (uint16 when every id fits, else uint32 + sidecar)."""
+    paths = token_file_paths(path)
     if path.endswith(".npy"):
         np.save(path, tokens)
         return path
-    if not path.endswith(".bin"):
-        raise ValueError(f"--out {path}: write .bin or .npy.")
     dtype = np.uint16 if tokens.size == 0 or int(tokens.max()) < 2**16 else np.uint32
     tokens.astype(dtype).tofile(path)
-    with open(token_file_paths(path)[1], "w", encoding="utf-8") as f:
+    with open(paths[1], "w", encoding="utf-8") as f:
         json.dump({"dtype": np.dtype(dtype).name, "tokens": int(tokens.size)}, f)
     return path
 

@@ -209,6 +209,14 @@ def test_tokenize_and_calibrate_keep_a_file_that_is_there(corpus, tokenizer, tmp
     assert f"tokenize --out's sidecar {sidecar}: a file is there already" in err
     assert sidecar.read_text() == "mine\n" and not fresh.exists()
     assert main([*base, str(fresh), "--overwrite"]) == 0 and load_token_file(str(fresh)).size > 0
+    # A kind of file it cannot write: refused before the corpus is read (it was refused
+    # after tokenizing all of it; this corpus would fail on its first byte).
+    capsys.readouterr()
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff")
+    argv = ["tokenize", str(bad), "--tokenizer", tokenizer, "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "t.txt")]) == 2
+    assert capsys.readouterr().err.endswith("t.txt: write .bin or .npy.\n")
     assert main([*base, str(tmp_path / "new" / "t.bin")]) == 0
     assert load_token_file(str(tmp_path / "new" / "t.bin")).size == load_token_file(str(out)).size
     hardware = tmp_path / "hw.yaml"
