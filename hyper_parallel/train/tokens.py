@@ -285,12 +285,15 @@ def token_file_paths(path: str) -> list[str]:
 
 
 def write_token_file(tokens: np.ndarray, path: str) -> str:
-    """Write ``tokens`` as ``.npy``, or ``.bin`` (uint16 when every id fits, else uint32 + sidecar)."""
+    """Write ``tokens`` as ``.npy``, or ``.bin`` (uint16 when every id fits and the name is
+    not ``*.uint32.bin``, else uint32), with a sidecar ``PATH.json`` naming the dtype."""
     paths = token_file_paths(path)
     if path.endswith(".npy"):
         np.save(path, tokens)
         return path
-    dtype = np.uint16 if tokens.size == 0 or int(tokens.max()) < 2**16 else np.uint32
+    # A name that says uint32 is read as uint32 without the sidecar (_bin_dtype): keep it.
+    small = tokens.size == 0 or int(tokens.max()) < 2**16
+    dtype = np.uint16 if small and not path.endswith(".uint32.bin") else np.uint32
     tokens.astype(dtype).tofile(path)
     with open(paths[1], "w", encoding="utf-8") as f:
         json.dump({"dtype": np.dtype(dtype).name, "tokens": int(tokens.size)}, f)
