@@ -252,7 +252,8 @@ def load_token_file(path: str) -> np.ndarray:
     """A token file as a read-only memory map (``.bin`` flat, ``.npy`` 1-D).
 
     Raises:
-        ValueError: Not a token file, not 1-D integers, or empty.
+        ValueError: Not a token file, not 1-D integers, a ``.bin`` that is not a whole
+            number of ids, or empty.
     """
     if not os.path.isfile(path):
         raise ValueError(f"--data {path}: no such file.")
@@ -260,7 +261,15 @@ def load_token_file(path: str) -> np.ndarray:
         tokens = np.load(path, mmap_mode="r")
     elif path.endswith(".bin"):
         dtype = _bin_dtype(path)
-        empty = os.path.getsize(path) == 0  # np.memmap refuses an empty file
+        size = os.path.getsize(path)
+        if size % dtype.itemsize:
+            raise ValueError(
+                f"--data {path}: {size:,} bytes, not a whole number of {dtype.name} ids "
+                f"({dtype.itemsize} bytes each): the file is cut short, or holds another "
+                "dtype (name a uint32 file *.uint32.bin, or give its PATH.json sidecar "
+                '{"dtype": "uint32"}).'
+            )
+        empty = size == 0  # np.memmap refuses an empty file
         tokens = np.zeros(0, dtype) if empty else np.memmap(path, dtype=dtype, mode="r")
     else:
         raise ValueError(f"--data {path}: token files are .bin or .npy, text .txt or .jsonl.")

@@ -92,11 +92,17 @@ def test_token_files_are_memory_mapped_and_batch_like_text_batches(tmp_path, kin
 
 def test_a_token_file_named_uint32_is_written_as_uint32(tmp_path):
     """``*.uint32.bin`` is read as uint32 without its sidecar; written with small ids it
-    held uint16, which read back (the sidecar left behind) as a size error or other ids."""
+    held uint16, which read back (the sidecar left behind) as a size error or other ids.
+    A size that is no whole number of ids is refused naming the file."""
     tokens = np.arange(999, dtype=np.uint32) % 250  # every id fits uint16; odd count
     path = write_token_file(tokens, str(tmp_path / "t.uint32.bin"))
     os.remove(path + ".json")
     assert np.array_equal(load_token_file(path), tokens)
+    # A .bin that is not a whole number of ids: numpy's "Size of available data is not a
+    # multiple of the data-type size", which named neither the file nor the fix.
+    (tmp_path / "cut.bin").write_bytes(b"abc")
+    with pytest.raises(ValueError, match=r"cut\.bin: 3 bytes, not a whole number of uint16 ids"):
+        load_token_file(str(tmp_path / "cut.bin"))
 
 
 def test_text_is_tokenized_with_eos_between_documents(corpus, tokenizer):
