@@ -111,7 +111,7 @@ def check_sampling(
     """
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens}; give 0 or more.")
-    if temperature < 0:
+    if not temperature >= 0:  # NaN too: it reached the sampler as NaN probabilities
         raise ValueError(
             f"generate: temperature={temperature}; give 0 (greedy) or a positive temperature."
         )
