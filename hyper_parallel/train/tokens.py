@@ -116,10 +116,17 @@ def eos_id(
     a checkpoint folder), else the first of :data:`EOS_NAMES` the tokenizer has.
 
     Raises:
-        ValueError: None of these.
+        ValueError: None of these, or a negative id.
     """
     if given is not None:
-        return int(given[0] if isinstance(given, (list, tuple)) else given)
+        token = int(given[0] if isinstance(given, (list, tuple)) else given)
+        if token < 0:  # a token file holds unsigned ids: numpy's OverflowError otherwise
+            raise ValueError(
+                f"the document separator id {token} is negative; token ids are 0 or more: "
+                "give the tokenizer's EOS id (--eos-id), or leave it out to take the "
+                "checkpoint's or the tokenizer's."
+            )
+        return token
     if tokenizer_path is not None:
         beside = checkpoint_eos_id(os.path.dirname(os.path.abspath(tokenizer_path)))
         if beside is not None:

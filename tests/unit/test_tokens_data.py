@@ -198,6 +198,13 @@ def test_tokenize_separates_documents_as_the_trainer_does(corpus, tmp_path, caps
     # No tokenizer at all is one clear error.
     assert main(["tokenize", data, "--out", str(tmp_path / "x.npy")]) == 2
     assert "--tokenizer FILE" in capsys.readouterr().err
+    # A negative id, on one process or several: it was numpy's OverflowError (a traceback)
+    # after the whole corpus was tokenized.
+    for workers in ("1", "2"):
+        argv = ["tokenize", data, "--tokenizer", tokenizer, "--eos-id", "-1", "--workers", workers]
+        assert main([*argv, "--out", str(tmp_path / "neg.npy"), "--no-progress"]) == 2
+        assert "separator id -1 is negative" in capsys.readouterr().err
+        assert not (tmp_path / "neg.npy").exists()
 
 
 def test_tokenize_and_calibrate_keep_a_file_that_is_there(corpus, tokenizer, tmp_path, capsys):
