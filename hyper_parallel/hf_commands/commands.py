@@ -260,9 +260,9 @@ class _Bytes:
 
 class _Tokenizer:
     def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer
+        from hyper_parallel.train.tokens import load_tokenizer
 
-        self.tokenizer = Tokenizer.from_file(path)
+        self.tokenizer = load_tokenizer(path)  # a file tokenizers cannot read: ValueError
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -277,6 +277,7 @@ def load_tokenizer(path: str | None, default_dirs: list[str], vocab_size: int) -
     Raises:
         FileNotFoundError: ``path`` is missing, or none is found and the model's
             vocabulary is not bytes (256).
+        ValueError: A file ``tokenizers`` cannot read.
     """
     if path is not None:
         if not os.path.isfile(path):

@@ -61,7 +61,8 @@ def load_tokenizer(path: str | None) -> Any:
     """A ``tokenizers.Tokenizer`` from ``tokenizer.json``.
 
     Raises:
-        ValueError: No path given (text data needs a tokenizer) or no such file.
+        ValueError: No path given (text data needs a tokenizer), no such file, or a file
+            ``tokenizers`` cannot read.
     """
     if path is None:
         raise ValueError(
@@ -72,7 +73,14 @@ def load_tokenizer(path: str | None) -> Any:
         raise ValueError(f"tokenizer {path}: no such file; give a tokenizers tokenizer.json.")
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception that names no file
+        raise ValueError(
+            f"tokenizer {path}: not a tokenizers tokenizer.json ({e}); give the "
+            "tokenizer.json of a Hugging Face checkpoint or one saved by tokenizers' "
+            "Tokenizer.save()."
+        ) from None
 
 
 def checkpoint_eos_id(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -336,6 +337,32 @@ def test_bad_text_names_the_file_and_line(tokenizer, tmp_path, capsys, name, con
         err = capsys.readouterr().err
         assert err.startswith("hyper-parallel tokenize: error: ") and "Traceback" not in err
         assert str(path) in err and not out.exists()
+
+
+def test_a_tokenizer_file_tokenizers_cannot_read_is_named(corpus, tmp_path, capsys):
+    """tokenizers raises a bare Exception naming no file: the trainer, tokenize (one
+    process or several) and generate showed it as a traceback; each now says which file
+    and what to give, with status 2."""
+    from hyper_parallel.cli import main
+
+    bad = str(tmp_path / "tokenizer.json")
+    with open(bad, "w") as f:
+        f.write('{"model": 1}\n')
+    data = str(corpus / "b.txt")
+    expected = f"tokenizer {bad}: not a tokenizers tokenizer.json ("
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        open_corpus(data, vocab_size=320, tokenizer=bad)
+    for workers in ("1", "2"):
+        out = tmp_path / f"t{workers}.bin"
+        argv = ["tokenize", data, "--tokenizer", bad, "--out", str(out), "--workers", workers]
+        assert main([*argv, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err and not out.exists()
+    ckpt = str(tmp_path / "hf")
+    _example().build(ckpt, hidden_size=32, num_layers=1, vocab_size=300, max_shard_size="60KB")
+    argv = ["generate", "--hf-checkpoint", ckpt, "--tokenizer", bad, "--prompt", "First"]
+    assert main([*argv, "--max-new-tokens", "1"]) == 2
+    assert expected in capsys.readouterr().err
 
 
 def test_text_with_crlf_reads_as_text_mode_does(tokenizer, tmp_path):
