@@ -661,7 +661,23 @@ def _refuse_fixed(
         stages_per_rank=stages_per_rank if mesh["pp"] > 1 else None,
     )
     described = ",".join(f"{a}={v}" for a, v in mesh.items() if v > 1) or "one device"
-    raise_findings(checks.run(c).errors, f"suggest --mesh {described}")
+    raise_findings(
+        [_in_suggest_terms(f, checks.seq_len, c.dp) for f in checks.run(c).errors],
+        f"suggest --mesh {described}",
+    )
+
+
+def _in_suggest_terms(finding: Finding, seq_len: int, dp: int) -> Finding:
+    """``finding`` with a fix that names suggest's options: its global batch is
+    ``--global-batch-tokens`` / ``--seq`` (it has no ``--batch-size``)."""
+    if finding.path != "switches" or finding.field != "batch_size":
+        return finding
+    step = dp * seq_len
+    return dataclasses.replace(
+        finding,
+        fix=f"make --global-batch-tokens a multiple of {dp} x --seq {seq_len} = {step:,} "
+        "(each data-parallel rank takes whole sequences), or change the data axes.",
+    )
 
 
 def predict(
