@@ -50,6 +50,7 @@ import torch
 
 from hyper_parallel.distributed.layout import MeshLayout
 from hyper_parallel.distributed.process_group import one_rank_group
+from hyper_parallel.dmodule.model_spec import get_spec
 from hyper_parallel.train import run_hooks
 from hyper_parallel.train.arguments import (
     COMMAND_OPTIONS,
@@ -344,6 +345,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         check_files(cfg)
+        # A model too small for the bytes of the shipped text: each rank refused it after
+        # building, reported as "the distributed run failed" and parity nan FAIL.
+        spec = get_spec(cfg.model)
+        if spec.family.vocab_size is not None:
+            vocab = spec.family.vocab_size(spec.config(**cfg.model_overrides))
+            run_hooks.check_bytes_fit(cfg, vocab)
     except ValueError as e:  # OutputError, HFCheckpointError: ValueErrors naming the flag
         print(f"demo: {e}", file=sys.stderr)
         return 2

@@ -215,6 +215,26 @@ def _eos(cfg: Any, hf: Any) -> Any:
     return ids[0] if ids else None
 
 
+def check_bytes_fit(cfg: Any, vocab_size: int | None) -> None:
+    """Refuse a run that reads the shipped text as bytes (no ``--data``, no tokenizer:
+    :func:`build_data` gives ``None``) on a model of fewer than 256 ids: the trainer's
+    check, which the demo asks before any rank starts.
+
+    Raises:
+        ValueError: Naming the model, its vocabulary and the fix.
+    """
+    from hyper_parallel.train.data import VOCAB_SIZE
+
+    if cfg.data or tokenizer_path(cfg) is not None or vocab_size is None:
+        return
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(
+            f"Trainer: model {cfg.model!r} has a vocabulary of {vocab_size} but the data is "
+            f"bytes (vocabulary {VOCAB_SIZE}); override vocab_size >= {VOCAB_SIZE}, or train "
+            "on --data with a tokenizer."
+        )
+
+
 def build_data(cfg: Any, vocab_size: int | None, hf: Any = None) -> Any:
     """The run's data stream: ``cfg.data`` (checked against ``vocab_size``), else ``None``.
 

@@ -78,7 +78,7 @@ from hyper_parallel.train.config import (
     model_config,
     run_plan,
 )
-from hyper_parallel.train.data import VOCAB_SIZE, TextBatches, load_tokens
+from hyper_parallel.train.data import TextBatches, load_tokens
 from hyper_parallel.train.gradients import ScaledLoss, clip_grad_norm_, set_gradient_sync
 
 __all__ = [
@@ -296,12 +296,7 @@ class Trainer:
         self.data = run_hooks.build_data(cfg, vocab_size, self.hf)
         if self.data is None:
             tokens = load_tokens(cfg.text)
-            if vocab_size is not None and vocab_size < VOCAB_SIZE:
-                raise ValueError(
-                    f"Trainer: model {cfg.model!r} has a vocabulary of {vocab_size} but the "
-                    f"data is bytes (vocabulary {VOCAB_SIZE}); override vocab_size >= "
-                    f"{VOCAB_SIZE}, or train on --data with a tokenizer."
-                )
+            run_hooks.check_bytes_fit(cfg, vocab_size)
             self.data = TextBatches(tokens, global_batch_size=cfg.batch_size, seq_len=cfg.seq_len)
         self.step = 0
         self.resumed_from = 0
