@@ -231,6 +231,13 @@ def _tokenize(args: argparse.Namespace) -> int:
             check_output_file(
                 sidecar, overwrite=args.overwrite, inputs=inputs, what="tokenize --out's sidecar"
             )
+        if args.text_field != "text" and not any(p.endswith(".jsonl") for p in args.inputs):
+            # As the trainer says it (a flag that does nothing is said, not dropped).
+            print(
+                f"note: --text-field {args.text_field}: no .jsonl input, so tokenize does not "
+                "use it (a .txt file is one document). Fix: drop it.",
+                file=sys.stderr,
+            )
         count = tokenize_files(
             args.inputs,
             args.out,

@@ -365,6 +365,19 @@ def test_a_tokenizer_file_tokenizers_cannot_read_is_named(corpus, tmp_path, caps
     assert expected in capsys.readouterr().err
 
 
+def test_tokenize_says_a_text_field_it_does_not_use(corpus, tokenizer, tmp_path, capsys):
+    """--text-field names a .jsonl field; on .txt inputs alone it did nothing, silently
+    (the trainer notes the same flag); with a .jsonl input nothing is said."""
+    from hyper_parallel.cli import main
+
+    base = ["tokenize", "--tokenizer", tokenizer, "--no-progress", "--text-field", "body"]
+    assert main([*base, str(corpus / "b.txt"), "--out", str(tmp_path / "t.bin")]) == 0
+    assert "note: --text-field body: no .jsonl input" in capsys.readouterr().err
+    argv = [*base, str(corpus / "c.jsonl"), str(corpus / "b.txt")]
+    assert main([*argv, "--out", str(tmp_path / "j.bin")]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_text_with_crlf_reads_as_text_mode_does(tokenizer, tmp_path):
     (tmp_path / "lf.txt").write_bytes(b"one\ntwo\nthree")
     (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\rthree")
