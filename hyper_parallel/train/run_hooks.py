@@ -228,10 +228,16 @@ def check_bytes_fit(cfg: Any, vocab_size: int | None) -> None:
     if cfg.data or tokenizer_path(cfg) is not None or vocab_size is None:
         return
     if vocab_size < VOCAB_SIZE:
+        # A checkpoint's vocabulary is its weights' shape: an override of it is refused.
+        fix = (
+            f"give its tokenizer (--tokenizer FILE, or a tokenizer.json in {cfg.hf_checkpoint}), "
+            "or train on --data with one"
+            if cfg.hf_checkpoint
+            else f"override vocab_size >= {VOCAB_SIZE}, or train on --data with a tokenizer"
+        )
         raise ValueError(
             f"Trainer: model {cfg.model!r} has a vocabulary of {vocab_size} but the data is "
-            f"bytes (vocabulary {VOCAB_SIZE}); override vocab_size >= {VOCAB_SIZE}, or train "
-            "on --data with a tokenizer."
+            f"bytes (vocabulary {VOCAB_SIZE}); {fix}."
         )
 
 

@@ -241,6 +241,17 @@ def test_demo_refuses_a_model_smaller_than_the_bytes_before_starting_ranks(
     assert captured.out == "" and not out.exists()
     assert captured.err.startswith("demo: Trainer: model 'llama3-debug' has a vocabulary of 100")
     assert "override vocab_size >= 256" in captured.err
+    # A Hugging Face checkpoint's vocabulary is its weights' shape (the override above is
+    # refused there): the fix offered is its tokenizer.
+    from tests.distributed.hf_checks import write_checkpoint
+
+    ckpt = write_checkpoint("llama", str(tmp_path / "hf"))  # vocabulary 128, no tokenizer
+    args = ["--mesh", "dp=2", "--hf-checkpoint", ckpt, "--seq-len", "32", "--output-dir", str(out)]
+    assert demo.run(parser.parse_args(args)) == 2
+    err = capsys.readouterr().err
+    assert "has a vocabulary of 128 but the data is bytes" in err
+    assert f"give its tokenizer (--tokenizer FILE, or a tokenizer.json in {ckpt})" in err
+    assert "override vocab_size" not in err
 
 
 # ---------------------------------------------------------------------- clipping
