@@ -210,7 +210,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _tokenize(args: argparse.Namespace) -> int:
     from hyper_parallel.checkpoint_hf.outputs import check_output_file
-    from hyper_parallel.train.tokens import tokenize_files
+    from hyper_parallel.train.tokens import token_file_paths, tokenize_files
 
     tokenizer = args.tokenizer
     if tokenizer is None and args.hf_checkpoint:
@@ -223,12 +223,21 @@ def _tokenize(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        check_output_file(
-            args.out,
-            overwrite=args.overwrite,
-            inputs=[*args.inputs, tokenizer],
-            what="tokenize --out",
-        )
+        inputs = [*args.inputs, tokenizer]
+        check_output_file(args.out, overwrite=args.overwrite, inputs=inputs, what="tokenize --out")
+        # Then its kind (.bin/.npy) and a .bin's sidecar (PATH.json), kept as --out is: all
+        # before the corpus is read.
+        for sidecar in token_file_paths(args.out)[1:]:
+            check_output_file(
+                sidecar, overwrite=args.overwrite, inputs=inputs, what="tokenize --out's sidecar"
+            )
+        if args.text_field != "text" and not any(p.endswith(".jsonl") for p in args.inputs):
+            # As the trainer says it (a flag that does nothing is said, not dropped).
+            print(
+                f"note: --text-field {args.text_field}: no .jsonl input, so tokenize does not "
+                "use it (a .txt file is one document). Fix: drop it.",
+                file=sys.stderr,
+            )
         count = tokenize_files(
             args.inputs,
             args.out,
@@ -258,9 +267,9 @@ class _Bytes:
 
 class _Tokenizer:
     def __init__(self, path: str) -> None:
-        from tokenizers import Tokenizer
+        from hyper_parallel.train.tokens import load_tokenizer
 
-        self.tokenizer = Tokenizer.from_file(path)
+        self.tokenizer = load_tokenizer(path)  # a file tokenizers cannot read: ValueError
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -275,6 +284,7 @@ def load_tokenizer(path: str | None, default_dirs: list[str], vocab_size: int) -
     Raises:
         FileNotFoundError: ``path`` is missing, or none is found and the model's
             vocabulary is not bytes (256).
+        ValueError: A file ``tokenizers`` cannot read.
     """
     if path is not None:
         if not os.path.isfile(path):

@@ -111,7 +111,7 @@ def check_sampling(
     """
     if max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens}; give 0 or more.")
-    if temperature < 0:
+    if not temperature >= 0:  # NaN too: it reached the sampler as NaN probabilities
         raise ValueError(
             f"generate: temperature={temperature}; give 0 (greedy) or a positive temperature."
         )
@@ -125,6 +125,29 @@ def check_sampling(
             "picks the most likely token (greedy); give a temperature > 0 (e.g. 0.8) to "
             "sample, or drop them."
         )
+
+
+def _check_unsharded(model: nn.Module) -> None:
+    """Refuse a model with DTensor states: the cached forward calls its modules one by one
+    (not the blocks' ``forward``, where FSDP2 gathers), so a sharded model would fail deep
+    in a layer with torch's "mixed torch.Tensor and DTensor" error.
+
+    Raises:
+        ValueError: Naming the first sharded state, its placements and the fix.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, state in (*model.named_parameters(), *model.named_buffers()):
+        if isinstance(state, DTensor):
+            axes = state.device_mesh.mesh_dim_names or ()
+            placed = ", ".join(f"{a}: {p}" for a, p in zip(axes, state.placements, strict=False))
+            raise ValueError(
+                f"generate: {name} is a DTensor ({{{placed or state.placements}}}): generate "
+                "runs an unsharded model on one process. Build the model without "
+                "parallelize/fully_shard and load the weights into it (load_hf(model, DIR)), "
+                "or save the run and use hyper-parallel generate --checkpoint CKPT, which "
+                "reads a checkpoint saved at any mesh."
+            )
 
 
 @torch.no_grad()
@@ -145,7 +168,7 @@ def generate(
     attention (with or without per-head norms) and feed-forward or experts.
 
     Args:
-        model: One of our decoders, unsharded, in this process.
+        model: One of our decoders, unsharded (no DTensor states), in this process.
         prompt: Token ids (at least one).
         max_new_tokens: Most tokens to add.
         temperature: Softmax temperature; ``0`` picks the most likely token.
@@ -156,12 +179,14 @@ def generate(
         eos_token_ids: Stop after emitting one of these.
 
     Raises:
-        ValueError: An empty prompt, a prompt that leaves no room for a new token in the
-            model's rotary tables, prompt plus new tokens longer than them, or a sampling
+        ValueError: A sharded model (DTensor parameters), an empty prompt, a prompt that
+            leaves no room for a new token in the model's rotary tables, prompt plus new
+            tokens longer than them, or a sampling
             setting out of range (``top_k`` / ``top_p`` at temperature 0 included: they
             would not be used).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    _check_unsharded(model)
     if not prompt:
         raise ValueError("generate: the prompt encodes to no tokens; give some text.")
     limit = model.rope.max_seq_len

@@ -353,6 +353,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        # With it, a model too small for the bytes of the shipped text (each rank refused
+        # it after building: "the distributed run failed" and parity nan FAIL).
         check_files(cfg)
     except ValueError as e:  # OutputError, HFCheckpointError: ValueErrors naming the flag
         print(f"demo: {e}", file=sys.stderr)

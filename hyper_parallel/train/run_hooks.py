@@ -218,7 +218,8 @@ def _eos(cfg: Any, hf: Any) -> Any:
 def check_byte_data(cfg: Any) -> None:
     """Without ``--data`` or a tokenizer the run trains on the shipped text as bytes: the
     model's vocabulary must hold every byte. Asked before any rank builds (``demo``,
-    ``train.run``) and by the trainer, the same check.
+    ``train.run``: :func:`~hyper_parallel.train.report.check_files`) and by the trainer,
+    the same check.
 
     Raises:
         ValueError: The model's vocabulary is smaller than the bytes' (a Hugging Face
@@ -234,10 +235,17 @@ def check_byte_data(cfg: Any) -> None:
         return
     vocab_size = spec.family.vocab_size(spec.config(**cfg.model_overrides))
     if vocab_size < VOCAB_SIZE:
+        # A checkpoint's vocabulary is its weights' shape: an override of it is refused.
+        fix = (
+            f"give its tokenizer (--tokenizer FILE, or a tokenizer.json in {cfg.hf_checkpoint}), "
+            "or train on --data with one"
+            if cfg.hf_checkpoint
+            else f"override vocab_size >= {VOCAB_SIZE} (--model-overrides), or train on --data "
+            "with a tokenizer"
+        )
         raise ValueError(
             f"model {cfg.model!r} has a vocabulary of {vocab_size} but the data is bytes "
-            f"(vocabulary {VOCAB_SIZE}); override vocab_size >= {VOCAB_SIZE} "
-            "(--model-overrides), or train on --data with a tokenizer."
+            f"(vocabulary {VOCAB_SIZE}); {fix}."
         )
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "load_token_file",
     "load_tokenizer",
     "open_corpus",
+    "token_file_paths",
     "tokenize_documents",
     "tokenize_files",
     "write_token_file",
@@ -60,7 +61,8 @@ def load_tokenizer(path: str | None) -> Any:
     """A ``tokenizers.Tokenizer`` from ``tokenizer.json``.
 
     Raises:
-        ValueError: No path given (text data needs a tokenizer) or no such file.
+        ValueError: No path given (text data needs a tokenizer), no such file, or a file
+            ``tokenizers`` cannot read.
     """
     if path is None:
         raise ValueError(
@@ -71,7 +73,14 @@ def load_tokenizer(path: str | None) -> Any:
         raise ValueError(f"tokenizer {path}: no such file; give a tokenizers tokenizer.json.")
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception that names no file
+        raise ValueError(
+            f"tokenizer {path}: not a tokenizers tokenizer.json ({e}); give the "
+            "tokenizer.json of a Hugging Face checkpoint or one saved by tokenizers' "
+            "Tokenizer.save()."
+        ) from None
 
 
 def checkpoint_eos_id(
@@ -115,10 +124,17 @@ def eos_id(
     a checkpoint folder), else the first of :data:`EOS_NAMES` the tokenizer has.
 
     Raises:
-        ValueError: None of these.
+        ValueError: None of these, or a negative id.
     """
     if given is not None:
-        return int(given[0] if isinstance(given, (list, tuple)) else given)
+        token = int(given[0] if isinstance(given, (list, tuple)) else given)
+        if token < 0:  # a token file holds unsigned ids: numpy's OverflowError otherwise
+            raise ValueError(
+                f"the document separator id {token} is negative; token ids are 0 or more: "
+                "give the tokenizer's EOS id (--eos-id), or leave it out to take the "
+                "checkpoint's or the tokenizer's."
+            )
+        return token
     if tokenizer_path is not None:
         beside = checkpoint_eos_id(os.path.dirname(os.path.abspath(tokenizer_path)))
         if beside is not None:
@@ -208,7 +224,15 @@ def _jsonl_text(line: str, path: str, n: int, text_field: str) -> str:
             f"{path}:{n}: no field {text_field!r} (fields: {sorted(record)}); "
             "pass --text-field NAME."
         )
-    return str(record[text_field])
+    text = record[text_field]
+    if not isinstance(text, str):
+        # str() would train on "None", "12" or "['a', 'b']" in place of the document.
+        kind = _JSON_KINDS.get(type(text), "null" if text is None else "object")
+        raise ValueError(
+            f"{path}:{n}: field {text_field!r} is a JSON {kind}, not a string; each document "
+            f"is a string: fix or remove the line (or pass --text-field NAME)."
+        )
+    return text
 
 
 def tokenize_documents(tokenizer: Any, documents: Iterable[str], eos: int) -> np.ndarray:
@@ -243,7 +267,8 @@ def load_token_file(path: str) -> np.ndarray:
     """A token file as a read-only memory map (``.bin`` flat, ``.npy`` 1-D).
 
     Raises:
-        ValueError: Not a token file, not 1-D integers, or empty.
+        ValueError: Not a token file, not 1-D integers, a ``.bin`` that is not a whole
+            number of ids, or empty.
     """
     if not os.path.isfile(path):
         raise ValueError(f"--data {path}: no such file.")
@@ -251,7 +276,15 @@ def load_token_file(path: str) -> np.ndarray:
         tokens = np.load(path, mmap_mode="r")
     elif path.endswith(".bin"):
         dtype = _bin_dtype(path)
-        empty = os.path.getsize(path) == 0  # np.memmap refuses an empty file
+        size = os.path.getsize(path)
+        if size % dtype.itemsize:
+            raise ValueError(
+                f"--data {path}: {size:,} bytes, not a whole number of {dtype.name} ids "
+                f"({dtype.itemsize} bytes each): the file is cut short, or holds another "
+                "dtype (name a uint32 file *.uint32.bin, or give its PATH.json sidecar "
+                '{"dtype": "uint32"}).'
+            )
+        empty = size == 0  # np.memmap refuses an empty file
         tokens = np.zeros(0, dtype) if empty else np.memmap(path, dtype=dtype, mode="r")
     else:
         raise ValueError(f"--data {path}: token files are .bin or .npy, text .txt or .jsonl.")
@@ -263,16 +296,30 @@ def load_token_file(path: str) -> np.ndarray:
     return tokens
 
 
+def token_file_paths(path: str) -> list[str]:
+    """The files :func:`write_token_file` writes for ``path``: it, and for a ``.bin`` its
+    sidecar ``PATH.json`` (the dtype), so a command can refuse either before any work.
+
+    Raises:
+        ValueError: ``path`` is neither ``.bin`` nor ``.npy``.
+    """
+    if not path.endswith(_TOKEN_SUFFIXES):
+        raise ValueError(f"--out {path}: write .bin or .npy.")
+    return [path, path + ".json"] if path.endswith(".bin") else [path]
+
+
 def write_token_file(tokens: np.ndarray, path: str) -> str:
-    """Write ``tokens`` as ``.npy``, or ``.bin`` (uint16 when every id fits, else uint32 + sidecar)."""
+    """Write ``tokens`` as ``.npy``, or ``.bin`` (uint16 when every id fits and the name is
+    not ``*.uint32.bin``, else uint32), with a sidecar ``PATH.json`` naming the dtype."""
+    paths = token_file_paths(path)
     if path.endswith(".npy"):
         np.save(path, tokens)
         return path
-    if not path.endswith(".bin"):
-        raise ValueError(f"--out {path}: write .bin or .npy.")
-    dtype = np.uint16 if tokens.size == 0 or int(tokens.max()) < 2**16 else np.uint32
+    # A name that says uint32 is read as uint32 without the sidecar (_bin_dtype): keep it.
+    small = tokens.size == 0 or int(tokens.max()) < 2**16
+    dtype = np.uint16 if small and not path.endswith(".uint32.bin") else np.uint32
     tokens.astype(dtype).tofile(path)
-    with open(path + ".json", "w", encoding="utf-8") as f:
+    with open(paths[1], "w", encoding="utf-8") as f:
         json.dump({"dtype": np.dtype(dtype).name, "tokens": int(tokens.size)}, f)
     return path
 

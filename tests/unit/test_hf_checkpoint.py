@@ -413,6 +413,8 @@ def test_generate_refuses_sampling_settings_out_of_range(llama_dir):
     for kwargs, message in (
         ({"max_new_tokens": -1}, "max_new_tokens=-1"),
         ({"temperature": -0.5}, "temperature=-0.5"),
+        # NaN passed `< 0` and crashed in torch.multinomial on NaN probabilities.
+        ({"temperature": float("nan")}, "temperature=nan; give 0"),
         ({"temperature": 1.0, "top_k": 0}, "top_k=0"),
         ({"temperature": 1.0, "top_p": 0.0}, r"top_p=0.0; give a share in \(0, 1\]"),
         ({"top_p": 0.9}, "temperature 0 picks the most likely token"),

@@ -1070,3 +1070,23 @@ def test_an_input_key_only_kwargs_can_carry_is_warned(meshes):
             meshes["tp"],
             {"0": _cfg(in_dst_shardings={"hidden_states": {"tp": Replicate()}})},
         )
+
+
+def test_generate_refuses_a_parallelized_model_naming_the_state_and_the_fix(meshes):
+    """generate's cached forward calls a decoder's modules one by one (not the blocks'
+    forward), so a parallelized model failed deep in the embedding with torch's "mixed
+    torch.Tensor and DTensor"; now one ValueError names the state, its placement and the
+    fix, and the same weights unsharded generate."""
+    from hyper_parallel.hf_commands.generate import generate
+    from hyper_parallel.models.llama import apply_tp, preset_config
+
+    config = preset_config("llama3-debug")
+    model = apply_tp(config, tp_size=WORLD_SIZE).build()
+    model.init_states()
+    model.parallelize(meshes["tp"])
+    message = r"generate: tok_embeddings\.weight is a DTensor \(\{tp: S\(0\)\}\).*load_hf"
+    with pytest.raises(ValueError, match=message):
+        generate(model, [5, 17], 4)
+    single = config.build()
+    single.init_states()
+    assert len(generate(single, [5, 17], 4)) == 4

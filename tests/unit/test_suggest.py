@@ -735,6 +735,19 @@ def test_a_fixed_mesh_is_scored_whatever_its_cp_and_the_search_counts_what_it_sk
     assert all(c.cp == 1 for c, _, _ in free.plans)
 
 
+def test_a_fixed_mesh_whose_batch_does_not_split_names_suggests_own_options():
+    """8 sequences (1024 tokens of 128) over dp_shard=3: the fix named --batch-size, an
+    option suggest does not have; it names --global-batch-tokens and --seq."""
+    kw = dict(gpus=3, gpu="h100-80gb", seq_len=128, global_batch_tokens=1024)
+    with pytest.raises(ValueError, match=r"batch_size=8 \(the global batch\)") as info:
+        suggest("llama3-debug", mesh={"dp_shard": 3}, **kw)
+    assert "--global-batch-tokens a multiple of 3 x --seq 128 = 384" in str(info.value)
+    assert "--batch-size" not in str(info.value)
+    # The fix it gives is one that runs: 3 x 384 tokens.
+    fixed = suggest("llama3-debug", mesh={"dp_shard": 3}, **{**kw, "global_batch_tokens": 1152})
+    assert fixed.plans
+
+
 def test_reduce_each_microbatch_fixes_that_part_of_the_search(capsys):
     kw = dict(
         mesh={"dp": 2},

@@ -205,3 +205,10 @@ def test_equal_step_times_go_fewest_flags_first_then_least_memory():
     assert [c.ac for c, _ in ranked] == ["op", "full"]  # equal flags: least memory first
     ranked, _, _ = _rank([(plain, _p(1.0)), (full_mb, _p(0.999))], top=2, settings=True)
     assert ranked[0][0] is full_mb  # faster, if only just
+    # The same time summed in another order, a last bit apart, is equal: the flags decide
+    # (llama3-debug at dp_replicate=4 x dp_shard=4 was offered ac=op this way).
+    op = _c(**mesh, ac="op")
+    times = [(op, _p(0.0002574000406438396, 1)), (plain, _p(0.00025740004064383966, 2))]
+    assert times[0][1].step_s < times[1][1].step_s
+    ranked, _, _ = _rank(times, top=2, settings=True)
+    assert [c.ac for c, _ in ranked] == ["none", "op"]

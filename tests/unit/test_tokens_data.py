@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -88,6 +89,21 @@ def test_token_files_are_memory_mapped_and_batch_like_text_batches(tmp_path, kin
         a, b = ours.next_batch(1, 2)  # rank 1 of 2 reads only its two rows
         assert torch.equal(a, inputs) and torch.equal(b, targets)
     assert ours.state_dict() == ref.state_dict()
+
+
+def test_a_token_file_named_uint32_is_written_as_uint32(tmp_path):
+    """``*.uint32.bin`` is read as uint32 without its sidecar; written with small ids it
+    held uint16, which read back (the sidecar left behind) as a size error or other ids.
+    A size that is no whole number of ids is refused naming the file."""
+    tokens = np.arange(999, dtype=np.uint32) % 250  # every id fits uint16; odd count
+    path = write_token_file(tokens, str(tmp_path / "t.uint32.bin"))
+    os.remove(path + ".json")
+    assert np.array_equal(load_token_file(path), tokens)
+    # A .bin that is not a whole number of ids: numpy's "Size of available data is not a
+    # multiple of the data-type size", which named neither the file nor the fix.
+    (tmp_path / "cut.bin").write_bytes(b"abc")
+    with pytest.raises(ValueError, match=r"cut\.bin: 3 bytes, not a whole number of uint16 ids"):
+        load_token_file(str(tmp_path / "cut.bin"))
 
 
 def test_text_is_tokenized_with_eos_between_documents(corpus, tokenizer):
@@ -183,6 +199,13 @@ def test_tokenize_separates_documents_as_the_trainer_does(corpus, tmp_path, caps
     # No tokenizer at all is one clear error.
     assert main(["tokenize", data, "--out", str(tmp_path / "x.npy")]) == 2
     assert "--tokenizer FILE" in capsys.readouterr().err
+    # A negative id, on one process or several: it was numpy's OverflowError (a traceback)
+    # after the whole corpus was tokenized.
+    for workers in ("1", "2"):
+        argv = ["tokenize", data, "--tokenizer", tokenizer, "--eos-id", "-1", "--workers", workers]
+        assert main([*argv, "--out", str(tmp_path / "neg.npy"), "--no-progress"]) == 2
+        assert "separator id -1 is negative" in capsys.readouterr().err
+        assert not (tmp_path / "neg.npy").exists()
 
 
 def test_tokenize_and_calibrate_keep_a_file_that_is_there(corpus, tokenizer, tmp_path, capsys):
@@ -201,6 +224,22 @@ def test_tokenize_and_calibrate_keep_a_file_that_is_there(corpus, tokenizer, tmp
     assert main([*base, str(src), "--overwrite"]) == 2
     assert "it is the input" in capsys.readouterr().err and src.read_bytes() == before
     assert main([*base, str(out), "--overwrite"]) == 0 and load_token_file(str(out)).size > 0
+    # A .bin's sidecar (PATH.json) is an output too: a file of that name was replaced unasked.
+    fresh, sidecar = tmp_path / "s.bin", tmp_path / "s.bin.json"
+    sidecar.write_text("mine\n")
+    assert main([*base, str(fresh)]) == 2
+    err = capsys.readouterr().err
+    assert f"tokenize --out's sidecar {sidecar}: a file is there already" in err
+    assert sidecar.read_text() == "mine\n" and not fresh.exists()
+    assert main([*base, str(fresh), "--overwrite"]) == 0 and load_token_file(str(fresh)).size > 0
+    # A kind of file it cannot write: refused before the corpus is read (it was refused
+    # after tokenizing all of it; this corpus would fail on its first byte).
+    capsys.readouterr()
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff")
+    argv = ["tokenize", str(bad), "--tokenizer", tokenizer, "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "t.txt")]) == 2
+    assert capsys.readouterr().err.endswith("t.txt: write .bin or .npy.\n")
     assert main([*base, str(tmp_path / "new" / "t.bin")]) == 0
     assert load_token_file(str(tmp_path / "new" / "t.bin")).size == load_token_file(str(out)).size
     hardware = tmp_path / "hw.yaml"
@@ -264,8 +303,21 @@ def test_clear_errors(corpus, tokenizer, tmp_path):
             r"u\.jsonl:2: not UTF-8 text \(byte 11 ",
         ),
         ("u.txt", b"ab\ncd\xffef", r"u\.txt:2: not UTF-8 text \(byte offset 5: b'\\xff'"),
+        # A text field that is not a string was tokenized as its repr ("None", "12").
+        ("n.jsonl", b'{"text": "a"}\n{"text": null}\n', r"n\.jsonl:2: field 'text' is a JSON null"),
+        ("i.jsonl", b'{"text": 12}\n', r"i\.jsonl:1: field 'text' is a JSON number, not a"),
+        ("l.jsonl", b'{"text": ["a", "b"]}\n', r"l\.jsonl:1: field 'text' is a JSON array"),
     ],
-    ids=["string", "array", "not-json", "jsonl-not-utf8", "txt-not-utf8"],
+    ids=[
+        "string",
+        "array",
+        "not-json",
+        "jsonl-not-utf8",
+        "txt-not-utf8",
+        "null-text",
+        "number-text",
+        "array-text",
+    ],
 )
 def test_bad_text_names_the_file_and_line(tokenizer, tmp_path, capsys, name, content, expected):
     """A line that is not a JSON object, not JSON, or not UTF-8: a ValueError naming
@@ -277,7 +329,7 @@ def test_bad_text_names_the_file_and_line(tokenizer, tmp_path, capsys, name, con
     path.write_bytes(content)
     with pytest.raises(ValueError, match=expected) as info:
         open_corpus(str(path), vocab_size=320, tokenizer=tokenizer)
-    assert "UTF-8" in str(info.value) or '{"text": "..."}' in str(info.value)
+    assert any(fix in str(info.value) for fix in ("UTF-8", '{"text": "..."}', "fix or remove"))
     base = ["tokenize", str(path), "--tokenizer", tokenizer, "--no-progress"]
     for workers in ("1", "2"):
         out = tmp_path / f"out{workers}.bin"
@@ -285,6 +337,45 @@ def test_bad_text_names_the_file_and_line(tokenizer, tmp_path, capsys, name, con
         err = capsys.readouterr().err
         assert err.startswith("hyper-parallel tokenize: error: ") and "Traceback" not in err
         assert str(path) in err and not out.exists()
+
+
+def test_a_tokenizer_file_tokenizers_cannot_read_is_named(corpus, tmp_path, capsys):
+    """tokenizers raises a bare Exception naming no file: the trainer, tokenize (one
+    process or several) and generate showed it as a traceback; each now says which file
+    and what to give, with status 2."""
+    from hyper_parallel.cli import main
+
+    bad = str(tmp_path / "tokenizer.json")
+    with open(bad, "w") as f:
+        f.write('{"model": 1}\n')
+    data = str(corpus / "b.txt")
+    expected = f"tokenizer {bad}: not a tokenizers tokenizer.json ("
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        open_corpus(data, vocab_size=320, tokenizer=bad)
+    for workers in ("1", "2"):
+        out = tmp_path / f"t{workers}.bin"
+        argv = ["tokenize", data, "--tokenizer", bad, "--out", str(out), "--workers", workers]
+        assert main([*argv, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err and not out.exists()
+    ckpt = str(tmp_path / "hf")
+    _example().build(ckpt, hidden_size=32, num_layers=1, vocab_size=300, max_shard_size="60KB")
+    argv = ["generate", "--hf-checkpoint", ckpt, "--tokenizer", bad, "--prompt", "First"]
+    assert main([*argv, "--max-new-tokens", "1"]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_tokenize_says_a_text_field_it_does_not_use(corpus, tokenizer, tmp_path, capsys):
+    """--text-field names a .jsonl field; on .txt inputs alone it did nothing, silently
+    (the trainer notes the same flag); with a .jsonl input nothing is said."""
+    from hyper_parallel.cli import main
+
+    base = ["tokenize", "--tokenizer", tokenizer, "--no-progress", "--text-field", "body"]
+    assert main([*base, str(corpus / "b.txt"), "--out", str(tmp_path / "t.bin")]) == 0
+    assert "note: --text-field body: no .jsonl input" in capsys.readouterr().err
+    argv = [*base, str(corpus / "c.jsonl"), str(corpus / "b.txt")]
+    assert main([*argv, "--out", str(tmp_path / "j.bin")]) == 0
+    assert "note:" not in capsys.readouterr().err
 
 
 def test_text_with_crlf_reads_as_text_mode_does(tokenizer, tmp_path):

@@ -250,6 +250,35 @@ def test_demo_refuses_a_checkpoint_dir_of_another_run_before_starting_ranks(
     assert "--resume" not in captured.err  # what the demo refuses is not offered
 
 
+def test_demo_refuses_a_model_smaller_than_the_bytes_before_starting_ranks(
+    tmp_path, monkeypatch, capsys
+):
+    """A vocabulary under 256 on the shipped text (bytes): every rank refused it after
+    building its model, and the demo said "the distributed run failed" (exit 1) with
+    torchrun's traceback and parity nan FAIL. Now the trainer's words, status 2, no rank."""
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    monkeypatch.setattr(demo, "_launch_ranks", lambda *a: pytest.fail("ranks started"))
+    out = tmp_path / "out"
+    argv = ["--mesh", "dp=2", "--model-overrides", '{"vocab_size": 100}']
+    assert demo.run(parser.parse_args([*argv, "--output-dir", str(out)])) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()
+    assert captured.err.startswith("demo: model 'llama3-debug' has a vocabulary of 100")
+    assert "override vocab_size >= 256" in captured.err
+    # A Hugging Face checkpoint's vocabulary is its weights' shape (the override above is
+    # refused there): the fix offered is its tokenizer.
+    from tests.distributed.hf_checks import write_checkpoint
+
+    ckpt = write_checkpoint("llama", str(tmp_path / "hf"))  # vocabulary 128, no tokenizer
+    args = ["--mesh", "dp=2", "--hf-checkpoint", ckpt, "--seq-len", "32", "--output-dir", str(out)]
+    assert demo.run(parser.parse_args(args)) == 2
+    err = capsys.readouterr().err
+    assert "has a vocabulary of 128 but the data is bytes" in err
+    assert f"give its tokenizer (--tokenizer FILE, or a tokenizer.json in {ckpt})" in err
+    assert "override vocab_size" not in err
+
+
 # ---------------------------------------------------------------------- clipping
 
 
