@@ -131,6 +131,12 @@ class Module(nn.Module, Configurable):
             )
         module._hp_param_init = config.param_init
         module._hp_sharding_config = config.sharding_config
+        if type(module).compute_buffers is not Module.compute_buffers:
+            # Buffers the module computes (rotary tables) are never in a state dict: built
+            # on a real device they are computed now, and again after a load_state_dict
+            # (they were torch.empty until init_states: NaN logits after a load alone).
+            _compute_real_buffers(module)
+            module.register_load_state_dict_post_hook(_recompute_after_load)
         return module
 
     @property
@@ -310,6 +316,20 @@ def _check_plain_initializers(root: Module) -> None:
             "hold uninitialized memory); give the class a reset_parameters() that sets them, "
             "or make it a Module and name initializers in its Config.param_init."
         )
+
+
+def _compute_real_buffers(module: Module) -> None:
+    """``module``'s computed buffers, where they live on a real device (a meta build keeps
+    them for ``init_states(buffer_device=...)`` after ``to_empty``)."""
+    own = [b for b in module._buffers.values() if b is not None]
+    local = [b.to_local() if isinstance(b, DTensor) else b for b in own]
+    if own and all(b.device.type != "meta" for b in local):
+        with torch.no_grad():
+            module._init_self_buffers(None)
+
+
+def _recompute_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    _compute_real_buffers(module)  # type: ignore[arg-type]
 
 
 def _state_device(module: nn.Module) -> torch.device:

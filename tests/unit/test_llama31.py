@@ -142,3 +142,33 @@ def test_plan_takes_llama31_at_32k(capsys) -> None:
     assert report["num_params"] == 8030261248
     # bf16 is mixed precision: 4 bytes per local parameter element, 8B / 8 ranks.
     assert report["per_rank_bytes"]["params"] == pytest.approx(4 * 8030261248 / 8, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["llama3-debug", "qwen3-debug"])
+def test_a_model_built_on_a_device_has_its_rotary_tables_after_build_and_after_a_load(
+    name: str,
+) -> None:
+    """The rotary tables are never in a state dict; they were torch.empty until
+    init_states, so a model built on the CPU and given a state dict (load_state_dict, the
+    torch way) gave NaN logits with no error. Computed at build and again after a load; a
+    meta build keeps them on meta (init_states after to_empty computes them there)."""
+    torch.manual_seed(0)
+    trained = get_spec(name).build()
+    trained.init_states()
+    tokens = torch.randint(0, 256, (1, 8))
+    want = trained(tokens)
+    built = get_spec(name).build()
+    assert torch.equal(built.rope.cos, trained.rope.cos)  # at build, before any init
+    built.rope.cos.fill_(float("nan"))
+    built.rope.sin.fill_(float("nan"))
+    built.load_state_dict(trained.state_dict())
+    assert torch.equal(built(tokens), want)
+    with torch.device("meta"):
+        meta = get_spec("llama3.1-8b").build()
+    assert meta.rope.cos.device.type == "meta"
+    # The Llama 3.1 scaled tables: computed at build as init_states computes them.
+    scaled = get_spec("llama3.1-8b").config(max_seq_len=1024).rope.build()
+    assert isinstance(scaled, Llama3RotaryEmbedding)
+    at_build = scaled.cos.clone()
+    scaled.init_states()
+    assert torch.equal(at_build, scaled.cos)
