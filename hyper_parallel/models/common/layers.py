@@ -174,8 +174,9 @@ class RMSNorm(nn.RMSNorm, Module):
 class RotaryEmbedding(Module):
     """Rotary position embedding tables (Su et al., 2021): ``cos`` and ``sin`` per position.
 
-    The tables are non-persistent buffers of shape ``(max_seq_len, head_dim // 2)``,
-    recomputed by ``init_states`` (never stored in a checkpoint).
+    The tables are non-persistent buffers of shape ``(max_seq_len, head_dim // 2)``, never
+    stored in a checkpoint: computed when built (``Config.build``) on a real device, again
+    after a ``load_state_dict``, and by ``init_states`` (a meta build, after ``to_empty``).
     """
 
     @dataclass(kw_only=True, slots=True)
