@@ -338,6 +338,7 @@ def write_run_record(
     the run was given (default ``sys.argv``).
     """
     from hyper_parallel import __version__
+    from hyper_parallel.train.report import run_starts
 
     os.makedirs(folder, exist_ok=True)
     config = os.path.join(folder, "config.toml")
@@ -371,7 +372,7 @@ def write_run_record(
     record = os.path.join(folder, "run.json")
     earlier: list[Any] = []
     if resumed_from > 0:
-        earlier = _earlier_starts(record)
+        earlier = run_starts(record)
         before = os.path.join(folder, f"config.before_step_{resumed_from:06d}.toml")
         # A second start from the same step (the first stopped before its next
         # checkpoint) keeps the record of the steps that checkpoint holds: config.toml is
@@ -418,17 +419,3 @@ def _options_but_steps(body: str) -> list[str]:
     if steps and not any(line.startswith("lr-schedule-steps = ") for line in out):
         out.append(f"lr-schedule-steps = {steps[0]}")  # unset: the schedule is --steps long
     return sorted(out)
-
-
-def _earlier_starts(record: str) -> list[Any]:
-    """The starts an existing ``run.json`` records, oldest first (``[]`` when there is
-    none, or it is unreadable: a record is kept, never a reason to stop a run)."""
-    try:
-        with open(record, encoding="utf-8") as f:
-            old = json.load(f)
-    except (OSError, ValueError):
-        return []
-    if not isinstance(old, dict):
-        return []
-    before = old.pop("earlier", [])
-    return [*(before if isinstance(before, list) else []), old]

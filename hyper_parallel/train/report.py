@@ -48,6 +48,7 @@ __all__ = [
     "check_resume",
     "check_run_files",
     "log_path",
+    "run_starts",
 ]
 
 
@@ -177,7 +178,7 @@ def _own_export(cfg: Any) -> bool:
     log = log_path(cfg)
     if not (cfg.resume and cfg.save_hf) or log is None:
         return False
-    for start in _starts(os.path.join(os.path.dirname(log) or ".", "run.json")):
+    for start in run_starts(os.path.join(os.path.dirname(log) or ".", "run.json")):
         config = start.get("config") if isinstance(start, dict) else None
         given = config.get("save_hf") if isinstance(config, dict) else None
         if isinstance(given, str) and _real(given) == _real(cfg.save_hf):
@@ -360,22 +361,25 @@ def check_run_files(
             check_output_file(path, overwrite=replace, inputs=inputs, what=flag)
 
 
-def _starts(record: str) -> list[Any]:
-    """The starts ``record`` (a run directory's ``run.json``) lists: the latest and its
-    ``earlier`` ones (``[]`` when there is none or it is unreadable)."""
+def run_starts(record: str) -> list[Any]:
+    """The starts an existing ``run.json`` (``record``) lists, oldest first, the latest
+    without its ``earlier`` list (``[]`` when there is none, or it is unreadable: a record
+    is kept, never a reason to stop a run)."""
     try:
         with open(record, encoding="utf-8") as f:
-            run = json.load(f)
-        earlier = run.get("earlier", [])
-        return [run, *(earlier if isinstance(earlier, list) else [])]
-    except (OSError, ValueError, AttributeError):
+            latest = json.load(f)
+    except (OSError, ValueError):
         return []
+    if not isinstance(latest, dict):
+        return []
+    before = latest.pop("earlier", [])
+    return [*(before if isinstance(before, list) else []), latest]
 
 
 def _given_before(record: str, flag: str, path: str) -> bool:
     """Whether a start that ``record`` (a run directory's ``run.json``) lists was given
     ``flag`` with ``path`` on its command line."""
-    for start in _starts(record):
+    for start in run_starts(record):
         argv = start.get("argv") if isinstance(start, dict) else None
         if not isinstance(argv, list):
             continue
