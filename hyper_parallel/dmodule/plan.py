@@ -76,8 +76,10 @@ def _torch_style_equivalent(style: object, module: nn.Module | None) -> str | No
         name = "vocab_parallel_embedding"
     elif isinstance(module, nn.Linear) and kind in ("ColwiseParallel", "RowwiseParallel"):
         colwise = kind == "ColwiseParallel"
-        default_in, default_out = ("Replicate()", "Shard(-1)") if colwise else ("Shard(-1)",) * 2
-        default_out = default_out if colwise else "Replicate()"
+        # The preset's own defaults (torch's too): only arguments that differ are written.
+        default_in, default_out = (
+            ("Replicate()", "Shard(-1)") if colwise else ("Shard(-1)", "Replicate()")
+        )
         args += [f"input={inp}"] if inp and inp != default_in else []
         args += [f"output={out}"] if out and out != default_out else []
         if colwise and module.bias is None:
